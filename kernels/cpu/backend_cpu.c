@@ -1,0 +1,253 @@
+/* backend_cpu.c - the CPU backend's operation table: adapts tensors (strided, any
+ * float dtype) to the raw contiguous kernels of cpu_kernels.h. Activations are
+ * computed in f32; weights stay in their stored dtype (f16/bf16 converted blockwise
+ * inside the kernels). The sim device uses this table too. */
+#include "cpu_backend.h"
+#include "cpu_kernels.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* *tmp receives a contiguous f32 copy when t is not already one; returns the data. */
+static const float *f32_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_status *st)
+{
+    *tmp = NULL;
+    if (t->dtype == KILN_F32 && kiln_tensor_is_contiguous(t)) return kiln_tensor_data(t);
+    *st = kiln_tensor_new(t->storage->device, KILN_F32, t->ndim, t->shape, tmp);
+    if (*st) return NULL;
+    kiln_cpu_copy(*tmp, t);
+    return kiln_tensor_data(*tmp);
+}
+
+/* Weights: contiguous in f32/f16/bf16 as stored; anything else becomes f32. */
+static const void *w_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_status *st, kiln_dtype *dt)
+{
+    *tmp = NULL;
+    if (kiln_tensor_is_contiguous(t) && (t->dtype == KILN_F32 || t->dtype == KILN_F16 || t->dtype == KILN_BF16)) {
+        *dt = t->dtype;
+        return kiln_tensor_data(t);
+    }
+    *dt = KILN_F32;
+    return f32_data(t, tmp, st);
+}
+
+/* Output: kernels write f32; a non-f32 output gets a staging buffer copied at the end. */
+static float *out_data(kiln_tensor *out, kiln_tensor **tmp, kiln_status *st)
+{
+    *tmp = NULL;
+    if (out->dtype == KILN_F32 && kiln_tensor_is_contiguous(out)) return kiln_tensor_data(out);
+    *st = kiln_tensor_new(out->storage->device, KILN_F32, out->ndim, out->shape, tmp);
+    if (*st) return NULL;
+    return kiln_tensor_data(*tmp);
+}
+
+static void finish_out(kiln_tensor *out, kiln_tensor *tmp)
+{
+    if (tmp) { kiln_cpu_copy(out, tmp); kiln_tensor_free(tmp); }
+}
+
+#define FREE3(a, b, c) do { kiln_tensor_free(a); kiln_tensor_free(b); kiln_tensor_free(c); } while (0)
+
+static kiln_status cpu_matmul(kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *ta, *tb, *to;
+    const float *A = f32_data(a, &ta, &st);
+    const float *B = A ? f32_data(b, &tb, &st) : (tb = NULL, NULL);
+    float *C = B ? out_data(out, &to, &st) : (to = NULL, NULL);
+    if (!C) { FREE3(ta, tb, to); return st; }
+    int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
+    int64_t batch = kiln_tensor_numel(out) / (M * N > 0 ? M * N : 1);
+    if (M * N > 0) {
+        if (K == 0) for (int64_t i = 0; i < batch * M * N; i++) C[i] = 0;
+        else kiln_cpu_gemm_batched_f32(0, 0, batch, M, N, K, 1.0f, A, K, M * K, B, N, K * N, 0.0f, C, N, M * N);
+    }
+    finish_out(out, to);
+    FREE3(ta, tb, NULL);
+    return KILN_OK;
+}
+
+static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
+    kiln_dtype wdt;
+    const float *X = f32_data(x, &tx, &st);
+    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
+    const float *Bv = NULL;
+    if (W && bias) Bv = f32_data(bias, &tb, &st);
+    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
+    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
+    if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
+    st = kiln_cpu_linear(Y, X, W, wdt, Bv, M, N, K);
+    finish_out(out, to);
+    FREE3(tx, tw, tb);
+    return st;
+}
+
+static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                              const kiln_tensor *bias, const kiln_conv_opts *o)
+{
+    kiln_conv2d_params p = {
+        .n = x->shape[0], .c = x->shape[1], .h = x->shape[2], .w = x->shape[3],
+        .k = w->shape[0], .r = w->shape[2], .s = w->shape[3],
+        .stride_h = o->stride[0], .stride_w = o->stride[1], .pad_h = o->padding[0], .pad_w = o->padding[1],
+        .dil_h = o->dilation[0], .dil_w = o->dilation[1], .groups = o->groups,
+    };
+    kiln_status st = kiln_conv2d_out_size(&p);
+    if (st) return st;
+    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
+    kiln_dtype wdt;
+    const float *X = f32_data(x, &tx, &st);
+    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
+    const float *Bv = NULL;
+    if (W && bias) Bv = f32_data(bias, &tb, &st);
+    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
+    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    st = kiln_cpu_conv2d(Y, X, W, wdt, Bv, &p);
+    finish_out(out, to);
+    FREE3(tx, tw, tb);
+    return st;
+}
+
+static kiln_status cpu_group_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                  const kiln_tensor *b, int64_t groups, double eps, int silu)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
+    const float *X = f32_data(x, &tx, &st), *Wv = NULL, *Bv = NULL;
+    if (X && w) Wv = f32_data(w, &tw, &st);
+    if (X && b) Bv = f32_data(b, &tb, &st);
+    float *Y = (X && (!w || Wv) && (!b || Bv)) ? out_data(out, &to, &st) : NULL;
+    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    int64_t N = x->shape[0], C = x->shape[1], HW = kiln_tensor_numel(x) / (N * C != 0 ? N * C : 1);
+    kiln_cpu_group_norm(Y, X, Wv, Bv, N, C, HW, groups, (float)eps, silu);
+    finish_out(out, to);
+    FREE3(tx, tw, tb);
+    return KILN_OK;
+}
+
+static kiln_status cpu_layer_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                  const kiln_tensor *b, double eps)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
+    const float *X = f32_data(x, &tx, &st), *Wv = NULL, *Bv = NULL;
+    if (X && w) Wv = f32_data(w, &tw, &st);
+    if (X && b) Bv = f32_data(b, &tb, &st);
+    float *Y = (X && (!w || Wv) && (!b || Bv)) ? out_data(out, &to, &st) : NULL;
+    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    int64_t D = x->shape[x->ndim - 1], rows = kiln_tensor_numel(x) / (D ? D : 1);
+    kiln_cpu_layer_norm(Y, X, Wv, Bv, rows, D, (float)eps);
+    finish_out(out, to);
+    FREE3(tx, tw, tb);
+    return KILN_OK;
+}
+
+static kiln_status cpu_softmax(kiln_tensor *out, const kiln_tensor *x, int dim)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *to = NULL;
+    const float *X = f32_data(x, &tx, &st);
+    float *Y = X ? out_data(out, &to, &st) : NULL;
+    if (!Y) { kiln_tensor_free(tx); return st; }
+    int64_t outer = 1, inner = 1;
+    for (int i = 0; i < dim; i++) outer *= x->shape[i];
+    for (int i = dim + 1; i < x->ndim; i++) inner *= x->shape[i];
+    kiln_cpu_softmax(Y, X, outer, x->shape[dim], inner);
+    finish_out(out, to);
+    kiln_tensor_free(tx);
+    return KILN_OK;
+}
+
+static kiln_status cpu_attention(kiln_tensor *out, const kiln_tensor *q, const kiln_tensor *k,
+                                 const kiln_tensor *v, double scale, int causal)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tq, *tk = NULL, *tv = NULL, *to = NULL;
+    const float *Q = f32_data(q, &tq, &st);
+    const float *K = Q ? f32_data(k, &tk, &st) : NULL;
+    const float *V = K ? f32_data(v, &tv, &st) : NULL;
+    float *O = V ? out_data(out, &to, &st) : NULL;
+    if (!O) { FREE3(tq, tk, tv); kiln_tensor_free(to); return st; }
+    int64_t B = q->shape[0] * q->shape[1], Lq = q->shape[2], D = q->shape[3], Lk = k->shape[2], Dv = v->shape[3];
+    st = kiln_cpu_attention(O, Q, K, V, B, Lq, Lk, D, Dv, (float)scale, causal);
+    finish_out(out, to);
+    FREE3(tq, tk, tv);
+    return st;
+}
+
+static kiln_status cpu_geglu(kiln_tensor *out, const kiln_tensor *x)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *to = NULL;
+    const float *X = f32_data(x, &tx, &st);
+    float *Y = X ? out_data(out, &to, &st) : NULL;
+    if (!Y) { kiln_tensor_free(tx); return st; }
+    int64_t D2 = x->shape[x->ndim - 1], rows = kiln_tensor_numel(x) / (D2 ? D2 : 1);
+    kiln_cpu_geglu(Y, X, rows, D2 / 2);
+    finish_out(out, to);
+    kiln_tensor_free(tx);
+    return KILN_OK;
+}
+
+static kiln_status cpu_resample(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *to = NULL;
+    const float *X = f32_data(x, &tx, &st);
+    float *Y = X ? out_data(out, &to, &st) : NULL;
+    if (!Y) { kiln_tensor_free(tx); return st; }
+    int64_t nc = x->shape[0] * x->shape[1], h = x->shape[2], w = x->shape[3], oh = out->shape[2], ow = out->shape[3];
+    if (mode == KILN_RS_NEAREST && oh % h == 0 && ow % w == 0 && oh / h == ow / w)
+        kiln_cpu_upsample_nearest(Y, X, nc, h, w, oh / h);
+    else if (mode == KILN_RS_NEAREST) kiln_cpu_interpolate_nearest(Y, X, nc, h, w, oh, ow);
+    else if (mode == KILN_RS_NEAREST_EXACT) kiln_cpu_interpolate_nearest_exact(Y, X, nc, h, w, oh, ow);
+    else kiln_cpu_interpolate_bilinear(Y, X, nc, h, w, oh, ow);
+    finish_out(out, to);
+    kiln_tensor_free(tx);
+    return KILN_OK;
+}
+
+static kiln_status cpu_pad2d(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value)
+{
+    kiln_status st = KILN_OK;
+    kiln_tensor *tx, *to = NULL;
+    const float *X = f32_data(x, &tx, &st);
+    float *Y = X ? out_data(out, &to, &st) : NULL;
+    if (!Y) { kiln_tensor_free(tx); return st; }
+    int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1], nc = kiln_tensor_numel(x) / (h * w != 0 ? h * w : 1);
+    kiln_cpu_pad2d(Y, X, nc, h, w, pads[2], pads[3], pads[0], pads[1], (kiln_pad_mode)mode, (float)value);
+    finish_out(out, to);
+    kiln_tensor_free(tx);
+    return KILN_OK;
+}
+
+static int cpu_supports(kiln_op op, kiln_dtype dt)
+{
+    (void)dt;
+    return op >= 0 && op < KILN_OP_COUNT;
+}
+
+static const kiln_backend cpu_backend = {
+    .name = "cpu",
+    .supports = cpu_supports,
+    .copy = kiln_cpu_copy,
+    .fill = kiln_cpu_fill,
+    .binary = kiln_cpu_binary,
+    .unary = kiln_cpu_unary,
+    .reduce = kiln_cpu_reduce,
+    .matmul = cpu_matmul,
+    .linear = cpu_linear,
+    .conv2d = cpu_conv2d,
+    .group_norm = cpu_group_norm,
+    .layer_norm = cpu_layer_norm,
+    .softmax = cpu_softmax,
+    .attention = cpu_attention,
+    .geglu = cpu_geglu,
+    .resample = cpu_resample,
+    .pad2d = cpu_pad2d,
+};
+
+const kiln_backend *kiln_cpu_backend(void) { return &cpu_backend; }

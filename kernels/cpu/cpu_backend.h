@@ -1,0 +1,15 @@
+/* cpu_backend.h - the CPU backend's tensor-level entry points (the operation table
+ * in backend_cpu.c points at these). */
+#ifndef KILN_CPU_BACKEND_H
+#define KILN_CPU_BACKEND_H
+
+#include "../../runtime/backend.h"
+
+kiln_status kiln_cpu_copy(kiln_tensor *dst, const kiln_tensor *src);
+kiln_status kiln_cpu_fill(kiln_tensor *t, double v);
+kiln_status kiln_cpu_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a,
+                            const kiln_tensor *b, double s, int swap);
+kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1);
+kiln_status kiln_cpu_reduce(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased);
+
+#endif

@@ -1,0 +1,84 @@
+/* cpu_kernels.h - the CPU compute kernels over raw, contiguous buffers.
+ * Argument order (STYLE.md): output first (allocated by the caller), then inputs,
+ * weights, scratch, scalar parameters. Activations are f32; weights may be f32, f16
+ * or bf16 and are converted to f32 block by block inside the kernel (never the
+ * whole tensor at once). All kernels use the shared thread pool (threadpool.h).
+ * Shapes are validated by the caller (the backend table); kernels assume them. */
+#ifndef KILN_CPU_KERNELS_H
+#define KILN_CPU_KERNELS_H
+
+#include "../../runtime/dtype.h"
+
+/* C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, f32 (BLAS sgemm semantics). */
+void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                       const float *A, int64_t lda, const float *B, int64_t ldb,
+                       float beta, float *C, int64_t ldc);
+
+/* Batched: for b in [0,batch): C_b = alpha * op(A_b) op(B_b) + beta*C_b, with element
+ * strides between batches (stride 0 broadcasts). */
+void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                               float alpha, const float *A, int64_t lda, int64_t stride_a,
+                               const float *B, int64_t ldb, int64_t stride_b,
+                               float beta, float *C, int64_t ldc, int64_t stride_c);
+
+/* y[M,N] = x[M,K] * W[N,K]^T (+ bias[N]); W is f32/f16/bf16. */
+kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                            const float *bias, int64_t M, int64_t N, int64_t K);
+
+typedef struct {
+    int64_t n, c, h, w;        /* input [N, C, H, W] */
+    int64_t k, r, s;           /* weight [K, C/groups, R, S] */
+    int64_t stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups;
+    int64_t oh, ow;            /* output [N, K, OH, OW]; filled by kiln_conv2d_out_size */
+} kiln_conv2d_params;
+
+/* Computes p->oh, p->ow; KILN_ERR_ARG when the output would be empty. */
+kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p);
+/* y[N,K,OH,OW] = conv2d(x, w) + bias, as torch.nn.functional.conv2d. w is f32/f16/bf16. */
+kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                            const float *bias, const kiln_conv2d_params *p);
+
+/* Memory-efficient attention: out[B,Lq,Dv] = softmax(q k^T * scale) v for contiguous
+ * q[B,Lq,D], k[B,Lk,D], v[B,Lk,Dv] (B = batch*heads). Streams over key blocks with an
+ * online softmax: extra memory O(block), never Lq x Lk. mask may be NULL, else an
+ * additive mask [Lq, Lk] broadcast over B (e.g. CLIP's causal mask: pass causal=1). */
+kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,
+                               int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
+                               float scale, int causal);
+
+/* y = group_norm(x) over [N, C, HW] with G groups, affine gamma/beta [C] (may be NULL);
+ * fuse_silu applies SiLU to the result. */
+void kiln_cpu_group_norm(float *y, const float *x, const float *gamma, const float *beta,
+                         int64_t N, int64_t C, int64_t HW, int64_t G, float eps, int fuse_silu);
+/* y = layer_norm over the last dim D of rows x D; gamma/beta [D] may be NULL. */
+void kiln_cpu_layer_norm(float *y, const float *x, const float *gamma, const float *beta,
+                         int64_t rows, int64_t D, float eps);
+/* softmax over the middle dim of [outer, dim, inner]. */
+void kiln_cpu_softmax(float *y, const float *x, int64_t outer, int64_t dim, int64_t inner);
+
+/* Pointwise activations (y may equal x) */
+void kiln_cpu_silu(float *y, const float *x, int64_t n);
+void kiln_cpu_gelu(float *y, const float *x, int64_t n);       /* erf form */
+void kiln_cpu_gelu_tanh(float *y, const float *x, int64_t n);  /* tanh approximation */
+void kiln_cpu_quick_gelu(float *y, const float *x, int64_t n); /* x*sigmoid(1.702x) (CLIP) */
+void kiln_cpu_sigmoid(float *y, const float *x, int64_t n);
+/* geglu: x[rows, 2D] -> y[rows, D] = x[:, :D] * gelu(x[:, D:]) (diffusers GEGLU) */
+void kiln_cpu_geglu(float *y, const float *x, int64_t rows, int64_t D);
+
+/* Resampling of [NC, H, W] planes */
+void kiln_cpu_upsample_nearest(float *y, const float *x, int64_t nc, int64_t h, int64_t w, int64_t factor);
+/* torch interpolate mode="bilinear", align_corners=False, antialias=False */
+void kiln_cpu_interpolate_bilinear(float *y, const float *x, int64_t nc, int64_t h, int64_t w, int64_t oh, int64_t ow);
+/* torch interpolate mode="nearest-exact" */
+void kiln_cpu_interpolate_nearest_exact(float *y, const float *x, int64_t nc, int64_t h, int64_t w, int64_t oh, int64_t ow);
+/* torch interpolate mode="nearest" (legacy floor rule) */
+void kiln_cpu_interpolate_nearest(float *y, const float *x, int64_t nc, int64_t h, int64_t w, int64_t oh, int64_t ow);
+
+/* ORDER PADMODE */
+typedef enum { KILN_PAD_CONSTANT = 0, KILN_PAD_REFLECT, KILN_PAD_REPLICATE } kiln_pad_mode;
+/* y[NC, h+top+bottom, w+left+right] = F.pad(x, (left,right,top,bottom), mode, value) */
+void kiln_cpu_pad2d(float *y, const float *x, int64_t nc, int64_t h, int64_t w,
+                    int64_t top, int64_t bottom, int64_t left, int64_t right,
+                    kiln_pad_mode mode, float value);
+
+#endif

@@ -1,0 +1,231 @@
+/* elementwise.c - CPU copy/convert, fill, binary and unary ops over strided tensors.
+ * All-f32 operands take float loops the compiler vectorizes; other dtypes go through
+ * double loads/stores (exact for every supported integer and float value). */
+#include "cpu_backend.h"
+#include "cpu_kernels.h"
+#include "strided.h"
+
+#include <math.h>
+#include <string.h>
+
+static inline double load(const char *p, kiln_dtype dt)
+{
+    switch (dt) {
+    case KILN_F32: return *(const float *)p;
+    case KILN_F16: return kiln_f16_to_f32(*(const uint16_t *)p);
+    case KILN_BF16: return kiln_bf16_to_f32(*(const uint16_t *)p);
+    case KILN_I32: return *(const int32_t *)p;
+    case KILN_I64: return (double)*(const int64_t *)p;
+    case KILN_U8: return *(const uint8_t *)p;
+    default: return 0;
+    }
+}
+
+static inline void store(char *p, kiln_dtype dt, double v)
+{
+    switch (dt) {
+    case KILN_F32: *(float *)p = (float)v; break;
+    case KILN_F16: *(uint16_t *)p = kiln_f32_to_f16((float)v); break;
+    case KILN_BF16: *(uint16_t *)p = kiln_f32_to_bf16((float)v); break;
+    default: {
+        /* integers: truncate toward zero, saturate, nan -> 0 (never undefined behaviour) */
+        double lo = dt == KILN_U8 ? 0 : dt == KILN_I32 ? -2147483648.0 : -9223372036854775808.0;
+        double hi = dt == KILN_U8 ? 255 : dt == KILN_I32 ? 2147483647.0 : 9223372036854774784.0;
+        double t = v != v ? 0 : v < lo ? lo : v > hi ? hi : trunc(v);
+        if (dt == KILN_U8) *(uint8_t *)p = (uint8_t)t;
+        else if (dt == KILN_I32) *(int32_t *)p = (int32_t)t;
+        else *(int64_t *)p = (int64_t)t;
+    } break;
+    }
+}
+
+/* ---- copy ---- */
+typedef struct { kiln_dtype dt[2]; } copy_ctx;
+
+static void copy_run(void *p, int64_t n, char **ptr, const int64_t *st)
+{
+    const copy_ctx *c = p;
+    kiln_dtype dd = c->dt[0], sd = c->dt[1];
+    size_t de = kiln_dtype_size(dd), se = kiln_dtype_size(sd);
+    if (st[0] == 1 && st[1] == 1) { kiln_convert(ptr[0], dd, ptr[1], sd, (size_t)n); return; }
+    if (dd == sd) {
+        for (int64_t i = 0; i < n; i++) memcpy(ptr[0] + i * st[0] * (int64_t)de, ptr[1] + i * st[1] * (int64_t)se, de);
+        return;
+    }
+    if (dd == KILN_F32) {
+        for (int64_t i = 0; i < n; i++) *(float *)(ptr[0] + i * st[0] * 4) = (float)load(ptr[1] + i * st[1] * (int64_t)se, sd);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) kiln_convert(ptr[0] + i * st[0] * (int64_t)de, dd, ptr[1] + i * st[1] * (int64_t)se, sd, 1);
+}
+
+kiln_status kiln_cpu_copy(kiln_tensor *dst, const kiln_tensor *src)
+{
+    const kiln_tensor *ops[2] = {dst, src};
+    kiln_iter it;
+    kiln_iter_init(&it, 2, ops);
+    copy_ctx c = {{dst->dtype, src->dtype}};
+    kiln_iter_run(&it, copy_run, &c);
+    return KILN_OK;
+}
+
+/* ---- fill ---- */
+typedef struct { kiln_dtype dt; char bytes[8]; } fill_ctx;
+
+static void fill_run(void *p, int64_t n, char **ptr, const int64_t *st)
+{
+    const fill_ctx *c = p;
+    size_t e = kiln_dtype_size(c->dt);
+    int zero = 1;
+    for (size_t i = 0; i < e; i++) zero &= c->bytes[i] == 0;
+    if (st[0] == 1 && zero) { memset(ptr[0], 0, (size_t)n * e); return; }
+    if (c->dt == KILN_F32 && st[0] == 1) {
+        float v; memcpy(&v, c->bytes, 4);
+        float *o = (float *)ptr[0];
+        for (int64_t i = 0; i < n; i++) o[i] = v;
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) memcpy(ptr[0] + i * st[0] * (int64_t)e, c->bytes, e);
+}
+
+kiln_status kiln_cpu_fill(kiln_tensor *t, double v)
+{
+    fill_ctx c;
+    c.dt = t->dtype;
+    memset(c.bytes, 0, sizeof c.bytes);
+    store(c.bytes, t->dtype, v);
+    const kiln_tensor *ops[1] = {t};
+    kiln_iter it;
+    kiln_iter_init(&it, 1, ops);
+    kiln_iter_run(&it, fill_run, &c);
+    return KILN_OK;
+}
+
+/* ---- binary ---- */
+static inline double bin_d(kiln_binop op, double a, double b)
+{
+    switch (op) {
+    case KILN_BIN_ADD: return a + b;
+    case KILN_BIN_SUB: return a - b;
+    case KILN_BIN_MUL: return a * b;
+    case KILN_BIN_DIV: return a / b;
+    case KILN_BIN_POW: return pow(a, b);
+    case KILN_BIN_MIN: return (a != a || b != b) ? NAN : (a < b ? a : b);
+    case KILN_BIN_MAX: return (a != a || b != b) ? NAN : (a > b ? a : b);
+    default: return 0;
+    }
+}
+
+typedef struct { kiln_binop op; kiln_dtype dt[3]; double s; int swap; int has_b; } bin_ctx;
+
+#define BIN_F32_LOOP(EXPR) do { \
+    if (st[0] == 1 && st[1] == 1 && (!c->has_b || st[2] == 1)) { \
+        for (int64_t i = 0; i < n; i++) { float x = a[i], y = c->has_b ? b[i] : s; if (c->swap) { float t_ = x; x = y; y = t_; } o[i] = (EXPR); } \
+    } else { \
+        for (int64_t i = 0; i < n; i++) { float x = a[i * st[1]], y = c->has_b ? b[i * st[2]] : s; if (c->swap) { float t_ = x; x = y; y = t_; } o[i * st[0]] = (EXPR); } \
+    } } while (0)
+
+static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
+{
+    const bin_ctx *c = p;
+    int all_f32 = c->dt[0] == KILN_F32 && c->dt[1] == KILN_F32 && (!c->has_b || c->dt[2] == KILN_F32);
+    if (all_f32) {
+        float *o = (float *)ptr[0];
+        const float *a = (const float *)ptr[1];
+        const float *b = c->has_b ? (const float *)ptr[2] : NULL;
+        float s = (float)c->s;
+        switch (c->op) {
+        case KILN_BIN_ADD: BIN_F32_LOOP(x + y); return;
+        case KILN_BIN_SUB: BIN_F32_LOOP(x - y); return;
+        case KILN_BIN_MUL: BIN_F32_LOOP(x * y); return;
+        case KILN_BIN_DIV: BIN_F32_LOOP(x / y); return;
+        default: break;
+        }
+    }
+    size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]), e2 = c->has_b ? kiln_dtype_size(c->dt[2]) : 0;
+    int int_out = !kiln_dtype_is_float(c->dt[0]);
+    for (int64_t i = 0; i < n; i++) {
+        double x = load(ptr[1] + i * st[1] * (int64_t)e1, c->dt[1]);
+        double y = c->has_b ? load(ptr[2] + i * st[2] * (int64_t)e2, c->dt[2]) : c->s;
+        if (c->swap) { double t = x; x = y; y = t; }
+        double r;
+        if (int_out && c->op == KILN_BIN_DIV) r = y == 0 ? 0 : trunc(x / y); /* integer division truncates (documented) */
+        else r = bin_d(c->op, x, y);
+        store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0], r);
+    }
+}
+
+kiln_status kiln_cpu_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a,
+                            const kiln_tensor *b, double s, int swap)
+{
+    const kiln_tensor *ops[3] = {out, a, b};
+    kiln_iter it;
+    kiln_iter_init(&it, b ? 3 : 2, ops);
+    bin_ctx c = {op, {out->dtype, a->dtype, b ? b->dtype : KILN_F32}, s, swap, b != NULL};
+    kiln_iter_run(&it, bin_run, &c);
+    return KILN_OK;
+}
+
+/* ---- unary ---- */
+static inline double un_d(kiln_unop op, double x, double p0, double p1)
+{
+    switch (op) {
+    case KILN_UN_NEG: return -x;
+    case KILN_UN_EXP: return exp(x);
+    case KILN_UN_LOG: return log(x);
+    case KILN_UN_SQRT: return sqrt(x);
+    case KILN_UN_ABS: return fabs(x);
+    case KILN_UN_TANH: return tanh(x);
+    case KILN_UN_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case KILN_UN_SILU: return x / (1.0 + exp(-x));
+    case KILN_UN_GELU: return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
+    case KILN_UN_GELU_TANH: return 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));
+    case KILN_UN_QUICK_GELU: return x / (1.0 + exp(-1.702 * x));
+    case KILN_UN_RELU: return x > 0 ? x : (x != x ? x : 0);
+    case KILN_UN_SIN: return sin(x);
+    case KILN_UN_COS: return cos(x);
+    case KILN_UN_CLAMP:
+        if (x != x) return x;
+        if (p0 == p0 && x < p0) x = p0;
+        if (p1 == p1 && x > p1) x = p1;
+        return x;
+    default: return 0;
+    }
+}
+
+typedef struct { kiln_unop op; kiln_dtype dt[2]; double p0, p1; } un_ctx;
+
+static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
+{
+    const un_ctx *c = p;
+    if (c->dt[0] == KILN_F32 && c->dt[1] == KILN_F32 && st[0] == 1 && st[1] == 1) {
+        float *o = (float *)ptr[0];
+        const float *a = (const float *)ptr[1];
+        switch (c->op) {
+        case KILN_UN_NEG: for (int64_t i = 0; i < n; i++) o[i] = -a[i]; return;
+        case KILN_UN_SILU: kiln_cpu_silu(o, a, n); return;
+        case KILN_UN_GELU: kiln_cpu_gelu(o, a, n); return;
+        case KILN_UN_GELU_TANH: kiln_cpu_gelu_tanh(o, a, n); return;
+        case KILN_UN_QUICK_GELU: kiln_cpu_quick_gelu(o, a, n); return;
+        case KILN_UN_SIGMOID: kiln_cpu_sigmoid(o, a, n); return;
+        case KILN_UN_EXP: for (int64_t i = 0; i < n; i++) o[i] = expf(a[i]); return;
+        case KILN_UN_SQRT: for (int64_t i = 0; i < n; i++) o[i] = sqrtf(a[i]); return;
+        case KILN_UN_ABS: for (int64_t i = 0; i < n; i++) o[i] = fabsf(a[i]); return;
+        default: break;
+        }
+    }
+    size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]);
+    for (int64_t i = 0; i < n; i++)
+        store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0],
+              un_d(c->op, load(ptr[1] + i * st[1] * (int64_t)e1, c->dt[1]), c->p0, c->p1));
+}
+
+kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)
+{
+    const kiln_tensor *ops[2] = {out, a};
+    kiln_iter it;
+    kiln_iter_init(&it, 2, ops);
+    un_ctx c = {op, {out->dtype, a->dtype}, p0, p1};
+    kiln_iter_run(&it, un_run, &c);
+    return KILN_OK;
+}

@@ -1,0 +1,152 @@
+/* threadpool.c - a fixed pool of pthreads that runs kiln_parallel_for jobs.
+ * One job at a time (ops run one after another); the caller thread takes part.
+ * Work is handed out in chunks through an atomic counter, so uneven chunks balance. */
+#define _GNU_SOURCE
+#include "threadpool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+typedef struct {
+    void (*fn)(void *, int64_t, int64_t);
+    void *ctx;
+    int64_t n, chunk;
+    atomic_int_fast64_t next;
+    atomic_int pending;            /* workers still inside this job */
+} job_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t submit_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t done = PTHREAD_COND_INITIALIZER;
+static pthread_t *workers;
+static int n_threads;               /* including the caller */
+static int started;
+static int stopping;
+static uint64_t generation;
+static job_t *current;
+static _Thread_local int tl_index = 0;
+static _Thread_local int tl_in_job = 0;
+
+static int default_threads(void)
+{
+    const char *e = getenv("KILN_THREADS");
+    if (e && atoi(e) > 0) return atoi(e) > 256 ? 256 : atoi(e);
+    long c = sysconf(_SC_NPROCESSORS_ONLN);
+    return c > 0 ? (int)c : 1;
+}
+
+static void run_chunks(job_t *j)
+{
+    for (;;) {
+        int64_t b = atomic_fetch_add(&j->next, j->chunk);
+        if (b >= j->n) break;
+        int64_t e = b + j->chunk < j->n ? b + j->chunk : j->n;
+        j->fn(j->ctx, b, e);
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    tl_index = (int)(intptr_t)arg;
+    tl_in_job = 1; /* nested parallel_for from a worker runs serially */
+    uint64_t seen = 0;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (!stopping && generation == seen) pthread_cond_wait(&wake, &lock);
+        if (stopping) break;
+        seen = generation;
+        job_t *j = current;
+        pthread_mutex_unlock(&lock);
+        run_chunks(j);
+        pthread_mutex_lock(&lock);
+        if (atomic_fetch_sub(&j->pending, 1) == 1) pthread_cond_broadcast(&done);
+    }
+    pthread_mutex_unlock(&lock);
+    return NULL;
+}
+
+static void start_pool(int n)
+{
+    n_threads = n < 1 ? 1 : n;
+    stopping = 0;
+    workers = n_threads > 1 ? calloc((size_t)n_threads - 1, sizeof *workers) : NULL;
+    int made = 1;
+    for (int i = 1; i < n_threads && workers; i++) {
+        if (pthread_create(&workers[i - 1], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
+        made++;
+    }
+    n_threads = made;
+    started = 1;
+}
+
+static void stop_pool(void)
+{
+    pthread_mutex_lock(&lock);
+    stopping = 1;
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+    for (int i = 1; i < n_threads; i++) pthread_join(workers[i - 1], NULL);
+    free(workers);
+    workers = NULL;
+    started = 0;
+}
+
+static void ensure_started(void)
+{
+    if (!started) {
+        pthread_mutex_lock(&submit_lock);
+        if (!started) start_pool(default_threads());
+        pthread_mutex_unlock(&submit_lock);
+    }
+}
+
+int kiln_threads(void)
+{
+    ensure_started();
+    return n_threads;
+}
+
+int kiln_thread_index(void) { return tl_index; }
+
+void kiln_set_threads(int n)
+{
+    pthread_mutex_lock(&submit_lock);
+    if (started) stop_pool();
+    start_pool(n <= 0 ? default_threads() : n);
+    pthread_mutex_unlock(&submit_lock);
+}
+
+void kiln_parallel_for(int64_t n, int64_t grain, void (*fn)(void *, int64_t, int64_t), void *ctx)
+{
+    if (n <= 0) return;
+    if (grain < 1) grain = 1;
+    ensure_started();
+    if (tl_in_job || n_threads == 1 || n <= grain) {
+        fn(ctx, 0, n);
+        return;
+    }
+    /* about 4 chunks per thread for balance, never below grain */
+    int64_t chunk = (n + (int64_t)n_threads * 4 - 1) / ((int64_t)n_threads * 4);
+    if (chunk < grain) chunk = grain;
+    job_t j;
+    j.fn = fn; j.ctx = ctx; j.n = n; j.chunk = chunk;
+    atomic_init(&j.next, 0);
+    pthread_mutex_lock(&submit_lock);
+    atomic_init(&j.pending, n_threads - 1);
+    pthread_mutex_lock(&lock);
+    current = &j;
+    generation++;
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+    tl_in_job = 1;
+    run_chunks(&j);
+    tl_in_job = 0;
+    pthread_mutex_lock(&lock);
+    while (atomic_load(&j.pending) > 0) pthread_cond_wait(&done, &lock);
+    current = NULL;
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&submit_lock);
+}

@@ -1,0 +1,69 @@
+/* alloc.h - the memory manager of one device: a caching allocator with a budget.
+ * Blocks come from the device's raw memory (malloc for cpu/sim, cudaMalloc for cuda)
+ * in segments; freed blocks are kept, split and coalesced, and reused (size classes,
+ * alignment >= 64 bytes). The budget caps *reserved* bytes (what the device really
+ * holds). An allocation that does not fit first asks the eviction hook to free model
+ * weights, then releases cached free segments, then runs the pressure hook (Lua GC),
+ * and finally fails with KILN_ERR_OOM (kiln_error_oom). Thread-safe (one mutex). */
+#ifndef KILN_ALLOC_H
+#define KILN_ALLOC_H
+
+#include "status.h"
+
+#define KILN_ALLOC_ALIGN 64
+
+typedef struct kiln_allocator kiln_allocator;
+
+typedef struct {
+    uint64_t allocated;       /* bytes handed out (rounded sizes) */
+    uint64_t reserved;        /* bytes taken from the device (segments) */
+    uint64_t peak_allocated;
+    uint64_t peak_reserved;
+    uint64_t n_allocs;        /* successful allocations since creation */
+    uint64_t n_frees;
+    uint64_t n_ooms;
+    uint64_t n_segments;
+    uint64_t largest_free;    /* largest free cached block */
+    uint64_t budget;          /* 0 = unlimited */
+} kiln_mem_stats;
+
+/* How the allocator obtains and returns device memory. raw_alloc returns NULL when
+ * the device itself is out of memory. */
+typedef struct {
+    void *(*raw_alloc)(void *ctx, size_t nbytes);
+    void (*raw_free)(void *ctx, void *ptr, size_t nbytes);
+    void *ctx;
+} kiln_raw_memory;
+
+/* Eviction: asked to free at least `need` bytes of this device; returns bytes freed
+ * (0 when nothing could be evicted). Called without the allocator's lock held. */
+typedef size_t (*kiln_evict_fn)(void *ctx, kiln_allocator *a, size_t need);
+/* Pressure: e.g. a full Lua GC; returns nonzero when it may have freed something. */
+typedef int (*kiln_pressure_fn)(void *ctx);
+
+/* caching = 0 gives a pass-through allocator (every free returns memory to the
+ * device at once) with the same statistics and budget: used for the host. */
+KILN_API kiln_allocator *kiln_allocator_new(const char *device_name, kiln_raw_memory raw,
+                                            uint64_t budget, int caching);
+/* Frees all cached segments; live blocks are a bug reported by the return value
+ * (number of bytes still allocated). */
+KILN_API uint64_t kiln_allocator_free(kiln_allocator *a);
+
+KILN_API kiln_status kiln_allocator_alloc(kiln_allocator *a, size_t nbytes, void **out);
+KILN_API void kiln_allocator_release(kiln_allocator *a, void *ptr);
+/* The usable size of a live block (>= requested). */
+KILN_API size_t kiln_allocator_block_size(kiln_allocator *a, void *ptr);
+
+KILN_API void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget);
+KILN_API kiln_mem_stats kiln_allocator_stats(kiln_allocator *a);
+KILN_API void kiln_allocator_reset_peak(kiln_allocator *a);
+/* Returns every unused cached segment to the device. */
+KILN_API void kiln_allocator_empty_cache(kiln_allocator *a);
+KILN_API void kiln_allocator_set_evict_hook(kiln_allocator *a, kiln_evict_fn fn, void *ctx);
+KILN_API void kiln_allocator_set_pressure_hook(kiln_allocator *a, kiln_pressure_fn fn, void *ctx);
+KILN_API const char *kiln_allocator_device_name(kiln_allocator *a);
+
+/* Test control (as Lua's ltests.h): fail the next n raw allocations (-1: off). */
+KILN_API void kiln_allocator_fail_after(kiln_allocator *a, int n);
+
+#endif

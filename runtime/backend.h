@@ -1,0 +1,79 @@
+/* backend.h - the operation table every compute backend fills (ggml's
+ * ggml_backend_i). The runtime (runtime/ops.c) validates shapes, dtypes and devices,
+ * allocates outputs, then calls the table of the tensors' device. Tensors reaching a
+ * backend are on that backend's device; inputs may be strided unless noted;
+ * outputs are freshly allocated and contiguous. An entry may be NULL (optional):
+ * `supports` tells callers before they try, and ops.c reports "unsupported". */
+#ifndef KILN_BACKEND_H
+#define KILN_BACKEND_H
+
+#include "tensor.h"
+
+/* ORDER BINOP: keep kiln_binop_names in ops.c in this order */
+typedef enum { KILN_BIN_ADD, KILN_BIN_SUB, KILN_BIN_MUL, KILN_BIN_DIV, KILN_BIN_POW,
+               KILN_BIN_MIN, KILN_BIN_MAX, KILN_BIN_COUNT } kiln_binop;
+/* ORDER UNOP */
+typedef enum { KILN_UN_NEG, KILN_UN_EXP, KILN_UN_LOG, KILN_UN_SQRT, KILN_UN_ABS, KILN_UN_TANH,
+               KILN_UN_SIGMOID, KILN_UN_SILU, KILN_UN_GELU, KILN_UN_GELU_TANH, KILN_UN_QUICK_GELU,
+               KILN_UN_RELU, KILN_UN_SIN, KILN_UN_COS, KILN_UN_CLAMP, KILN_UN_COUNT } kiln_unop;
+/* ORDER REDOP */
+typedef enum { KILN_RED_SUM, KILN_RED_MEAN, KILN_RED_MAX, KILN_RED_MIN, KILN_RED_VAR,
+               KILN_RED_COUNT } kiln_redop;
+/* ORDER RESAMPLE */
+typedef enum { KILN_RS_NEAREST, KILN_RS_NEAREST_EXACT, KILN_RS_BILINEAR, KILN_RS_COUNT } kiln_resample;
+
+/* ORDER OP: for supports() */
+typedef enum { KILN_OP_COPY, KILN_OP_FILL, KILN_OP_BINARY, KILN_OP_UNARY, KILN_OP_REDUCE,
+               KILN_OP_MATMUL, KILN_OP_LINEAR, KILN_OP_CONV2D, KILN_OP_GROUP_NORM,
+               KILN_OP_LAYER_NORM, KILN_OP_SOFTMAX, KILN_OP_ATTENTION, KILN_OP_GEGLU,
+               KILN_OP_RESAMPLE, KILN_OP_PAD2D, KILN_OP_COUNT } kiln_op;
+
+typedef struct {
+    int64_t stride[2], padding[2], dilation[2], groups;
+} kiln_conv_opts;
+
+struct kiln_backend {
+    const char *name;
+    int (*supports)(kiln_op op, kiln_dtype dt);
+    /* dst = src (broadcast by src strides of 0, dtype conversion), same device */
+    kiln_status (*copy)(kiln_tensor *dst, const kiln_tensor *src);
+    kiln_status (*fill)(kiln_tensor *t, double v);
+    /* out = a op b; a and b already expanded to out's shape (strides may be 0).
+     * When b is NULL the scalar s is the right operand (or the left when swap). */
+    kiln_status (*binary)(kiln_binop op, kiln_tensor *out, const kiln_tensor *a,
+                          const kiln_tensor *b, double s, int swap);
+    kiln_status (*unary)(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1);
+    /* out has a's shape with dim reduced to 1 (dim < 0: everything to one element) */
+    kiln_status (*reduce)(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased);
+    /* out[..., M, N] = a[..., M, K] @ b[..., K, N] (batch dims already broadcast) */
+    kiln_status (*matmul)(kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b);
+    /* out[..., N] = x[..., K] @ w[N, K]^T + bias; w may be f16/bf16 */
+    kiln_status (*linear)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias);
+    kiln_status (*conv2d)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                          const kiln_tensor *bias, const kiln_conv_opts *o);
+    kiln_status (*group_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                              const kiln_tensor *b, int64_t groups, double eps, int silu);
+    kiln_status (*layer_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                              const kiln_tensor *b, double eps);
+    kiln_status (*softmax)(kiln_tensor *out, const kiln_tensor *x, int dim);
+    /* q [B,H,Lq,D], k [B,H,Lk,D], v [B,H,Lk,Dv] -> out [B,H,Lq,Dv] */
+    kiln_status (*attention)(kiln_tensor *out, const kiln_tensor *q, const kiln_tensor *k,
+                             const kiln_tensor *v, double scale, int causal);
+    kiln_status (*geglu)(kiln_tensor *out, const kiln_tensor *x);
+    kiln_status (*resample)(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x);
+    /* pads = left, right, top, bottom; mode kiln_pad_mode */
+    kiln_status (*pad2d)(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value);
+    /* Transfers between this device and host memory (NULL for host-memory devices). */
+    kiln_status (*to_device)(void *dst_dev, const void *src_host, size_t n);
+    kiln_status (*to_host)(void *dst_host, const void *src_dev, size_t n);
+};
+
+const kiln_backend *kiln_cpu_backend(void);
+
+/* CUDA seam: implemented by kernels/cuda (or a stub when built without CUDA). */
+void kiln_cuda_register_devices(void);
+const char *kiln_cuda_unavailable_reason(void);
+kiln_device *kiln_device_register(kiln_device_type type, int index, const char *name,
+                                  kiln_raw_memory raw, uint64_t total, const kiln_backend *backend);
+
+#endif

@@ -1,0 +1,211 @@
+/* device.c - the device registry (cpu, sim, cuda:N) and reference-counted storages.
+ * cpu: host memory, pass-through allocator (accounting only, no budget by default).
+ * sim: a simulated accelerator: its own caching allocator and budget in host memory,
+ *      explicit copies counted in bytes and time, CPU kernels for compute.
+ * cuda:N: registered by the CUDA backend when present (kiln_cuda_register). */
+#define _GNU_SOURCE
+#include "device.h"
+#include "backend.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DEVICES 16
+#define SIM_DEFAULT_BUDGET (8ull << 30)
+
+static kiln_device *devices[MAX_DEVICES];
+static int n_devices;
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t storage_lock = PTHREAD_MUTEX_INITIALIZER;
+static kiln_storage *live_heads[MAX_DEVICES]; /* per device index in `devices` */
+
+static void *host_raw_alloc(void *ctx, size_t n)
+{
+    (void)ctx;
+    void *p = NULL;
+    if (posix_memalign(&p, KILN_ALLOC_ALIGN, n ? n : KILN_ALLOC_ALIGN) != 0) return NULL;
+    return p;
+}
+
+static void host_raw_free(void *ctx, void *p, size_t n)
+{
+    (void)ctx; (void)n;
+    free(p);
+}
+
+static kiln_device *add_device(kiln_device_type type, int index, const char *name,
+                               int caching, uint64_t budget, const kiln_backend *backend)
+{
+    kiln_device *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->type = type;
+    d->index = index;
+    snprintf(d->name, sizeof d->name, "%s", name);
+    kiln_raw_memory raw = {host_raw_alloc, host_raw_free, NULL};
+    d->alloc = kiln_allocator_new(name, raw, budget, caching);
+    d->backend = backend;
+    devices[n_devices++] = d;
+    return d;
+}
+
+static void init_devices_locked(void)
+{
+    if (n_devices) return;
+    add_device(KILN_DEV_CPU, 0, "cpu", 0, 0, kiln_cpu_backend());
+    add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, kiln_cpu_backend());
+    kiln_cuda_register_devices();
+}
+
+static void init_devices(void)
+{
+    pthread_mutex_lock(&registry_lock);
+    init_devices_locked();
+    pthread_mutex_unlock(&registry_lock);
+}
+
+/* Called by the CUDA backend from kiln_cuda_register_devices (registry lock held). */
+kiln_device *kiln_device_register(kiln_device_type type, int index, const char *name,
+                                  kiln_raw_memory raw, uint64_t total, const kiln_backend *backend)
+{
+    if (n_devices >= MAX_DEVICES) return NULL;
+    kiln_device *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->type = type;
+    d->index = index;
+    snprintf(d->name, sizeof d->name, "%s", name);
+    d->alloc = kiln_allocator_new(name, raw, 0, 1);
+    d->backend = backend;
+    d->total_memory = total;
+    devices[n_devices++] = d;
+    return d;
+}
+
+int kiln_device_count(void)
+{
+    init_devices();
+    return n_devices;
+}
+
+kiln_device *kiln_device_at(int i)
+{
+    init_devices();
+    return i >= 0 && i < n_devices ? devices[i] : NULL;
+}
+
+kiln_device *kiln_device_cpu(void)
+{
+    init_devices();
+    return devices[0];
+}
+
+kiln_device *kiln_device_get(const char *name)
+{
+    init_devices();
+    if (!name) return devices[0];
+    const char *want = strcmp(name, "cuda") == 0 ? "cuda:0" : name;
+    for (int i = 0; i < n_devices; i++)
+        if (strcmp(devices[i]->name, want) == 0) return devices[i];
+    char list[256] = "";
+    for (int i = 0; i < n_devices; i++) {
+        strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
+        strncat(list, devices[i]->name, sizeof list - strlen(list) - 1);
+    }
+    if (strncmp(name, "cuda", 4) == 0)
+        kiln_error(KILN_ERR_ARG, "no CUDA device '%s' (%s); devices present: %s", name,
+                   kiln_cuda_unavailable_reason(), list);
+    else
+        kiln_error(KILN_ERR_ARG, "unknown device '%s'; devices present: %s", name, list);
+    return NULL;
+}
+
+static int device_slot(const kiln_device *d)
+{
+    for (int i = 0; i < n_devices; i++)
+        if (devices[i] == d) return i;
+    return 0;
+}
+
+static void link_storage(kiln_storage *s)
+{
+    pthread_mutex_lock(&storage_lock);
+    int slot = device_slot(s->device);
+    s->prev = NULL;
+    s->next = live_heads[slot];
+    if (s->next) s->next->prev = s;
+    live_heads[slot] = s;
+    pthread_mutex_unlock(&storage_lock);
+}
+
+static void unlink_storage(kiln_storage *s)
+{
+    pthread_mutex_lock(&storage_lock);
+    int slot = device_slot(s->device);
+    if (s->prev) s->prev->next = s->next;
+    else live_heads[slot] = s->next;
+    if (s->next) s->next->prev = s->prev;
+    pthread_mutex_unlock(&storage_lock);
+}
+
+kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out)
+{
+    *out = NULL;
+    kiln_storage *s = calloc(1, sizeof *s);
+    if (!s) return kiln_error(KILN_ERR_OOM, "host out of memory for a storage header");
+    void *p = NULL;
+    kiln_status st = kiln_allocator_alloc(dev->alloc, nbytes ? nbytes : 1, &p);
+    if (st != KILN_OK) { free(s); return st; }
+    s->data = p;
+    s->nbytes = nbytes;
+    s->device = dev;
+    atomic_init((atomic_int *)&s->refcount, 1);
+    snprintf(s->owner, sizeof s->owner, "tensor");
+    link_storage(s);
+    *out = s;
+    return KILN_OK;
+}
+
+kiln_storage *kiln_storage_wrap(kiln_device *dev, void *data, size_t nbytes,
+                                kiln_storage_release_fn release, void *ctx)
+{
+    kiln_storage *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->data = data;
+    s->nbytes = nbytes;
+    s->device = dev;
+    s->release = release;
+    s->ctx = ctx;
+    atomic_init((atomic_int *)&s->refcount, 1);
+    snprintf(s->owner, sizeof s->owner, "mapped");
+    link_storage(s);
+    return s;
+}
+
+void kiln_storage_retain(kiln_storage *s)
+{
+    if (s) atomic_fetch_add((atomic_int *)&s->refcount, 1);
+}
+
+void kiln_storage_release(kiln_storage *s)
+{
+    if (!s) return;
+    if (atomic_fetch_sub((atomic_int *)&s->refcount, 1) != 1) return;
+    unlink_storage(s);
+    if (s->release) s->release(s);
+    else kiln_allocator_release(s->device->alloc, s->data);
+    free(s);
+}
+
+void kiln_storage_set_owner(kiln_storage *s, const char *owner)
+{
+    if (s && owner) snprintf(s->owner, sizeof s->owner, "%s", owner);
+}
+
+void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx)
+{
+    pthread_mutex_lock(&storage_lock);
+    for (kiln_storage *s = live_heads[device_slot(dev)]; s; s = s->next) fn(ctx, s);
+    pthread_mutex_unlock(&storage_lock);
+}

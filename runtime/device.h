@@ -1,0 +1,60 @@
+/* device.h - devices (cpu, sim, cuda:N) and the storages that live on them.
+ * A storage is a reference-counted byte buffer that carries its device and its
+ * release function (Torch7's THAllocator idea): device memory from the device's
+ * allocator, a mapped file region, or wrapped host memory all look the same. */
+#ifndef KILN_DEVICE_H
+#define KILN_DEVICE_H
+
+#include "alloc.h"
+
+/* ORDER DEVTYPE */
+typedef enum { KILN_DEV_CPU = 0, KILN_DEV_SIM, KILN_DEV_CUDA } kiln_device_type;
+
+typedef struct kiln_backend kiln_backend;
+typedef struct kiln_device kiln_device;
+struct kiln_device {
+    kiln_device_type type;
+    int index;
+    char name[16];            /* "cpu", "sim", "cuda:0" */
+    kiln_allocator *alloc;    /* memory manager (budget, stats) */
+    const kiln_backend *backend;
+    uint64_t total_memory;    /* physical memory of the device, 0 unknown */
+    /* Transfer statistics (host<->device copies) */
+    uint64_t bytes_to_device, bytes_to_host;
+    double seconds_copying;
+};
+
+/* Looks a device up by name ("cpu", "sim", "cuda", "cuda:0"); NULL with a message
+ * listing the devices present when absent. Devices are created on first use. */
+KILN_API kiln_device *kiln_device_get(const char *name);
+KILN_API kiln_device *kiln_device_cpu(void);
+KILN_API int kiln_device_count(void);
+KILN_API kiln_device *kiln_device_at(int i);
+
+typedef struct kiln_storage kiln_storage;
+typedef void (*kiln_storage_release_fn)(kiln_storage *s);
+struct kiln_storage {
+    void *data;
+    size_t nbytes;
+    kiln_device *device;
+    int refcount;                     /* atomic */
+    kiln_storage_release_fn release;  /* frees data; NULL when from device->alloc */
+    void *ctx;                        /* for release */
+    char owner[64];                   /* who the bytes are accounted to ("model:unet", "tensor") */
+    kiln_storage *prev, *next;        /* live list of the device, for summaries */
+};
+
+/* New storage of nbytes from dev's allocator (may evict; KILN_ERR_OOM on failure). */
+KILN_API kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out);
+/* Wraps memory the storage does not own through the allocator (a mapped file, a
+ * host buffer); release(s) is called when the last reference goes. */
+KILN_API kiln_storage *kiln_storage_wrap(kiln_device *dev, void *data, size_t nbytes,
+                                         kiln_storage_release_fn release, void *ctx);
+KILN_API void kiln_storage_retain(kiln_storage *s);
+KILN_API void kiln_storage_release(kiln_storage *s);
+KILN_API void kiln_storage_set_owner(kiln_storage *s, const char *owner);
+
+/* Calls fn for every live storage of dev (under the registry lock). */
+KILN_API void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx);
+
+#endif

@@ -1,0 +1,146 @@
+/* dtype.c - element sizes, names and conversions (f16/bf16 with round to nearest
+ * even, subnormals, inf and nan handled bit-exactly as IEEE 754 requires). */
+#include "dtype.h"
+
+#include <string.h>
+#include <strings.h>
+
+/* ORDER DTYPE */
+static const struct { const char *name; size_t size; int is_float; } dtype_info[KILN_DTYPE_COUNT] = {
+    {"f32", 4, 1}, {"f16", 2, 1}, {"bf16", 2, 1}, {"i32", 4, 0}, {"i64", 8, 0}, {"u8", 1, 0},
+};
+
+size_t kiln_dtype_size(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].size : 0; }
+const char *kiln_dtype_name(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].name : "?"; }
+int kiln_dtype_is_float(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT && dtype_info[dt].is_float; }
+
+int kiln_dtype_from_name(const char *name)
+{
+    static const struct { const char *alias; kiln_dtype dt; } aliases[] = {
+        {"f32", KILN_F32}, {"float32", KILN_F32}, {"float", KILN_F32},
+        {"f16", KILN_F16}, {"float16", KILN_F16}, {"half", KILN_F16},
+        {"bf16", KILN_BF16}, {"bfloat16", KILN_BF16},
+        {"i32", KILN_I32}, {"int32", KILN_I32}, {"int", KILN_I32},
+        {"i64", KILN_I64}, {"int64", KILN_I64}, {"long", KILN_I64},
+        {"u8", KILN_U8}, {"uint8", KILN_U8}, {"byte", KILN_U8},
+    };
+    if (!name) return -1;
+    for (size_t i = 0; i < sizeof aliases / sizeof aliases[0]; i++)
+        if (strcasecmp(name, aliases[i].alias) == 0) return (int)aliases[i].dt;
+    return -1;
+}
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+float kiln_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13)); /* inf / nan (payload kept) */
+    if (exp == 0) {
+        if (man == 0) return bits_f32(sign);
+        /* subnormal: value = man * 2^-24, exact in f32 */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+uint16_t kiln_f32_to_f16(float f)
+{
+    uint32_t u = f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) /* inf or nan: keep nan quiet and non-zero */
+        return sign | 0x7c00 | (a > 0x7f800000u ? (uint16_t)(0x200 | ((a >> 13) & 0x3ff)) : 0);
+    if (a >= 0x477ff000u) return sign | 0x7c00; /* rounds to >= 65520: overflow to inf */
+    if (a < 0x38800000u) {
+        /* result is subnormal or zero: value / 2^-24, rounded to nearest even */
+        if (a < 0x33000000u) return sign; /* < 2^-25: rounds to 0 */
+        uint32_t e = a >> 23, m = (a & 0x7fffff) | 0x800000;
+        int shift = 126 - (int)e; /* so that result = m >> (shift) with 2^-24 units */
+        uint32_t r = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return sign | (uint16_t)r;
+    }
+    /* normal: rebias exponent, round mantissa from 23 to 10 bits (nearest even) */
+    uint32_t r = a - 0x38000000u; /* exponent -= 112 */
+    uint32_t low = r & 0x1fff;
+    r >>= 13;
+    if (low > 0x1000 || (low == 0x1000 && (r & 1))) r++; /* carry may overflow into exp: correct */
+    return sign | (uint16_t)r;
+}
+
+float kiln_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+uint16_t kiln_f32_to_bf16(float f)
+{
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet nan */
+    uint32_t lsb = (u >> 16) & 1;
+    u += 0x7fffu + lsb; /* round to nearest even; overflow goes to inf correctly */
+    return (uint16_t)(u >> 16);
+}
+
+void kiln_to_f32(float *dst, const void *src, kiln_dtype dt, size_t n)
+{
+    switch (dt) {
+    case KILN_F32: memmove(dst, src, n * 4); break;
+    case KILN_F16: { const uint16_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = kiln_f16_to_f32(s[i]); break; }
+    case KILN_BF16: { const uint16_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = bits_f32((uint32_t)s[i] << 16); break; }
+    case KILN_I32: { const int32_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
+    case KILN_I64: { const int64_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
+    case KILN_U8: { const uint8_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
+    default: break;
+    }
+}
+
+/* Integer targets take the value truncated toward zero (as torch's .to(int)),
+ * saturating and mapping nan to 0 so out-of-range input is never undefined behaviour. */
+static int64_t to_i64_sat(double v, double lo, double hi)
+{
+    if (v != v) return 0;
+    if (v <= lo) return (int64_t)lo;
+    if (v >= hi) return (int64_t)hi;
+    return (int64_t)v;
+}
+
+static double load_elem(const void *src, kiln_dtype dt, size_t i)
+{
+    switch (dt) {
+    case KILN_F32: return ((const float *)src)[i];
+    case KILN_F16: return kiln_f16_to_f32(((const uint16_t *)src)[i]);
+    case KILN_BF16: return kiln_bf16_to_f32(((const uint16_t *)src)[i]);
+    case KILN_I32: return ((const int32_t *)src)[i];
+    case KILN_I64: return (double)((const int64_t *)src)[i];
+    case KILN_U8: return ((const uint8_t *)src)[i];
+    default: return 0;
+    }
+}
+
+void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, size_t n)
+{
+    if (ddt == sdt) { memmove(dst, src, n * kiln_dtype_size(ddt)); return; }
+    if (ddt == KILN_F32) { kiln_to_f32(dst, src, sdt, n); return; }
+    if (ddt == KILN_I64 && sdt == KILN_I32) {
+        for (size_t i = 0; i < n; i++) ((int64_t *)dst)[i] = ((const int32_t *)src)[i];
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        double v = load_elem(src, sdt, i);
+        switch (ddt) {
+        case KILN_F16: ((uint16_t *)dst)[i] = kiln_f32_to_f16((float)v); break;
+        case KILN_BF16: ((uint16_t *)dst)[i] = kiln_f32_to_bf16((float)v); break;
+        case KILN_I32: ((int32_t *)dst)[i] = (int32_t)to_i64_sat(v, -2147483648.0, 2147483647.0); break;
+        case KILN_I64:
+            ((int64_t *)dst)[i] = sdt == KILN_I64 ? ((const int64_t *)src)[i]
+                                                  : to_i64_sat(v, -9223372036854775808.0, 9223372036854774784.0);
+            break;
+        case KILN_U8: ((uint8_t *)dst)[i] = (uint8_t)to_i64_sat(v, 0, 255); break;
+        default: break;
+        }
+    }
+}
