@@ -63,7 +63,8 @@ KILN_API void kiln_allocator_set_evict_hook(kiln_allocator *a, kiln_evict_fn fn,
 KILN_API void kiln_allocator_set_pressure_hook(kiln_allocator *a, kiln_pressure_fn fn, void *ctx);
 KILN_API const char *kiln_allocator_device_name(kiln_allocator *a);
 
-/* Test control (as Lua's ltests.h): fail the next n raw allocations (-1: off). */
+/* Test control (as Lua's ltests.h): n more raw allocations succeed, then every one
+ * fails until n = -1. */
 KILN_API void kiln_allocator_fail_after(kiln_allocator *a, int n);
 
 #endif

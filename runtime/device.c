@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "device.h"
 #include "backend.h"
+#include "events.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -156,13 +157,18 @@ kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out
     if (!s) return kiln_error(KILN_ERR_OOM, "host out of memory for a storage header");
     void *p = NULL;
     kiln_status st = kiln_allocator_alloc(dev->alloc, nbytes ? nbytes : 1, &p);
-    if (st != KILN_OK) { free(s); return st; }
+    if (st != KILN_OK) {
+        free(s);
+        if (st == KILN_ERR_OOM) kiln_events_oom(dev, nbytes); /* event; message names what is resident */
+        return st;
+    }
     s->data = p;
     s->nbytes = nbytes;
     s->device = dev;
     atomic_init((atomic_int *)&s->refcount, 1);
     snprintf(s->owner, sizeof s->owner, "tensor");
     link_storage(s);
+    kiln_events_storage(s, 1);
     *out = s;
     return KILN_OK;
 }
@@ -194,7 +200,10 @@ void kiln_storage_release(kiln_storage *s)
     if (atomic_fetch_sub((atomic_int *)&s->refcount, 1) != 1) return;
     unlink_storage(s);
     if (s->release) s->release(s);
-    else kiln_allocator_release(s->device->alloc, s->data);
+    else {
+        kiln_allocator_release(s->device->alloc, s->data);
+        kiln_events_storage(s, 0);
+    }
     free(s);
 }
 

@@ -104,7 +104,8 @@ static int64_t to_i64_sat(double v, double lo, double hi)
 {
     if (v != v) return 0;
     if (v <= lo) return (int64_t)lo;
-    if (v >= hi) return (int64_t)hi;
+    /* hi = 2^63 stands for INT64_MAX, which a double cannot hold */
+    if (v >= hi) return hi >= 9223372036854775808.0 ? INT64_MAX : (int64_t)hi;
     return (int64_t)v;
 }
 
@@ -131,13 +132,15 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
     }
     for (size_t i = 0; i < n; i++) {
         double v = load_elem(src, sdt, i);
+        /* i64 rounds to f32 directly (as torch does): via double it would round twice */
+        float f = sdt == KILN_I64 ? (float)((const int64_t *)src)[i] : (float)v;
         switch (ddt) {
-        case KILN_F16: ((uint16_t *)dst)[i] = kiln_f32_to_f16((float)v); break;
-        case KILN_BF16: ((uint16_t *)dst)[i] = kiln_f32_to_bf16((float)v); break;
+        case KILN_F16: ((uint16_t *)dst)[i] = kiln_f32_to_f16(f); break;
+        case KILN_BF16: ((uint16_t *)dst)[i] = kiln_f32_to_bf16(f); break;
         case KILN_I32: ((int32_t *)dst)[i] = (int32_t)to_i64_sat(v, -2147483648.0, 2147483647.0); break;
         case KILN_I64:
             ((int64_t *)dst)[i] = sdt == KILN_I64 ? ((const int64_t *)src)[i]
-                                                  : to_i64_sat(v, -9223372036854775808.0, 9223372036854774784.0);
+                                                  : to_i64_sat(v, -9223372036854775808.0, 9223372036854775808.0);
             break;
         case KILN_U8: ((uint8_t *)dst)[i] = (uint8_t)to_i64_sat(v, 0, 255); break;
         default: break;

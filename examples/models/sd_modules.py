@@ -27,7 +27,9 @@ hyper-parameters are free, so the same code builds full SD 1.5 or the tiny
   * VAE attention: single head over h*w positions, scale c^-0.5.
 """
 
+import json
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -661,3 +663,30 @@ class LatentDiffusion(nn.Module):
         self.first_stage_model = AutoencoderKL(vae_cfg)
         self.cond_stage_model = FrozenCLIPEmbedder(clip_cfg)
         self.scale_factor = scale_factor   # plain attribute, not in the file
+
+
+# ---------------------------------------------------------------- name check
+
+_BLOCK_INDEX = re.compile(
+    r"(input_blocks|output_blocks|transformer_blocks|layers|down|up|block|attn)"
+    r"\.\d+(?=\.)")
+
+
+def name_pattern(name):
+    """Replace repeated-block indices by N: input_blocks.7.1.proj_in.weight
+    -> input_blocks.N.1.proj_in.weight (the index inside a block is kept)."""
+    return _BLOCK_INDEX.sub(lambda m: m.group(1) + ".N", name)
+
+
+def check_sd_names(shapes, ref_path):
+    """Compare {name: shape} with a reference list (sd15.txt format).
+    Returns (ours_not_in_ref, ref_not_in_ours) as sorted lists of
+    'pattern rank' strings; the first must be empty."""
+    ref = set()
+    with open(ref_path) as f:
+        for line in f:
+            name, shape = line.rstrip("\n").split("\t")
+            ref.add("%s %d" % (name_pattern(name), len(json.loads(shape))))
+    ours = {"%s %d" % (name_pattern(n), len(s)) for n, s in shapes.items()}
+    return sorted(ours - ref), sorted(ref - ours)
+

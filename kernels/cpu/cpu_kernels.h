@@ -7,7 +7,7 @@
 #ifndef KILN_CPU_KERNELS_H
 #define KILN_CPU_KERNELS_H
 
-#include "../../runtime/dtype.h"
+#include "../../runtime/backend.h" /* kiln_pad_mode, dtypes */
 
 /* C[M,N] = alpha * op(A) * op(B) + beta * C, row-major, f32 (BLAS sgemm semantics). */
 void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -74,8 +74,6 @@ void kiln_cpu_interpolate_nearest_exact(float *y, const float *x, int64_t nc, in
 /* torch interpolate mode="nearest" (legacy floor rule) */
 void kiln_cpu_interpolate_nearest(float *y, const float *x, int64_t nc, int64_t h, int64_t w, int64_t oh, int64_t ow);
 
-/* ORDER PADMODE */
-typedef enum { KILN_PAD_CONSTANT = 0, KILN_PAD_REFLECT, KILN_PAD_REPLICATE } kiln_pad_mode;
 /* y[NC, h+top+bottom, w+left+right] = F.pad(x, (left,right,top,bottom), mode, value) */
 void kiln_cpu_pad2d(float *y, const float *x, int64_t nc, int64_t h, int64_t w,
                     int64_t top, int64_t bottom, int64_t left, int64_t right,

@@ -1,4 +1,4 @@
-/* png.h - PNG reading and atomic writing with libpng.
+/* png_io.h - PNG reading and atomic writing with libpng.
  * Pixels travel as planar f32 in [0,1], [C, H, W] (C = 1, 2, 3 or 4 as stored:
  * gray, gray+alpha, RGB, RGBA; palette expands to RGB or RGBA). */
 #ifndef KILN_PNG_H

@@ -1,0 +1,113 @@
+# kiln - build, test, bench, demo, install.
+# `make demo` and `make test` are the README's two commands; both first check the
+# Debian packages kiln needs (`make deps` installs them with apt-get when run as root).
+
+CC      ?= cc
+PREFIX  ?= /usr/local
+SAN     ?= 0
+CUDA    ?= 0
+PYTHON  ?= /usr/bin/python3
+
+ifeq ($(SAN),1)
+BUILD   := build-san
+OPT     := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+else
+BUILD   := build
+OPT     := -O2 -g
+endif
+
+LUA_CFLAGS := $(shell pkg-config --cflags lua5.4 2>/dev/null)
+LUA_LIBS   := $(shell pkg-config --libs lua5.4 2>/dev/null)
+PNG_CFLAGS := $(shell pkg-config --cflags libpng 2>/dev/null)
+PNG_LIBS   := $(shell pkg-config --libs libpng 2>/dev/null)
+READLINE   := $(shell test -f /usr/include/readline/readline.h && echo 1)
+
+CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fvisibility=hidden $(OPT) $(LUA_CFLAGS) $(PNG_CFLAGS)
+LDFLAGS += $(filter -fsanitize%,$(OPT))
+# libraries of the core (runtime + kernels); the Lua module gets its Lua symbols from the host
+CORE_LIBS := $(PNG_LIBS) -lz -lopenblas -lpthread -lm
+LIBS    := $(CORE_LIBS) $(LUA_LIBS)
+ifeq ($(READLINE),1)
+CLI_DEFS := -DKILN_READLINE
+CLI_LIBS := -lreadline
+endif
+
+RUNTIME_SRC  := $(wildcard runtime/*.c)
+KERNEL_SRC   := $(wildcard kernels/cpu/*.c) kernels/cuda/cuda_none.c
+BINDING_SRC  := $(filter-out bindings/kiln_main.c,$(wildcard bindings/*.c))
+SCRIPTS      := $(shell find scripts -name '*.lua' | sort)
+GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
+
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o
+C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+DEPS_OK := build/.deps-ok
+
+.PHONY: all deps test bench demo clean install uninstall check-deps
+all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so
+
+# ---- dependencies -------------------------------------------------------------
+# Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline.
+DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev
+deps:
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then echo "deps: all present"; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
+	@mkdir -p build && touch $(DEPS_OK)
+
+$(DEPS_OK):
+	@$(MAKE) --no-print-directory deps
+
+# ---- library, CLI, Lua module ----------------------------------------------------
+$(BUILD)/obj/%.o: %.c $(DEPS_OK) $(wildcard runtime/*.h kernels/cpu/*.h bindings/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	lua5.4 bindings/gen_scripts.lua $@ $(SCRIPTS)
+
+$(BUILD)/obj/gen/scripts_data.o: $(GEN_SCRIPTS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Ibindings -c $< -o $@
+
+$(BUILD)/libkiln.a: $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libkiln.so: $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ $(LDFLAGS) $(LIBS)
+
+$(BUILD)/kiln: bindings/kiln_main.c $(BUILD)/libkiln.a
+	$(CC) $(CFLAGS) $(CLI_DEFS) -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
+
+$(BUILD)/lua/kiln.so: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) -shared -o $@ $^ $(LDFLAGS) $(CORE_LIBS)
+
+# ---- tests ---------------------------------------------------------------------
+$(BUILD)/tests/%: tests/%.c tests/test.h $(BUILD)/libkiln.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Iruntime -Ikernels/cpu -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+
+test: all $(C_TESTS)
+	@BUILD=$(BUILD) SAN=$(SAN) bash tests/run.sh
+
+# ---- benchmarks, demo ------------------------------------------------------------
+bench: all
+	@BUILD=$(BUILD) bash tests/bench/run.sh
+
+demo: all
+	$(BUILD)/kiln examples/demo.lua
+
+clean:
+	rm -rf build build-san
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include
+	install -m 755 $(BUILD)/kiln $(DESTDIR)$(PREFIX)/bin/kiln
+	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(PREFIX)/lib/libkiln.a
+	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(PREFIX)/lib/libkiln.so
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(PREFIX)/lib/libkiln.a $(DESTDIR)$(PREFIX)/lib/libkiln.so

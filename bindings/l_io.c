@@ -1,0 +1,169 @@
+/* l_io.c - file formats from Lua: kiln.load_safetensors / save_safetensors
+ * (zero-copy mmap views on the CPU) and kiln.load_png / save_png. */
+#include "l_kiln.h"
+#include "../runtime/png_io.h"
+#include "../runtime/safetensors.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* A storage over a region of a mapped safetensors file keeps the file mapped. */
+static void release_mapped(kiln_storage *s)
+{
+    kiln_st_release(s->ctx);
+}
+
+/* kiln.load_safetensors(path) -> {name = tensor}, metadata */
+static int l_load_safetensors(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    kiln_st_file *f;
+    L_TRY(L, kiln_st_open(path, &f));
+    /* the file handle goes into a to-be-closed slot so an error below releases it */
+    lua_createtable(L, 0, f->n);
+    kiln_status st = KILN_OK;
+    for (int i = 0; i < f->n && !st; i++) {
+        const kiln_st_entry *e = &f->entries[i];
+        size_t nbytes = (size_t)(e->end - e->begin);
+        kiln_st_retain(f);
+        kiln_storage *s = kiln_storage_wrap(kiln_device_cpu(), (void *)kiln_st_data(f, i), nbytes, release_mapped, f);
+        if (!s) { kiln_st_release(f); st = kiln_error(KILN_ERR_OOM, "%s: out of host memory", path); break; }
+        kiln_storage_set_owner(s, "mapped file");
+        kiln_tensor *t = kiln_tensor_from_storage(s, 0, e->dtype, e->ndim, e->shape, NULL);
+        kiln_storage_release(s);
+        if (!t) { st = kiln_error(KILN_ERR_OOM, "%s: out of host memory", path); break; }
+        l_push_tensor(L, t);
+        lua_setfield(L, -2, e->name);
+    }
+    lua_createtable(L, 0, f->n_meta);
+    for (int i = 0; i < f->n_meta; i++) {
+        lua_pushstring(L, f->meta_values[i]);
+        lua_setfield(L, -2, f->meta_keys[i]);
+    }
+    kiln_st_release(f);
+    if (st) l_raise(L, st);
+    return 2;
+}
+
+/* kiln.save_safetensors(path, {name = tensor}, [metadata]) */
+static int l_save_safetensors(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    if (!lua_isnoneornil(L, 3)) luaL_checktype(L, 3, LUA_TTABLE);
+    int n = 0, n_meta = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) { n++; lua_pop(L, 1); }
+    if (!lua_isnoneornil(L, 3)) {
+        lua_pushnil(L);
+        while (lua_next(L, 3)) { n_meta++; lua_pop(L, 1); }
+    }
+    /* host copies (contiguous, on cpu) live in a Lua table so errors free them */
+    lua_createtable(L, n, 0);
+    int keep = lua_gettop(L);
+    kiln_st_item *items = lua_newuserdatauv(L, sizeof(kiln_st_item) * (size_t)(n ? n : 1), 0);
+    const char **mk = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
+    const char **mv = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
+    int i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_safetensors: tensor names must be strings (got a %s key)", luaL_typename(L, -2));
+        const char *name = lua_tostring(L, -2);
+        kiln_tensor *t = l_test_tensor(L, -1);
+        if (!t) luaL_error(L, "save_safetensors: '%s' is not a live tensor (a %s)", name, luaL_typename(L, -1));
+        kiln_tensor *c;
+        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), t->dtype, &c));
+        l_push_tensor(L, c);
+        lua_rawseti(L, keep, i + 1);
+        items[i].name = name;
+        items[i].dtype = c->dtype;
+        items[i].ndim = c->ndim;
+        items[i].shape = c->shape;
+        items[i].data = kiln_tensor_data(c);
+        i++;
+        lua_pop(L, 1);
+    }
+    i = 0;
+    if (!lua_isnoneornil(L, 3)) {
+        lua_pushnil(L);
+        while (lua_next(L, 3)) {
+            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
+                luaL_error(L, "save_safetensors: metadata must map strings to strings");
+            mk[i] = lua_tostring(L, -2);
+            mv[i] = lua_tostring(L, -1);
+            i++;
+            lua_pop(L, 1);
+        }
+    }
+    L_TRY(L, kiln_st_save(path, n, items, n_meta, mk, mv));
+    return 0;
+}
+
+/* kiln.load_png(path) -> f32 tensor [1, C, H, W] in [0, 1] */
+static int l_load_png(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    float *px;
+    int c, h, w;
+    L_TRY(L, kiln_png_read(path, &px, &c, &h, &w));
+    int64_t shape[4] = {1, c, h, w};
+    kiln_tensor *t;
+    kiln_status st = kiln_tensor_new(kiln_device_cpu(), KILN_F32, 4, shape, &t);
+    if (st) { free(px); l_raise(L, st); }
+    memcpy(kiln_tensor_data(t), px, sizeof(float) * (size_t)c * (size_t)h * (size_t)w);
+    free(px);
+    l_push_tensor(L, t);
+    return 1;
+}
+
+/* kiln.save_png(tensor [B=1, C, H, W] or [C, H, W], path [, {text = {k = v}}]) */
+static int l_save_png(lua_State *L)
+{
+    kiln_tensor *t = l_check_tensor(L, 1);
+    const char *path = luaL_checkstring(L, 2);
+    char b[128];
+    int ndim = t->ndim;
+    if (!((ndim == 4 && t->shape[0] == 1) || ndim == 3) || t->shape[ndim - 3] < 1 || t->shape[ndim - 3] > 4)
+        return luaL_error(L, "save_png: expected an image tensor [1, C, H, W] or [C, H, W] with C = 1..4, got %s",
+                          kiln_shape_str(t, b, sizeof b));
+    int c = (int)t->shape[ndim - 3], h = (int)t->shape[ndim - 2], w = (int)t->shape[ndim - 1];
+    int n_text = 0;
+    const char **keys = NULL, **vals = NULL;
+    if (lua_istable(L, 3) && lua_getfield(L, 3, "text") == LUA_TTABLE) {
+        int ti = lua_gettop(L);
+        lua_pushnil(L);
+        while (lua_next(L, ti)) { n_text++; lua_pop(L, 1); }
+        keys = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
+        vals = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
+        lua_newtable(L); /* anchors the converted strings */
+        int ai = lua_gettop(L);
+        int i = 0;
+        lua_pushnil(L);
+        while (lua_next(L, ti)) {
+            if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_png: text keys must be strings");
+            keys[i] = lua_tostring(L, -2);
+            vals[i] = luaL_tolstring(L, -1, NULL); /* numbers become text */
+            lua_rawseti(L, ai, i + 1);
+            lua_pop(L, 1);
+            i++;
+        }
+    }
+    kiln_tensor *c32;
+    L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), KILN_F32, &c32));
+    kiln_status st = kiln_png_write(path, kiln_tensor_data(c32), c, h, w, n_text, keys, vals);
+    kiln_tensor_free(c32);
+    if (st) l_raise(L, st);
+    lua_pushstring(L, path);
+    return 1;
+}
+
+static const luaL_Reg io_funcs[] = {
+    {"load_safetensors", l_load_safetensors}, {"save_safetensors", l_save_safetensors},
+    {"load_png", l_load_png}, {"save_png", l_save_png},
+    {NULL, NULL},
+};
+
+void l_open_io(lua_State *L)
+{
+    luaL_setfuncs(L, io_funcs, 0);
+}

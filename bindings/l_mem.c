@@ -1,0 +1,147 @@
+/* l_mem.c - kiln.mem: per-device memory statistics, budgets and the summary table,
+ * and kiln.memory_mode. The Lua GC is the allocators' pressure hook: native memory
+ * held by unreachable tensors is collected before an out-of-memory is reported. */
+#include "l_kiln.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static kiln_device *opt_device(lua_State *L, int idx)
+{
+    if (lua_isnoneornil(L, idx)) return l_default_device(L);
+    return l_check_device(L, idx);
+}
+
+#define SET_INT(L, name, v) (lua_pushinteger((L), (lua_Integer)(v)), lua_setfield((L), -2, (name)))
+
+/* kiln.mem.stats([device]) -> {allocated, reserved, peak, peak_reserved, budget, ...} */
+static int mem_stats(lua_State *L)
+{
+    kiln_device *d = opt_device(L, 1);
+    kiln_mem_stats s = kiln_allocator_stats(d->alloc);
+    lua_createtable(L, 0, 16);
+    lua_pushstring(L, d->name);
+    lua_setfield(L, -2, "device");
+    SET_INT(L, "allocated", s.allocated);
+    SET_INT(L, "reserved", s.reserved);
+    SET_INT(L, "peak", s.peak_allocated);
+    SET_INT(L, "peak_allocated", s.peak_allocated);
+    SET_INT(L, "peak_reserved", s.peak_reserved);
+    SET_INT(L, "budget", s.budget);
+    SET_INT(L, "allocs", s.n_allocs);
+    SET_INT(L, "frees", s.n_frees);
+    SET_INT(L, "ooms", s.n_ooms);
+    SET_INT(L, "segments", s.n_segments);
+    SET_INT(L, "largest_free", s.largest_free);
+    SET_INT(L, "bytes_to_device", d->bytes_to_device);
+    SET_INT(L, "bytes_to_host", d->bytes_to_host);
+    lua_pushnumber(L, d->seconds_copying);
+    lua_setfield(L, -2, "seconds_copying");
+    return 1;
+}
+
+static int mem_reset_peak(lua_State *L)
+{
+    kiln_allocator_reset_peak(opt_device(L, 1)->alloc);
+    return 0;
+}
+
+static int mem_empty_cache(lua_State *L)
+{
+    kiln_allocator_empty_cache(opt_device(L, 1)->alloc);
+    return 0;
+}
+
+/* kiln.mem.set_budget(device, bytes) (0 = unlimited) */
+static int mem_set_budget(lua_State *L)
+{
+    kiln_device *d = l_check_device(L, 1);
+    lua_Integer b = luaL_checkinteger(L, 2);
+    if (b < 0) luaL_argerror(L, 2, "budget must be >= 0 bytes (0 = unlimited)");
+    kiln_allocator_set_budget(d->alloc, (uint64_t)b);
+    return 0;
+}
+
+typedef struct { char owner[64]; uint64_t bytes; int count; } owner_row;
+typedef struct { owner_row rows[64]; int n; } owner_acc;
+
+static void add_owner(void *ctx, const kiln_storage *s)
+{
+    owner_acc *a = ctx;
+    if (s->release) return; /* wrapped memory (mapped files) is not the allocator's */
+    for (int i = 0; i < a->n; i++)
+        if (strcmp(a->rows[i].owner, s->owner) == 0) { a->rows[i].bytes += s->nbytes; a->rows[i].count++; return; }
+    int i = a->n < 64 ? a->n++ : 63;
+    snprintf(a->rows[i].owner, sizeof a->rows[i].owner, "%s", i == 63 ? "(other)" : s->owner);
+    a->rows[i].bytes += s->nbytes;
+    a->rows[i].count++;
+}
+
+/* kiln.mem.summary() -> string: a table per device and per owner. */
+static int mem_summary(lua_State *L)
+{
+    luaL_Buffer b;
+    luaL_buffinit(L, &b);
+    char line[256], v[6][32];
+    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
+    snprintf(line, sizeof line, "kiln memory summary (mode %s)\n", lua_isstring(L, -1) ? lua_tostring(L, -1) : "normal");
+    lua_pop(L, 1);
+    luaL_addstring(&b, line);
+    luaL_addstring(&b, "device      allocated       peak   reserved  peak res.     budget   allocs  ooms\n");
+    for (int i = 0; i < kiln_device_count(); i++) {
+        kiln_device *d = kiln_device_at(i);
+        kiln_mem_stats s = kiln_allocator_stats(d->alloc);
+        l_human_bytes(v[0], 32, (double)s.allocated);
+        l_human_bytes(v[1], 32, (double)s.peak_allocated);
+        l_human_bytes(v[2], 32, (double)s.reserved);
+        l_human_bytes(v[3], 32, (double)s.peak_reserved);
+        if (s.budget) l_human_bytes(v[4], 32, (double)s.budget); else snprintf(v[4], 32, "unlimited");
+        snprintf(line, sizeof line, "%-8s %12s %10s %10s %10s %10s %8llu %5llu\n", d->name, v[0], v[1], v[2], v[3], v[4],
+                 (unsigned long long)s.n_allocs, (unsigned long long)s.n_ooms);
+        luaL_addstring(&b, line);
+        owner_acc acc;
+        memset(&acc, 0, sizeof acc);
+        kiln_storage_foreach(d, add_owner, &acc);
+        for (int k = 0; k < acc.n; k++) {
+            l_human_bytes(v[5], 32, (double)acc.rows[k].bytes);
+            snprintf(line, sizeof line, "  %-28s %10s in %d storage%s\n", acc.rows[k].owner, v[5], acc.rows[k].count,
+                     acc.rows[k].count == 1 ? "" : "s");
+            luaL_addstring(&b, line);
+        }
+    }
+    luaL_pushresult(&b);
+    return 1;
+}
+
+static const char *const mode_names[] = {"high", "normal", "low", "none", NULL};
+
+/* kiln.memory_mode([mode]) -> current mode */
+static int l_memory_mode(lua_State *L)
+{
+    if (!lua_isnoneornil(L, 1)) {
+        const char *m = luaL_checkstring(L, 1);
+        int ok = 0;
+        for (int i = 0; mode_names[i]; i++) ok |= strcmp(m, mode_names[i]) == 0;
+        if (strcmp(m, "cpu") == 0) { m = "none"; ok = 1; }
+        if (!ok) l_enum_error(L, 1, "memory mode", m, mode_names);
+        lua_pushstring(L, m);
+        lua_setfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
+    }
+    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
+    if (lua_isnil(L, -1)) { lua_pop(L, 1); lua_pushstring(L, "normal"); }
+    return 1;
+}
+
+static const luaL_Reg mem_funcs[] = {
+    {"stats", mem_stats}, {"reset_peak", mem_reset_peak}, {"empty_cache", mem_empty_cache},
+    {"set_budget", mem_set_budget}, {"summary", mem_summary},
+    {NULL, NULL},
+};
+
+void l_open_mem(lua_State *L)
+{
+    luaL_newlib(L, mem_funcs);
+    lua_setfield(L, -2, "mem");
+    lua_pushcfunction(L, l_memory_mode);
+    lua_setfield(L, -2, "memory_mode");
+}

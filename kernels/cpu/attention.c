@@ -1,0 +1,419 @@
+/* attention.c - memory-efficient attention (FlashAttention-style) on the CPU.
+ * A task is (batch*head, block of QT queries); it streams over blocks of KB keys with
+ * an online softmax, so a thread's scratch is QT*(D+Dv+2) + D*KB + QB*KB floats
+ * (about 100 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block products are our own
+ * register-tiled AVX-512 kernels (chosen at run time; OpenBLAS would start its own
+ * threads inside our workers), with a portable C path otherwise. */
+#include "cpu_kernels.h"
+#include "threadpool.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ATT_X86 1
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,fma")))
+#define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f,fma")))
+#endif
+
+#define QT 256 /* queries per task */
+#define QB 64  /* queries per q.k^T block (QB x KB scores live at a time) */
+#define KB 96  /* keys per block: two 48-key tiles */
+#define TR 8   /* rows of a micro-tile */
+#define LOG2E 1.44269504088896341f
+
+/* KILN_CPU_GENERIC=1 forces the portable path (tests run both). */
+static int use_avx512(void)
+{
+    static atomic_int cached = -1;
+    int c = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (c < 0) {
+        c = 0;
+#ifdef ATT_X86
+        const char *e = getenv("KILN_CPU_GENERIC");
+        c = __builtin_cpu_supports("avx512f") && !(e && *e && *e != '0');
+#endif
+        atomic_store_explicit(&cached, c, memory_order_relaxed);
+    }
+    return c;
+}
+
+typedef struct {
+    float *out;
+    const float *q, *k, *v;
+    int64_t Lq, Lk, D, Dv, nqb;
+    float scale2;               /* scale * log2(e): the softmax runs in base 2 */
+    int causal, avx512;
+    float *scratch;             /* one slot per pool thread */
+    size_t slot;                /* floats per slot */
+    int nslots;
+    atomic_int oom;
+} att_ctx;
+
+static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* Scratch layout of one slot, in floats (each part 64-byte aligned). */
+static size_t slot_floats(int64_t D, int64_t Dv)
+{
+    return (size_t)(round16(QT * D) + round16(D * KB) + QB * KB + round16(QT * Dv) + 2 * QT);
+}
+
+/* ---------------- portable path ---------------- */
+
+/* s[i][j] = qs[i] . kt[:, j] for i < qn, j < kn (row stride KB) */
+static void qk_generic(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    for (int64_t i = 0; i < qn; i++) {
+        float *srow = s + i * KB;
+        for (int64_t j = 0; j < kn; j++) srow[j] = 0;
+        for (int64_t d = 0; d < D; d++) {
+            float a = qs[i * D + d];
+            const float *kr = kt + d * KB;
+            for (int64_t j = 0; j < kn; j++) srow[j] += a * kr[j];
+        }
+    }
+}
+
+/* o[i] += sum_j p[i][j] v[j] */
+static void pv_generic(float *o, const float *p, const float *v, int64_t qn, int64_t kn, int64_t Dv)
+{
+    for (int64_t i = 0; i < qn; i++) {
+        float *orow = o + i * Dv;
+        for (int64_t j = 0; j < kn; j++) {
+            float w = p[i * KB + j];
+            const float *vr = v + j * Dv;
+            for (int64_t c = 0; c < Dv; c++) orow[c] += w * vr[c];
+        }
+    }
+}
+
+/* Online-softmax update of one row: s holds base-2 logits, the first nvalid of kn
+ * are unmasked. Replaces s by p = 2^(s - m_new), rescales the row of o. */
+static void softmax_row_generic(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < nvalid; j++) mx = s[j] > mx ? s[j] : mx;
+    float mnew = mx > *m ? mx : *m;
+    float sum = 0;
+    for (int64_t j = 0; j < nvalid; j++) { s[j] = exp2f(s[j] - mnew); sum += s[j]; }
+    for (int64_t j = nvalid < 0 ? 0 : nvalid; j < kn; j++) s[j] = 0;
+    if (nvalid <= 0) return;
+    float alpha = exp2f(*m - mnew); /* 0 on the first block (m = -inf) */
+    if (alpha != 1.0f)
+        for (int64_t c = 0; c < Dv; c++) o[c] *= alpha;
+    *l = *l * alpha + sum;
+    *m = mnew;
+}
+
+/* ---------------- AVX-512 path ---------------- */
+#ifdef ATT_X86
+AVX512_INLINE __mmask16 tail_mask(int64_t left)
+{
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* 2^x, degree-5 fit on [-0.5, 0.5] (max relative error ~1.5e-7); x <= 0 here. */
+AVX512_INLINE __m512 exp2_avx512(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* constant first: NaN in x passes */
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(0.0013276466634124517f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675541892647743f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Micro-tile of s: TR rows x NC*16 keys, accumulated over D in registers.
+ * Rows past qn read row 0 again and are not stored (a tail costs a little work,
+ * never a branch in the inner loop). */
+AVX512_INLINE void qk_tile(int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
+{
+    __m512 acc[TR][3];
+    const float *qr[TR];
+#pragma GCC unroll 8
+    for (int r = 0; r < TR; r++) {
+        qr[r] = qs + (r < qn ? r : 0) * D;
+#pragma GCC unroll 3
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < D; d++) {
+        __m512 kv[3];
+#pragma GCC unroll 3
+        for (int c = 0; c < NC; c++) kv[c] = _mm512_load_ps(kt + d * KB + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < TR; r++) {
+            __m512 a = _mm512_set1_ps(qr[r][d]);
+#pragma GCC unroll 3
+            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(a, kv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TR; r++) {
+        if (r >= qn) break;
+#pragma GCC unroll 3
+        for (int c = 0; c < NC; c++) _mm512_store_ps(s + r * KB + 16 * c, acc[r][c]);
+    }
+}
+
+AVX512 static void qk_avx512(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    for (int64_t i = 0; i < qn; i += TR) {
+        for (int64_t j = 0; j < kn; j += 48) {
+            int64_t left = kn - j;
+            const float *q0 = qs + i * D, *k0 = kt + j;
+            float *s0 = s + i * KB + j;
+            if (left > 32) qk_tile(3, s0, q0, k0, qn - i, D);
+            else if (left > 16) qk_tile(2, s0, q0, k0, qn - i, D);
+            else qk_tile(1, s0, q0, k0, qn - i, D);
+        }
+    }
+}
+
+/* Micro-tile of o: TR rows x NV vectors of value columns, o[r] += sum_j p[r][j] v[j].
+ * The last vector is full (TAIL_FULL), 8 lanes done as a ymm (TAIL_Y8: head dim 40
+ * would waste a sixth of a zmm) or masked by vm (TAIL_MASK). */
+enum { TAIL_FULL, TAIL_Y8, TAIL_MASK };
+
+AVX512_INLINE void pv_tile(int NV, int TAIL, float *o, const float *p, const float *v, int64_t qn,
+                           int64_t kn, int64_t Dv, __mmask16 vm)
+{
+    __m512 acc[TR][3];
+    __m256 acc8[TR];
+    const float *pr[TR];
+    const int NZ = TAIL == TAIL_Y8 ? NV - 1 : NV; /* zmm vectors */
+#pragma GCC unroll 8
+    for (int r = 0; r < TR; r++) {
+        int64_t rr = r < qn ? r : 0;
+        const float *orow = o + rr * Dv;
+        pr[r] = p + rr * KB;
+#pragma GCC unroll 3
+        for (int c = 0; c < NZ; c++)
+            acc[r][c] = (TAIL == TAIL_MASK && c == NZ - 1) ? _mm512_maskz_loadu_ps(vm, orow + 16 * c)
+                                                           : _mm512_loadu_ps(orow + 16 * c);
+        acc8[r] = TAIL == TAIL_Y8 ? _mm256_loadu_ps(orow + 16 * NZ) : _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < kn; j++) {
+        const float *vr = v + j * Dv;
+        __m512 vv[3];
+        __m256 v8 = TAIL == TAIL_Y8 ? _mm256_loadu_ps(vr + 16 * NZ) : _mm256_setzero_ps();
+#pragma GCC unroll 3
+        for (int c = 0; c < NZ; c++)
+            vv[c] = (TAIL == TAIL_MASK && c == NZ - 1) ? _mm512_maskz_loadu_ps(vm, vr + 16 * c)
+                                                       : _mm512_loadu_ps(vr + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < TR; r++) {
+            __m512 a = _mm512_set1_ps(pr[r][j]);
+#pragma GCC unroll 3
+            for (int c = 0; c < NZ; c++) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
+            if (TAIL == TAIL_Y8) acc8[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(a), v8, acc8[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TR; r++) {
+        if (r >= qn) break;
+        float *orow = o + r * Dv;
+#pragma GCC unroll 3
+        for (int c = 0; c < NZ; c++) {
+            if (TAIL == TAIL_MASK && c == NZ - 1) _mm512_mask_storeu_ps(orow + 16 * c, vm, acc[r][c]);
+            else _mm512_storeu_ps(orow + 16 * c, acc[r][c]);
+        }
+        if (TAIL == TAIL_Y8) _mm256_storeu_ps(orow + 16 * NZ, acc8[r]);
+    }
+}
+
+/* One chunk of value columns: nv vectors (<= 3), the last of `last` lanes. */
+AVX512_INLINE void pv_chunk(int nv, int64_t last, float *o, const float *p, const float *v, int64_t qn,
+                            int64_t kn, int64_t Dv)
+{
+    __mmask16 vm = tail_mask(last);
+    int tail = last == 16 ? TAIL_FULL : last == 8 ? TAIL_Y8 : TAIL_MASK;
+#define PV_CASE(N) \
+    if (nv == N) { \
+        if (tail == TAIL_FULL) pv_tile(N, TAIL_FULL, o, p, v, qn, kn, Dv, vm); \
+        else if (tail == TAIL_Y8) pv_tile(N, TAIL_Y8, o, p, v, qn, kn, Dv, vm); \
+        else pv_tile(N, TAIL_MASK, o, p, v, qn, kn, Dv, vm); \
+        return; \
+    }
+    PV_CASE(1)
+    PV_CASE(2)
+    PV_CASE(3)
+#undef PV_CASE
+}
+
+AVX512 static void pv_avx512(float *o, const float *p, const float *v, int64_t qn, int64_t kn, int64_t Dv)
+{
+    /* split the Dv/16 vectors into balanced chunks of at most 3 (24 accumulators) */
+    int64_t nvec = (Dv + 15) / 16, nchunk = (nvec + 2) / 3;
+    for (int64_t i = 0; i < qn; i += TR) {
+        int64_t vec0 = 0;
+        for (int64_t ch = 0; ch < nchunk; ch++) {
+            int64_t nv = (nvec - vec0) / (nchunk - ch) + ((nvec - vec0) % (nchunk - ch) ? 1 : 0);
+            int64_t c0 = 16 * vec0, w = Dv - c0 < 16 * nv ? Dv - c0 : 16 * nv;
+            pv_chunk((int)nv, w - 16 * (nv - 1), o + i * Dv + c0, p + i * KB, v + c0, qn - i, kn, Dv);
+            vec0 += nv;
+        }
+    }
+}
+
+AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    if (nvalid <= 0) {
+        memset(s, 0, (size_t)kn * sizeof(float));
+        return;
+    }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nvalid; j += 16) {
+        __mmask16 mk = tail_mask(nvalid - j);
+        mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_load_ps(mk, s + j));
+    }
+    float bmax = _mm512_reduce_max_ps(mx);
+    float mnew = bmax > *m ? bmax : *m;
+    __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kn; j += 16) {
+        __mmask16 mk = tail_mask(nvalid - j < 0 ? 0 : nvalid - j);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j), vm)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_store_ps(s + j, e);
+    }
+    float alpha = exp2f(*m - mnew);
+    if (alpha != 1.0f) {
+        __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < Dv; c += 16) {
+            __mmask16 mk = tail_mask(Dv - c);
+            _mm512_mask_storeu_ps(o + c, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, o + c), va));
+        }
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = mnew;
+}
+#endif
+
+/* ---------------- one task ---------------- */
+
+/* Rows [qt0, qt0+qtn) of head b. Each key block is transposed once into kt and then
+ * used by every QB-row sub-block of the task, which keeps its own running max m,
+ * sum l and unnormalized output o. */
+static void att_block(att_ctx *c, float *ws, int64_t t)
+{
+    int64_t b = t / c->nqb, qt0 = (t % c->nqb) * QT;
+    int64_t D = c->D, Dv = c->Dv, Lk = c->Lk;
+    int64_t qtn = c->Lq - qt0 < QT ? c->Lq - qt0 : QT;
+    float *qs = ws;
+    float *kt = qs + round16(QT * D);
+    float *s = kt + round16(D * KB);
+    float *o = s + QB * KB;
+    float *m = o + round16(QT * Dv);
+    float *l = m + QT;
+    const float *q = c->q + (b * c->Lq + qt0) * D;
+    const float *k = c->k + b * Lk * D;
+    const float *v = c->v + b * Lk * Dv;
+
+    for (int64_t i = 0; i < qtn * D; i++) qs[i] = q[i] * c->scale2;
+    memset(o, 0, (size_t)(qtn * Dv) * sizeof(float));
+    for (int64_t i = 0; i < qtn; i++) { m[i] = -INFINITY; l[i] = 0; }
+
+    /* causal: query i sees keys j <= i (torch's tril mask over [Lq, Lk]) */
+    int64_t kend = c->causal && qt0 + qtn < Lk ? qt0 + qtn : Lk;
+    for (int64_t k0 = 0; k0 < kend; k0 += KB) {
+        int64_t kn = kend - k0 < KB ? kend - k0 : KB;
+        int64_t knp = round16(kn);
+        /* kt[d][j] = k[k0 + j][d], zero-padded to a multiple of 16 keys */
+        for (int64_t j = 0; j < kn; j++) {
+            const float *kr = k + (k0 + j) * D;
+            for (int64_t d = 0; d < D; d++) kt[d * KB + j] = kr[d];
+        }
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t j = kn; j < knp; j++) kt[d * KB + j] = 0;
+        for (int64_t sb = 0; sb < qtn; sb += QB) {
+            int64_t q0 = qt0 + sb, qn = qtn - sb < QB ? qtn - sb : QB;
+            if (c->causal && k0 > q0 + qn - 1) continue; /* every key of the block is masked */
+            const float *qsb = qs + sb * D;
+            float *osb = o + sb * Dv;
+#ifdef ATT_X86
+            if (c->avx512) qk_avx512(s, qsb, kt, qn, knp, D);
+            else
+#endif
+                qk_generic(s, qsb, kt, qn, kn, D);
+            for (int64_t i = 0; i < qn; i++) {
+                int64_t nvalid = kn;
+                if (c->causal && q0 + i - k0 + 1 < nvalid) nvalid = q0 + i - k0 + 1;
+#ifdef ATT_X86
+                if (c->avx512) softmax_row_avx512(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                else
+#endif
+                    softmax_row_generic(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+            }
+#ifdef ATT_X86
+            if (c->avx512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);
+            else
+#endif
+                pv_generic(osb, s, v + k0 * Dv, qn, kn, Dv);
+        }
+    }
+    float *out = c->out + (b * c->Lq + qt0) * Dv;
+    for (int64_t i = 0; i < qtn; i++) {
+        float inv = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+        for (int64_t d = 0; d < Dv; d++) out[i * Dv + d] = o[i * Dv + d] * inv;
+    }
+}
+
+static void att_tasks(void *p, int64_t b, int64_t e)
+{
+    att_ctx *c = p;
+    int idx = kiln_thread_index();
+    float *ws = NULL, *own = NULL;
+    if (idx >= 0 && idx < c->nslots) ws = c->scratch + (size_t)idx * c->slot;
+    else { /* not one of the pool's threads: use a private slot */
+        own = aligned_alloc(64, c->slot * sizeof(float));
+        if (!own) { atomic_store(&c->oom, 1); return; }
+        ws = own;
+    }
+    for (int64_t t = b; t < e; t++) att_block(c, ws, t);
+    free(own);
+}
+
+kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,
+                               int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
+                               float scale, int causal)
+{
+    if (!out || !q || !k || !v)
+        return kiln_error(KILN_ERR_ARG, "attention: NULL buffer (out %p, q %p, k %p, v %p)",
+                          (void *)out, (const void *)q, (const void *)k, (const void *)v);
+    if (B <= 0 || Lq <= 0 || Lk <= 0 || D <= 0 || Dv <= 0)
+        return kiln_error(KILN_ERR_ARG, "attention: bad shape B=%lld Lq=%lld Lk=%lld D=%lld Dv=%lld",
+                          (long long)B, (long long)Lq, (long long)Lk, (long long)D, (long long)Dv);
+    if (!isfinite(scale))
+        return kiln_error(KILN_ERR_ARG, "attention: scale %g is not finite", (double)scale);
+    if (D > (1 << 20) || Dv > (1 << 20))
+        return kiln_error(KILN_ERR_ARG, "attention: head dim D=%lld Dv=%lld too large",
+                          (long long)D, (long long)Dv);
+
+    int nslots = kiln_threads();
+    size_t slot = slot_floats(D, Dv);
+    size_t bytes = (size_t)nslots * slot * sizeof(float);
+    float *scratch = aligned_alloc(64, bytes);
+    if (!scratch)
+        return kiln_error_oom("cpu", bytes, 0, 0, "attention: no memory for %zu bytes of scratch", bytes);
+
+    att_ctx c;
+    c.out = out; c.q = q; c.k = k; c.v = v;
+    c.Lq = Lq; c.Lk = Lk; c.D = D; c.Dv = Dv;
+    c.nqb = (Lq + QT - 1) / QT;
+    c.scale2 = scale * LOG2E;
+    c.causal = causal != 0;
+    c.avx512 = use_avx512();
+    c.scratch = scratch; c.slot = slot; c.nslots = nslots;
+    atomic_init(&c.oom, 0);
+    kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);
+    free(scratch);
+    if (atomic_load(&c.oom))
+        return kiln_error_oom("cpu", slot * sizeof(float), 0, 0, "attention: no memory for a worker's scratch");
+    return KILN_OK;
+}

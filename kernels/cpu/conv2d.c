@@ -1,0 +1,382 @@
+/* conv2d.c - 2-d convolution over NCHW f32 images with f32/f16/bf16 weights, as
+ * torch.nn.functional.conv2d (stride, padding, dilation, groups, bias).
+ * Paths, chosen per shape (measured numbers in tests/bench/bench_gemm_conv.c):
+ *   - Winograd F(4x4, 3x3) for 3x3 stride-1 convolutions with enough channels
+ *     (conv2d_winograd.c), the bulk of SD's UNet and VAE;
+ *   - implicit GEMM: our packed GEMM kernel (gemm.c) with a B packer that reads the
+ *     image directly (im2col one KC x NB panel at a time, never a column buffer);
+ *     1x1 stride-1 convolutions are the plain GEMM W[K,C] x X[C,HW];
+ *   - a direct loop for depthwise convolutions (one input channel per group);
+ *   - without AVX-512: im2col over strips of output rows (column buffer bounded by
+ *     COL_MAX_FLOATS) and OpenBLAS sgemm. */
+#define _GNU_SOURCE
+#include "cpu_kernels.h"
+#include "threadpool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define CONV_X86 1
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f")))
+#endif
+
+/* gemm.c (no private header in this tree: keep these declarations in sync) */
+typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc);
+int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
+                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
+int kiln_cpu_gemm_have_simd(void);
+/* conv2d_winograd.c: 0 done, 1 not applicable / declined, -1 out of memory */
+int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                             const kiln_conv2d_params *p);
+
+/* Column buffer bound of the fallback path: 4 Mi floats = 16 MiB. */
+enum { COL_MAX_FLOATS = 4 << 20, WBLOCK_ROWS = 64 };
+
+/* Every size must stay far from overflow in products such as n*c*h*w. */
+static const int64_t DIM_MAX = (int64_t)1 << 31;
+
+static int mul_ok(int64_t a, int64_t b, int64_t *out)
+{
+    if (a < 0 || b < 0) return 0;
+    if (a != 0 && b > INT64_MAX / 4 / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p)
+{
+    if (!p) return kiln_error(KILN_ERR_ARG, "conv2d: NULL params");
+    const int64_t dims[] = {p->n, p->c, p->h, p->w, p->k, p->r, p->s, p->stride_h, p->stride_w, p->dil_h, p->dil_w,
+                            p->groups};
+    static const char *const names[] = {"batch", "input channels", "height", "width", "output channels",
+                                        "kernel height", "kernel width", "stride_h", "stride_w", "dilation_h",
+                                        "dilation_w", "groups"};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i] < 1 || dims[i] > DIM_MAX)
+            return kiln_error(KILN_ERR_ARG, "conv2d: %s = %lld (must be in 1..2^31)", names[i], (long long)dims[i]);
+    if (p->pad_h < 0 || p->pad_w < 0 || p->pad_h > DIM_MAX || p->pad_w > DIM_MAX)
+        return kiln_error(KILN_ERR_ARG, "conv2d: padding %lldx%lld must be >= 0", (long long)p->pad_h,
+                          (long long)p->pad_w);
+    if (p->c % p->groups || p->k % p->groups)
+        return kiln_error(KILN_ERR_ARG, "conv2d: groups=%lld must divide input channels %lld and output channels %lld",
+                          (long long)p->groups, (long long)p->c, (long long)p->k);
+    int64_t ext_h = p->dil_h * (p->r - 1) + 1, ext_w = p->dil_w * (p->s - 1) + 1;
+    int64_t in_h = p->h + 2 * p->pad_h, in_w = p->w + 2 * p->pad_w;
+    if (in_h < ext_h || in_w < ext_w)
+        return kiln_error(KILN_ERR_ARG,
+                          "conv2d: input %lldx%lld (padded %lldx%lld) is smaller than the dilated kernel %lldx%lld: "
+                          "empty output", (long long)p->h, (long long)p->w, (long long)in_h, (long long)in_w,
+                          (long long)ext_h, (long long)ext_w);
+    p->oh = (in_h - ext_h) / p->stride_h + 1;
+    p->ow = (in_w - ext_w) / p->stride_w + 1;
+    int64_t t;
+    if (!mul_ok(p->n, p->c, &t) || !mul_ok(t, p->h, &t) || !mul_ok(t, p->w, &t) ||
+        !mul_ok(p->n, p->k, &t) || !mul_ok(t, p->oh, &t) || !mul_ok(t, p->ow, &t) ||
+        !mul_ok(p->k, p->c / p->groups, &t) || !mul_ok(t, p->r, &t) || !mul_ok(t, p->s, &t))
+        return kiln_error(KILN_ERR_ARG, "conv2d: tensor sizes overflow");
+    return KILN_OK;
+}
+
+/* ---------- depthwise: one input channel per group ---------- */
+
+typedef struct {
+    float *y;
+    const float *x;
+    const void *w;
+    kiln_dtype w_dt;
+    const float *bias;
+    const kiln_conv2d_params *p;
+    float *wscratch;              /* kiln_threads() x r*s floats */
+} conv_job;
+
+static void depthwise_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const conv_job *j = vctx;
+    const kiln_conv2d_params *p = j->p;
+    int64_t kg = p->k / p->groups, rs = p->r * p->s;
+    float *wbuf = j->wscratch + (size_t)kiln_thread_index() * (size_t)rs;
+    for (int64_t plane = begin; plane < end; plane++) {
+        int64_t n = plane / p->k, k = plane % p->k, c = k / kg;
+        const float *xp = j->x + (n * p->c + c) * p->h * p->w;
+        float *yp = j->y + (n * p->k + k) * p->oh * p->ow;
+        kiln_to_f32(wbuf, (const char *)j->w + (size_t)(k * rs) * kiln_dtype_size(j->w_dt), j->w_dt, (size_t)rs);
+        float b = j->bias ? j->bias[k] : 0.0f;
+        for (int64_t oy = 0; oy < p->oh; oy++) {
+            float *yr = yp + oy * p->ow;
+            for (int64_t ox = 0; ox < p->ow; ox++) yr[ox] = b;
+            for (int64_t rr = 0; rr < p->r; rr++) {
+                int64_t iy = oy * p->stride_h - p->pad_h + rr * p->dil_h;
+                if (iy < 0 || iy >= p->h) continue;
+                const float *xr = xp + iy * p->w;
+                for (int64_t ss = 0; ss < p->s; ss++) {
+                    float wv = wbuf[rr * p->s + ss];
+                    int64_t off = ss * p->dil_w - p->pad_w;
+                    /* ox range with 0 <= ox*stride + off < w */
+                    int64_t lo = off >= 0 ? 0 : (-off + p->stride_w - 1) / p->stride_w;
+                    int64_t hi = p->w - off <= 0 ? 0 : (p->w - off - 1) / p->stride_w + 1;
+                    if (hi > p->ow) hi = p->ow;
+                    if (p->stride_w == 1)
+                        for (int64_t ox = lo; ox < hi; ox++) yr[ox] += wv * xr[ox + off];
+                    else
+                        for (int64_t ox = lo; ox < hi; ox++) yr[ox] += wv * xr[ox * p->stride_w + off];
+                }
+            }
+        }
+    }
+}
+
+/* ---------- implicit GEMM (AVX-512) ---------- */
+#ifdef CONV_X86
+
+typedef struct {
+    const float *x;               /* [cg, h, w] of this image and group */
+    const kiln_conv2d_params *p;
+} im2col_ctx;
+
+/* Packs rows q = (c, r, s) in [k0, k0+kc) and output pixels [j0, j0+n) of the virtual
+ * column matrix into 32-wide slivers (see pack_b_fn in gemm.c). */
+AVX512 static void im2col_pack(void *vctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc)
+{
+    const im2col_ctx *ctx = vctx;
+    const kiln_conv2d_params *p = ctx->p;
+    const int64_t H = p->h, W = p->w, R = p->r, S = p->s, OW = p->ow;
+    const int plain = R == 1 && S == 1 && p->stride_h == 1 && p->stride_w == 1 && p->pad_h == 0 && p->pad_w == 0;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t js = 0; js < n; js += 32) {
+        int nn = n - js < 32 ? (int)(n - js) : 32;
+        float *out = dst + (js / 32) * kc * 32;
+        int64_t jb = j0 + js;
+        if (plain) { /* 1x1: row q of the column matrix is channel q of the image */
+            __mmask16 m0 = nn >= 16 ? 0xffff : (__mmask16)((1u << nn) - 1);
+            __mmask16 m1 = nn >= 32 ? 0xffff : nn > 16 ? (__mmask16)((1u << (nn - 16)) - 1) : 0;
+            for (int64_t k = 0; k < kc; k++) {
+                const float *src = ctx->x + (k0 + k) * H * W + jb;
+                _mm512_store_ps(out + k * 32, _mm512_maskz_loadu_ps(m0, src));
+                _mm512_store_ps(out + k * 32 + 16, _mm512_maskz_loadu_ps(m1, src + 16));
+            }
+            continue;
+        }
+        /* runs of lanes that lie in one output row */
+        int run_l0[33], run_l1[33];
+        int64_t run_oy[33], run_ox[33];
+        int nr = 0;
+        for (int l = 0; l < nn;) {
+            int64_t j = jb + l, oy = j / OW, ox = j % OW;
+            int len = OW - ox < nn - l ? (int)(OW - ox) : nn - l;
+            run_l0[nr] = l; run_l1[nr] = l + len; run_oy[nr] = oy; run_ox[nr] = ox;
+            nr++;
+            l += len;
+        }
+        int64_t q = k0;
+        int64_t c = q / (R * S), rr = (q / S) % R, ss = q % S;
+        for (int64_t k = 0; k < kc; k++) {
+            __m512 v0 = _mm512_setzero_ps(), v1 = v0;
+            const float *plane = ctx->x + c * H * W;
+            for (int t = 0; t < nr; t++) {
+                int64_t iy = run_oy[t] * p->stride_h - p->pad_h + rr * p->dil_h;
+                if (iy < 0 || iy >= H) continue;
+                const float *row = plane + iy * W;
+                int64_t ix0 = run_ox[t] * p->stride_w - p->pad_w + ss * p->dil_w; /* x column of lane run_l0 */
+                int l0 = run_l0[t], l1 = run_l1[t];
+                if (p->stride_w == 1) {
+                    /* lanes l with 0 <= ix0 + (l - l0) < W */
+                    int64_t a = ix0 < 0 ? l0 - ix0 : l0, b = l0 + (W - ix0);
+                    if (b > l1) b = l1;
+                    if (a >= b) continue;
+                    uint32_t bits = (uint32_t)(((uint64_t)1 << b) - ((uint64_t)1 << a));
+                    /* lane l reads row[ix0 - l0 + l]; masked-off lanes are never touched */
+                    const float *base = row + (ix0 - l0);
+                    if (bits & 0xffff) v0 = _mm512_mask_loadu_ps(v0, (__mmask16)bits, base);
+                    if (bits >> 16) v1 = _mm512_mask_loadu_ps(v1, (__mmask16)(bits >> 16), base + 16);
+                } else {
+                    for (int half = 0; half < 2; half++) {
+                        int hl0 = half * 16;
+                        if (l1 <= hl0 || l0 >= hl0 + 16) continue;
+                        /* lane i (global lane hl0 + i) reads ix = ix0 + (hl0 + i - l0) * stride */
+                        __m512i ix = _mm512_add_epi32(_mm512_set1_epi32((int)(ix0 + (int64_t)(hl0 - l0) * p->stride_w)),
+                                                      _mm512_mullo_epi32(iota, _mm512_set1_epi32((int)p->stride_w)));
+                        uint32_t lanes = (uint32_t)(((uint64_t)1 << l1) - ((uint64_t)1 << l0)) >> hl0;
+                        __mmask16 mk = (__mmask16)lanes & _mm512_cmpge_epi32_mask(ix, _mm512_setzero_si512()) &
+                                       _mm512_cmplt_epi32_mask(ix, _mm512_set1_epi32((int)W));
+                        if (!mk) continue;
+                        if (half == 0) v0 = _mm512_mask_i32gather_ps(v0, mk, ix, row, 4);
+                        else v1 = _mm512_mask_i32gather_ps(v1, mk, ix, row, 4);
+                    }
+                }
+            }
+            _mm512_store_ps(out + k * 32, v0);
+            _mm512_store_ps(out + k * 32 + 16, v1);
+            if (++ss == S) {
+                ss = 0;
+                if (++rr == R) { rr = 0; c++; }
+            }
+        }
+    }
+}
+
+/* 0 done, -1 not possible (no SIMD kernel or no scratch). */
+static int conv_implicit_gemm(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
+                              const kiln_conv2d_params *p)
+{
+    int64_t cg = p->c / p->groups, kg = p->k / p->groups, crs = cg * p->r * p->s;
+    size_t esz = kiln_dtype_size(w_dt);
+    for (int64_t n = 0; n < p->n; n++)
+        for (int64_t g = 0; g < p->groups; g++) {
+            im2col_ctx ctx = {x + (n * p->c + g * cg) * p->h * p->w, p};
+            float *yg = y + (n * p->k + g * kg) * p->oh * p->ow;
+            /* -1 (no SIMD or no scratch): the caller's fallback recomputes everything */
+            if (kiln_cpu_gemm_ex(kg, p->oh * p->ow, crs, (const char *)w + (size_t)(g * kg * crs) * esz, w_dt, crs,
+                                 im2col_pack, &ctx, yg, p->oh * p->ow, bias ? bias + g * kg : NULL) != 0)
+                return -1;
+        }
+    return 0;
+}
+#else
+static int conv_implicit_gemm(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
+                              const kiln_conv2d_params *p)
+{
+    (void)y; (void)x; (void)w; (void)w_dt; (void)bias; (void)p;
+    return -1;
+}
+#endif
+
+/* ---------- fallback: im2col strips + sgemm (OpenBLAS) ---------- */
+
+typedef struct {
+    float *col;
+    const float *x;               /* [cg, h, w] */
+    const kiln_conv2d_params *p;
+    int64_t oy0, rows;            /* output rows of this strip */
+} strip_ctx;
+
+static void im2col_rows_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const strip_ctx *s = vctx;
+    const kiln_conv2d_params *p = s->p;
+    int64_t ncol = s->rows * p->ow;
+    for (int64_t q = begin; q < end; q++) {
+        int64_t c = q / (p->r * p->s), rr = (q / p->s) % p->r, ss = q % p->s;
+        const float *plane = s->x + c * p->h * p->w;
+        float *dst = s->col + q * ncol;
+        for (int64_t oy = s->oy0; oy < s->oy0 + s->rows; oy++) {
+            int64_t iy = oy * p->stride_h - p->pad_h + rr * p->dil_h;
+            float *d = dst + (oy - s->oy0) * p->ow;
+            if (iy < 0 || iy >= p->h) {
+                memset(d, 0, (size_t)p->ow * sizeof *d);
+                continue;
+            }
+            const float *row = plane + iy * p->w;
+            for (int64_t ox = 0; ox < p->ow; ox++) {
+                int64_t ix = ox * p->stride_w - p->pad_w + ss * p->dil_w;
+                d[ox] = ix >= 0 && ix < p->w ? row[ix] : 0.0f;
+            }
+        }
+    }
+}
+
+static kiln_status conv_im2col_blas(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
+                                    const kiln_conv2d_params *p)
+{
+    int64_t cg = p->c / p->groups, kg = p->k / p->groups, crs = cg * p->r * p->s, ohw = p->oh * p->ow;
+    size_t esz = kiln_dtype_size(w_dt);
+    int plain = p->r == 1 && p->s == 1 && p->stride_h == 1 && p->stride_w == 1 && p->pad_h == 0 && p->pad_w == 0;
+    int64_t rows = plain ? p->oh : COL_MAX_FLOATS / (crs * p->ow > 0 ? crs * p->ow : 1);
+    if (rows < 1) rows = 1;
+    if (rows > p->oh) rows = p->oh;
+    int64_t kb = w_dt == KILN_F32 ? kg : (kg < WBLOCK_ROWS ? kg : WBLOCK_ROWS);
+    float *col = plain ? NULL : malloc((size_t)(crs * rows * p->ow) * sizeof *col);
+    float *wbuf = w_dt == KILN_F32 ? NULL : malloc((size_t)(kb * crs) * sizeof *wbuf);
+    if ((!plain && !col) || (w_dt != KILN_F32 && !wbuf)) {
+        free(col);
+        free(wbuf);
+        return kiln_error_oom("cpu", (uint64_t)(crs * rows * p->ow + kb * crs) * 4, 0, 0,
+                              "conv2d: no memory for the column buffer (%lld floats)", (long long)(crs * rows * p->ow));
+    }
+    for (int64_t n = 0; n < p->n; n++)
+        for (int64_t g = 0; g < p->groups; g++) {
+            const float *xg = x + (n * p->c + g * cg) * p->h * p->w;
+            float *yg = y + (n * p->k + g * kg) * ohw;
+            const char *wg = (const char *)w + (size_t)(g * kg * crs) * esz;
+            for (int64_t oy0 = 0; oy0 < p->oh; oy0 += rows) {
+                int64_t nrow = p->oh - oy0 < rows ? p->oh - oy0 : rows, ncol = nrow * p->ow;
+                const float *B = xg;
+                if (!plain) {
+                    strip_ctx s = {col, xg, p, oy0, nrow};
+                    kiln_parallel_for(crs, 1, im2col_rows_fn, &s);
+                    B = col;
+                }
+                for (int64_t k0 = 0; k0 < kg; k0 += kb) {
+                    int64_t kn = kg - k0 < kb ? kg - k0 : kb;
+                    const float *A = (const float *)wg + k0 * crs;
+                    if (wbuf) {
+                        kiln_to_f32(wbuf, wg + (size_t)(k0 * crs) * esz, w_dt, (size_t)(kn * crs));
+                        A = wbuf;
+                    }
+                    kiln_cpu_gemm_f32(0, 0, kn, ncol, crs, 1.0f, A, crs, B, plain ? ohw : ncol, 0.0f,
+                                      yg + k0 * ohw + oy0 * p->ow, ohw);
+                }
+            }
+            if (bias)
+                for (int64_t k = 0; k < kg; k++) {
+                    float b = bias[g * kg + k], *yk = yg + k * ohw;
+                    for (int64_t i = 0; i < ohw; i++) yk[i] += b;
+                }
+        }
+    free(col);
+    free(wbuf);
+    return KILN_OK;
+}
+
+/* ---------- entry ---------- */
+
+/* Which path runs; KILN_CONV_PATH=gemm|winograd|im2col|direct forces one where it
+ * applies (benchmarks and tests compare them). */
+typedef enum { PATH_AUTO = 0, PATH_GEMM, PATH_WINOGRAD, PATH_IM2COL, PATH_DIRECT } conv_path;
+
+static conv_path forced_path(void)
+{
+    const char *e = getenv("KILN_CONV_PATH");
+    if (!e) return PATH_AUTO;
+    if (!strcmp(e, "gemm")) return PATH_GEMM;
+    if (!strcmp(e, "winograd")) return PATH_WINOGRAD;
+    if (!strcmp(e, "im2col")) return PATH_IM2COL;
+    if (!strcmp(e, "direct")) return PATH_DIRECT;
+    return PATH_AUTO;
+}
+
+kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                            const float *bias, const kiln_conv2d_params *p)
+{
+    if (!p) return kiln_error(KILN_ERR_ARG, "conv2d: NULL params");
+    kiln_conv2d_params q = *p;
+    kiln_status st = kiln_conv2d_out_size(&q);
+    if (st) return st;
+    if (q.oh != p->oh || q.ow != p->ow)
+        return kiln_error(KILN_ERR_ARG, "conv2d: output size %lldx%lld does not match the parameters (%lldx%lld)",
+                          (long long)p->oh, (long long)p->ow, (long long)q.oh, (long long)q.ow);
+    if (w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "conv2d: weight dtype %s (expected f32, f16 or bf16)",
+                          kiln_dtype_name(w_dtype));
+    if (!y || !x || !w) return kiln_error(KILN_ERR_ARG, "conv2d: NULL buffer");
+
+    conv_path path = forced_path();
+    int64_t cg = p->c / p->groups;
+    if ((path == PATH_AUTO && cg == 1) || path == PATH_DIRECT) {
+        if (cg == 1) {
+            size_t bytes = (size_t)kiln_threads() * (size_t)(p->r * p->s) * sizeof(float);
+            conv_job j = {y, x, w, w_dtype, bias, p, malloc(bytes)};
+            if (!j.wscratch) return kiln_error_oom("cpu", bytes, 0, 0, "conv2d: no memory for %zu bytes of kernel", bytes);
+            kiln_parallel_for(p->n * p->k, 1, depthwise_fn, &j);
+            free(j.wscratch);
+            return KILN_OK;
+        }
+    }
+    if (path == PATH_AUTO || path == PATH_WINOGRAD) {
+        int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p);
+        if (r == 0) return KILN_OK;
+    }
+    if (path != PATH_IM2COL && conv_implicit_gemm(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
+    return conv_im2col_blas(y, x, w, w_dtype, bias, p);
+}

@@ -1,0 +1,568 @@
+/* gemm.c - f32 matrix products (gemm, batched gemm, linear) on the shared thread pool.
+ * On CPUs with AVX-512 a packed, cache-blocked kernel of our own runs (on par with or
+ * faster than OpenBLAS 0.3.21 here, and it shares our pool instead of a second set of
+ * spinning threads); elsewhere OpenBLAS sgemm does the work. The same kernel serves
+ * conv2d (conv2d.c) through kiln_cpu_gemm_ex, which takes f16/bf16 A and a callback
+ * that packs B straight from the image (implicit im2col). */
+#define _GNU_SOURCE
+#include "cpu_kernels.h"
+#include "threadpool.h"
+
+#include <cblas.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define GEMM_X86 1
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f")))
+#endif
+
+/* Microkernel tile: MR rows of A (broadcast) times NR = 2 vectors of 16 columns. KC is
+ * the depth of one packed panel: an MR x KC sliver of A stays in L1 while the KC x NB
+ * panel of B (<= 768 KB) is reused from L2 by every sliver. */
+enum { MR = 12, NR = 32, KC = 384, NB_MAX = 512 };
+
+/* Packs columns [j0, j0+n) x depth [k0, k0+kc) of B into ceil(n/32) slivers of kc x 32
+ * floats each (column-major within a sliver row: dst[s][k][0..31]), zero past n. */
+typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc);
+
+/* Declared again in conv2d.c (no private header in this tree): keep both in sync. */
+int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
+                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
+int kiln_cpu_gemm_have_simd(void);
+
+typedef struct {
+    int trans_a, trans_b;
+    int64_t M, N, K;
+    float alpha, beta;
+    const void *A; int64_t lda; kiln_dtype a_dt;
+    const void *B; int64_t ldb; kiln_dtype b_dt;
+    pack_b_fn pack_b; void *pack_ctx;   /* custom B source (conv), or NULL */
+    float *C; int64_t ldc;
+    const float *bias_row, *bias_col;   /* C[i][j] += bias_row[i] + bias_col[j]; may be NULL */
+} gemm_args;
+
+/* ---------- OpenBLAS fallback ---------- */
+
+static atomic_int blas_threads_set;
+static int have_avx512(void);
+
+/* OpenBLAS keeps its own threads, which spin for a while after each call and would
+ * steal cores from our pool. With the AVX-512 kernel BLAS only sees products too small
+ * to split, so it runs on one thread; otherwise it gets as many threads as the pool. */
+static void blas_init(void)
+{
+    if (!atomic_load(&blas_threads_set)) {
+        openblas_set_num_threads(have_avx512() ? 1 : kiln_threads());
+        atomic_store(&blas_threads_set, 1);
+    }
+}
+
+static void scale_c(float *C, int64_t ldc, int64_t M, int64_t N, float beta)
+{
+    for (int64_t i = 0; i < M; i++) {
+        float *c = C + i * ldc;
+        if (beta == 0.0f) memset(c, 0, (size_t)N * sizeof *c);
+        else if (beta != 1.0f) for (int64_t j = 0; j < N; j++) c[j] *= beta;
+    }
+}
+
+static void add_bias(const gemm_args *g)
+{
+    for (int64_t i = 0; i < g->M; i++) {
+        float *c = g->C + i * g->ldc;
+        float br = g->bias_row ? g->bias_row[i] : 0.0f;
+        for (int64_t j = 0; j < g->N; j++) c[j] += br + (g->bias_col ? g->bias_col[j] : 0.0f);
+    }
+}
+
+/* f32 A and B through cblas; f16/bf16 B (only as trans_b, the linear case) converted
+ * in panels of 256 rows so the whole weight is never converted at once. Returns -1
+ * when the panel cannot be allocated. */
+static int blas_gemm(const gemm_args *g)
+{
+    blas_init();
+    if (g->b_dt == KILN_F32) {
+        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans, g->trans_b ? CblasTrans : CblasNoTrans,
+                    (int)g->M, (int)g->N, (int)g->K, g->alpha, g->A, (int)g->lda, g->B, (int)g->ldb,
+                    g->beta, g->C, (int)g->ldc);
+    } else {
+        const int64_t rows = 256;
+        float *panel = malloc((size_t)rows * (size_t)g->K * sizeof *panel);
+        if (!panel) return -1;
+        size_t esz = kiln_dtype_size(g->b_dt);
+        for (int64_t n0 = 0; n0 < g->N; n0 += rows) {
+            int64_t nb = g->N - n0 < rows ? g->N - n0 : rows;
+            for (int64_t j = 0; j < nb; j++)
+                kiln_to_f32(panel + j * g->K, (const char *)g->B + (size_t)((n0 + j) * g->ldb) * esz, g->b_dt,
+                            (size_t)g->K);
+            cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans, CblasTrans, (int)g->M, (int)nb,
+                        (int)g->K, g->alpha, g->A, (int)g->lda, panel, (int)g->K, g->beta, g->C + n0, (int)g->ldc);
+        }
+        free(panel);
+    }
+    if (g->bias_row || g->bias_col) add_bias(g);
+    return 0;
+}
+
+/* ---------- packed AVX-512 kernel ---------- */
+#ifdef GEMM_X86
+
+static int have_avx512(void)
+{
+    static atomic_int cached = -1;
+    int c = atomic_load(&cached);
+    if (c < 0) {
+        __builtin_cpu_init();
+        c = __builtin_cpu_supports("avx512f") ? 1 : 0;
+        const char *e = getenv("KILN_NO_AVX512"); /* lets tests and benches force the fallback */
+        if (e && *e && *e != '0') c = 0;
+        atomic_store(&cached, c);
+    }
+    return c;
+}
+
+static inline float elem_f32(const void *base, kiln_dtype dt, int64_t idx)
+{
+    if (dt == KILN_F32) return ((const float *)base)[idx];
+    if (dt == KILN_F16) return kiln_f16_to_f32(((const uint16_t *)base)[idx]);
+    return kiln_bf16_to_f32(((const uint16_t *)base)[idx]);
+}
+
+/* Packs rows [i0, i0+m) x depth [k0, k0+kc) of op(A) into ap[k][MR] (rows past m zero). */
+static void pack_a(float *restrict ap, const gemm_args *g, int64_t i0, int m, int64_t k0, int64_t kc)
+{
+    if (g->trans_a) { /* op(A)[i][k] = A[k][i]: rows of A are contiguous in i */
+        for (int64_t k = 0; k < kc; k++) {
+            float *dst = ap + k * MR;
+            int r = 0;
+            for (; r < m; r++) dst[r] = elem_f32(g->A, g->a_dt, (k0 + k) * g->lda + i0 + r);
+            for (; r < MR; r++) dst[r] = 0.0f;
+        }
+    } else if (g->a_dt == KILN_F32) {
+        for (int r = 0; r < MR; r++) {
+            if (r < m) {
+                const float *src = (const float *)g->A + (i0 + r) * g->lda + k0;
+                for (int64_t k = 0; k < kc; k++) ap[k * MR + r] = src[k];
+            } else {
+                for (int64_t k = 0; k < kc; k++) ap[k * MR + r] = 0.0f;
+            }
+        }
+    } else {
+        float row[KC];
+        for (int r = 0; r < MR; r++) {
+            if (r < m) kiln_to_f32(row, (const char *)g->A + (size_t)((i0 + r) * g->lda + k0) * 2, g->a_dt, (size_t)kc);
+            for (int64_t k = 0; k < kc; k++) ap[k * MR + r] = r < m ? row[k] : 0.0f;
+        }
+    }
+}
+
+/* 16 elements of a f32/f16/bf16 row starting at src (n <= 16 valid, rest zero). */
+AVX512 static inline __m512 load16(const void *src, kiln_dtype dt, int n)
+{
+    if (n <= 0) return _mm512_setzero_ps();
+    __mmask16 mk = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    if (dt == KILN_F32) return _mm512_maskz_loadu_ps(mk, src);
+    __m256i h = _mm256_setzero_si256();
+    if (n >= 16) h = _mm256_loadu_si256((const __m256i *)src);
+    else memcpy(&h, src, (size_t)n * 2);
+    if (dt == KILN_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* In-register transpose of a 16 x 16 block: r[i][j] becomes r[j][i]. */
+AVX512 static inline void transpose16(__m512 *r)
+{
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3 */
+    for (int g4 = 0; g4 < 16; g4 += 4) {
+        u[g4 + 0] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0x44);
+        u[g4 + 1] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0xEE);
+        u[g4 + 2] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0x44);
+        u[g4 + 3] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0xEE);
+    }
+    /* 4 x 4 transpose of 128-bit lanes across u[c], u[4+c], u[8+c], u[12+c] */
+    for (int c = 0; c < 4; c++) {
+        __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        __m512 v2 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(v, w, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(v, w, 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+    }
+}
+
+/* Packs columns [j0, j0+n) x depth [k0, k0+kc) of op(B) into bp[k][NR] slivers of
+ * NR columns each (columns past n zero), converting f16/bf16 to f32 on the way. */
+AVX512 static void pack_b(float *restrict bp, const gemm_args *g, int64_t j0, int64_t n, int64_t k0, int64_t kc)
+{
+    if (g->pack_b) {
+        g->pack_b(g->pack_ctx, bp, j0, n, k0, kc);
+        return;
+    }
+    size_t esz = kiln_dtype_size(g->b_dt);
+    const char *B = g->B;
+    for (int64_t js = 0; js < n; js += NR) {
+        int nn = n - js < NR ? (int)(n - js) : NR;
+        float *dst = bp + (js / NR) * kc * NR;
+        if (!g->trans_b) { /* row k of B holds the columns contiguously */
+            for (int64_t k = 0; k < kc; k++) {
+                const char *src = B + (size_t)((k0 + k) * g->ldb + j0 + js) * esz;
+                _mm512_store_ps(dst + k * NR, load16(src, g->b_dt, nn));
+                _mm512_store_ps(dst + k * NR + 16, load16(src + 16 * esz, g->b_dt, nn - 16));
+            }
+        } else { /* op(B)[k][j] = B[j][k]: 16 x 16 blocks transposed in registers */
+            for (int half = 0; half < 2; half++) {
+                int jn = nn - half * 16;
+                for (int64_t kb = 0; kb < kc; kb += 16) {
+                    int kn = kc - kb < 16 ? (int)(kc - kb) : 16;
+                    __m512 r[16];
+                    for (int jj = 0; jj < 16; jj++)
+                        r[jj] = jj < jn ? load16(B + (size_t)((j0 + js + half * 16 + jj) * g->ldb + k0 + kb) * esz,
+                                                 g->b_dt, kn)
+                                        : _mm512_setzero_ps();
+                    transpose16(r);
+                    for (int kk = 0; kk < kn; kk++) _mm512_store_ps(dst + (kb + kk) * NR + half * 16, r[kk]);
+                }
+            }
+        }
+    }
+}
+
+/* Where and how a microkernel writes its tile. */
+typedef struct {
+    float *c; int64_t ldc;
+    int m, n;                 /* valid rows (<= MR) and columns (<= NR) */
+    float alpha, beta;
+    int accumulate;           /* not the first K panel: C += alpha*acc */
+    const float *bias_row;    /* last K panel only: + bias_row[r], NULL if none */
+    const float *bias_col;    /* last K panel only: + bias_col[j], NULL if none */
+} tile_out;
+
+/* C = alpha*acc (+ beta*C, or + C when accumulating) (+ biases). */
+AVX512 static void store_tile(const tile_out *o, const __m512 *lo, const __m512 *hi)
+{
+    int n = o->n;
+    __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+    __m512 va = _mm512_set1_ps(o->alpha), vb = _mm512_set1_ps(o->beta);
+    __m512 bc0 = _mm512_setzero_ps(), bc1 = bc0;
+    if (o->bias_col) {
+        bc0 = _mm512_maskz_loadu_ps(m0, o->bias_col);
+        bc1 = _mm512_maskz_loadu_ps(m1, o->bias_col + 16);
+    }
+    for (int r = 0; r < o->m; r++) {
+        float *row = o->c + r * o->ldc;
+        __m512 v0 = _mm512_mul_ps(lo[r], va), v1 = _mm512_mul_ps(hi[r], va);
+        if (o->accumulate) {
+            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, row));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, row + 16));
+        } else if (o->beta != 0.0f) { /* beta == 0 never reads C (it may hold nan) */
+            v0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, row), v0);
+            v1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, row + 16), v1);
+        }
+        if (o->bias_row) {
+            __m512 br = _mm512_set1_ps(o->bias_row[r]);
+            v0 = _mm512_add_ps(v0, br);
+            v1 = _mm512_add_ps(v1, br);
+        }
+        if (o->bias_col) {
+            v0 = _mm512_add_ps(v0, bc0);
+            v1 = _mm512_add_ps(v1, bc1);
+        }
+        _mm512_mask_storeu_ps(row, m0, v0);
+        _mm512_mask_storeu_ps(row + 16, m1, v1);
+    }
+}
+
+#define UKR_ZERO()                                                                                             \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;            \
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, b0_ = a0, b1_ = a0, b2_ = a0, b3_ = a0, b4_ = a0, b5_ = a0;   \
+    __m512 b6_ = a0, b7_ = a0, b8_ = a0, b9_ = a0, b10_ = a0, b11_ = a0;
+
+#define UKR_STORE(o)                                                                                           \
+    __m512 lo[MR] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};                                        \
+    __m512 hi[MR] = {b0_, b1_, b2_, b3_, b4_, b5_, b6_, b7_, b8_, b9_, b10_, b11_};                            \
+    store_tile(o, lo, hi);
+
+#define ROW(lo, hi, src) s = _mm512_set1_ps(src); lo = _mm512_fmadd_ps(s, x0, lo); hi = _mm512_fmadd_ps(s, x1, hi);
+
+/* MR x NR tile from a packed A sliver ap[k][MR] and B sliver bp[k][NR]. */
+AVX512 static void ukr_packed(int64_t kc, const float *restrict ap, const float *restrict bp, const tile_out *o)
+{
+    UKR_ZERO()
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 x0 = _mm512_load_ps(bp), x1 = _mm512_load_ps(bp + 16), s;
+        ROW(a0, b0_, ap[0]) ROW(a1, b1_, ap[1]) ROW(a2, b2_, ap[2]) ROW(a3, b3_, ap[3])
+        ROW(a4, b4_, ap[4]) ROW(a5, b5_, ap[5]) ROW(a6, b6_, ap[6]) ROW(a7, b7_, ap[7])
+        ROW(a8, b8_, ap[8]) ROW(a9, b9_, ap[9]) ROW(a10, b10_, ap[10]) ROW(a11, b11_, ap[11])
+        ap += MR;
+        bp += NR;
+    }
+    UKR_STORE(o)
+}
+
+/* Same, reading MR full rows of a row-major f32 A (stride lda) in place: no packing. */
+AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, const float *restrict bp,
+                            const tile_out *o)
+{
+    UKR_ZERO()
+    const float *r0 = a, *r4 = a + 4 * lda, *r8 = a + 8 * lda;
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 x0 = _mm512_load_ps(bp), x1 = _mm512_load_ps(bp + 16), s;
+        ROW(a0, b0_, r0[k]) ROW(a1, b1_, r0[lda + k]) ROW(a2, b2_, r0[2 * lda + k]) ROW(a3, b3_, r0[3 * lda + k])
+        ROW(a4, b4_, r4[k]) ROW(a5, b5_, r4[lda + k]) ROW(a6, b6_, r4[2 * lda + k]) ROW(a7, b7_, r4[3 * lda + k])
+        ROW(a8, b8_, r8[k]) ROW(a9, b9_, r8[lda + k]) ROW(a10, b10_, r8[2 * lda + k]) ROW(a11, b11_, r8[3 * lda + k])
+        bp += NR;
+    }
+    UKR_STORE(o)
+}
+#undef ROW
+#undef UKR_ZERO
+#undef UKR_STORE
+
+/* The block of C rows [i0, i1) x columns [j0, j1), all of K. */
+AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1, int64_t j0,
+                             int64_t j1)
+{
+    int64_t n = j1 - j0;
+    for (int64_t k0 = 0; k0 < g->K; k0 += KC) {
+        int64_t kc = g->K - k0 < KC ? g->K - k0 : KC;
+        int last = k0 + kc == g->K;
+        pack_b(bpanel, g, j0, n, k0, kc);
+        for (int64_t i = i0; i < i1; i += MR) {
+            int m = i1 - i < MR ? (int)(i1 - i) : MR;
+            /* full slivers of a row-major f32 A are read in place; the rest is packed */
+            int direct = !g->trans_a && g->a_dt == KILN_F32 && m == MR;
+            if (!direct) pack_a(asliver, g, i, m, k0, kc);
+            for (int64_t js = 0; js < n; js += NR) {
+                tile_out o = {g->C + i * g->ldc + j0 + js, g->ldc, m, n - js < NR ? (int)(n - js) : NR,
+                              g->alpha, g->beta, k0 > 0,
+                              last && g->bias_row ? g->bias_row + i : NULL,
+                              last && g->bias_col ? g->bias_col + j0 + js : NULL};
+                const float *bp = bpanel + (js / NR) * kc * NR;
+                if (direct) ukr_rows(kc, (const float *)g->A + i * g->lda + k0, g->lda, bp, &o);
+                else ukr_packed(kc, asliver, bp, &o);
+            }
+        }
+    }
+}
+
+typedef struct {
+    const gemm_args *g;
+    int64_t mb, nb, n_nblk;     /* block sizes, number of column blocks */
+    float *scratch;             /* per thread: KC*nb floats of B panel + KC*MR of A sliver */
+    size_t per_thread;          /* floats */
+} task_ctx;
+
+static void task_fn(void *vctx, int64_t begin, int64_t end)
+{
+    task_ctx *t = vctx;
+    const gemm_args *g = t->g;
+    float *bpanel = t->scratch + (size_t)kiln_thread_index() * t->per_thread;
+    float *asliver = bpanel + (size_t)KC * (size_t)t->nb;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t bi = task / t->n_nblk, bj = task % t->n_nblk;
+        int64_t i0 = bi * t->mb, j0 = bj * t->nb;
+        int64_t i1 = i0 + t->mb < g->M ? i0 + t->mb : g->M;
+        int64_t j1 = j0 + t->nb < g->N ? j0 + t->nb : g->N;
+        run_block(g, bpanel, asliver, i0, i1, j0, j1);
+    }
+}
+
+static size_t per_thread_floats(int64_t nb) { return (size_t)KC * (size_t)nb + (size_t)KC * MR + 16; }
+
+/* Block sizes: columns in blocks of up to NB_MAX, rows split until every thread has
+ * a few blocks (balance) while blocks stay >= 4 slivers tall (packing stays cheap). */
+static void choose_blocks(int64_t M, int64_t N, int threads, int64_t *mb, int64_t *nb)
+{
+    int64_t n_up = (N + NR - 1) / NR * NR;
+    *nb = n_up < NB_MAX ? n_up : NB_MAX;
+    *mb = (M + MR - 1) / MR * MR;
+    int64_t want = threads > 1 ? 4 * (int64_t)threads : 1;
+    for (;;) {
+        int64_t tasks = ((M + *mb - 1) / *mb) * ((N + *nb - 1) / *nb);
+        if (tasks >= want) break;
+        if (*mb >= 8 * MR) *mb = ((*mb / 2) + MR - 1) / MR * MR;
+        else if (*nb >= 4 * NR) *nb = ((*nb / 2) + NR - 1) / NR * NR;
+        else break;
+    }
+}
+
+/* Runs g on the pool (serially when called from a pool worker); -1 when no scratch. */
+static int packed_gemm(const gemm_args *g, float *scratch, int threads)
+{
+    task_ctx t;
+    t.g = g;
+    choose_blocks(g->M, g->N, threads, &t.mb, &t.nb);
+    t.n_nblk = (g->N + t.nb - 1) / t.nb;
+    t.per_thread = per_thread_floats(t.nb);
+    float *own = NULL;
+    if (!scratch) {
+        own = aligned_alloc(64, ((size_t)threads * t.per_thread * sizeof(float) + 63) / 64 * 64);
+        if (!own) return -1;
+        scratch = own;
+    }
+    t.scratch = scratch;
+    int64_t n_tasks = ((g->M + t.mb - 1) / t.mb) * t.n_nblk;
+    kiln_parallel_for(n_tasks, 1, task_fn, &t);
+    free(own);
+    return 0;
+}
+
+#else
+static int have_avx512(void) { return 0; }
+static int packed_gemm(const gemm_args *g, float *scratch, int threads)
+{
+    (void)g; (void)scratch; (void)threads;
+    return -1;
+}
+static void choose_blocks(int64_t M, int64_t N, int threads, int64_t *mb, int64_t *nb)
+{
+    (void)threads;
+    *mb = M;
+    *nb = N;
+}
+static size_t per_thread_floats(int64_t nb) { return (size_t)nb; }
+#endif
+
+/* ---------- entry points ---------- */
+
+/* Handles the degenerate shapes BLAS leaves to the caller; returns 1 when done. */
+static int trivial(const gemm_args *g)
+{
+    if (g->M <= 0 || g->N <= 0) return 1;
+    if (g->K <= 0 || g->alpha == 0.0f) {
+        scale_c(g->C, g->ldc, g->M, g->N, g->beta);
+        if (g->bias_row || g->bias_col) add_bias(g);
+        return 1;
+    }
+    return 0;
+}
+
+/* Below this many multiply-adds one thread of OpenBLAS wins: no packing, no pool
+ * wake-up. */
+static const double SMALL_MACS = 32.0 * 32.0 * 32.0;
+
+static void gemm_dispatch(const gemm_args *g)
+{
+    if (trivial(g)) return;
+    double macs = (double)g->M * (double)g->N * (double)g->K;
+    if (have_avx512() && macs >= SMALL_MACS && packed_gemm(g, NULL, kiln_threads()) == 0) return;
+    if (blas_gemm(g) == 0) return;
+    /* no memory for a conversion panel: element by element (slow, but correct) */
+    for (int64_t i = 0; i < g->M; i++)
+        for (int64_t j = 0; j < g->N; j++) {
+            double s = 0;
+            for (int64_t k = 0; k < g->K; k++) {
+                float a = ((const float *)g->A)[g->trans_a ? k * g->lda + i : i * g->lda + k];
+                int64_t bi = g->trans_b ? j * g->ldb + k : k * g->ldb + j;
+                float b = g->b_dt == KILN_F32 ? ((const float *)g->B)[bi]
+                        : g->b_dt == KILN_F16 ? kiln_f16_to_f32(((const uint16_t *)g->B)[bi])
+                                              : kiln_bf16_to_f32(((const uint16_t *)g->B)[bi]);
+                s += (double)a * b;
+            }
+            float *c = g->C + i * g->ldc + j;
+            *c = (float)(g->alpha * s) + (g->beta == 0.0f ? 0.0f : g->beta * *c) +
+                 (g->bias_row ? g->bias_row[i] : 0.0f) + (g->bias_col ? g->bias_col[j] : 0.0f);
+        }
+}
+
+int kiln_cpu_gemm_have_simd(void) { return have_avx512(); }
+
+/* C[M,N] = A[M,K] (f32/f16/bf16, row-major, lda) * B + bias_row[i], where B is
+ * produced panel by panel by pack_b. Returns -1 (nothing written) when the SIMD kernel
+ * is unavailable or scratch cannot be allocated; the caller then takes another path. */
+int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
+                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row)
+{
+    gemm_args g = {0, 0, M, N, K, 1.0f, 0.0f, A, lda, a_dt, NULL, 0, KILN_F32, pack_b, pack_ctx, C, ldc, bias_row, NULL};
+    if (!have_avx512()) return -1;
+    if (trivial(&g)) return 0;
+    return packed_gemm(&g, NULL, kiln_threads());
+}
+
+void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                       const float *A, int64_t lda, const float *B, int64_t ldb,
+                       float beta, float *C, int64_t ldc)
+{
+    gemm_args g = {trans_a, trans_b, M, N, K, alpha, beta, A, lda, KILN_F32, B, ldb, KILN_F32, NULL, NULL, C, ldc,
+                   NULL, NULL};
+    gemm_dispatch(&g);
+}
+
+typedef struct {
+    gemm_args g;
+    int64_t stride_a, stride_b, stride_c;
+    float *scratch;
+} batch_ctx;
+
+static void batch_fn(void *vctx, int64_t begin, int64_t end)
+{
+    batch_ctx *b = vctx;
+    for (int64_t i = begin; i < end; i++) {
+        gemm_args g = b->g;
+        g.A = (const float *)g.A + i * b->stride_a;
+        g.B = (const float *)g.B + i * b->stride_b;
+        g.C += i * b->stride_c;
+        /* inside a pool job: runs serially on this thread, in its slot of the scratch */
+        packed_gemm(&g, b->scratch, 1);
+    }
+}
+
+void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t M, int64_t N, int64_t K,
+                               float alpha, const float *A, int64_t lda, int64_t stride_a,
+                               const float *B, int64_t ldb, int64_t stride_b,
+                               float beta, float *C, int64_t ldc, int64_t stride_c)
+{
+    if (batch <= 0) return;
+    gemm_args g = {trans_a, trans_b, M, N, K, alpha, beta, A, lda, KILN_F32, B, ldb, KILN_F32, NULL, NULL, C, ldc,
+                   NULL, NULL};
+    int threads = kiln_threads();
+    double macs = (double)M * (double)N * (double)K;
+    /* Many products (or several small ones): one whole product per task, each on one
+     * thread, no sharing. Few large ones: one after another, each split over the pool. */
+    int per_thread = batch >= 4 * (int64_t)threads || (batch >= threads && macs < 8.0 * 1024 * 1024);
+    if (have_avx512() && threads > 1 && per_thread && !trivial(&g) && macs >= SMALL_MACS / 8) {
+        int64_t mb, nb;
+        choose_blocks(M, N, 1, &mb, &nb);
+        batch_ctx b = {g, stride_a, stride_b, stride_c, NULL};
+        b.scratch = aligned_alloc(64, ((size_t)threads * per_thread_floats(nb) * sizeof(float) + 63) / 64 * 64);
+        if (b.scratch) {
+            kiln_parallel_for(batch, 1, batch_fn, &b);
+            free(b.scratch);
+            return;
+        }
+    }
+    for (int64_t i = 0; i < batch; i++) {
+        gemm_args gi = g;
+        gi.A = A + i * stride_a;
+        gi.B = B + i * stride_b;
+        gi.C = C + i * stride_c;
+        gemm_dispatch(&gi);
+    }
+}
+
+kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                            const float *bias, int64_t M, int64_t N, int64_t K)
+{
+    if (w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "linear: weight dtype %s (expected f32, f16 or bf16)",
+                          kiln_dtype_name(w_dtype));
+    if (M < 0 || N < 0 || K < 0)
+        return kiln_error(KILN_ERR_ARG, "linear: negative size M=%lld N=%lld K=%lld", (long long)M, (long long)N,
+                          (long long)K);
+    if (M == 0 || N == 0) return KILN_OK;
+    if (!y || !x || (!w && K > 0)) return kiln_error(KILN_ERR_ARG, "linear: NULL buffer");
+    /* f16/bf16 weights are converted while packing B, one KC x NB panel at a time (on
+     * the BLAS path, 256 rows at a time); the bias is added as C is stored. */
+    gemm_args g = {0, 1, M, N, K, 1.0f, 0.0f, x, K, KILN_F32, w, K, w_dtype, NULL, NULL, y, N, NULL, bias};
+    gemm_dispatch(&g);
+    return KILN_OK;
+}

@@ -1,0 +1,51 @@
+/* unicode.h - the few Unicode properties the CLIP tokenizer needs (internal to the
+ * runtime, not exported): letter/number/space classes for CLIP's split regex, lower
+ * casing as Python's str.lower(), canonical composition for NFC, and the character
+ * maps of ftfy's fix_text steps. Tables are generated from Python's unicodedata. */
+#ifndef KILN_UNICODE_H
+#define KILN_UNICODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KILN_UNICODE_REPLACEMENT 0xFFFDu
+
+/* General category L* (\p{L}), N* (\p{N}); space is Python's str.isspace(). */
+int kiln_unicode_is_letter(uint32_t c);
+int kiln_unicode_is_number(uint32_t c);
+int kiln_unicode_is_space(uint32_t c);
+/* Derived properties Cased and Case_Ignorable (for the Greek final sigma rule). */
+int kiln_unicode_is_cased(uint32_t c);
+int kiln_unicode_is_case_ignorable(uint32_t c);
+/* Simple lowercase mapping (U+0130 and final sigma are the caller's business). */
+uint32_t kiln_unicode_lower(uint32_t c);
+/* Canonical combining class (0 for starters). */
+int kiln_unicode_combining_class(uint32_t c);
+/* Primary composite of the pair (a, b) as NFC composes it, Hangul included; 0 when none. */
+uint32_t kiln_unicode_compose(uint32_t a, uint32_t b);
+/* ftfy's fix_character_width: U+3000 and the halfwidth/fullwidth forms U+FF01..U+FFEF
+ * replaced by their NFKC forms. Writes up to 2 code points to out, returns how many
+ * (0 when c is not mapped). */
+int kiln_unicode_width_fold(uint32_t c, uint32_t out[2]);
+
+/* One HTML5 character reference name (all valid with a trailing ';'). */
+typedef struct {
+    const char *name;
+    uint32_t cp[2];     /* its characters (cp[1] == 0 for one) */
+    uint32_t upper[3];  /* ftfy also decodes "&NAME;" upper-cased to these; 0 when not */
+    int bare;           /* also recognised without the ';' (the legacy names) */
+} kiln_unicode_entity;
+/* Looks up a name (case-sensitive, without '&' and ';'); NULL when absent. */
+const kiln_unicode_entity *kiln_unicode_entity_find(const char *name, size_t len);
+/* Windows-1252 meaning of a C1 control U+0080..U+009F (itself where 1252 leaves it
+ * undefined), as Python's html module and ftfy's sloppy-windows-1252 map it. */
+uint32_t kiln_unicode_cp1252(uint32_t c);
+
+/* Decodes one UTF-8 sequence from s[0..len) (len >= 1): invalid or truncated
+ * sequences give U+FFFD for each maximal invalid subpart, as Python's
+ * errors="replace" does. Returns the bytes consumed (>= 1). */
+size_t kiln_unicode_utf8_decode(const unsigned char *s, size_t len, uint32_t *cp);
+/* Encodes c (a scalar value; others become U+FFFD) into out; returns 1..4. */
+size_t kiln_unicode_utf8_encode(uint32_t c, char out[4]);
+
+#endif

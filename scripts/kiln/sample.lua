@@ -1,0 +1,448 @@
+-- kiln.sample: samplers and noise schedules with the arithmetic of k-diffusion
+-- (Katherine Crowson's k-diffusion, sampling.py) and the names ComfyUI uses, plus
+-- the discrete noise schedule of Stable Diffusion (sigma <-> timestep).
+--
+-- A sampler is run(denoise, x, sigmas, opts): denoise(x, sigma) returns the
+-- denoised prediction for tensor x at the Lua number sigma; sigmas is a 1-D tensor
+-- (or a Lua list) ending in 0. Ancestral and SDE samplers draw noise from
+-- opts.noise(shape) (kiln.randn with a seeded counter by default). Every step
+-- calls opts.callback({i=, n=, sigma=, x=, denoised=}) when given; returning
+-- false from it (or kiln.cancel) stops at the step boundary.
+local sample = {}
+
+---------------------------------------------------------------------------
+-- helpers
+---------------------------------------------------------------------------
+local function list_of(sigmas)
+  if type(sigmas) == "table" then return sigmas end
+  return sigmas:table()
+end
+
+local function to_d(x, sigma, denoised)     -- (x - denoised) / sigma
+  return (x - denoised) / sigma
+end
+
+-- sigma_down, sigma_up of an ancestral step (k-diffusion get_ancestral_step)
+local function ancestral_step(sigma_from, sigma_to, eta)
+  eta = eta or 1
+  if eta == 0 then return sigma_to, 0 end
+  local up = math.min(sigma_to,
+    eta * math.sqrt(sigma_to ^ 2 * (sigma_from ^ 2 - sigma_to ^ 2) / sigma_from ^ 2))
+  local down = math.sqrt(sigma_to ^ 2 - up ^ 2)
+  return down, up
+end
+sample.ancestral_step = ancestral_step
+
+local function expm1(x)
+  if math.abs(x) < 1e-5 then return x + x * x / 2 + x * x * x / 6 end
+  return math.exp(x) - 1
+end
+
+-- Default noise source: kiln.randn from a seed that advances per call, so a run
+-- is reproducible from opts.seed.
+local function default_noise(opts)
+  local seed = opts.seed or 0
+  local k = 0
+  return function(shape)
+    k = k + 1
+    return kiln.randn(shape, { seed = seed + 1000003 * k })
+  end
+end
+
+local function stepper(opts, n)
+  local cb = opts.callback
+  return function(i, sigma, x, denoised)
+    if cb and cb({ i = i, n = n, sigma = sigma, x = x, denoised = denoised }) == false then
+      error({ kind = "cancelled", message = "sampling cancelled at step " .. i }, 0)
+    end
+  end
+end
+
+-- Churn of euler/heun/dpm_2 (s_churn, s_tmin, s_tmax, s_noise as k-diffusion)
+local function churn(x, sigma, n, opts, noise)
+  local s_churn, s_tmin, s_tmax = opts.s_churn or 0, opts.s_tmin or 0, opts.s_tmax or math.huge
+  local gamma = 0
+  if s_churn > 0 and sigma >= s_tmin and sigma <= s_tmax then
+    gamma = math.min(s_churn / n, 2 ^ 0.5 - 1)
+  end
+  local sigma_hat = sigma * (gamma + 1)
+  if gamma > 0 then
+    x = x + noise(x.shape) * ((opts.s_noise or 1) * math.sqrt(sigma_hat ^ 2 - sigma ^ 2))
+  end
+  return x, sigma_hat
+end
+
+---------------------------------------------------------------------------
+-- samplers
+---------------------------------------------------------------------------
+local samplers = {}
+
+function samplers.euler(denoise, x, s, opts, noise, step)
+  local n = #s - 1
+  for i = 1, n do
+    local sigma_hat
+    x, sigma_hat = churn(x, s[i], n, opts, noise)
+    local denoised = denoise(x, sigma_hat)
+    step(i, s[i], x, denoised)
+    x = x + to_d(x, sigma_hat, denoised) * (s[i + 1] - sigma_hat)
+  end
+  return x
+end
+
+function samplers.euler_ancestral(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    local down, up = ancestral_step(s[i], s[i + 1], eta)
+    x = x + to_d(x, s[i], denoised) * (down - s[i])
+    if s[i + 1] > 0 then x = x + noise(x.shape) * (s_noise * up) end
+  end
+  return x
+end
+
+function samplers.heun(denoise, x, s, opts, noise, step)
+  local n = #s - 1
+  for i = 1, n do
+    local sigma_hat
+    x, sigma_hat = churn(x, s[i], n, opts, noise)
+    local denoised = denoise(x, sigma_hat)
+    step(i, s[i], x, denoised)
+    local d = to_d(x, sigma_hat, denoised)
+    local dt = s[i + 1] - sigma_hat
+    if s[i + 1] == 0 then
+      x = x + d * dt
+    else
+      local x2 = x + d * dt
+      local d2 = to_d(x2, s[i + 1], denoise(x2, s[i + 1]))
+      x = x + (d + d2) * (dt / 2)
+    end
+  end
+  return x
+end
+
+function samplers.dpm_2(denoise, x, s, opts, noise, step)
+  local n = #s - 1
+  for i = 1, n do
+    local sigma_hat
+    x, sigma_hat = churn(x, s[i], n, opts, noise)
+    local denoised = denoise(x, sigma_hat)
+    step(i, s[i], x, denoised)
+    local d = to_d(x, sigma_hat, denoised)
+    if s[i + 1] == 0 then
+      x = x + d * (s[i + 1] - sigma_hat)
+    else
+      local sigma_mid = math.exp((math.log(sigma_hat) + math.log(s[i + 1])) / 2)
+      local x2 = x + d * (sigma_mid - sigma_hat)
+      local d2 = to_d(x2, sigma_mid, denoise(x2, sigma_mid))
+      x = x + d2 * (s[i + 1] - sigma_hat)
+    end
+  end
+  return x
+end
+
+function samplers.dpm_2_ancestral(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    local down, up = ancestral_step(s[i], s[i + 1], eta)
+    local d = to_d(x, s[i], denoised)
+    if down == 0 then
+      x = x + d * (down - s[i])
+    else
+      local sigma_mid = math.exp((math.log(s[i]) + math.log(down)) / 2)
+      local x2 = x + d * (sigma_mid - s[i])
+      local d2 = to_d(x2, sigma_mid, denoise(x2, sigma_mid))
+      x = x + d2 * (down - s[i])
+      x = x + noise(x.shape) * (s_noise * up)
+    end
+  end
+  return x
+end
+
+-- Integral over [a, b] of the Lagrange basis polynomial j of the nodes t[i-k]
+-- (k-diffusion's linear_multistep_coeff). The integrand is a polynomial of degree
+-- < 4, so 5-point Gauss-Legendre is exact.
+local GL_X = { 0, -0.5384693101056831, 0.5384693101056831, -0.9061798459386640, 0.9061798459386640 }
+local GL_W = { 0.5688888888888889, 0.4786286704993665, 0.4786286704993665, 0.2369268850561891, 0.2369268850561891 }
+local function lms_coeff(order, t, i, j)
+  local function fn(tau)
+    local prod = 1
+    for k = 0, order - 1 do
+      if k ~= j then prod = prod * (tau - t[i - k]) / (t[i - j] - t[i - k]) end
+    end
+    return prod
+  end
+  local a, b = t[i], t[i + 1]
+  local half, mid, acc = (b - a) / 2, (a + b) / 2, 0
+  for q = 1, 5 do acc = acc + GL_W[q] * fn(mid + half * GL_X[q]) end
+  return acc * half
+end
+
+function samplers.lms(denoise, x, s, opts, noise, step)
+  local n, order = #s - 1, opts.order or 4
+  local ds = {}
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    table.insert(ds, to_d(x, s[i], denoised))
+    if #ds > order then table.remove(ds, 1) end
+    local cur = math.min(i, order)
+    for j = 0, cur - 1 do
+      x = x + ds[#ds - j] * lms_coeff(cur, s, i, j)
+    end
+  end
+  return x
+end
+
+local function t_fn(sigma) return -math.log(sigma) end
+local function sigma_fn(t) return math.exp(-t) end
+
+function samplers.dpmpp_2s_ancestral(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    local down, up = ancestral_step(s[i], s[i + 1], eta)
+    if down == 0 then
+      x = x + to_d(x, s[i], denoised) * (down - s[i])
+    else
+      local t, t_next = t_fn(s[i]), t_fn(down)
+      local h = t_next - t
+      local sm = t + h / 2
+      local x2 = x * (sigma_fn(sm) / sigma_fn(t)) - denoised * expm1(-h / 2)
+      local denoised2 = denoise(x2, sigma_fn(sm))
+      x = x * (sigma_fn(t_next) / sigma_fn(t)) - denoised2 * expm1(-h)
+    end
+    if s[i + 1] > 0 then x = x + noise(x.shape) * (s_noise * up) end
+  end
+  return x
+end
+
+function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
+  local n = #s - 1
+  local old
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    local t, t_next = t_fn(s[i]), (s[i + 1] > 0 and t_fn(s[i + 1]) or math.huge)
+    local h = t_next - t
+    local ratio = s[i + 1] / s[i]
+    if old == nil or s[i + 1] == 0 then
+      x = x * ratio - denoised * expm1(-h)
+    else
+      local h_last = t - t_fn(s[i - 1])
+      local r = h_last / h
+      local dd = denoised * (1 + 1 / (2 * r)) - old * (1 / (2 * r))
+      x = x * ratio - dd * expm1(-h)
+    end
+    old = denoised
+  end
+  return x
+end
+
+-- DPM-Solver++(2S) SDE step pair. k-diffusion draws the noise from a Brownian
+-- tree; kiln draws it from opts.noise (seeded, independent per call), which keeps
+-- each increment standard normal but not correlated across the two half steps.
+function samplers.dpmpp_sde(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise, r = #s - 1, opts.eta or 1, opts.s_noise or 1, opts.r or 0.5
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    if s[i + 1] == 0 then
+      x = x + to_d(x, s[i], denoised) * (s[i + 1] - s[i])
+    else
+      local t, t_next = t_fn(s[i]), t_fn(s[i + 1])
+      local h = t_next - t
+      local sm = t + h * r
+      local fac = 1 / (2 * r)
+      local sd, su = ancestral_step(sigma_fn(t), sigma_fn(sm), eta)
+      local s_ = t_fn(sd)
+      local x2 = x * (sigma_fn(s_) / sigma_fn(t)) - denoised * expm1(t - s_)
+      x2 = x2 + noise(x.shape) * (s_noise * su)
+      local denoised2 = denoise(x2, sigma_fn(sm))
+      sd, su = ancestral_step(sigma_fn(t), sigma_fn(t_next), eta)
+      local tn_ = t_fn(sd)
+      local dd = denoised * (1 - fac) + denoised2 * fac
+      x = x * (sigma_fn(tn_) / sigma_fn(t)) - dd * expm1(t - tn_)
+      x = x + noise(x.shape) * (s_noise * su)
+    end
+  end
+  return x
+end
+
+-- ComfyUI's "ddim" is Euler in sigma space (identical to DDIM with eta = 0).
+samplers.ddim = samplers.euler
+
+-- Latent consistency models: jump to the prediction, re-noise to the next sigma.
+function samplers.lcm(denoise, x, s, opts, noise, step)
+  local n = #s - 1
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    x = denoised
+    if s[i + 1] > 0 then x = x + noise(x.shape) * s[i + 1] end
+  end
+  return x
+end
+
+sample.samplers = samplers
+
+function sample.names()
+  local t = {}
+  for k in pairs(samplers) do t[#t + 1] = k end
+  table.sort(t)
+  return t
+end
+
+--- Runs sampler `name` (k-diffusion / ComfyUI names) from x over sigmas.
+function sample.run(name, denoise, x, sigmas, opts)
+  opts = opts or {}
+  local fn = samplers[name]
+  if not fn then
+    error(("unknown sampler '%s' (known: %s)"):format(tostring(name), table.concat(sample.names(), ", ")), 2)
+  end
+  if type(denoise) ~= "function" then error("sample.run: denoise must be a function(x, sigma)", 2) end
+  local s = list_of(sigmas)
+  if #s < 2 then error("sample.run: need at least 2 sigmas (steps + 1, ending in 0)", 2) end
+  local noise = opts.noise or default_noise(opts)
+  return fn(denoise, x, s, opts, noise, stepper(opts, #s - 1))
+end
+
+---------------------------------------------------------------------------
+-- schedules
+---------------------------------------------------------------------------
+
+-- Stable Diffusion's discrete schedule: scaled-linear betas 0.00085..0.012 over
+-- 1000 steps; sigmas[t+1] = sqrt((1 - abar_t) / abar_t), computed in double and
+-- rounded to f32 as PyTorch front ends store them.
+local function f32(v) return string.unpack("f", string.pack("f", v)) end
+
+function sample.discrete_schedule(opts)
+  opts = opts or {}
+  local n = opts.timesteps or 1000
+  local b0, b1 = math.sqrt(opts.linear_start or 0.00085), math.sqrt(opts.linear_end or 0.012)
+  local sig, log_sig, abar = {}, {}, 1
+  for t = 0, n - 1 do
+    local beta = (b0 + (b1 - b0) * t / (n - 1)) ^ 2
+    abar = abar * (1 - beta)
+    sig[t + 1] = f32(math.sqrt((1 - abar) / abar))
+    log_sig[t + 1] = math.log(sig[t + 1])
+  end
+  local ms = { sigmas = sig, log_sigmas = log_sig, sigma_min = sig[1], sigma_max = sig[n],
+    prediction = opts.prediction or "eps" }
+  -- nearest discrete timestep of sigma (ComfyUI's ModelSamplingDiscrete.timestep)
+  function ms.timestep(sigma)
+    local ls, best, bi = math.log(sigma), math.huge, 0
+    for i = 1, n do
+      local d = math.abs(ls - log_sig[i])
+      if d < best then best, bi = d, i - 1 end
+    end
+    return bi
+  end
+  -- sigma at a (fractional) timestep, interpolating log sigma
+  function ms.sigma(t)
+    t = math.max(0, math.min(n - 1, t))
+    local lo, hi = math.floor(t), math.ceil(t)
+    local w = t - lo
+    return math.exp((1 - w) * log_sig[lo + 1] + w * log_sig[hi + 1])
+  end
+  return ms
+end
+
+local function with_zero(list)
+  list[#list + 1] = 0
+  return kiln.tensor(list)
+end
+
+local schedules = {}
+
+function schedules.karras(steps, o)
+  local rho = o.rho or 7
+  local min_inv, max_inv = o.sigma_min ^ (1 / rho), o.sigma_max ^ (1 / rho)
+  local out = {}
+  for i = 0, steps - 1 do
+    local ramp = steps > 1 and i / (steps - 1) or 0
+    out[#out + 1] = (max_inv + ramp * (min_inv - max_inv)) ^ rho
+  end
+  return with_zero(out)
+end
+
+function schedules.exponential(steps, o)
+  local a, b = math.log(o.sigma_max), math.log(o.sigma_min)
+  local out = {}
+  for i = 0, steps - 1 do
+    local r = steps > 1 and i / (steps - 1) or 0
+    out[#out + 1] = math.exp(a + (b - a) * r)
+  end
+  return with_zero(out)
+end
+
+local function need_model(o, name)
+  local ms = o.model_sampling
+  if not ms then error(("schedule '%s' needs opts.model_sampling (kiln.sample.discrete_schedule())"):format(name), 3) end
+  return ms
+end
+
+local function normal_like(steps, o, sgm)
+  local ms = need_model(o, sgm and "sgm_uniform" or "normal")
+  local start, stop = ms.timestep(o.sigma_max or ms.sigma_max), ms.timestep(o.sigma_min or ms.sigma_min)
+  local n = sgm and steps + 1 or steps
+  local out = {}
+  for i = 0, steps - 1 do
+    local t = n > 1 and start + (stop - start) * i / (n - 1) or start
+    out[#out + 1] = ms.sigma(t)
+  end
+  return with_zero(out)
+end
+
+function schedules.normal(steps, o) return normal_like(steps, o, false) end
+function schedules.sgm_uniform(steps, o) return normal_like(steps, o, true) end
+
+function schedules.simple(steps, o)
+  local s = need_model(o, "simple").sigmas
+  local ss = #s / steps
+  local out = {}
+  for x = 0, steps - 1 do out[#out + 1] = s[#s - math.floor(x * ss)] end
+  return with_zero(out)
+end
+
+function schedules.ddim_uniform(steps, o)
+  local s = need_model(o, "ddim_uniform").sigmas
+  local ss = math.max(#s // steps, 1)
+  local out, x = {}, 1
+  while x < #s do
+    table.insert(out, 1, s[x + 1])
+    x = x + ss
+  end
+  return with_zero(out)
+end
+
+sample.schedules = schedules
+
+--- sigmas(name, steps, opts) -> 1-D f32 tensor of steps + 1 values ending in 0.
+-- karras / exponential take sigma_min, sigma_max (and rho); normal, simple,
+-- sgm_uniform and ddim_uniform take opts.model_sampling (defaults: SD's schedule).
+function sample.sigmas(name, steps, opts)
+  opts = opts or {}
+  local fn = schedules[name]
+  if not fn then
+    local known = {}
+    for k in pairs(schedules) do known[#known + 1] = k end
+    table.sort(known)
+    error(("unknown schedule '%s' (known: %s)"):format(tostring(name), table.concat(known, ", ")), 2)
+  end
+  if math.type(steps) ~= "integer" or steps < 1 then error("sample.sigmas: steps must be a positive integer", 2) end
+  if (name == "karras" or name == "exponential") and not (opts.sigma_min and opts.sigma_max) then
+    local ms = opts.model_sampling or sample.discrete_schedule()
+    opts = setmetatable({ sigma_min = opts.sigma_min or ms.sigma_min, sigma_max = opts.sigma_max or ms.sigma_max },
+      { __index = opts })
+  end
+  if name ~= "karras" and name ~= "exponential" and not opts.model_sampling then
+    opts = setmetatable({ model_sampling = sample.discrete_schedule() }, { __index = opts })
+  end
+  return fn(steps, opts)
+end
+
+return sample

@@ -1,0 +1,68 @@
+-- tests/lua/harness.lua - the Lua test harness: test(name, fn) runs fn under
+-- xpcall and prints "PASS name" / "FAIL name: error" / "SKIP name: reason" lines,
+-- which tests/run.sh totals. Assertions raise with the caller's line.
+local H = {}
+local failed = 0
+
+function H.test(name, fn)
+  local skipped
+  local ok, err = xpcall(fn, function(e)
+    if type(e) == "table" and e.skip then return e end
+    return debug.traceback(tostring(e), 2)
+  end)
+  if ok then
+    print("PASS " .. name)
+  elseif type(err) == "table" and err.skip then
+    print("SKIP " .. name .. ": " .. err.reason)
+    skipped = true
+  else
+    failed = failed + 1
+    print("FAIL " .. name .. ": " .. tostring(err))
+  end
+  io.stdout:flush()
+  return not skipped
+end
+
+function H.skip(reason) error({ skip = true, reason = reason }, 0) end
+
+function H.eq(a, b, msg)
+  if a ~= b then
+    error(("%sexpected %s, got %s"):format(msg and (msg .. ": ") or "", tostring(b), tostring(a)), 2)
+  end
+end
+
+function H.near(a, b, tol, msg)
+  tol = tol or 1e-6
+  if not (math.abs(a - b) <= tol) then
+    error(("%sexpected %.9g, got %.9g (tol %g)"):format(msg and (msg .. ": ") or "", b, a, tol), 2)
+  end
+end
+
+function H.truthy(v, msg)
+  if not v then error(msg or "expected a true value", 2) end
+end
+
+-- Runs fn, which must raise; the message must contain each of the given strings.
+function H.raises(fn, ...)
+  local ok, err = pcall(fn)
+  if ok then error("expected an error, none was raised", 2) end
+  local msg = tostring(err)
+  for _, s in ipairs({ ... }) do
+    if not msg:find(s, 1, true) then
+      error(("error message %q does not contain %q"):format(msg, s), 2)
+    end
+  end
+  return err
+end
+
+-- Max absolute difference between two tensors (or nested tables).
+function H.maxdiff(a, b)
+  local d = (a - b):abs():max()
+  return d
+end
+
+function H.done()
+  os.exit(failed == 0 and 0 or 1)
+end
+
+return H

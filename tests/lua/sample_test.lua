@@ -1,0 +1,94 @@
+-- Samplers and schedules against an independent NumPy implementation of the
+-- k-diffusion algorithms (tests/golden/gen_samplers.py) on a toy denoiser with
+-- injected noise.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local sample = kiln.sample
+
+local G = kiln.load_safetensors("tests/golden/samplers.safetensors")
+
+-- the toy denoiser of the generator: 0.8 x / (1 + s^2) + 0.1 tanh(x) s / (1 + s)
+local function denoise(x, s)
+  return x * (0.8 / (1 + s * s)) + x:tanh() * (0.1 * s / (1 + s))
+end
+
+local function injected()
+  local k = 0
+  return function(shape)
+    k = k + 1
+    return G.noise:select(1, k):reshape(shape):contiguous()
+  end
+end
+
+local function maxdiff(a, b) return (a - b):abs():max() end
+
+local names = { "euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral", "lms",
+  "dpmpp_2s_ancestral", "dpmpp_2m", "dpmpp_sde", "lcm" }
+for _, name in ipairs(names) do
+  H.test("sampler " .. name .. " matches k-diffusion (NumPy)", function()
+    local x = sample.run(name, denoise, G.x0, G.sched_karras, { noise = injected() })
+    local d = maxdiff(x, G["out_" .. name])
+    if d > 1e-5 then error(("max difference %g > 1e-5"):format(d)) end
+  end)
+end
+
+H.test("ddim is euler (ComfyUI)", function()
+  local a = sample.run("ddim", denoise, G.x0, G.sched_karras)
+  H.eq(maxdiff(a, sample.run("euler", denoise, G.x0, G.sched_karras)), 0)
+end)
+
+local ms = sample.discrete_schedule()
+local cases = {
+  { "karras", { sigma_min = ms.sigma_min, sigma_max = ms.sigma_max }, 10 },
+  { "exponential", { sigma_min = ms.sigma_min, sigma_max = ms.sigma_max }, 10 },
+  { "normal", {}, 10 }, { "sgm_uniform", {}, 10 }, { "simple", {}, 10 }, { "ddim_uniform", {}, 10 },
+}
+for _, c in ipairs(cases) do
+  H.test("schedule " .. c[1] .. " matches ComfyUI (NumPy)", function()
+    local s = sample.sigmas(c[1], c[3], c[2])
+    local want = G["sched_" .. c[1]]
+    H.eq(s:numel(), want:numel(), "length")
+    local d = ((s - want):abs() / (want:abs() + 1e-3)):max()
+    if d > 2e-5 then error(("max relative difference %g"):format(d)) end
+    H.eq(s:table()[s:numel()], 0, "ends in 0")
+  end)
+end
+
+H.test("karras with explicit rho", function()
+  local s = sample.sigmas("karras", 7, { sigma_min = 0.1, sigma_max = 10, rho = 5 })
+  H.truthy(maxdiff(s, G.sched_karras_custom) < 1e-5)
+end)
+
+H.test("SD discrete schedule endpoints", function()
+  H.near(ms.sigma_min, 0.0292, 1e-4)
+  H.near(ms.sigma_max, 14.6146, 1e-3)
+  H.eq(ms.timestep(ms.sigma_max), 999)
+  H.eq(ms.timestep(ms.sigma_min), 0)
+  H.near(ms.sigma(999), ms.sigma_max, 1e-4)
+end)
+
+H.test("same seed gives bit-identical results", function()
+  local a = sample.run("euler_ancestral", denoise, G.x0, G.sched_karras, { seed = 5 })
+  local b = sample.run("euler_ancestral", denoise, G.x0, G.sched_karras, { seed = 5 })
+  H.eq(maxdiff(a, b), 0)
+  local c = sample.run("euler_ancestral", denoise, G.x0, G.sched_karras, { seed = 6 })
+  H.truthy(maxdiff(a, c) > 0)
+end)
+
+H.test("callback sees every step and can cancel", function()
+  local seen = 0
+  sample.run("euler", denoise, G.x0, G.sched_karras, { callback = function(s) seen = s.i end })
+  H.eq(seen, 10)
+  local ok, err = pcall(sample.run, "euler", denoise, G.x0, G.sched_karras,
+    { callback = function(s) return s.i < 3 end })
+  H.truthy(not ok and type(err) == "table" and err.kind == "cancelled")
+end)
+
+H.test("bad input", function()
+  H.raises(function() sample.run("nope", denoise, G.x0, G.sched_karras) end, "unknown sampler 'nope'", "euler")
+  H.raises(function() sample.sigmas("nope", 10) end, "unknown schedule", "karras")
+  H.raises(function() sample.sigmas("karras", 0) end, "steps")
+end)
+
+H.done()

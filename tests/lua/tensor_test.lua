@@ -1,0 +1,158 @@
+-- Tensor core through the Lua API: the DESIGN.md contract, views, arithmetic
+-- against PyTorch goldens (tests/golden/gen_tensor_ops.py), lifetimes, bad input.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local test, eq, near, raises = H.test, H.eq, H.near, H.raises
+
+local G = kiln.load_safetensors("tests/golden/tensor_ops.safetensors")
+
+local function close(a, b, tol, what)
+  eq(table.concat(a.shape, ","), table.concat(b.shape, ","), (what or "") .. " shape")
+  local d = (a:to("f32") - b:to("f32")):abs():max()
+  if not (d <= (tol or 1e-5)) then error(("%s: max difference %g > %g"):format(what or "", d, tol or 1e-5), 2) end
+end
+
+test("version and devices", function()
+  H.truthy(type(kiln.version) == "string" and kiln.version:match("^%d+%.%d+%.%d+"))
+  local devs = kiln.devices()
+  eq(devs[1], "cpu")
+  local has_sim = false
+  for _, d in ipairs(devs) do has_sim = has_sim or d == "sim" end
+  H.truthy(has_sim, "sim device listed")
+end)
+
+test("tensor from nested table", function()
+  local t = kiln.tensor({ { 1, 2, 3 }, { 4, 5, 6 } })
+  eq(#t.shape, 2); eq(t.shape[1], 2); eq(t.shape[2], 3)
+  eq(t.dtype, "f32"); eq(t.device, "cpu")
+  eq(t:nbytes(), 24); eq(t:numel(), 6)
+  eq(t:table()[2][3], 6)
+  eq(t[2][1], 4)
+  eq(tostring(t), "tensor(f32, cpu, [2,3], 24 B)")
+  local i = kiln.tensor({ 1, 2, 3 }, "i64")
+  eq(i.dtype, "i64"); eq(math.type(i:table()[1]), "integer")
+end)
+
+test("zeros, ones, full, arange, linspace", function()
+  local z = kiln.zeros({ 2, 3 }, "f16")
+  eq(z.dtype, "f16"); eq(z:sum(), 0)
+  eq(kiln.ones({ 4 }):sum(), 4)
+  eq(kiln.full({ 2, 2 }, 2.5):mean(), 2.5)
+  local r = kiln.arange(5)
+  eq(r.dtype, "i64"); eq(r:table()[5], 4)
+  local l = kiln.linspace(0, 1, 5):table()
+  near(l[2], 0.25); near(l[5], 1)
+end)
+
+test("randn matches torch.manual_seed(0); torch.randn(5)", function()
+  local r = kiln.randn({ 5 }, { seed = 0 }):table()
+  local want = { 1.5410, -0.2934, -2.1788, 0.5684, -1.0845 }
+  for i = 1, 5 do near(r[i], want[i], 1e-4) end
+  local r2 = kiln.randn({ 2, 3 }, { seed = 42 }):table()
+  near(r2[1][1], 0.3367, 1e-4); near(r2[2][2], -1.1229, 1e-4)
+end)
+
+test("views share storage: narrow, reshape, transpose, select", function()
+  local t = kiln.arange(12):to("f32"):reshape({ 3, 4 })
+  local n = t:narrow(2, 2, 2)
+  eq(n.shape[1], 3); eq(n.shape[2], 2); eq(n:table()[1][1], 1)
+  n:fill(-1)
+  eq(t:table()[1][2], -1, "narrow is a view")
+  local tt = t:transpose(1, 2)
+  eq(tt.shape[1], 4); eq(tt:table()[4][3], 11)
+  local r = t:reshape({ 2, -1 }); eq(r.shape[2], 6)
+  eq(t:select(1, -1):table()[4], 11)
+  local u = t:unsqueeze(1); eq(#u.shape, 3); eq(u:squeeze().shape[1], 3)
+  local e = kiln.tensor({ 1, 2 }):reshape({ 2, 1 }):expand({ 2, 3 })
+  eq(e:table()[2][3], 2)
+  -- a transposed tensor cannot be reshaped without a copy: still correct
+  local flat = tt:reshape({ 12 }):table()
+  eq(flat[2], 4)
+end)
+
+test("elementwise ops and broadcasting vs PyTorch", function()
+  local a, b, c, pos = G.a, G.b, G.c, G.pos
+  close(a + b, G.add_ab, 1e-6, "add"); close(a - b, G.sub_ab, 1e-6, "sub")
+  close(a * c, G.mul_ac, 1e-6, "mul"); close(a / b, G.div_ab, 1e-5, "div")
+  close(pos:pow(c), G.pow_pos_c, 1e-5, "pow"); close(a + 2.5, G.add_s, 1e-6, "add scalar")
+  close(2.5 - a, G.rsub_s, 1e-6, "rsub"); close(2.0 / pos, G.rdiv_s, 1e-5, "rdiv")
+  close(pos ^ 1.7, G.pow_s, 1e-5, "pow scalar"); close(-a, G.neg, 0, "neg")
+  close(a:exp(), G.exp, 1e-5, "exp"); close(pos:log(), G.log, 1e-6, "log")
+  close(pos:sqrt(), G.sqrt, 1e-6, "sqrt"); close(a:abs(), G.abs, 0, "abs")
+  close(a:tanh(), G.tanh, 1e-6, "tanh"); close(a:sigmoid(), G.sigmoid, 1e-6, "sigmoid")
+  close(a:clamp(-0.5, 0.7), G.clamp, 0, "clamp")
+  close(a:minimum(b), G.minimum_ab, 0, "minimum"); close(a:maximum(c), G.maximum_ac, 0, "maximum")
+end)
+
+test("reductions over each dim vs PyTorch", function()
+  local a = G.a
+  for d = 1, 3 do
+    close(a:sum(d), G["sum_d" .. d], 1e-5, "sum " .. d)
+    close(a:mean(d), G["mean_d" .. d], 1e-6, "mean " .. d)
+    close(a:max(d), G["max_d" .. d], 0, "max " .. d)
+    close(a:min(d), G["min_d" .. d], 0, "min " .. d)
+    close(a:var(d), G["var_d" .. d], 1e-5, "var " .. d)
+  end
+  near(a:sum(), G.sum_all:item(), 1e-5)
+  near(a:var(), G.var_all:item(), 1e-5)
+  eq(#a:sum(2, true).shape, 3, "keepdim")
+end)
+
+test("matmul, permute, softmax, cat vs PyTorch", function()
+  close(G.matmul:matmul(G.matmul_b), G.matmul_out, 1e-5, "matmul")
+  close(G.a:permute(1, 3, 2):contiguous(), G.permute_021, 0, "permute")
+  close(kiln.nn.softmax(G.a, 2), G.softmax_d2, 1e-6, "softmax")
+  close(kiln.cat({ G.a, G.a * 2 }, 2), G.cat_d2, 0, "cat")
+end)
+
+test("dtype conversion with :to", function()
+  local t = kiln.tensor({ 1.5, -2.25, 65504, 1e-8 })
+  local h = t:to("f16")
+  eq(h.dtype, "f16"); eq(h:nbytes(), 8)
+  local back = h:to("f32"):table()
+  eq(back[1], 1.5); eq(back[2], -2.25); eq(back[3], 65504)
+  eq(t:to("bf16"):to("f32"):table()[1], 1.5)
+  eq(kiln.tensor({ 3.9, -3.9 }):to("i32"):table()[2], -3)
+end)
+
+test("devices: to sim and back; mixing devices is an error", function()
+  local t = kiln.tensor({ 1, 2, 3 })
+  local s = t:to("sim")
+  eq(s.device, "sim")
+  eq((s * 2):to("cpu"):table()[3], 6)
+  raises(function() return s + t end, "different devices", "sim", "cpu")
+  raises(function() return t:to("gpu7") end, "gpu7")
+end)
+
+test("free, use after free names the line, <close>", function()
+  local t = kiln.zeros({ 4 })
+  t:free()
+  local line = debug.getinfo(1, "l").currentline - 1
+  raises(function() return t + 1 end, "tensor was freed at", "tensor_test.lua:" .. line)
+  raises(function() return t:table() end, "freed")
+  t:free() -- idempotent
+  local before = kiln.mem.stats("sim").allocated
+  do
+    local s <close> = kiln.zeros({ 1024 }, { device = "sim" })
+    H.truthy(kiln.mem.stats("sim").allocated > before)
+  end
+  eq(kiln.mem.stats("sim").allocated, before, "<close> released the sim memory")
+end)
+
+test("bad input: clear errors", function()
+  local a = kiln.zeros({ 2, 3 })
+  raises(function() return a + kiln.zeros({ 4 }) end, "do not broadcast", "[2,3]", "[4]")
+  raises(function() return kiln.tensor({ { 1, 2 }, { 3 } }) end, "ragged")
+  raises(function() return kiln.zeros({ 2 }, "f64") end, "invalid dtype 'f64'", "f32")
+  raises(function() return a:narrow(2, 3, 2) end, "narrow", "out of range")
+  raises(function() return a:reshape({ 5 }) end, "reshape")
+  raises(function() return a + "x" end)
+  raises(function() return a:matmul(kiln.zeros({ 2, 2 })) end, "matmul", "[2,3]", "[2,2]")
+  raises(function() return kiln.nn.conv2d(kiln.zeros({ 1, 3, 8, 8 }), kiln.zeros({ 4, 2, 3, 3 }), nil, { groups = 2 }) end,
+    "groups=2")
+  raises(function() return kiln.zeros("x") end)
+  raises(function() return a:sum(3) end, "out of range")
+end)
+
+H.done()
