@@ -7,8 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
-/* (Historical: our header was once runtime/png.h, shadowing libpng's <png.h> with -Iruntime;
- * path, so libpng is included through its versioned folder where there is one. */
+/* libpng is included through its versioned folder where there is one. */
 #if defined(__has_include)
 #if __has_include(<libpng16/png.h>)
 #include <libpng16/png.h>

@@ -9,6 +9,7 @@
 #include "threadpool.h"
 
 #include <cblas.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,61 @@ typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t 
 int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
                      pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
 int kiln_cpu_gemm_have_simd(void);
+void *kiln_cpu_scratch_get(size_t bytes);
+void kiln_cpu_scratch_put(void *p);
+
+/* ---------- scratch cache ---------- */
+
+/* Kernels that run again and again with the same shapes (every UNet step) reuse their
+ * scratch instead of taking fresh pages from the OS on every call: the page faults on
+ * a 40 MB Winograd buffer cost as much as the convolution itself. A few blocks of at
+ * most SCRATCH_CACHE_MAX bytes stay cached for the life of the process. */
+enum { SCRATCH_SLOTS = 4 };
+static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
+static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { void *p; size_t cap; int busy; } scratch_slots[SCRATCH_SLOTS];
+
+/* 64-byte aligned, uninitialized; NULL when out of memory. Give back with _put. */
+void *kiln_cpu_scratch_get(size_t bytes)
+{
+    bytes = bytes ? (bytes + 63) / 64 * 64 : 64;
+    if (bytes > SCRATCH_CACHE_MAX) return aligned_alloc(64, bytes);
+    pthread_mutex_lock(&scratch_lock);
+    int best = -1, victim = -1;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) {
+        if (scratch_slots[i].busy) continue;
+        if (scratch_slots[i].p && scratch_slots[i].cap >= bytes &&
+            (best < 0 || scratch_slots[i].cap < scratch_slots[best].cap))
+            best = i;
+        if (victim < 0 || scratch_slots[i].cap < scratch_slots[victim].cap) victim = i;
+    }
+    void *r = NULL;
+    if (best >= 0) {
+        scratch_slots[best].busy = 1;
+        r = scratch_slots[best].p;
+    } else if (victim >= 0) { /* replace the smallest free block by a bigger one */
+        free(scratch_slots[victim].p);
+        scratch_slots[victim].p = r = aligned_alloc(64, bytes);
+        scratch_slots[victim].cap = r ? bytes : 0;
+        scratch_slots[victim].busy = r != NULL;
+    }
+    pthread_mutex_unlock(&scratch_lock);
+    return best >= 0 || victim >= 0 ? r : aligned_alloc(64, bytes);
+}
+
+void kiln_cpu_scratch_put(void *p)
+{
+    if (!p) return;
+    pthread_mutex_lock(&scratch_lock);
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        if (scratch_slots[i].p == p) {
+            scratch_slots[i].busy = 0;
+            pthread_mutex_unlock(&scratch_lock);
+            return;
+        }
+    pthread_mutex_unlock(&scratch_lock);
+    free(p);
+}
 
 typedef struct {
     int trans_a, trans_b;
@@ -405,14 +461,14 @@ static int packed_gemm(const gemm_args *g, float *scratch, int threads)
     t.per_thread = per_thread_floats(t.nb);
     float *own = NULL;
     if (!scratch) {
-        own = aligned_alloc(64, ((size_t)threads * t.per_thread * sizeof(float) + 63) / 64 * 64);
+        own = kiln_cpu_scratch_get((size_t)threads * t.per_thread * sizeof(float));
         if (!own) return -1;
         scratch = own;
     }
     t.scratch = scratch;
     int64_t n_tasks = ((g->M + t.mb - 1) / t.mb) * t.n_nblk;
     kiln_parallel_for(n_tasks, 1, task_fn, &t);
-    free(own);
+    kiln_cpu_scratch_put(own);
     return 0;
 }
 
@@ -533,10 +589,10 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
         int64_t mb, nb;
         choose_blocks(M, N, 1, &mb, &nb);
         batch_ctx b = {g, stride_a, stride_b, stride_c, NULL};
-        b.scratch = aligned_alloc(64, ((size_t)threads * per_thread_floats(nb) * sizeof(float) + 63) / 64 * 64);
+        b.scratch = kiln_cpu_scratch_get((size_t)threads * per_thread_floats(nb) * sizeof(float));
         if (b.scratch) {
             kiln_parallel_for(batch, 1, batch_fn, &b);
-            free(b.scratch);
+            kiln_cpu_scratch_put(b.scratch);
             return;
         }
     }

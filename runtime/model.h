@@ -1,0 +1,119 @@
+/* model.h - model weight stores and their residency, memory modes and eviction.
+ * A model is a named set of weight tensors from one or more safetensors files,
+ * opened by mmap (nothing read until used). Each tensor has up to three copies:
+ * mapped (a view of the file, always there), host (in the cpu allocator: a
+ * converted dtype, or what offload kept) and device (on the device it was loaded
+ * to). Copies are accounted to the owner "model:<name>". Device copies of unpinned
+ * models are evicted, least recently used first, when an allocation needs room
+ * (memory mode "normal"). In mode "low" weights stay on the host and are streamed:
+ * fetch / prefetch (a copy thread per device) / release, tensor by tensor.
+ *
+ * Thread-safety: a model may be used by one thread at a time (plus the runtime's
+ * own copy threads); eviction may come from any thread. */
+#ifndef KILN_MODEL_H
+#define KILN_MODEL_H
+
+#include "tensor.h"
+
+/* ORDER MEMMODE: keep memory_mode_names in model.c in this order */
+typedef enum {
+    KILN_MEM_HIGH = 0,   /* loaded models stay on the device; nothing is evicted: OOM instead */
+    KILN_MEM_NORMAL,     /* least recently used unpinned models are evicted when room is needed */
+    KILN_MEM_LOW,        /* weights stay on the host; fetch/prefetch/release stream them */
+    KILN_MEM_NONE,       /* everything runs from host memory: load goes to the cpu */
+    KILN_MEM_MODE_COUNT
+} kiln_memory_mode;
+
+KILN_API void kiln_memory_mode_set(kiln_memory_mode mode);
+KILN_API kiln_memory_mode kiln_memory_mode_get(void);
+KILN_API const char *kiln_memory_mode_name(kiln_memory_mode mode);
+/* "high", "normal", "low", "none" (and "cpu" for none); -1 when unknown. */
+KILN_API int kiln_memory_mode_from_name(const char *name);
+
+/* ORDER RESIDENCY */
+typedef enum { KILN_RES_MAPPED = 0, KILN_RES_HOST, KILN_RES_DEVICE, KILN_RES_COUNT } kiln_residency;
+KILN_API const char *kiln_residency_name(kiln_residency r);
+
+typedef struct kiln_model kiln_model;
+
+/* Opens n safetensors files as one model (a later file's tensor replaces an
+ * earlier one of the same name). name NULL: the first file's base name. */
+KILN_API kiln_status kiln_model_open(const char *const *paths, int n, const char *name, kiln_model **out);
+/* Frees every copy (tensors handed out keep their own storage alive) and the model.
+ * Waits for this model's prefetches. */
+KILN_API void kiln_model_close(kiln_model *m);
+
+KILN_API const char *kiln_model_name(const kiln_model *m);
+KILN_API int kiln_model_count(const kiln_model *m);
+/* Name of tensor i (0 <= i < count), in file order. */
+KILN_API const char *kiln_model_tensor_name(const kiln_model *m, int i);
+/* Index of name or -1. */
+KILN_API int kiln_model_find(const kiln_model *m, const char *name);
+
+/* Copies every tensor to dev (converting floating-point tensors to dtype; dtype -1
+ * keeps each tensor's dtype), accounted to "model:<name>". Tensors already there
+ * are kept, so a load of a resident model is cheap: call it before each use. Mode
+ * "none" loads to the cpu; mode "low" makes host copies (in dtype) and remembers
+ * dev as the streaming target. On failure the copies made by this call are freed
+ * and the model is as before. */
+KILN_API kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype);
+/* Device copies become host copies (on the cpu allocator). */
+KILN_API kiln_status kiln_model_offload(kiln_model *m);
+/* Drops every copy but the mapping. */
+KILN_API void kiln_model_unload(kiln_model *m);
+/* Pinned models are never evicted (pins nest). */
+KILN_API void kiln_model_pin(kiln_model *m);
+KILN_API kiln_status kiln_model_unpin(kiln_model *m);
+
+/* The best copy of a tensor (device, else host, else mapped) as a new reference;
+ * touches the model's LRU clock. A missing name is an error naming the tensor, the
+ * model and the closest names. */
+KILN_API kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out);
+KILN_API kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *out);
+
+/* Streaming (any mode; needs a load target). fetch copies the named tensors to the
+ * target device now (waiting for a prefetch of the same tensor in flight) and marks
+ * them in use; release frees the device copies that fetch/prefetch made; prefetch
+ * queues the copies on the target device's copy thread and returns at once. */
+KILN_API kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
+KILN_API kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
+KILN_API kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
+
+typedef struct {
+    int n_tensors;
+    int count[KILN_RES_COUNT];           /* tensors whose best copy is mapped / host / device */
+    uint64_t bytes[KILN_RES_COUNT];      /* bytes of those best copies */
+    uint64_t file_bytes;                 /* bytes of the mapped tensors */
+    uint64_t host_bytes, device_bytes;   /* all host / device copies held */
+    const kiln_device *device;           /* load target, NULL when none */
+    int dtype;                           /* load dtype or -1 */
+    int pinned;                          /* pin count */
+    uint64_t last_used;                  /* LRU clock value */
+    /* streaming counters */
+    uint64_t n_fetch_copies, n_prefetch_copies, n_prefetch_waits, n_prefetch_hits;
+    int prefetch_thread;                 /* kiln_thread_id of the last prefetch copy, 0 none */
+} kiln_model_info;
+
+KILN_API void kiln_model_get_info(kiln_model *m, kiln_model_info *out);
+/* Bytes of the model's copies on dev (dev NULL: all host and device copies). */
+KILN_API uint64_t kiln_model_bytes(kiln_model *m, const kiln_device *dev);
+
+/* One row per open model and device holding its copies, most recently used first;
+ * a model with nothing resident gets one row with device "". Returns the number of
+ * rows there are (more than max when out was too short). */
+typedef struct {
+    char model[64];
+    char device[16];
+    uint64_t bytes;
+    int tensors, total;
+    int pinned;
+    uint64_t last_used;
+} kiln_model_usage;
+KILN_API int kiln_model_usage_list(kiln_model_usage *out, int max);
+
+/* Evicts unpinned models' copies on dev, least recently used first, until `need`
+ * bytes are freed (what the allocator's evict hook calls; mode "high" evicts
+ * nothing). Returns the bytes freed. */
+KILN_API size_t kiln_model_evict(kiln_device *dev, size_t need);
+
+#endif
