@@ -1,3 +1,4 @@
+#define _POSIX_C_SOURCE 200809L
 /* l_kiln.c - luaopen_kiln: the `kiln` module table, error raising (typed
  * out-of-memory tables), devices and threads, and the embedded-script searcher. */
 #include "l_kiln.h"
@@ -5,6 +6,8 @@
 #include "../kernels/cpu/threadpool.h"
 
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #define KILN_VERSION "0.1.0"
 
@@ -127,7 +130,42 @@ static int kiln_index(lua_State *L)
     return 1;
 }
 
+/* kiln.time() -> seconds on a monotonic wall clock (os.clock is CPU time, which
+ * counts every thread) */
+static int l_time(lua_State *L)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
+    return 1;
+}
+
+/* kiln.isatty("stdout"|"stderr"|"stdin") */
+static int l_isatty(lua_State *L)
+{
+    static const char *const names[] = {"stdin", "stdout", "stderr", NULL};
+    int fd = luaL_checkoption(L, 1, "stderr", names);
+    lua_pushboolean(L, isatty(fd));
+    return 1;
+}
+
+/* kiln.set_quiet(flag) / kiln.quiet(): progress displays and chatter off */
+static int l_set_quiet(lua_State *L)
+{
+    lua_pushboolean(L, lua_toboolean(L, 1));
+    lua_setfield(L, LUA_REGISTRYINDEX, "kiln.quiet");
+    return 0;
+}
+
+static int l_quiet(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.quiet");
+    lua_pushboolean(L, lua_toboolean(L, -1));
+    return 1;
+}
+
 static const luaL_Reg kiln_funcs[] = {
+    {"time", l_time}, {"isatty", l_isatty}, {"set_quiet", l_set_quiet}, {"quiet", l_quiet},
     {"devices", l_devices}, {"set_default_device", l_set_default_device},
     {"default_device", l_default_device_name}, {"set_threads", l_set_threads}, {"threads", l_threads},
     {NULL, NULL},

@@ -52,10 +52,11 @@ KILN_API int kiln_model_find(const kiln_model *m, const char *name);
 
 /* Copies every tensor to dev (converting floating-point tensors to dtype; dtype -1
  * keeps each tensor's dtype), accounted to "model:<name>". Tensors already there
- * are kept, so a load of a resident model is cheap: call it before each use. Mode
- * "none" loads to the cpu; mode "low" makes host copies (in dtype) and remembers
- * dev as the streaming target. On failure the copies made by this call are freed
- * and the model is as before. */
+ * are kept, so a load of a resident model is cheap: call it before each use. Host
+ * copies are freed once the device copies exist. Mode "none" loads to the cpu;
+ * mode "low" makes host copies only where a dtype conversion needs one and
+ * remembers dev as the streaming target. On failure the device copies made by this
+ * call are freed (the model falls back to host/mapped copies). */
 KILN_API kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype);
 /* Device copies become host copies (on the cpu allocator). */
 KILN_API kiln_status kiln_model_offload(kiln_model *m);
@@ -111,9 +112,11 @@ typedef struct {
 } kiln_model_usage;
 KILN_API int kiln_model_usage_list(kiln_model_usage *out, int max);
 
-/* Evicts unpinned models' copies on dev, least recently used first, until `need`
- * bytes are freed (what the allocator's evict hook calls; mode "high" evicts
- * nothing). Returns the bytes freed. */
+/* Evicts unpinned models' copies on dev (device copies, and host copies when dev
+ * is the cpu), least recently used first, until `need` bytes are freed; copies in
+ * use by fetch are kept. Returns the bytes given back (copies still referenced
+ * elsewhere are dropped but not counted). The allocators' evict hook calls this in
+ * every mode but "high". */
 KILN_API size_t kiln_model_evict(kiln_device *dev, size_t need);
 
 #endif

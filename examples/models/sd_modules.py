@@ -690,3 +690,80 @@ def check_sd_names(shapes, ref_path):
     ours = {"%s %d" % (name_pattern(n), len(s)) for n, s in shapes.items()}
     return sorted(ours - ref), sorted(ref - ours)
 
+
+
+# ---------------------------------------------------------------- configs from a file
+
+def configs_from_state_dict(sd, meta=None):
+    """Read every hyper-parameter that the tensor names and shapes reveal, as
+    kiln's loader does; heads come from __metadata__ (kiln.heads.unet,
+    kiln.heads.clip) or SD 1.x's values (8 and 12)."""
+    meta = meta or {}
+    u = "model.diffusion_model."
+    v = "first_stage_model."
+    c = "cond_stage_model.transformer.text_model."
+
+    def count(prefix):
+        idx = set()
+        for k in sd:
+            if k.startswith(prefix):
+                idx.add(int(k[len(prefix):].split(".")[0]))
+        return len(idx)
+
+    mc = sd[u + "input_blocks.0.0.weight"].shape[0]
+    n_in = count(u + "input_blocks.")
+    levels = 1 + sum(1 for k in sd if k.startswith(u + "input_blocks.")
+                     and k.endswith(".op.weight"))
+    nrb = (n_in - 1 - (levels - 1)) // levels
+    mult, attn, depth, ctx = [], [], 1, None
+    for lvl in range(levels):
+        i = 1 + lvl * (nrb + 1)
+        mult.append(sd[u + "input_blocks.%d.0.out_layers.3.weight" % i].shape[0] // mc)
+        if u + "input_blocks.%d.1.proj_in.weight" % i in sd:
+            attn.append(2 ** lvl)
+    for k in sd:
+        if k.startswith(u) and k.endswith("attn2.to_k.weight"):
+            ctx = sd[k].shape[1]
+    depth = count(u + "middle_block.1.transformer_blocks.")
+    unet = UNetConfig(in_channels=sd[u + "input_blocks.0.0.weight"].shape[1],
+                      out_channels=sd[u + "out.2.weight"].shape[0],
+                      model_channels=mc, channel_mult=mult,
+                      num_res_blocks=nrb, attention_resolutions=attn,
+                      num_heads=int(meta.get("kiln.heads.unet", 8)),
+                      transformer_depth=depth, context_dim=ctx)
+    ch = sd[v + "encoder.conv_in.weight"].shape[0]
+    vlev = count(v + "encoder.down.")
+    vae = VAEConfig(
+        ch=ch,
+        ch_mult=[sd[v + "encoder.down.%d.block.0.conv1.weight" % i].shape[0] // ch
+                 for i in range(vlev)],
+        num_res_blocks=count(v + "encoder.down.0.block."),
+        in_channels=sd[v + "encoder.conv_in.weight"].shape[1],
+        out_ch=sd[v + "decoder.conv_out.weight"].shape[0],
+        z_channels=sd[v + "decoder.conv_in.weight"].shape[1],
+        embed_dim=sd[v + "post_quant_conv.weight"].shape[1],
+        resolution=int(meta.get("kiln.image_size", 256)))
+    tok = sd[c + "embeddings.token_embedding.weight"]
+    clip = CLIPTextConfig(
+        vocab_size=tok.shape[0], width=tok.shape[1],
+        layers=count(c + "encoder.layers."),
+        heads=int(meta.get("kiln.heads.clip", 12)),
+        mlp_ratio=sd[c + "encoder.layers.0.mlp.fc1.weight"].shape[0] // tok.shape[1],
+        context_length=sd[c + "embeddings.position_embedding.weight"].shape[0])
+    return unet, vae, clip
+
+
+def load_checkpoint(path):
+    """-> LatentDiffusion in f32 with the file's weights, scale_factor set."""
+    from safetensors_io import load
+    sd, meta = load(path)
+    unet, vae, clip = configs_from_state_dict(sd, meta)
+    model = LatentDiffusion(unet, vae, clip,
+                            float(meta.get("kiln.scale_factor", 0.18215)))
+    state = model.state_dict()
+    missing = [k for k in state if k not in sd]
+    if missing:
+        raise KeyError("%s: missing tensors %s" % (path, missing[:5]))
+    model.load_state_dict({k: sd[k].to(state[k].dtype) for k in state})
+    model.meta = meta
+    return model.eval()

@@ -130,36 +130,40 @@ AVX512_INLINE __m512 exp2_avx512(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* The micro-tiles keep their accumulators in named variables, written out through
+ * R8(): with arrays and loops, clang keeps them on the stack (half speed). */
+#define R8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
 /* Micro-tile of s: TR rows x NC*16 keys, accumulated over D in registers.
  * Rows past qn read row 0 again and are not stored (a tail costs a little work,
  * never a branch in the inner loop). */
 AVX512_INLINE void qk_tile(int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
 {
-    __m512 acc[TR][3];
-    const float *qr[TR];
-#pragma GCC unroll 8
-    for (int r = 0; r < TR; r++) {
-        qr[r] = qs + (r < qn ? r : 0) * D;
-#pragma GCC unroll 3
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
-    }
+#define QK_DECL(r) \
+    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    const float *q##r = qs + (r < qn ? r : 0) * D;
+    R8(QK_DECL)
     for (int64_t d = 0; d < D; d++) {
-        __m512 kv[3];
-#pragma GCC unroll 3
-        for (int c = 0; c < NC; c++) kv[c] = _mm512_load_ps(kt + d * KB + 16 * c);
-#pragma GCC unroll 8
-        for (int r = 0; r < TR; r++) {
-            __m512 a = _mm512_set1_ps(qr[r][d]);
-#pragma GCC unroll 3
-            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(a, kv[c], acc[r][c]);
-        }
+        const float *kd = kt + d * KB;
+        __m512 k0 = _mm512_load_ps(kd);
+        __m512 k1 = NC > 1 ? _mm512_load_ps(kd + 16) : k0;
+        __m512 k2 = NC > 2 ? _mm512_load_ps(kd + 32) : k0;
+#define QK_STEP(r) { \
+        __m512 bq = _mm512_set1_ps(q##r[d]); \
+        a##r##0 = _mm512_fmadd_ps(bq, k0, a##r##0); \
+        if (NC > 1) a##r##1 = _mm512_fmadd_ps(bq, k1, a##r##1); \
+        if (NC > 2) a##r##2 = _mm512_fmadd_ps(bq, k2, a##r##2); }
+        R8(QK_STEP)
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < TR; r++) {
-        if (r >= qn) break;
-#pragma GCC unroll 3
-        for (int c = 0; c < NC; c++) _mm512_store_ps(s + r * KB + 16 * c, acc[r][c]);
-    }
+#define QK_STORE(r) \
+    if (r < qn) { \
+        _mm512_store_ps(s + r * KB, a##r##0); \
+        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##1); \
+        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##2); }
+    R8(QK_STORE)
+#undef QK_DECL
+#undef QK_STEP
+#undef QK_STORE
 }
 
 AVX512 static void qk_avx512(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
@@ -184,48 +188,43 @@ enum { TAIL_FULL, TAIL_Y8, TAIL_MASK };
 AVX512_INLINE void pv_tile(int NV, int TAIL, float *o, const float *p, const float *v, int64_t qn,
                            int64_t kn, int64_t Dv, __mmask16 vm)
 {
-    __m512 acc[TR][3];
-    __m256 acc8[TR];
-    const float *pr[TR];
     const int NZ = TAIL == TAIL_Y8 ? NV - 1 : NV; /* zmm vectors */
-#pragma GCC unroll 8
-    for (int r = 0; r < TR; r++) {
-        int64_t rr = r < qn ? r : 0;
-        const float *orow = o + rr * Dv;
-        pr[r] = p + rr * KB;
-#pragma GCC unroll 3
-        for (int c = 0; c < NZ; c++)
-            acc[r][c] = (TAIL == TAIL_MASK && c == NZ - 1) ? _mm512_maskz_loadu_ps(vm, orow + 16 * c)
-                                                           : _mm512_loadu_ps(orow + 16 * c);
-        acc8[r] = TAIL == TAIL_Y8 ? _mm256_loadu_ps(orow + 16 * NZ) : _mm256_setzero_ps();
-    }
+    const __mmask16 full = (__mmask16)0xFFFF;
+    const __mmask16 m0 = TAIL == TAIL_MASK && NZ == 1 ? vm : full;
+    const __mmask16 m1 = TAIL == TAIL_MASK && NZ == 2 ? vm : full;
+    const __mmask16 m2 = TAIL == TAIL_MASK && NZ == 3 ? vm : full;
+#define PV_DECL(r) \
+    const float *o##r = o + (r < qn ? r : 0) * Dv, *p##r = p + (r < qn ? r : 0) * KB; \
+    __m512 a##r##0 = NZ > 0 ? _mm512_maskz_loadu_ps(m0, o##r) : _mm512_setzero_ps(); \
+    __m512 a##r##1 = NZ > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
+    __m512 a##r##2 = NZ > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps(); \
+    __m256 y##r = TAIL == TAIL_Y8 ? _mm256_loadu_ps(o##r + 16 * NZ) : _mm256_setzero_ps();
+    R8(PV_DECL)
     for (int64_t j = 0; j < kn; j++) {
         const float *vr = v + j * Dv;
-        __m512 vv[3];
+        __m512 v0 = NZ > 0 ? _mm512_maskz_loadu_ps(m0, vr) : _mm512_setzero_ps();
+        __m512 v1 = NZ > 1 ? _mm512_maskz_loadu_ps(m1, vr + 16) : v0;
+        __m512 v2 = NZ > 2 ? _mm512_maskz_loadu_ps(m2, vr + 32) : v0;
         __m256 v8 = TAIL == TAIL_Y8 ? _mm256_loadu_ps(vr + 16 * NZ) : _mm256_setzero_ps();
-#pragma GCC unroll 3
-        for (int c = 0; c < NZ; c++)
-            vv[c] = (TAIL == TAIL_MASK && c == NZ - 1) ? _mm512_maskz_loadu_ps(vm, vr + 16 * c)
-                                                       : _mm512_loadu_ps(vr + 16 * c);
-#pragma GCC unroll 8
-        for (int r = 0; r < TR; r++) {
-            __m512 a = _mm512_set1_ps(pr[r][j]);
-#pragma GCC unroll 3
-            for (int c = 0; c < NZ; c++) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
-            if (TAIL == TAIL_Y8) acc8[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(a), v8, acc8[r]);
-        }
+#define PV_STEP(r) { \
+        __m512 bp = _mm512_set1_ps(p##r[j]); \
+        if (NZ > 0) a##r##0 = _mm512_fmadd_ps(bp, v0, a##r##0); \
+        if (NZ > 1) a##r##1 = _mm512_fmadd_ps(bp, v1, a##r##1); \
+        if (NZ > 2) a##r##2 = _mm512_fmadd_ps(bp, v2, a##r##2); \
+        if (TAIL == TAIL_Y8) y##r = _mm256_fmadd_ps(_mm512_castps512_ps256(bp), v8, y##r); }
+        R8(PV_STEP)
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < TR; r++) {
-        if (r >= qn) break;
-        float *orow = o + r * Dv;
-#pragma GCC unroll 3
-        for (int c = 0; c < NZ; c++) {
-            if (TAIL == TAIL_MASK && c == NZ - 1) _mm512_mask_storeu_ps(orow + 16 * c, vm, acc[r][c]);
-            else _mm512_storeu_ps(orow + 16 * c, acc[r][c]);
-        }
-        if (TAIL == TAIL_Y8) _mm256_storeu_ps(orow + 16 * NZ, acc8[r]);
-    }
+#define PV_STORE(r) \
+    if (r < qn) { \
+        float *w##r = o + r * Dv; \
+        if (NZ > 0) _mm512_mask_storeu_ps(w##r, m0, a##r##0); \
+        if (NZ > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##1); \
+        if (NZ > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##2); \
+        if (TAIL == TAIL_Y8) _mm256_storeu_ps(w##r + 16 * NZ, y##r); }
+    R8(PV_STORE)
+#undef PV_DECL
+#undef PV_STEP
+#undef PV_STORE
 }
 
 /* One chunk of value columns: nv vectors (<= 3), the last of `last` lanes. */
@@ -379,6 +378,15 @@ static void att_tasks(void *p, int64_t b, int64_t e)
     free(own);
 }
 
+/* Bytes of scratch one kiln_cpu_attention call allocates (all pool threads), for
+ * memory planning and the bench; it depends on D, Dv and the thread count only.
+ * Not yet declared in cpu_kernels.h (proposed addition). */
+size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv);
+size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv)
+{
+    return (size_t)kiln_threads() * slot_floats(D, Dv) * sizeof(float);
+}
+
 kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,
                                int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
                                float scale, int causal)
@@ -397,7 +405,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
 
     int nslots = kiln_threads();
     size_t slot = slot_floats(D, Dv);
-    size_t bytes = (size_t)nslots * slot * sizeof(float);
+    size_t bytes = kiln_cpu_attention_scratch_bytes(D, Dv);
     float *scratch = aligned_alloc(64, bytes);
     if (!scratch)
         return kiln_error_oom("cpu", bytes, 0, 0, "attention: no memory for %zu bytes of scratch", bytes);

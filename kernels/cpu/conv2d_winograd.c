@@ -1,8 +1,8 @@
 /* conv2d_winograd.c - Winograd F(4x4, 3x3) for 3x3 stride-1 convolutions (AVX-512).
  * Y = A^T [ (G g G^T) . (B^T d B) ] A over 6x6 input tiles that give 4x4 outputs: the
  * channel sums become 36 independent GEMMs U[36][K][C] x V[36][C][tiles] (gemm.c) with
- * 4x fewer multiply-adds than the direct convolution. Scratch is bounded by
- * WINO_SCRATCH_BYTES: output channels go in blocks and tiles in strips when needed. */
+ * 4x fewer multiply-adds than the direct convolution. Scratch is bounded (about
+ * 32 MB): output channels go in blocks and tiles in strips (see plan()). */
 #define _GNU_SOURCE
 #include "cpu_kernels.h"
 #include "threadpool.h"
@@ -13,13 +13,12 @@
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p);
 int kiln_cpu_gemm_have_simd(void);
+void *kiln_cpu_scratch_get(size_t bytes);
+void kiln_cpu_scratch_put(void *p);
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f")))
-
-/* Upper bound of U (weights), V (input tiles) and M (products) together. */
-static const size_t WINO_SCRATCH_BYTES = (size_t)48 << 20;
 
 typedef struct {
     const kiln_conv2d_params *p;
@@ -172,33 +171,41 @@ AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
         o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34, d12), m[5]);                            \
     } while (0)
 
+/* Interleaves o[b] (lane l = tile l) into r[q]: floats 4l+b of 64, i.e. the 4 outputs
+ * of each tile side by side, as they lie in an output row. */
+AVX512 static inline void interleave4(const __m512 *o, __m512 *r)
+{
+    __m512 p01l = _mm512_unpacklo_ps(o[0], o[1]), p01h = _mm512_unpackhi_ps(o[0], o[1]);
+    __m512 p23l = _mm512_unpacklo_ps(o[2], o[3]), p23h = _mm512_unpackhi_ps(o[2], o[3]);
+    /* q[c], 128-bit lane L: the 4 outputs of tile 4L + c */
+    __m512 q0 = _mm512_shuffle_ps(p01l, p23l, 0x44), q1 = _mm512_shuffle_ps(p01l, p23l, 0xEE);
+    __m512 q2 = _mm512_shuffle_ps(p01h, p23h, 0x44), q3 = _mm512_shuffle_ps(p01h, p23h, 0xEE);
+    __m512 v = _mm512_shuffle_f32x4(q0, q1, 0x88), w = _mm512_shuffle_f32x4(q2, q3, 0x88);
+    __m512 v2 = _mm512_shuffle_f32x4(q0, q1, 0xDD), w2 = _mm512_shuffle_f32x4(q2, q3, 0xDD);
+    r[0] = _mm512_shuffle_f32x4(v, w, 0x88);
+    r[2] = _mm512_shuffle_f32x4(v, w, 0xDD);
+    r[1] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+    r[3] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+}
+
 AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
     const kiln_conv2d_params *p = c->p;
     const int64_t OHW = p->oh * p->ow, OW = p->ow;
     for (int64_t tb = 0; tb < c->tp; tb += 16) {
-        /* lanes: output offsets and row/column masks of the 4x4 tiles */
-        int32_t off[16], oy[16], ox[16];
-        __mmask16 valid = 0;
-        for (int l = 0; l < 16; l++) {
+        /* runs of lanes (tiles) that lie in one tile row: lanes [l0, l1), row ty, first tx */
+        int run_l0[16], run_l1[16], nr = 0;
+        int64_t run_ty[16], run_tx[16];
+        for (int l = 0; l < 16;) {
             int64_t t = c->t0 + tb + l;
-            oy[l] = ox[l] = 1 << 30;
-            off[l] = 0;
-            if (t < c->t0 + c->nt) {
-                valid |= (__mmask16)(1u << l);
-                oy[l] = (int32_t)(4 * (t / c->TW));
-                ox[l] = (int32_t)(4 * (t % c->TW));
-                off[l] = (int32_t)(oy[l] * OW + ox[l]);
-            }
-        }
-        __m512i voff = _mm512_loadu_si512(off), voy = _mm512_loadu_si512(oy), vox = _mm512_loadu_si512(ox);
-        __mmask16 rowm[4], colm[4];
-        for (int a = 0; a < 4; a++) {
-            rowm[a] = valid & _mm512_cmplt_epi32_mask(_mm512_add_epi32(voy, _mm512_set1_epi32(a)),
-                                                      _mm512_set1_epi32((int)p->oh));
-            colm[a] = valid & _mm512_cmplt_epi32_mask(_mm512_add_epi32(vox, _mm512_set1_epi32(a)),
-                                                      _mm512_set1_epi32((int)p->ow));
+            if (t >= c->t0 + c->nt) break;
+            int64_t ty = t / c->TW, tx = t % c->TW;
+            int len = c->TW - tx < 16 - l ? (int)(c->TW - tx) : 16 - l;
+            if (t + len > c->t0 + c->nt) len = (int)(c->t0 + c->nt - t);
+            run_l0[nr] = l; run_l1[nr] = l + len; run_ty[nr] = ty; run_tx[nr] = tx;
+            nr++;
+            l += len;
         }
         for (int64_t kk = begin; kk < end; kk++) {
             int64_t k = c->k0 + kk;
@@ -211,50 +218,41 @@ AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
                 AT_APPLY(m, s[j]);
             }
             for (int a = 0; a < 4; a++) {
-                __m512 m[6] = {s[0][a], s[1][a], s[2][a], s[3][a], s[4][a], s[5][a]}, o[4];
+                __m512 m[6] = {s[0][a], s[1][a], s[2][a], s[3][a], s[4][a], s[5][a]}, o[4], r[4];
                 AT_APPLY(m, o);
-                for (int bb = 0; bb < 4; bb++) {
-                    __mmask16 mk = rowm[a] & colm[bb];
-                    __m512i idx = _mm512_add_epi32(voff, _mm512_set1_epi32((int)(a * OW + bb)));
-                    _mm512_mask_i32scatter_ps(plane, mk, idx, _mm512_add_ps(o[bb], bv), 4);
+                for (int bb = 0; bb < 4; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
+                interleave4(o, r);
+                for (int t = 0; t < nr; t++) {
+                    int64_t oy = 4 * run_ty[t] + a;
+                    if (oy >= p->oh) continue;
+                    /* float f of r (f in [4 l0, 4 l1)) goes to column 4 tx + f - 4 l0, if < OW */
+                    int64_t f0 = 4 * run_l0[t], f1 = 4 * run_l1[t], lim = f0 + (OW - 4 * run_tx[t]);
+                    if (f1 > lim) f1 = lim;
+                    uint64_t bits = (f1 >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << f1) - 1)) & ~(((uint64_t)1 << f0) - 1);
+                    float *base = plane + oy * OW + 4 * run_tx[t] - f0;
+                    for (int q = 0; q < 4; q++) {
+                        __mmask16 mk = (__mmask16)(bits >> (16 * q));
+                        if (mk) _mm512_mask_storeu_ps(base + 16 * q, mk, r[q]);
+                    }
                 }
             }
         }
     }
 }
 
+/* Blocking: output channels in blocks of kb (U = 36*kb*C floats <= U_MAX_BYTES) and
+ * tiles in strips of ts (V + M <= STRIP_MAX_BYTES, about what L2 + L3 hold). */
+static const size_t U_MAX_BYTES = (size_t)24 << 20, STRIP_MAX_BYTES = (size_t)8 << 20;
 
-/* Plans the blocking; returns 0 and fills kb, tp (strip tiles, multiple of 16), or -1. */
-static int plan(int64_t C, int64_t K, int64_t T, int64_t *kb, int64_t *ts)
+static void plan(int64_t C, int64_t K, int64_t T, int64_t *kb, int64_t *ts)
 {
-    const double unit = 36.0 * 4.0, budget = (double)WINO_SCRATCH_BYTES;
+    const double unit = 36.0 * 4.0;
+    int64_t k = (int64_t)((double)U_MAX_BYTES / (unit * (double)C));
+    *kb = k >= K ? K : (k / 12 * 12 < 12 ? 12 : k / 12 * 12);
+    int64_t t = (int64_t)((double)STRIP_MAX_BYTES / (unit * (double)(C + *kb))) / 16 * 16;
     int64_t t16 = (T + 15) / 16 * 16;
-    /* everything at once */
-    if (unit * ((double)K * C + (double)C * t16 + (double)K * t16) <= budget) {
-        *kb = K; *ts = t16;
-        return 0;
-    }
-    /* all weights at once, tiles in strips */
-    if (unit * (double)K * C <= budget / 2) {
-        double per_tile = unit * (double)(C + K);
-        int64_t t = (int64_t)((budget - unit * (double)K * C) / per_tile) / 16 * 16;
-        if (t >= 16) { *kb = K; *ts = t; return 0; }
-    }
-    /* all tiles at once, output channels in blocks */
-    if (unit * (double)C * t16 <= budget / 2) {
-        int64_t k = (int64_t)((budget - unit * (double)C * t16) / (unit * (double)(C + t16)));
-        if (k >= 16) { *kb = k / 12 * 12; *ts = t16; return 0; }
-    }
-    /* both: a quarter of the budget for weights, the rest for tiles */
-    int64_t k = (int64_t)(budget / 4 / (unit * (double)C)) / 12 * 12;
-    if (k < 12) return -1;
-    if (k > K) k = K;
-    int64_t t = (int64_t)((budget - unit * (double)k * C) / (unit * (double)(C + k))) / 16 * 16;
-    if (t < 16) return -1;
-    *kb = k; *ts = t;
-    return 0;
+    *ts = t < 16 ? 16 : t > t16 ? t16 : t;
 }
-
 
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p)
@@ -272,41 +270,45 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     /* Measured (tests/bench): below these the GEMM is too thin for the transforms to pay. */
     if (!forced && (C < 32 || K < 32 || T < 16)) return 1;
     int64_t kb, ts;
-    if (plan(C, K, T, &kb, &ts)) return 1;
-    if (ts > (T + 15) / 16 * 16) ts = (T + 15) / 16 * 16;
+    plan(C, K, T, &kb, &ts);
     int threads = kiln_threads();
     /* each part starts on a 64-byte line (V and M are read and written aligned) */
     size_t nU = (size_t)(36 * kb * C + 15) / 16 * 16, nV = (size_t)(36 * C * ts), nM = (size_t)(36 * kb * ts);
     size_t nrow = (size_t)threads * (size_t)(C * 9);
-    float *buf = aligned_alloc(64, ((nU + nV + nM + nrow) * sizeof(float) + 63) / 64 * 64);
+    float *buf = kiln_cpu_scratch_get((nU + nV + nM + nrow) * sizeof(float));
     if (!buf) return -1;
     wino_ctx c = {0};
     c.p = p; c.w = w; c.w_dt = w_dtype; c.bias = bias; c.C = C; c.K = K; c.TW = TW; c.TH = TH;
     c.U = buf; c.V = buf + nU; c.M = c.V + nV; c.wrow = c.M + nM;
     int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;
-    /* Loop order: with one block of channels the weights are transformed once; with one
-     * strip the tiles are. Otherwise the tiles are transformed again per block. */
+    /* With several blocks and several strips one of the transforms is repeated: the
+     * tiles once per block (blocks outer) or the weights once per strip (strips outer),
+     * whichever costs less (a tile transform is about 3x a weight transform per pair). */
+    int strips_outer = nkb > 1 && nstrip > 1 && 3 * nkb * T > nstrip * K;
     for (int64_t n = 0; n < p->n; n++) {
         c.x = x + n * C * p->h * p->w;
         c.y = y + n * K * p->oh * p->ow;
-        for (int64_t bk = 0; bk < nkb; bk++) {
-            c.k0 = bk * kb;
-            c.kb = K - c.k0 < kb ? K - c.k0 : kb;
-            /* U depends only on the block: transform it for the first image and strip */
-            int need_u = nkb > 1 || n == 0;
-            if (need_u) kiln_parallel_for(c.kb, 1, weight_fn, &c);
-            for (int64_t st = 0; st < nstrip; st++) {
+        int64_t n_outer = strips_outer ? nstrip : nkb, n_inner = strips_outer ? nkb : nstrip;
+        for (int64_t o = 0; o < n_outer; o++)
+            for (int64_t i = 0; i < n_inner; i++) {
+                int64_t bk = strips_outer ? i : o, st = strips_outer ? o : i;
+                c.k0 = bk * kb;
+                c.kb = K - c.k0 < kb ? K - c.k0 : kb;
                 c.t0 = st * ts;
                 c.nt = T - c.t0 < ts ? T - c.t0 : ts;
                 c.tp = (c.nt + 15) / 16 * 16;
-                if (nkb == 1 || nstrip > 1 || bk == 0) kiln_parallel_for(C, 1, input_fn, &c);
+                /* U is kept while the block stays (one block: for every image) */
+                int need_u = nkb == 1 ? n == 0 && st == 0 : strips_outer || st == 0;
+                /* V is kept while the strip stays */
+                int need_v = nstrip == 1 ? bk == 0 : !strips_outer || bk == 0;
+                if (need_u) kiln_parallel_for(c.kb, 1, weight_fn, &c);
+                if (need_v) kiln_parallel_for(C, 1, input_fn, &c);
                 kiln_cpu_gemm_batched_f32(0, 0, 36, c.kb, c.tp, C, 1.0f, c.U, C, c.kb * C, c.V, c.tp, C * c.tp, 0.0f,
                                           c.M, c.tp, c.kb * c.tp);
                 kiln_parallel_for(c.kb, 1, output_fn, &c);
             }
-        }
     }
-    free(buf);
+    kiln_cpu_scratch_put(buf);
     return 0;
 }
 

@@ -1,0 +1,18 @@
+-- examples/hires_fix.lua - sample small, upscale, sample again at a partial denoise.
+--   kiln examples/hires_fix.lua --prompt "..." [--scale 2] [--upscale latent-bilinear|latent-nearest|image]
+--     [--hires-denoise 0.5] [--hires-steps N] [options of txt2img]
+local cli = require "kiln.cli"
+local pipeline = require "kiln.pipeline"
+
+local o = cli.parse(arg, { scale = 2, upscale = "latent-bilinear", hires_denoise = 0.5, hires_steps = 0 })
+if o.out == "" then o.out = "hires_fix.png" end
+if o.hires_steps == 0 then o.hires_steps = nil end
+
+local ckpt <close> = kiln.load_checkpoint(o.model)
+o.width, o.height = o.width or ckpt.image_size, o.height or ckpt.image_size
+
+local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need
+local final = { width = img.shape[4], height = img.shape[3] }
+setmetatable(final, { __index = o })
+pipeline.save(img, o.out, final, ckpt, { ("Hires upscale: %g"):format(o.scale), "Hires upscaler: " .. o.upscale })
+cli.report(o.out, o)

@@ -1,0 +1,22 @@
+-- examples/img2img.lua - re-draws an input image guided by a prompt.
+--   kiln examples/img2img.lua --input in.png --prompt "..." [--denoise 0.6] [options of txt2img]
+local cli = require "kiln.cli"
+local pipeline = require "kiln.pipeline"
+
+local o = cli.parse(arg, { input = "" })
+if o.input == "" then error("img2img needs --input IMAGE.png") end
+if o.out == "" then o.out = "img2img.png" end
+if o.denoise == 1.0 then o.denoise = 0.6 end
+
+local ckpt <close> = kiln.load_checkpoint(o.model)
+local image <close> = kiln.load_png(o.input)
+if o.width and o.height then                            -- optional resize to the requested size
+  local resized = kiln.nn.interpolate(image, { size = { o.height, o.width }, mode = "bilinear" })
+  image:free()
+  image = resized
+end
+o.width, o.height = image.shape[4], image.shape[3]
+
+local img <close> = pipeline.img2img(ckpt, image, o)
+pipeline.save(img, o.out, o, ckpt)
+cli.report(o.out, o)

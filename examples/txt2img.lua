@@ -1,0 +1,17 @@
+-- examples/txt2img.lua - text to image.
+--   kiln examples/txt2img.lua --prompt "a red circle on a blue background" [--seed N]
+--     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
+--     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
+--     [--mode high|normal|low|none] [--vram 6G] [--tile T] [--quiet]
+local cli = require "kiln.cli"
+local pipeline = require "kiln.pipeline"
+
+local o = cli.parse(arg)
+if o.out == "" then o.out = "txt2img.png" end
+
+local ckpt <close> = kiln.load_checkpoint(o.model)      -- nothing is read yet: files are mapped
+o.width, o.height = o.width or ckpt.image_size, o.height or ckpt.image_size
+
+local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded
+pipeline.save(img, o.out, o, ckpt)
+cli.report(o.out, o)

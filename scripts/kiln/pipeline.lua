@@ -1,0 +1,286 @@
+-- kiln.pipeline: the staged workflows (txt2img, img2img, hires fix) built from
+-- the checkpoint's networks, the samplers and the memory primitives. Each stage
+-- says what it needs resident and releases what the next stage does not need,
+-- so a workflow's peak is the largest stage, not the sum.
+--
+--   local ckpt <close> = kiln.load_checkpoint(path)
+--   local img = pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 20, seed = 1 })
+local sample = require "kiln.sample"
+local progress = require "kiln.progress"
+
+local pipeline = {}
+
+-- ComfyUI / A1111 display names of samplers, for the PNG "parameters" text.
+local A1111_NAMES = {
+  euler = "Euler", euler_ancestral = "Euler a", heun = "Heun", dpm_2 = "DPM2",
+  dpm_2_ancestral = "DPM2 a", lms = "LMS", dpmpp_2s_ancestral = "DPM++ 2S a",
+  dpmpp_2m = "DPM++ 2M", dpmpp_sde = "DPM++ SDE", ddim = "DDIM", lcm = "LCM",
+}
+
+local DEFAULTS = {
+  prompt = "", negative = "", seed = 0, steps = 20, cfg = 7.0, sampler = "euler",
+  scheduler = "normal", width = nil, height = nil, denoise = 1.0, device = nil,
+  batch_cfg = nil, -- nil: one batched UNet call for cond+uncond unless mode is "low"
+}
+
+local function opts_with_defaults(opts)
+  local o = {}
+  for k, v in pairs(DEFAULTS) do o[k] = v end
+  for k, v in pairs(opts or {}) do o[k] = v end
+  return o
+end
+
+--- The device stages run on: opts.device, else kiln's default device.
+local function device_of(o) return o.device or kiln.default_device() end
+
+--- Model sampling of a checkpoint: SD's discrete schedule with its prediction type.
+function pipeline.model_sampling(ckpt)
+  ckpt._ms = ckpt._ms or sample.discrete_schedule({ prediction = ckpt.prediction or "eps" })
+  return ckpt._ms
+end
+
+--- Sigmas for `steps` steps at denoise strength d (< 1 starts part-way, as
+-- ComfyUI: the schedule of steps/d steps, keeping its last steps + 1 values).
+function pipeline.sigmas(ckpt, scheduler, steps, d)
+  local ms = pipeline.model_sampling(ckpt)
+  d = d or 1
+  if d <= 0 then return kiln.tensor({ 0 }) end
+  local total = d < 1 and math.floor(steps / d) or steps
+  local s = sample.sigmas(scheduler, total, { model_sampling = ms })
+  if total > steps then s = s:narrow(1, total - steps + 1, steps + 1):contiguous() end
+  return s
+end
+
+--- Conditioning for a prompt and a negative prompt: cond, uncond (and pooled
+-- vectors where the family has them).
+function pipeline.encode_prompts(ckpt, prompt, negative)
+  local clip = ckpt.clip
+  local cond, pooled = clip:encode(prompt)
+  local uncond, upooled = clip:encode(negative or "")
+  -- different prompt lengths (75-token chunks): pad the shorter with its last chunk
+  local lc, lu = cond.shape[2], uncond.shape[2]
+  if lc ~= lu then
+    local function grow(t, n)
+      local parts = { t }
+      local last = t:narrow(2, t.shape[2] - 76, 77)
+      local have = t.shape[2]
+      while have < n do parts[#parts + 1] = last; have = have + 77 end
+      return kiln.cat(parts, 2)
+    end
+    if lc < lu then cond = grow(cond, lu) else uncond = grow(uncond, lc) end
+  end
+  return cond, uncond, pooled, upooled
+end
+
+--- The denoiser the samplers call: classifier-free guidance around the UNet.
+-- cond and uncond go through one batched UNet call ([uncond; cond]), or two calls
+-- when opts.batch_cfg is false (the default in "low" mode, where it lowers the
+-- peak). Returns function(x, sigma) -> denoised.
+function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
+  local unet = ckpt.unet
+  local ms = pipeline.model_sampling(ckpt)
+  local v_pred = ms.prediction == "v"
+  local batch = o.batch_cfg
+  if batch == nil then batch = kiln.memory_mode() ~= "low" end
+  local y_c, y_u = o.y_cond, o.y_uncond
+  local ctx_both = batch and cfg ~= 1 and kiln.cat({ uncond, cond }, 1) or nil
+  local y_both = batch and cfg ~= 1 and y_c and kiln.cat({ y_u, y_c }, 1) or nil
+
+  local function predict(xin, sigma, ctx, y, n)
+    local t = kiln.full({ n }, ms.timestep(sigma))
+    local c_in = 1 / math.sqrt(sigma * sigma + 1)
+    local out = unet:forward(xin * c_in, t, ctx, y)
+    local den
+    if v_pred then   -- v-prediction: x * 1/(s^2+1) - v * s/sqrt(s^2+1)
+      den = xin * (1 / (sigma * sigma + 1)) - out * (sigma / math.sqrt(sigma * sigma + 1))
+    else             -- eps-prediction: x - eps * sigma
+      den = xin - out * sigma
+    end
+    out:free()
+    return den
+  end
+
+  return function(x, sigma)
+    local B = x.shape[1]
+    if cfg == 1 then return predict(x, sigma, cond, y_c, B) end
+    if batch then
+      local xx = kiln.cat({ x, x }, 1)
+      local both = predict(xx, sigma, ctx_both, y_both, 2 * B)
+      xx:free()
+      local u, c = both:narrow(1, 1, B), both:narrow(1, B + 1, B)
+      local r = u + (c - u) * cfg
+      both:free()
+      return r
+    end
+    local u = predict(x, sigma, uncond, y_u, B)
+    local c = predict(x, sigma, cond, y_c, B)
+    local r = u + (c - u) * cfg
+    u:free(); c:free()
+    return r
+  end
+end
+
+--- Latent size of an image size for the checkpoint's VAE.
+local function latent_size(ckpt, w, h)
+  local f = ckpt.vae.factor or 8
+  if w % f ~= 0 or h % f ~= 0 then
+    error(("image size %dx%d must be a multiple of %d (the VAE's factor)"):format(w, h, f), 3)
+  end
+  return w // f, h // f
+end
+
+--- Samples latents: from noise (x0 = nil) or from x0 at denoise < 1.
+function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
+  local sigmas = pipeline.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
+  local s = sigmas:table()
+  local noise = kiln.randn(shape, { seed = o.seed })
+  local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
+  noise:free()
+  local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, o)
+  local bar = progress.start("sample", #s - 1)
+  local t0 = kiln.time()
+  local out = sample.run(o.sampler, den, x, sigmas, {
+    seed = o.seed, eta = o.eta, s_noise = o.s_noise,
+    callback = function(st)
+      bar:step(st.i)
+      if kiln.cancelled and kiln.cancelled() then return false end
+      if o.callback then return o.callback(st) end
+    end,
+  })
+  o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
+  return out
+end
+
+--- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
+function pipeline.txt2img(ckpt, opts)
+  local o = opts_with_defaults(opts)
+  local W = o.width or ckpt.image_size or 512
+  local H = o.height or ckpt.image_size or 512
+  local lw, lh = latent_size(ckpt, W, H)
+  local dev = device_of(o)
+
+  ckpt.clip:load(dev)
+  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  ckpt.clip:unload()                       -- the text encoder is not needed again
+
+  ckpt.unet:load(dev)
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { 1, ckpt.latent_channels or 4, lh, lw })
+  cond:free(); uncond:free()
+  ckpt.unet:unload()                       -- make room for the decoder
+
+  ckpt.vae:load(dev)
+  local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+  ckpt.vae:unload()
+  return img, lat
+end
+
+--- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise.
+function pipeline.img2img(ckpt, image, opts)
+  local o = opts_with_defaults(opts)
+  if (opts or {}).denoise == nil then o.denoise = 0.6 end
+  local dev = device_of(o)
+  local H, W = image.shape[3], image.shape[4]
+  latent_size(ckpt, W, H)
+
+  ckpt.vae:load(dev)
+  local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
+  ckpt.vae:offload()                       -- needed again for the decode; keep it on the host
+
+  ckpt.clip:load(dev)
+  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  ckpt.clip:unload()
+
+  ckpt.unet:load(dev)
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
+  x0:free(); cond:free(); uncond:free()
+  ckpt.unet:unload()
+
+  ckpt.vae:load(dev)
+  local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+  ckpt.vae:unload()
+  return img, lat
+end
+
+--- hires fix: sample small, upscale (latent nearest/bilinear or the decoded
+-- image), then sample again at a partial denoise.
+function pipeline.hires_fix(ckpt, opts)
+  local o = opts_with_defaults(opts)
+  local scale = o.scale or 2
+  local upscale = o.upscale or "latent-bilinear"
+  local dev = device_of(o)
+  local W = o.width or ckpt.image_size or 512
+  local H = o.height or ckpt.image_size or 512
+  local lw, lh = latent_size(ckpt, W, H)
+  local W2, H2 = math.floor(W * scale), math.floor(H * scale)
+  local lw2, lh2 = latent_size(ckpt, W2, H2)
+
+  ckpt.clip:load(dev)
+  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  ckpt.clip:unload()
+
+  ckpt.unet:load(dev)
+  local first = opts_with_defaults(opts)
+  first.denoise = 1
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.latent_channels or 4, lh, lw })
+
+  local up
+  if upscale == "latent-nearest" or upscale == "latent-bilinear" then
+    local mode = upscale == "latent-nearest" and "nearest-exact" or "bilinear"
+    up = kiln.nn.interpolate(lat, { size = { lh2, lw2 }, mode = mode })
+  elseif upscale == "image" then
+    ckpt.unet:offload()                    -- the decoder/encoder need the room now
+    ckpt.vae:load(dev)
+    local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+    local big = kiln.nn.interpolate(img, { size = { H2, W2 }, mode = "bilinear" }):clamp(0, 1)
+    img:free()
+    up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
+    big:free()
+    ckpt.vae:offload()
+    ckpt.unet:load(dev)
+  else
+    error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image)"):format(upscale), 2)
+  end
+  lat:free()
+
+  local second = opts_with_defaults(opts)
+  second.denoise = o.hires_denoise or 0.5
+  second.steps = o.hires_steps or o.steps
+  second.seed = o.seed + 1
+  local lat2 = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
+  up:free(); cond:free(); uncond:free()
+  ckpt.unet:unload()
+
+  ckpt.vae:load(dev)
+  local img = ckpt.vae:decode(lat2, { tile = o.tile, overlap = o.overlap })
+  ckpt.vae:unload()
+  return img, lat2
+end
+
+--- The A1111 "parameters" text for a PNG (other tools read it).
+function pipeline.parameters(o, ckpt, extra)
+  local lines = { o.prompt or "" }
+  if o.negative and o.negative ~= "" then lines[#lines + 1] = "Negative prompt: " .. o.negative end
+  local f = {
+    ("Steps: %d"):format(o.steps),
+    ("Sampler: %s"):format(A1111_NAMES[o.sampler] or o.sampler),
+    ("Schedule type: %s"):format(o.scheduler),
+    ("CFG scale: %g"):format(o.cfg),
+    ("Seed: %d"):format(o.seed),
+    ("Size: %dx%d"):format(o.width or 0, o.height or 0),
+  }
+  if ckpt and ckpt.hash then f[#f + 1] = "Model hash: " .. ckpt.hash end
+  if ckpt and ckpt.name then f[#f + 1] = "Model: " .. ckpt.name end
+  if o.denoise and o.denoise < 1 then f[#f + 1] = ("Denoising strength: %g"):format(o.denoise) end
+  for _, e in ipairs(extra or {}) do f[#f + 1] = e end
+  f[#f + 1] = "Version: kiln " .. kiln.version
+  lines[#lines + 1] = table.concat(f, ", ")
+  return table.concat(lines, "\n")
+end
+
+--- Saves an image with its generation parameters.
+function pipeline.save(img, path, o, ckpt, extra)
+  return kiln.save_png(img, path, { text = { parameters = pipeline.parameters(o, ckpt, extra),
+    Software = "kiln " .. kiln.version } })
+end
+
+return pipeline

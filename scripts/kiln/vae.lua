@@ -1,0 +1,454 @@
+-- kiln.vae: the AutoencoderKL of Stable Diffusion (LDM's Encoder / Decoder with the
+-- mid-block attention, quant_conv / post_quant_conv), over kiln.nn.
+--   vae:decode(z [, {tile=, overlap=}])  latents as samplers produce them (already
+--       times the scale factor) -> images [B, 3, f*h, f*w] in [0, 1]
+--   vae:encode(img [, {tile=, overlap=}]) images in [0, 1] -> posterior mode * scale
+-- The architecture is read from the tensors (vae.config); vae.expected(cfg) lists the
+-- tensors with their shapes.
+local kiln = require "kiln"
+local nn = kiln.nn
+
+local M = {}
+local VAE = {}
+VAE.__index = VAE
+M.VAE = VAE
+
+local fmt = string.format
+
+local function count_indices(shapes, pattern)
+  local n = -1
+  for name in pairs(shapes) do
+    local i = name:match(pattern)
+    if i then n = math.max(n, tonumber(i)) end
+  end
+  return n + 1
+end
+
+local function need(shapes, name, what)
+  local s = shapes[name]
+  if not s then error(fmt("VAE: tensor '%s' not found (needed to read %s)", name, what), 0) end
+  return s
+end
+
+-- name -> shape (relative to the VAE root: "encoder.conv_in.weight") -> architecture.
+-- opts: scale_factor, shift_factor.
+function M.config(shapes, opts)
+  opts = opts or {}
+  local cfg = {}
+  local has_enc, has_dec = shapes["encoder.conv_in.weight"] ~= nil, shapes["decoder.conv_in.weight"] ~= nil
+  cfg.has_encoder, cfg.has_decoder = has_enc, has_dec
+  if not has_enc and not has_dec then error("VAE: neither encoder.conv_in.weight nor decoder.conv_in.weight found", 0) end
+  if has_dec then
+    local s = need(shapes, "decoder.conv_in.weight", "z_channels")
+    cfg.z_channels = s[2]
+    cfg.levels = count_indices(shapes, "^decoder%.up%.(%d+)%.")
+    cfg.num_res_blocks = count_indices(shapes, "^decoder%.up%.0%.block%.(%d+)%.") - 1
+    cfg.out_ch = need(shapes, "decoder.conv_out.weight", "out_ch")[1]
+    local ch = need(shapes, "decoder.conv_out.weight", "ch")[2]
+    cfg.ch = ch
+    cfg.ch_mult = {}
+    for i = 0, cfg.levels - 1 do
+      cfg.ch_mult[i + 1] = need(shapes, fmt("decoder.up.%d.block.0.conv1.weight", i), "ch_mult")[1] // ch
+    end
+    cfg.embed_dim = need(shapes, "post_quant_conv.weight", "embed_dim")[2]
+  end
+  if has_enc then
+    local s = need(shapes, "encoder.conv_in.weight", "ch")
+    cfg.ch = cfg.ch or s[1]
+    cfg.in_channels = s[2]
+    local levels = count_indices(shapes, "^encoder%.down%.(%d+)%.")
+    local nrb = count_indices(shapes, "^encoder%.down%.0%.block%.(%d+)%.")
+    if cfg.levels and (levels ~= cfg.levels or nrb ~= cfg.num_res_blocks) then
+      error(fmt("VAE: encoder has %d levels x %d blocks, decoder %d x %d", levels, nrb, cfg.levels, cfg.num_res_blocks + 1), 0)
+    end
+    cfg.levels, cfg.num_res_blocks = levels, nrb
+    if not cfg.ch_mult then
+      cfg.ch_mult = {}
+      for i = 0, levels - 1 do
+        cfg.ch_mult[i + 1] = need(shapes, fmt("encoder.down.%d.block.0.conv1.weight", i), "ch_mult")[1] // cfg.ch
+      end
+    end
+    cfg.z_channels = cfg.z_channels or need(shapes, "encoder.conv_out.weight", "z_channels")[1] // 2
+    cfg.embed_dim = cfg.embed_dim or need(shapes, "quant_conv.weight", "embed_dim")[1] // 2
+  end
+  cfg.in_channels = cfg.in_channels or 3
+  cfg.out_ch = cfg.out_ch or 3
+  cfg.factor = 2 ^ (cfg.levels - 1) // 1
+  cfg.scale_factor = opts.scale_factor or 0.18215
+  cfg.shift_factor = opts.shift_factor or 0
+  return cfg
+end
+
+-- Every tensor the network reads: a list of {name, shape}.
+function M.expected(cfg)
+  local list = {}
+  local function add(name, shape) list[#list + 1] = { name, shape } end
+  local function conv(p, cout, cin, k) add(p .. ".weight", { cout, cin, k, k }); add(p .. ".bias", { cout }) end
+  local function norm(p, c) add(p .. ".weight", { c }); add(p .. ".bias", { c }) end
+  local function res(p, cin, cout)
+    norm(p .. ".norm1", cin); conv(p .. ".conv1", cout, cin, 3)
+    norm(p .. ".norm2", cout); conv(p .. ".conv2", cout, cout, 3)
+    if cin ~= cout then conv(p .. ".nin_shortcut", cout, cin, 1) end
+  end
+  local function attn(p, c)
+    norm(p .. ".norm", c)
+    for _, n in ipairs({ "q", "k", "v", "proj_out" }) do conv(p .. "." .. n, c, c, 1) end
+  end
+  local ch, mult, nrb = cfg.ch, cfg.ch_mult, cfg.num_res_blocks
+  local top = ch * mult[#mult]
+  if cfg.has_encoder then
+    conv("encoder.conv_in", ch, cfg.in_channels, 3)
+    local cin = ch
+    for i = 0, cfg.levels - 1 do
+      for j = 0, nrb - 1 do
+        res(fmt("encoder.down.%d.block.%d", i, j), cin, ch * mult[i + 1])
+        cin = ch * mult[i + 1]
+      end
+      if i ~= cfg.levels - 1 then conv(fmt("encoder.down.%d.downsample.conv", i), cin, cin, 3) end
+    end
+    res("encoder.mid.block_1", top, top); attn("encoder.mid.attn_1", top); res("encoder.mid.block_2", top, top)
+    norm("encoder.norm_out", top); conv("encoder.conv_out", 2 * cfg.z_channels, top, 3)
+    conv("quant_conv", 2 * cfg.embed_dim, 2 * cfg.z_channels, 1)
+  end
+  if cfg.has_decoder then
+    conv("post_quant_conv", cfg.z_channels, cfg.embed_dim, 1)
+    conv("decoder.conv_in", top, cfg.z_channels, 3)
+    res("decoder.mid.block_1", top, top); attn("decoder.mid.attn_1", top); res("decoder.mid.block_2", top, top)
+    local cin = top
+    for i = cfg.levels - 1, 0, -1 do
+      for j = 0, nrb do
+        res(fmt("decoder.up.%d.block.%d", i, j), cin, ch * mult[i + 1])
+        cin = ch * mult[i + 1]
+      end
+      if i ~= 0 then conv(fmt("decoder.up.%d.upsample.conv", i), cin, cin, 3) end
+    end
+    norm("decoder.norm_out", ch * mult[1]); conv("decoder.conv_out", cfg.out_ch, ch * mult[1], 3)
+  end
+  return list
+end
+
+-- ---------------------------------------------------------------- network
+
+function M.new(weights, cfg)
+  return setmetatable({ weights = weights, config = cfg }, VAE)
+end
+
+function VAE:w(name) return self.weights:tensor(name) end
+
+function VAE:_use(prefix)
+  local w = self.weights
+  if w.use then w:use(prefix) end
+end
+
+local function conv(self, p, x, opts)
+  return nn.conv2d(x, self:w(p .. ".weight"), self:w(p .. ".bias"), opts)
+end
+
+function VAE:_resblock(p, x)
+  local h = nn.group_norm(x, 32, self:w(p .. ".norm1.weight"), self:w(p .. ".norm1.bias"), 1e-6, { silu = true })
+  local h2 = conv(self, p .. ".conv1", h, { padding = 1 })
+  h:free()
+  h = nn.group_norm(h2, 32, self:w(p .. ".norm2.weight"), self:w(p .. ".norm2.bias"), 1e-6, { silu = true })
+  h2:free()
+  h2 = conv(self, p .. ".conv2", h, { padding = 1 })
+  h:free()
+  local out
+  if x.shape[2] ~= h2.shape[2] then
+    local s = conv(self, p .. ".nin_shortcut", x)
+    out = s + h2
+    s:free()
+  else
+    out = x + h2
+  end
+  h2:free()
+  return out
+end
+
+local function as2d(w)
+  if #w.shape == 4 then return w:reshape({ w.shape[1], w.shape[2] }) end
+  return w -- diffusers files store these 1x1 convolutions as linear weights
+end
+
+-- Single-head self-attention over the h*w positions (scale c^-1/2).
+function VAE:_attn(p, x)
+  local B, C, H, W = x.shape[1], x.shape[2], x.shape[3], x.shape[4]
+  local n = nn.group_norm(x, 32, self:w(p .. ".norm.weight"), self:w(p .. ".norm.bias"), 1e-6)
+  local seq = n:reshape({ B, C, H * W }):transpose(2, 3):contiguous() -- [B, HW, C]
+  n:free()
+  local q = nn.linear(seq, as2d(self:w(p .. ".q.weight")), self:w(p .. ".q.bias"))
+  local k = nn.linear(seq, as2d(self:w(p .. ".k.weight")), self:w(p .. ".k.bias"))
+  local v = nn.linear(seq, as2d(self:w(p .. ".v.weight")), self:w(p .. ".v.bias"))
+  seq:free()
+  local o = nn.attention(q:reshape({ B, 1, H * W, C }), k:reshape({ B, 1, H * W, C }), v:reshape({ B, 1, H * W, C }))
+  q:free(); k:free(); v:free()
+  local pr = nn.linear(o:reshape({ B, H * W, C }), as2d(self:w(p .. ".proj_out.weight")), self:w(p .. ".proj_out.bias"))
+  o:free()
+  local t = pr:transpose(2, 3):contiguous()
+  pr:free()
+  local r = t:reshape({ B, C, H, W }) + x
+  t:free()
+  return r
+end
+
+-- Applies f to x and frees x unless it is keep (the caller's tensor).
+local function step(x, keep, y)
+  if x ~= keep then x:free() end
+  return y
+end
+
+function VAE:_mid(side, h, keep)
+  self:_use(side .. ".mid.")
+  h = step(h, keep, self:_resblock(side .. ".mid.block_1", h))
+  h = step(h, keep, self:_attn(side .. ".mid.attn_1", h))
+  h = step(h, keep, self:_resblock(side .. ".mid.block_2", h))
+  return h
+end
+
+-- unscaled latent z [B, z, h, w] -> decoder output (about [-1, 1]) [B, 3, fh, fw]
+function VAE:decode_raw(z)
+  local cfg = self.config
+  if not cfg.has_decoder then error("vae:decode: this VAE has no decoder", 2) end
+  self:_use("decoder.")
+  local h = conv(self, "post_quant_conv", z)
+  h = step(h, nil, conv(self, "decoder.conv_in", h, { padding = 1 }))
+  h = self:_mid("decoder", h)
+  for i = cfg.levels - 1, 0, -1 do
+    self:_use(fmt("decoder.up.%d.", i))
+    for j = 0, cfg.num_res_blocks do
+      h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h))
+    end
+    if i ~= 0 then
+      local u = nn.upsample_nearest(h, 2)
+      h:free()
+      h = step(u, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), u, { padding = 1 }))
+    end
+  end
+  self:_use("decoder.")
+  h = step(h, nil, nn.group_norm(h, 32, self:w("decoder.norm_out.weight"), self:w("decoder.norm_out.bias"), 1e-6, { silu = true }))
+  return step(h, nil, conv(self, "decoder.conv_out", h, { padding = 1 }))
+end
+
+-- image in [-1, 1] [B, 3, H, W] -> posterior mean (unscaled) [B, embed_dim, H/f, W/f]
+function VAE:encode_raw(x)
+  local cfg = self.config
+  if not cfg.has_encoder then error("vae:encode: this VAE has no encoder", 2) end
+  self:_use("encoder.")
+  local h = conv(self, "encoder.conv_in", x, { padding = 1 })
+  for i = 0, cfg.levels - 1 do
+    self:_use(fmt("encoder.down.%d.", i))
+    for j = 0, cfg.num_res_blocks - 1 do
+      h = step(h, nil, self:_resblock(fmt("encoder.down.%d.block.%d", i, j), h))
+    end
+    if i ~= cfg.levels - 1 then
+      local pd = nn.pad(h, { 0, 1, 0, 1 })
+      h:free()
+      h = step(pd, nil, conv(self, fmt("encoder.down.%d.downsample.conv", i), pd, { stride = 2 }))
+    end
+  end
+  h = self:_mid("encoder", h)
+  self:_use("encoder.")
+  h = step(h, nil, nn.group_norm(h, 32, self:w("encoder.norm_out.weight"), self:w("encoder.norm_out.bias"), 1e-6, { silu = true }))
+  h = step(h, nil, conv(self, "encoder.conv_out", h, { padding = 1 }))
+  local moments = conv(self, "quant_conv", h)
+  h:free()
+  local mean = moments:narrow(2, 1, cfg.embed_dim):contiguous()
+  moments:free()
+  return mean
+end
+
+-- ---------------------------------------------------------------- tiling options
+
+-- Parses {tile = T | "auto", overlap = O} (latent units). Returns nil for untiled.
+function M.tile_options(opts, what)
+  if opts == nil then return nil end
+  if type(opts) ~= "table" then error(fmt("%s: options must be a table, got %s", what, type(opts)), 3) end
+  for k in pairs(opts) do
+    if k ~= "tile" and k ~= "overlap" then
+      error(fmt("%s: unknown option '%s' (known: tile, overlap)", what, tostring(k)), 3)
+    end
+  end
+  local tile, overlap = opts.tile, opts.overlap
+  if tile == nil then
+    if overlap ~= nil then error(what .. ": overlap given without tile", 3) end
+    return nil
+  end
+  if tile ~= "auto" and (math.type(tile) ~= "integer" or tile < 8) then
+    error(fmt("%s: tile must be an integer >= 8 (latent units) or \"auto\", got %s", what, tostring(tile)), 3)
+  end
+  overlap = overlap or 8
+  if math.type(overlap) ~= "integer" or overlap < 0 or (tile ~= "auto" and overlap * 2 >= tile) then
+    error(fmt("%s: overlap must be an integer in [0, tile/2), got %s", what, tostring(overlap)), 3)
+  end
+  return { tile = tile, overlap = overlap }
+end
+
+-- Largest tile (latent units) whose decode fits the free budget of the device, from a
+-- measured estimate of the decoder's peak per latent pixel.
+local function auto_tile(self, device)
+  local free = math.huge
+  local ok, s = pcall(kiln.mem.stats, device)
+  if ok and s and s.budget and s.budget > 0 then free = s.budget - (s.allocated or 0) end
+  if free == math.huge then return 64 end
+  -- the widest activation is [ch*mult[1], 8h, 8w] f32 at full resolution; a group norm
+  -- and a conv keep about four of them alive
+  local c = self.config.ch * self.config.ch_mult[1]
+  local per_latent_px = 4 * 4 * c * self.config.factor ^ 2
+  local t = math.floor(math.sqrt(free * 0.8 / per_latent_px))
+  return math.max(16, math.min(t - t % 8, 128))
+end
+
+-- Runs fn over overlapping tiles of x (spatial scale factor f: out = f * in) and blends
+-- with linear feathering over the overlap. tile/overlap are in units of x.
+local function tiled(x, tile, overlap, f, out_c, fn)
+  local B, H, W = x.shape[1], x.shape[3], x.shape[4]
+  local out = kiln.zeros({ B, out_c, H * f, W * f }):to(x.device)
+  local wsum = kiln.zeros({ 1, 1, H * f, W * f }):to(x.device)
+  local stride = tile - overlap
+  local function starts(n)
+    local s = {}
+    if n <= tile then return { 1 } end
+    local p = 1
+    while true do
+      if p + tile - 1 >= n then s[#s + 1] = n - tile + 1; break end
+      s[#s + 1] = p
+      p = p + stride
+    end
+    return s
+  end
+  local function ramp(n, lo_edge, hi_edge)
+    -- weights along one axis of an output tile of n pixels: 1 inside, linear over
+    -- the overlap (f*overlap pixels) at sides that touch another tile
+    local v = {}
+    local o = overlap * f
+    for i = 1, n do
+      local w = 1
+      if not lo_edge and o > 0 then w = math.min(w, i / (o + 1)) end
+      if not hi_edge and o > 0 then w = math.min(w, (n - i + 1) / (o + 1)) end
+      v[i] = w
+    end
+    return kiln.tensor(v)
+  end
+  local ys, xs = starts(H), starts(W)
+  for _, y0 in ipairs(ys) do
+    for _, x0 in ipairs(xs) do
+      local th, tw = math.min(tile, H), math.min(tile, W)
+      local part = x:narrow(3, y0, th):narrow(4, x0, tw)
+      local r = fn(part)
+      local wy = ramp(th * f, y0 == 1, y0 + th - 1 == H):reshape({ 1, 1, th * f, 1 }):to(x.device)
+      local wx = ramp(tw * f, x0 == 1, x0 + tw - 1 == W):reshape({ 1, 1, 1, tw * f }):to(x.device)
+      local wt = wy * wx
+      local o = out:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f)
+      local ws = wsum:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f)
+      local rw = r * wt
+      o:copy(o + rw)
+      ws:copy(ws + wt)
+      rw:free(); r:free(); wt:free()
+    end
+  end
+  local res = out / wsum
+  out:free(); wsum:free()
+  return res
+end
+
+-- ---------------------------------------------------------------- public API
+
+-- z: latents times the scale factor [B, z, h, w] -> images [B, 3, f h, f w] in [0, 1].
+function VAE:decode(z, opts)
+  local cfg = self.config
+  local topt = M.tile_options(opts, "vae:decode")
+  if #z.shape ~= 4 or z.shape[2] ~= cfg.embed_dim then
+    error(fmt("vae:decode: z must be [B, %d, h, w], got [%s]", cfg.embed_dim or -1, table.concat(z.shape, ", ")), 2)
+  end
+  local dev = self:w("post_quant_conv.weight").device
+  if z.device ~= dev then z = z:to(dev) end
+  local zs = z / cfg.scale_factor
+  if cfg.shift_factor ~= 0 then zs = zs + cfg.shift_factor end
+  local function run(part)
+    local d = self:decode_raw(part)
+    local img = ((d + 1) * 0.5):clamp(0, 1)
+    d:free()
+    return img
+  end
+  local img
+  if topt then
+    local tile = topt.tile == "auto" and auto_tile(self, dev) or topt.tile
+    img = tiled(zs, tile, topt.overlap, cfg.factor, cfg.out_ch, run)
+  else
+    img = run(zs)
+  end
+  zs:free()
+  return img
+end
+
+-- img [B, 3, H, W] in [0, 1] (H, W multiples of the factor) -> latents times the scale factor.
+function VAE:encode(img, opts)
+  local cfg = self.config
+  local topt = M.tile_options(opts, "vae:encode")
+  local f = cfg.factor
+  if #img.shape ~= 4 or img.shape[2] ~= cfg.in_channels then
+    error(fmt("vae:encode: image must be [B, %d, H, W], got [%s]", cfg.in_channels, table.concat(img.shape, ", ")), 2)
+  end
+  if img.shape[3] % f ~= 0 or img.shape[4] % f ~= 0 then
+    error(fmt("vae:encode: image size %dx%d must be a multiple of %d", img.shape[3], img.shape[4], f), 2)
+  end
+  local dev = self:w("quant_conv.weight").device
+  if img.device ~= dev then img = img:to(dev) end
+  local x = img * 2 - 1
+  local function run(part)
+    local m = self:encode_raw(part)
+    local r = cfg.shift_factor ~= 0 and (m - cfg.shift_factor) * cfg.scale_factor or m * cfg.scale_factor
+    m:free()
+    return r
+  end
+  local z
+  if topt then
+    -- tile and overlap are in latent units; the encoder's input is f times larger, and
+    -- its output f times smaller: run tiles over the image with factor 1/f via a view
+    local tile = (topt.tile == "auto" and auto_tile(self, dev) or topt.tile)
+    local H, W = x.shape[3] // f, x.shape[4] // f
+    local lat = kiln.zeros({ x.shape[1], cfg.embed_dim, H, W }):to(dev)
+    local wsum = kiln.zeros({ 1, 1, H, W }):to(dev)
+    local stride = tile - topt.overlap
+    local function starts(n)
+      if n <= tile then return { 1 } end
+      local s, p = {}, 1
+      while p + tile - 1 < n do s[#s + 1] = p; p = p + stride end
+      s[#s + 1] = n - tile + 1
+      return s
+    end
+    local o = topt.overlap
+    local function ramp(n, lo, hi)
+      local v = {}
+      for i = 1, n do
+        local w = 1
+        if not lo and o > 0 then w = math.min(w, i / (o + 1)) end
+        if not hi and o > 0 then w = math.min(w, (n - i + 1) / (o + 1)) end
+        v[i] = w
+      end
+      return kiln.tensor(v):to(dev)
+    end
+    for _, y0 in ipairs(starts(H)) do
+      for _, x0 in ipairs(starts(W)) do
+        local th, tw = math.min(tile, H), math.min(tile, W)
+        local part = x:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f):contiguous()
+        local r = run(part)
+        part:free()
+        local wt = ramp(th, y0 == 1, y0 + th - 1 == H):reshape({ 1, 1, th, 1 }) *
+            ramp(tw, x0 == 1, x0 + tw - 1 == W):reshape({ 1, 1, 1, tw })
+        local ov = lat:narrow(3, y0, th):narrow(4, x0, tw)
+        local ws = wsum:narrow(3, y0, th):narrow(4, x0, tw)
+        ov:copy(ov + r * wt)
+        ws:copy(ws + wt)
+        r:free(); wt:free()
+      end
+    end
+    z = lat / wsum
+    lat:free(); wsum:free()
+  else
+    z = run(x)
+  end
+  x:free()
+  return z
+end
+
+return M
