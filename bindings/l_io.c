@@ -51,6 +51,7 @@ static int l_save_safetensors(lua_State *L)
     const char *path = luaL_checkstring(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     if (!lua_isnoneornil(L, 3)) luaL_checktype(L, 3, LUA_TTABLE);
+    lua_settop(L, 3); /* the work table below must not land on the metadata slot */
     int n = 0, n_meta = 0;
     lua_pushnil(L);
     while (lua_next(L, 2)) { n++; lua_pop(L, 1); }

@@ -3,6 +3,7 @@
  * out-of-memory tables), devices and threads, and the embedded-script searcher. */
 #include "l_kiln.h"
 #include "l_scripts.h"
+#include "../runtime/events.h"
 #include "../kernels/cpu/threadpool.h"
 
 #include <string.h>
@@ -93,6 +94,7 @@ static int l_threads(lua_State *L)
 static int gc_pressure(void *ctx)
 {
     lua_State *L = ctx;
+    if (kiln_thread_is_worker()) return 0; /* a runtime copy thread: L is not ours to touch */
     if (lua_gc(L, LUA_GCISRUNNING) == 0) return 0;
     lua_gc(L, LUA_GCCOLLECT);
     return 1;
@@ -186,6 +188,10 @@ int luaopen_kiln(lua_State *L)
     l_open_nn(L);
     l_open_io(L);
     l_open_mem(L);
+    l_open_progress(L);
+    l_open_model(L);
+    l_open_trace(L);
+    l_open_tokenizer(L);
 
     lua_createtable(L, 0, 1);
     lua_pushcfunction(L, kiln_index);

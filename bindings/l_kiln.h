@@ -56,5 +56,21 @@ void l_open_tensor(lua_State *L);
 void l_open_nn(lua_State *L);
 void l_open_io(lua_State *L);
 void l_open_mem(lua_State *L);
+void l_open_progress(lua_State *L); /* kiln.progress, on_progress, cancel, cancelled */
+
+/* An embedding host's progress and cancel (bindings/embed.c): kiln.progress reports
+ * to it and kiln.cancelled() asks it. The struct outlives the host's use of L. */
+typedef struct {
+    void (*progress)(void *ud, int step, int total, const char *message);
+    int (*cancelled)(void *ud);
+    void (*cancel)(void *ud, int on); /* kiln.cancel(on) from a script */
+    void *ud;
+} l_progress_host;
+void l_progress_set_host(lua_State *L, const l_progress_host *host); /* NULL: none */
+/* Raises {kind = "cancelled", message = "<where>cancelled<detail>"} (kiln.Error). */
+int l_raise_cancelled(lua_State *L, const char *detail);
+void l_open_model(lua_State *L);
+void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
+void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
 
 #endif

@@ -2,6 +2,7 @@
  * and kiln.memory_mode. The Lua GC is the allocators' pressure hook: native memory
  * held by unreachable tensors is collected before an out-of-memory is reported. */
 #include "l_kiln.h"
+#include "../runtime/model.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -77,15 +78,42 @@ static void add_owner(void *ctx, const kiln_storage *s)
     a->rows[i].count++;
 }
 
-/* kiln.mem.summary() -> string: a table per device and per owner. */
+/* The models section of the summary: one row per model and device holding its
+ * copies, most recently used first (as torch.cuda.memory_summary lists segments). */
+static void add_models(luaL_Buffer *b)
+{
+    kiln_model_usage rows[64];
+    int n = kiln_model_usage_list(rows, 64);
+    char line[256], v[32], t[32];
+    if (n == 0) {
+        luaL_addstring(b, "models: none open\n");
+        return;
+    }
+    luaL_addstring(b, "models (most recently used first)\n");
+    snprintf(line, sizeof line, "  %-24s %-8s %10s %9s  %s\n", "model", "device", "bytes", "tensors", "state");
+    luaL_addstring(b, line);
+    for (int i = 0; i < n && i < 64; i++) {
+        const kiln_model_usage *u = &rows[i];
+        l_human_bytes(v, sizeof v, (double)u->bytes);
+        snprintf(t, sizeof t, "%d/%d", u->tensors, u->total);
+        snprintf(line, sizeof line, "  %-24s %-8s %10s %9s  %s%s\n", u->model, u->device[0] ? u->device : "-",
+                 u->device[0] ? v : "-", u->device[0] ? t : "-",
+                 !u->device[0] ? "mapped" : u->tensors == u->total ? "resident" : "partial", u->pinned ? ", pinned" : "");
+        luaL_addstring(b, line);
+    }
+    if (n > 64) {
+        snprintf(line, sizeof line, "  ... %d more rows\n", n - 64);
+        luaL_addstring(b, line);
+    }
+}
+
+/* kiln.mem.summary() -> string: a table per device and per owner, then the models. */
 static int mem_summary(lua_State *L)
 {
     luaL_Buffer b;
     luaL_buffinit(L, &b);
     char line[256], v[6][32];
-    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
-    snprintf(line, sizeof line, "kiln memory summary (mode %s)\n", lua_isstring(L, -1) ? lua_tostring(L, -1) : "normal");
-    lua_pop(L, 1);
+    snprintf(line, sizeof line, "kiln memory summary (mode %s)\n", kiln_memory_mode_name(kiln_memory_mode_get()));
     luaL_addstring(&b, line);
     luaL_addstring(&b, "device      allocated       peak   reserved  peak res.     budget   allocs  ooms\n");
     for (int i = 0; i < kiln_device_count(); i++) {
@@ -109,26 +137,24 @@ static int mem_summary(lua_State *L)
             luaL_addstring(&b, line);
         }
     }
+    add_models(&b);
     luaL_pushresult(&b);
     return 1;
 }
 
-static const char *const mode_names[] = {"high", "normal", "low", "none", NULL};
+static const char *const mode_names[] = {"high", "normal", "low", "none", "cpu", NULL};
 
-/* kiln.memory_mode([mode]) -> current mode */
+/* kiln.memory_mode([mode]) -> current mode (the runtime's: it decides eviction and
+ * where models load) */
 static int l_memory_mode(lua_State *L)
 {
     if (!lua_isnoneornil(L, 1)) {
         const char *m = luaL_checkstring(L, 1);
-        int ok = 0;
-        for (int i = 0; mode_names[i]; i++) ok |= strcmp(m, mode_names[i]) == 0;
-        if (strcmp(m, "cpu") == 0) { m = "none"; ok = 1; }
-        if (!ok) l_enum_error(L, 1, "memory mode", m, mode_names);
-        lua_pushstring(L, m);
-        lua_setfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
+        int mode = kiln_memory_mode_from_name(m);
+        if (mode < 0) l_enum_error(L, 1, "memory mode", m, mode_names);
+        kiln_memory_mode_set((kiln_memory_mode)mode);
     }
-    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.memory_mode");
-    if (lua_isnil(L, -1)) { lua_pop(L, 1); lua_pushstring(L, "normal"); }
+    lua_pushstring(L, kiln_memory_mode_name(kiln_memory_mode_get()));
     return 1;
 }
 

@@ -289,7 +289,9 @@ void kiln_events_oom(kiln_device *dev, uint64_t requested)
     else snprintf(bu, sizeof bu, "unlimited");
     kiln_event e;
     fill_event(&e, KILN_EV_OOM, dev->name, requested, NULL);
-    snprintf(e.detail, sizeof e.detail, "free %s of budget %s; %s", fr, bu, res);
+    /* the resident list may be cut short here: the full one is in the error message */
+    size_t cut = (size_t)snprintf(e.detail, sizeof e.detail, "free %s of budget %s; ", fr, bu);
+    if (cut < sizeof e.detail) memcpy(e.detail + cut, res, strnlen(res, sizeof e.detail - cut - 1));
     emit(&e);
     if (atomic_load(&trace_on)) kiln_trace_counters(dev);
 }

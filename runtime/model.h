@@ -39,6 +39,11 @@ typedef struct kiln_model kiln_model;
 /* Opens n safetensors files as one model (a later file's tensor replaces an
  * earlier one of the same name). name NULL: the first file's base name. */
 KILN_API kiln_status kiln_model_open(const char *const *paths, int n, const char *name, kiln_model **out);
+/* The same, keeping only the tensors whose names start with one of the prefixes
+ * (names stay whole): one part of a single-file checkpoint ("first_stage_model.").
+ * No prefixes keeps everything; no tensor matching is an error. */
+KILN_API kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char *name,
+                                              const char *const *prefixes, int n_prefixes, kiln_model **out);
 /* Frees every copy (tensors handed out keep their own storage alive) and the model.
  * Waits for this model's prefetches. */
 KILN_API void kiln_model_close(kiln_model *m);

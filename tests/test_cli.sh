@@ -181,7 +181,7 @@ else
   mod=${mod//\//.}
   probe="local f, where = package.searchers[2]('$mod') print(type(f), where)"
   run -e "$probe"
-  expect embedded_script '[ $rc -eq 0 ] && [ "$out" = "function	embedded:$first" ]' "$mod served from the binary"
+  expect embedded_script '[ $rc -eq 0 ] && [ "$out" = "function	embedded:$first" ]' "$mod served from the binary (a stale build? rebuild after adding scripts)"
   (cd "$REPO" && timeout 20 "$KILN" -e "$probe" >"$TMP/out" 2>"$TMP/err" </dev/null)
   rc=$? out=$(cat "$TMP/out") err=$(cat "$TMP/err")
   expect source_tree_script '[ $rc -eq 0 ] && [ "$out" = "function	scripts/${first#scripts/}" ]' "$mod read from disk in the source tree"

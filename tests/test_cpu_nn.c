@@ -1,8 +1,9 @@
 /* test_cpu_nn.c - CPU kernels for attention, norms, activations and resampling
  * against torch 1.13 goldens (tests/golden/gen_nn.py -> tests/golden/ops/nn_*.safetensors)
  * and against naive double-precision references.
- * The kernels pick AVX-512 at run time; this program also reruns the golden tests in
- * a child with KILN_CPU_GENERIC=1 so the portable path is covered on the same machine.
+ * The kernels pick AVX-512 / AVX2 / portable C at run time; this program reruns its
+ * tests in children with KILN_CPU_ISA=avx2 and =generic, so every path the CPU can
+ * run is covered on the same machine.
  * Tolerances (per op): attention 2e-5 of max|ref|; norms 1e-5 abs + 1e-5 rel;
  * activations 1e-7 abs + 2e-6 rel; bilinear 1e-6 abs; nearest modes and pad exact. */
 #define _POSIX_C_SOURCE 200809L
@@ -201,7 +202,7 @@ static void t_attention_shapes(void)
  * 1 GiB); sampled rows against the naive reference. */
 static void t_attention_16384(void)
 {
-    if (child_mode) { SKIP("portable path: covered by t_attention_shapes"); return; }
+    if (child_mode) { SKIP("other kernel paths: covered by t_attention_shapes"); return; }
     int64_t L = 16384, D = 40;
     float *q = rand_buf(L * D, 2.5f, 0), *k = rand_buf(L * D, 2.5f, 0), *v = rand_buf(L * D, 1.0f, 0);
     float *o = malloc((size_t)(L * D) * sizeof(float));
@@ -484,24 +485,36 @@ static void t_pad_golden(void)
     kiln_st_release(f);
 }
 
-/* the portable path: the golden tests again in a child with KILN_CPU_GENERIC=1 */
+/* the other kernel paths: this program again in a child with KILN_CPU_ISA=isa */
 static const char *self_path;
-static void t_portable_path(void)
+static void run_child(const char *isa)
 {
     if (!self_path) { SKIP("own path unknown"); return; }
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "KILN_CPU_GENERIC=1 KILN_NN_CHILD=1 '%s' 2>&1", self_path);
+    snprintf(cmd, sizeof cmd, "KILN_CPU_ISA=%s KILN_NN_CHILD=1 '%s' 2>&1", isa, self_path);
     FILE *p = popen(cmd, "r");
     if (!p) { SKIP("popen failed"); return; }
     char line[512];
     int fails = 0, passes = 0;
     while (fgets(line, sizeof line, p)) {
-        if (!strncmp(line, "FAIL", 4) || !strncmp(line, "    ", 4)) { fails++; printf("  portable: %s", line); }
+        if (!strncmp(line, "FAIL", 4) || !strncmp(line, "    ", 4)) { fails++; printf("  %s: %s", isa, line); }
         if (!strncmp(line, "PASS", 4)) passes++;
     }
     int rc = pclose(p);
-    CHECK(rc == 0 && fails == 0 && passes > 5, "portable path: rc %d, %d failures, %d passes", rc, fails, passes);
+    CHECK(rc == 0 && fails == 0 && passes > 5, "KILN_CPU_ISA=%s: rc %d, %d failures, %d passes", isa, rc, fails, passes);
 }
+
+static void t_path_avx2(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) { SKIP("no AVX2+FMA on this CPU"); return; }
+    run_child("avx2");
+#else
+    SKIP("not x86");
+#endif
+}
+
+static void t_path_generic(void) { run_child("generic"); }
 
 int main(int argc, char **argv)
 {
@@ -521,6 +534,9 @@ int main(int argc, char **argv)
     RUN(t_activation_golden);
     RUN(t_resample_golden);
     RUN(t_pad_golden);
-    if (!child_mode) RUN(t_portable_path);
+    if (!child_mode) {
+        RUN(t_path_avx2);
+        RUN(t_path_generic);
+    }
     return test_summary();
 }

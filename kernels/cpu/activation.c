@@ -1,6 +1,6 @@
 /* activation.c - pointwise activations (silu, gelu erf/tanh, quick_gelu, sigmoid, geglu).
- * Each op has an AVX-512 path (chosen at run time; own exp with ~1e-7 relative error)
- * and a portable path over libm. They stream over 10M+ elements in the VAE, so the
+ * Each op has AVX-512 and AVX2 paths (chosen at run time; own exp with ~1e-7 relative
+ * error) and a portable path over libm. They stream over 10M+ elements in the VAE, so the
  * loop runs on the thread pool in cache-sized chunks; y may equal x. */
 #include "cpu_kernels.h"
 #include "threadpool.h"
@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define ACT_X86 1
@@ -20,16 +21,21 @@
 
 enum { OP_SILU, OP_GELU, OP_GELU_TANH, OP_QUICK_GELU, OP_SIGMOID };
 
-/* KILN_CPU_GENERIC=1 forces the portable path (tests run both). */
-static int use_avx512(void)
+enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
+
+/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
+static int cpu_isa(void)
 {
     static atomic_int cached = -1;
     int c = atomic_load_explicit(&cached, memory_order_relaxed);
     if (c < 0) {
-        c = 0;
+        c = ISA_GENERIC;
 #ifdef ACT_X86
-        const char *e = getenv("KILN_CPU_GENERIC");
-        c = __builtin_cpu_supports("avx512f") && !(e && *e && *e != '0');
+        const char *e = getenv("KILN_CPU_ISA");
+        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
+        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
+        if (c > cap) c = cap;
 #endif
         atomic_store_explicit(&cached, c, memory_order_relaxed);
     }
@@ -173,12 +179,127 @@ AVX512 static void geglu_row_avx512(float *y, const float *h, const float *g, in
         _mm512_mask_storeu_ps(y + j, m, r);
     }
 }
+
+/* ---- AVX2 + FMA path: the same math 8 lanes wide ---- */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+
+/* exp(x) as exp_avx512; without scalef, 2^n goes into the exponent field, so x is
+ * clamped to the normal range and the results outside are set to 0 / inf after. */
+AVX2_INLINE __m256 exp_avx2(__m256 x)
+{
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
+    __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.7f), x); /* constant first: NaN in x passes */
+    xc = _mm256_max_ps(_mm256_set1_ps(-87.3f), xc);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(0.0013836842263117433f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.008374815806746483f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.04166822507977486f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666419804096222f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.49999991059303284f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* n in [-126, 128]: 2^n as 2^(n/2) twice keeps both factors normal */
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i h1 = _mm256_srai_epi32(ni, 1);
+    __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h1, _mm256_set1_epi32(127)), 23));
+    __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h1), _mm256_set1_epi32(127)), 23));
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+    y = _mm256_andnot_ps(lo, y);
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi);
+}
+
+AVX2_INLINE __m256 sigmoid_avx2(__m256 x)
+{
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+AVX2_INLINE __m256 gelu_avx2(__m256 x)
+{
+    __m256 z = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)));
+    __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(z, _mm256_set1_ps(0.5f), _mm256_set1_ps(1.0f)));
+    __m256 p = _mm256_set1_ps(0.17087277f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.82215223f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.48851587f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.13520398f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.27886807f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.18628806f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.09678418f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.37409196f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.00002368f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.26551223f));
+    p = _mm256_fnmadd_ps(z, z, p);
+    __m256 c = _mm256_mul_ps(t, exp_avx2(p));
+    __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ);
+    __m256 f = _mm256_blendv_ps(c, _mm256_sub_ps(_mm256_set1_ps(2.0f), c), pos);
+    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), f);
+}
+
+AVX2_INLINE __m256 op_vec2(int op, __m256 x)
+{
+    switch (op) {
+    case OP_SILU: return _mm256_mul_ps(x, sigmoid_avx2(x));
+    case OP_GELU: return gelu_avx2(x);
+    case OP_GELU_TANH: {
+        __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        __m256 u2 = _mm256_mul_ps(_mm256_fmadd_ps(x3, _mm256_set1_ps(0.044715f), x),
+                                  _mm256_set1_ps(2.0f * 0.7978845608028654f));
+        return _mm256_mul_ps(x, sigmoid_avx2(u2));
+    }
+    case OP_QUICK_GELU: return _mm256_mul_ps(x, sigmoid_avx2(_mm256_mul_ps(x, _mm256_set1_ps(1.702f))));
+    default: return sigmoid_avx2(x);
+    }
+}
+
+AVX2_INLINE void op_avx2_loop(int op, float *y, const float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, op_vec2(op, _mm256_loadu_ps(x + i)));
+    if (i < n) { /* tail through a small buffer: no masked loads needed */
+        float buf[8] = { 0 };
+        memcpy(buf, x + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(buf, op_vec2(op, _mm256_loadu_ps(buf)));
+        memcpy(y + i, buf, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+AVX2 static void op_avx2(int op, float *y, const float *x, int64_t n)
+{
+    switch (op) {
+    case OP_SILU:       op_avx2_loop(OP_SILU, y, x, n); break;
+    case OP_GELU:       op_avx2_loop(OP_GELU, y, x, n); break;
+    case OP_GELU_TANH:  op_avx2_loop(OP_GELU_TANH, y, x, n); break;
+    case OP_QUICK_GELU: op_avx2_loop(OP_QUICK_GELU, y, x, n); break;
+    default:            op_avx2_loop(OP_SIGMOID, y, x, n); break;
+    }
+}
+
+AVX2 static void geglu_row_avx2(float *y, const float *h, const float *g, int64_t d)
+{
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(h + j), gelu_avx2(_mm256_loadu_ps(g + j))));
+    if (j < d) {
+        float hb[8] = { 0 }, gb[8] = { 0 };
+        memcpy(hb, h + j, (size_t)(d - j) * sizeof(float));
+        memcpy(gb, g + j, (size_t)(d - j) * sizeof(float));
+        _mm256_storeu_ps(hb, _mm256_mul_ps(_mm256_loadu_ps(hb), gelu_avx2(_mm256_loadu_ps(gb))));
+        memcpy(y + j, hb, (size_t)(d - j) * sizeof(float));
+    }
+}
 #endif
 
 static void run_op(int op, float *y, const float *x, int64_t n)
 {
 #ifdef ACT_X86
-    if (use_avx512()) { op_avx512(op, y, x, n); return; }
+    int isa = cpu_isa();
+    if (isa == ISA_AVX512) { op_avx512(op, y, x, n); return; }
+    if (isa == ISA_AVX2) { op_avx2(op, y, x, n); return; }
 #endif
     op_generic(op, y, x, n);
 }
@@ -212,7 +333,8 @@ static void geglu_rows(void *p, int64_t b, int64_t e)
         const float *h = c->x + r * 2 * c->d, *g = h + c->d;
         float *y = c->y + r * c->d;
 #ifdef ACT_X86
-        if (use_avx512()) { geglu_row_avx512(y, h, g, c->d); continue; }
+        if (cpu_isa() == ISA_AVX512) { geglu_row_avx512(y, h, g, c->d); continue; }
+        if (cpu_isa() == ISA_AVX2) { geglu_row_avx2(y, h, g, c->d); continue; }
 #endif
         for (int64_t j = 0; j < c->d; j++) y[j] = h[j] * gelu_f(g[j]);
     }

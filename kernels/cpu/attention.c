@@ -1,9 +1,9 @@
 /* attention.c - memory-efficient attention (FlashAttention-style) on the CPU.
  * A task is (batch*head, block of QT queries); it streams over blocks of KB keys with
  * an online softmax, so a thread's scratch is QT*(D+Dv+2) + D*KB + QB*KB floats
- * (about 100 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block products are our own
- * register-tiled AVX-512 kernels (chosen at run time; OpenBLAS would start its own
- * threads inside our workers), with a portable C path otherwise. */
+ * (about 120 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block
+ * products are our own register-tiled kernels, AVX-512 or AVX2+FMA chosen at run
+ * time, portable C otherwise (OpenBLAS would start its own threads inside ours). */
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -25,16 +25,21 @@
 #define TR 8   /* rows of a micro-tile */
 #define LOG2E 1.44269504088896341f
 
-/* KILN_CPU_GENERIC=1 forces the portable path (tests run both). */
-static int use_avx512(void)
+enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
+
+/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
+static int cpu_isa(void)
 {
     static atomic_int cached = -1;
     int c = atomic_load_explicit(&cached, memory_order_relaxed);
     if (c < 0) {
-        c = 0;
+        c = ISA_GENERIC;
 #ifdef ATT_X86
-        const char *e = getenv("KILN_CPU_GENERIC");
-        c = __builtin_cpu_supports("avx512f") && !(e && *e && *e != '0');
+        const char *e = getenv("KILN_CPU_ISA");
+        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
+        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
+        if (c > cap) c = cap;
 #endif
         atomic_store_explicit(&cached, c, memory_order_relaxed);
     }
@@ -46,7 +51,7 @@ typedef struct {
     const float *q, *k, *v;
     int64_t Lq, Lk, D, Dv, nqb;
     float scale2;               /* scale * log2(e): the softmax runs in base 2 */
-    int causal, avx512;
+    int causal, isa;
     float *scratch;             /* one slot per pool thread */
     size_t slot;                /* floats per slot */
     int nslots;
@@ -292,6 +297,180 @@ AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, floa
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = mnew;
 }
+
+/* ---------------- AVX2 + FMA path (16 ymm registers: 4-row tiles) ---------------- */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+#define R4(X) X(0) X(1) X(2) X(3)
+
+/* lanes [0, n) set, n in [0, 8] */
+AVX2_INLINE __m256i mask8(int64_t n)
+{
+    static const int32_t tbl[16] = { -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0 };
+    return _mm256_loadu_si256((const __m256i *)(tbl + 8 - (n < 0 ? 0 : n > 8 ? 8 : n)));
+}
+
+AVX2_INLINE float hmax8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2_INLINE float hsum8(__m256 v)
+{
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* 2^x for x <= 0 (same fit as exp2_avx512); 2^n built in the exponent field, x
+ * clamped at -126 (masked lanes are zeroed by the caller). */
+AVX2_INLINE __m256 exp2_avx2(__m256 x)
+{
+    x = _mm256_max_ps(_mm256_set1_ps(-126.0f), x); /* constant first: NaN in x passes */
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(0.0013276466634124517f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009675541892647743f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550713464617729f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022120237350464f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931469440460205f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192092896f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s tile: 4 rows x NC*8 keys (kt zero-padded to a multiple of 16 columns) */
+AVX2_INLINE void qk_tile2(int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
+{
+#define QK2_DECL(r) \
+    __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    const float *q##r = qs + (r < qn ? r : 0) * D;
+    R4(QK2_DECL)
+    for (int64_t d = 0; d < D; d++) {
+        const float *kd = kt + d * KB;
+        __m256 k0 = _mm256_loadu_ps(kd);
+        __m256 k1 = NC > 1 ? _mm256_loadu_ps(kd + 8) : k0;
+        __m256 k2 = NC > 2 ? _mm256_loadu_ps(kd + 16) : k0;
+#define QK2_STEP(r) { \
+        __m256 bq = _mm256_broadcast_ss(q##r + d); \
+        a##r##0 = _mm256_fmadd_ps(bq, k0, a##r##0); \
+        if (NC > 1) a##r##1 = _mm256_fmadd_ps(bq, k1, a##r##1); \
+        if (NC > 2) a##r##2 = _mm256_fmadd_ps(bq, k2, a##r##2); }
+        R4(QK2_STEP)
+    }
+#define QK2_STORE(r) \
+    if (r < qn) { \
+        _mm256_storeu_ps(s + r * KB, a##r##0); \
+        if (NC > 1) _mm256_storeu_ps(s + r * KB + 8, a##r##1); \
+        if (NC > 2) _mm256_storeu_ps(s + r * KB + 16, a##r##2); }
+    R4(QK2_STORE)
+#undef QK2_DECL
+#undef QK2_STEP
+#undef QK2_STORE
+}
+
+AVX2 static void qk_avx2(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    for (int64_t i = 0; i < qn; i += 4)
+        for (int64_t j = 0; j < kn; j += 24) {
+            int64_t left = kn - j;
+            const float *q0 = qs + i * D, *k0 = kt + j;
+            float *s0 = s + i * KB + j;
+            if (left > 16) qk_tile2(3, s0, q0, k0, qn - i, D);
+            else if (left > 8) qk_tile2(2, s0, q0, k0, qn - i, D);
+            else qk_tile2(1, s0, q0, k0, qn - i, D);
+        }
+}
+
+/* o tile: 4 rows x NV*8 value columns, the last vector masked by vm (all lanes set
+ * when full) */
+AVX2_INLINE void pv_tile2(int NV, float *o, const float *p, const float *v, int64_t qn, int64_t kn,
+                          int64_t Dv, __m256i vm)
+{
+    const __m256i all = _mm256_set1_epi32(-1);
+    const __m256i m0 = NV == 1 ? vm : all, m1 = NV == 2 ? vm : all, m2 = NV == 3 ? vm : all;
+#define PV2_DECL(r) \
+    const float *o##r = o + (r < qn ? r : 0) * Dv, *p##r = p + (r < qn ? r : 0) * KB; \
+    __m256 a##r##0 = _mm256_maskload_ps(o##r, m0); \
+    __m256 a##r##1 = NV > 1 ? _mm256_maskload_ps(o##r + 8, m1) : _mm256_setzero_ps(); \
+    __m256 a##r##2 = NV > 2 ? _mm256_maskload_ps(o##r + 16, m2) : _mm256_setzero_ps();
+    R4(PV2_DECL)
+    for (int64_t j = 0; j < kn; j++) {
+        const float *vr = v + j * Dv;
+        __m256 v0 = _mm256_maskload_ps(vr, m0);
+        __m256 v1 = NV > 1 ? _mm256_maskload_ps(vr + 8, m1) : v0;
+        __m256 v2 = NV > 2 ? _mm256_maskload_ps(vr + 16, m2) : v0;
+#define PV2_STEP(r) { \
+        __m256 bp = _mm256_broadcast_ss(p##r + j); \
+        a##r##0 = _mm256_fmadd_ps(bp, v0, a##r##0); \
+        if (NV > 1) a##r##1 = _mm256_fmadd_ps(bp, v1, a##r##1); \
+        if (NV > 2) a##r##2 = _mm256_fmadd_ps(bp, v2, a##r##2); }
+        R4(PV2_STEP)
+    }
+#define PV2_STORE(r) \
+    if (r < qn) { \
+        float *w##r = o + r * Dv; \
+        _mm256_maskstore_ps(w##r, m0, a##r##0); \
+        if (NV > 1) _mm256_maskstore_ps(w##r + 8, m1, a##r##1); \
+        if (NV > 2) _mm256_maskstore_ps(w##r + 16, m2, a##r##2); }
+    R4(PV2_STORE)
+#undef PV2_DECL
+#undef PV2_STEP
+#undef PV2_STORE
+}
+
+AVX2 static void pv_avx2(float *o, const float *p, const float *v, int64_t qn, int64_t kn, int64_t Dv)
+{
+    int64_t nvec = (Dv + 7) / 8, nchunk = (nvec + 2) / 3;
+    for (int64_t i = 0; i < qn; i += 4) {
+        int64_t vec0 = 0;
+        for (int64_t ch = 0; ch < nchunk; ch++) {
+            int64_t nv = (nvec - vec0) / (nchunk - ch) + ((nvec - vec0) % (nchunk - ch) ? 1 : 0);
+            int64_t c0 = 8 * vec0, w = Dv - c0 < 8 * nv ? Dv - c0 : 8 * nv;
+            __m256i vm = mask8(w - 8 * (nv - 1));
+            float *o0 = o + i * Dv + c0;
+            const float *p0 = p + i * KB, *v0 = v + c0;
+            if (nv == 3) pv_tile2(3, o0, p0, v0, qn - i, kn, Dv, vm);
+            else if (nv == 2) pv_tile2(2, o0, p0, v0, qn - i, kn, Dv, vm);
+            else pv_tile2(1, o0, p0, v0, qn - i, kn, Dv, vm);
+            vec0 += nv;
+        }
+    }
+}
+
+AVX2 static void softmax_row_avx2(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    if (nvalid <= 0) {
+        memset(s, 0, (size_t)kn * sizeof(float));
+        return;
+    }
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= nvalid; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    float bmax = hmax8(mx);
+    for (; j < nvalid; j++) bmax = s[j] > bmax ? s[j] : bmax;
+    float mnew = bmax > *m ? bmax : *m;
+    __m256 vm = _mm256_set1_ps(mnew), sum = _mm256_setzero_ps();
+    for (j = 0; j < kn; j += 8) {
+        __m256 keep = _mm256_castsi256_ps(mask8(nvalid - j));
+        __m256 e = _mm256_and_ps(keep, exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm)));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(s + j, e);
+    }
+    float alpha = exp2f(*m - mnew);
+    if (alpha != 1.0f) {
+        __m256 va = _mm256_set1_ps(alpha);
+        int64_t c = 0;
+        for (; c + 8 <= Dv; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), va));
+        for (; c < Dv; c++) o[c] *= alpha;
+    }
+    *l = *l * alpha + hsum8(sum);
+    *m = mnew;
+}
 #endif
 
 /* ---------------- one task ---------------- */
@@ -336,7 +515,8 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
             const float *qsb = qs + sb * D;
             float *osb = o + sb * Dv;
 #ifdef ATT_X86
-            if (c->avx512) qk_avx512(s, qsb, kt, qn, knp, D);
+            if (c->isa == ISA_AVX512) qk_avx512(s, qsb, kt, qn, knp, D);
+            else if (c->isa == ISA_AVX2) qk_avx2(s, qsb, kt, qn, knp, D);
             else
 #endif
                 qk_generic(s, qsb, kt, qn, kn, D);
@@ -344,13 +524,15 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
                 int64_t nvalid = kn;
                 if (c->causal && q0 + i - k0 + 1 < nvalid) nvalid = q0 + i - k0 + 1;
 #ifdef ATT_X86
-                if (c->avx512) softmax_row_avx512(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                if (c->isa == ISA_AVX512) softmax_row_avx512(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                else if (c->isa == ISA_AVX2) softmax_row_avx2(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
                 else
 #endif
                     softmax_row_generic(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
             }
 #ifdef ATT_X86
-            if (c->avx512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);
+            if (c->isa == ISA_AVX512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);
+            else if (c->isa == ISA_AVX2) pv_avx2(osb, s, v + k0 * Dv, qn, kn, Dv);
             else
 #endif
                 pv_generic(osb, s, v + k0 * Dv, qn, kn, Dv);
@@ -416,7 +598,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     c.nqb = (Lq + QT - 1) / QT;
     c.scale2 = scale * LOG2E;
     c.causal = causal != 0;
-    c.avx512 = use_avx512();
+    c.isa = cpu_isa();
     c.scratch = scratch; c.slot = slot; c.nslots = nslots;
     atomic_init(&c.oom, 0);
     kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);

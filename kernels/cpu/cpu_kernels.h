@@ -40,14 +40,17 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
 
 /* Memory-efficient attention: out[B,Lq,Dv] = softmax(q k^T * scale) v for contiguous
  * q[B,Lq,D], k[B,Lk,D], v[B,Lk,Dv] (B = batch*heads). Streams over key blocks with an
- * online softmax: extra memory O(block), never Lq x Lk. mask may be NULL, else an
- * additive mask [Lq, Lk] broadcast over B (e.g. CLIP's causal mask: pass causal=1). */
+ * online softmax: extra memory O(block), never Lq x Lk. causal = 1 hides key j from
+ * query i when j > i (CLIP's causal mask). */
 kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,
                                int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
                                float scale, int causal);
 
 /* y = group_norm(x) over [N, C, HW] with G groups, affine gamma/beta [C] (may be NULL);
  * fuse_silu applies SiLU to the result. */
+/* Scratch bytes attention allocates (all threads), for the memory planner. */
+size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv);
+
 void kiln_cpu_group_norm(float *y, const float *x, const float *gamma, const float *beta,
                          int64_t N, int64_t C, int64_t HW, int64_t G, float eps, int fuse_silu);
 /* y = layer_norm over the last dim D of rows x D; gamma/beta [D] may be NULL. */

@@ -33,6 +33,8 @@ typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t 
 int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
                      pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
 int kiln_cpu_gemm_have_simd(void);
+int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
 void *kiln_cpu_scratch_get(size_t bytes);
 void kiln_cpu_scratch_put(void *p);
 
@@ -98,6 +100,7 @@ typedef struct {
     pack_b_fn pack_b; void *pack_ctx;   /* custom B source (conv), or NULL */
     float *C; int64_t ldc;
     const float *bias_row, *bias_col;   /* C[i][j] += bias_row[i] + bias_col[j]; may be NULL */
+    int a_packed, b_packed;             /* A / B already in sliver layout for all of K (see _prepacked) */
 } gemm_args;
 
 /* ---------- OpenBLAS fallback ---------- */
@@ -173,8 +176,10 @@ static int have_avx512(void)
     if (c < 0) {
         __builtin_cpu_init();
         c = __builtin_cpu_supports("avx512f") ? 1 : 0;
-        const char *e = getenv("KILN_NO_AVX512"); /* lets tests and benches force the fallback */
-        if (e && *e && *e != '0') c = 0;
+        /* KILN_CPU_ISA=generic|avx2 caps the kernel set (as in activation.c): tests and
+         * benches run the OpenBLAS fallback that way */
+        const char *e = getenv("KILN_CPU_ISA");
+        if (e && (!strcmp(e, "generic") || !strcmp(e, "avx2"))) c = 0;
         atomic_store(&cached, c);
     }
     return c;
@@ -391,20 +396,23 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
     for (int64_t k0 = 0; k0 < g->K; k0 += KC) {
         int64_t kc = g->K - k0 < KC ? g->K - k0 : KC;
         int last = k0 + kc == g->K;
-        pack_b(bpanel, g, j0, n, k0, kc);
+        if (!g->b_packed) pack_b(bpanel, g, j0, n, k0, kc);
         for (int64_t i = i0; i < i1; i += MR) {
             int m = i1 - i < MR ? (int)(i1 - i) : MR;
             /* full slivers of a row-major f32 A are read in place; the rest is packed */
-            int direct = !g->trans_a && g->a_dt == KILN_F32 && m == MR;
-            if (!direct) pack_a(asliver, g, i, m, k0, kc);
+            int direct = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && m == MR;
+            const float *ap = asliver;
+            if (g->a_packed) ap = (const float *)g->A + (i / MR) * g->K * MR + k0 * MR;
+            else if (!direct) pack_a(asliver, g, i, m, k0, kc);
             for (int64_t js = 0; js < n; js += NR) {
                 tile_out o = {g->C + i * g->ldc + j0 + js, g->ldc, m, n - js < NR ? (int)(n - js) : NR,
                               g->alpha, g->beta, k0 > 0,
                               last && g->bias_row ? g->bias_row + i : NULL,
                               last && g->bias_col ? g->bias_col + j0 + js : NULL};
-                const float *bp = bpanel + (js / NR) * kc * NR;
+                const float *bp = g->b_packed ? (const float *)g->B + ((j0 + js) / NR) * g->K * NR + k0 * NR
+                                              : bpanel + (js / NR) * kc * NR;
                 if (direct) ukr_rows(kc, (const float *)g->A + i * g->lda + k0, g->lda, bp, &o);
-                else ukr_packed(kc, asliver, bp, &o);
+                else ukr_packed(kc, ap, bp, &o);
             }
         }
     }
@@ -458,9 +466,9 @@ static int packed_gemm(const gemm_args *g, float *scratch, int threads)
     t.g = g;
     choose_blocks(g->M, g->N, threads, &t.mb, &t.nb);
     t.n_nblk = (g->N + t.nb - 1) / t.nb;
-    t.per_thread = per_thread_floats(t.nb);
+    t.per_thread = g->a_packed && g->b_packed ? 0 : per_thread_floats(t.nb);
     float *own = NULL;
-    if (!scratch) {
+    if (!scratch && t.per_thread) {
         own = kiln_cpu_scratch_get((size_t)threads * t.per_thread * sizeof(float));
         if (!own) return -1;
         scratch = own;
@@ -538,7 +546,8 @@ int kiln_cpu_gemm_have_simd(void) { return have_avx512(); }
 int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
                      pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row)
 {
-    gemm_args g = {0, 0, M, N, K, 1.0f, 0.0f, A, lda, a_dt, NULL, 0, KILN_F32, pack_b, pack_ctx, C, ldc, bias_row, NULL};
+    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = A, .lda = lda, .a_dt = a_dt, .b_dt = KILN_F32,
+                   .pack_b = pack_b, .pack_ctx = pack_ctx, .C = C, .ldc = ldc, .bias_row = bias_row};
     if (!have_avx512()) return -1;
     if (trivial(&g)) return 0;
     return packed_gemm(&g, NULL, kiln_threads());
@@ -548,8 +557,8 @@ void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
                        const float *A, int64_t lda, const float *B, int64_t ldb,
                        float beta, float *C, int64_t ldc)
 {
-    gemm_args g = {trans_a, trans_b, M, N, K, alpha, beta, A, lda, KILN_F32, B, ldb, KILN_F32, NULL, NULL, C, ldc,
-                   NULL, NULL};
+    gemm_args g = {.trans_a = trans_a, .trans_b = trans_b, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
+                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc};
     gemm_dispatch(&g);
 }
 
@@ -578,8 +587,8 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
                                float beta, float *C, int64_t ldc, int64_t stride_c)
 {
     if (batch <= 0) return;
-    gemm_args g = {trans_a, trans_b, M, N, K, alpha, beta, A, lda, KILN_F32, B, ldb, KILN_F32, NULL, NULL, C, ldc,
-                   NULL, NULL};
+    gemm_args g = {.trans_a = trans_a, .trans_b = trans_b, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
+                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc};
     int threads = kiln_threads();
     double macs = (double)M * (double)N * (double)K;
     /* Many products (or several small ones): one whole product per task, each on one
@@ -605,6 +614,33 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
     }
 }
 
+/* Batched C_b[M,N] = A_b B_b for operands already in the kernel's sliver layout: A as
+ * ceil(M/12) slivers of K x 12 floats (row r of sliver s is row 12s+r, zero past M),
+ * B as ceil(N/32) slivers of K x 32 floats (zero past N). Winograd writes its
+ * transforms this way and skips packing. -1 without the SIMD kernel. */
+int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c)
+{
+    if (!have_avx512()) return -1;
+    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
+                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1};
+    if (batch <= 0 || trivial(&g)) return 0;
+    int threads = kiln_threads();
+    if (threads > 1 && batch >= threads) {
+        batch_ctx b = {g, stride_a, stride_b, stride_c, NULL};
+        kiln_parallel_for(batch, 1, batch_fn, &b);
+        return 0;
+    }
+    for (int64_t i = 0; i < batch; i++) {
+        gemm_args gi = g;
+        gi.A = Ap + i * stride_a;
+        gi.B = Bp + i * stride_b;
+        gi.C = C + i * stride_c;
+        packed_gemm(&gi, NULL, threads);
+    }
+    return 0;
+}
+
 kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, int64_t M, int64_t N, int64_t K)
 {
@@ -618,7 +654,8 @@ kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype 
     if (!y || !x || (!w && K > 0)) return kiln_error(KILN_ERR_ARG, "linear: NULL buffer");
     /* f16/bf16 weights are converted while packing B, one KC x NB panel at a time (on
      * the BLAS path, 256 rows at a time); the bias is added as C is stored. */
-    gemm_args g = {0, 1, M, N, K, 1.0f, 0.0f, x, K, KILN_F32, w, K, w_dtype, NULL, NULL, y, N, NULL, bias};
+    gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
+                   .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias};
     gemm_dispatch(&g);
     return KILN_OK;
 }

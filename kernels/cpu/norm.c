@@ -1,13 +1,14 @@
 /* norm.c - group_norm (+ fused SiLU), layer_norm and softmax on the CPU.
  * Statistics are accumulated in short float runs folded into doubles, around a
  * shift near the mean, so a 512x512 VAE group (1M elements) keeps ~1e-7 accuracy.
- * AVX-512 path chosen at run time, portable path otherwise. */
+ * AVX-512 / AVX2 paths chosen at run time, portable path otherwise. */
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define NORM_X86 1
@@ -16,21 +17,28 @@
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))
 #endif
 
-/* KILN_CPU_GENERIC=1 forces the portable path (tests run both). */
-static int use_avx512(void)
+enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
+
+/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
+static int cpu_isa(void)
 {
     static atomic_int cached = -1;
     int c = atomic_load_explicit(&cached, memory_order_relaxed);
     if (c < 0) {
-        c = 0;
+        c = ISA_GENERIC;
 #ifdef NORM_X86
-        const char *e = getenv("KILN_CPU_GENERIC");
-        c = __builtin_cpu_supports("avx512f") && !(e && *e && *e != '0');
+        const char *e = getenv("KILN_CPU_ISA");
+        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
+        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
+        if (c > cap) c = cap;
 #endif
         atomic_store_explicit(&cached, c, memory_order_relaxed);
     }
     return c;
 }
+
+static int use_avx512(void) { return cpu_isa() == ISA_AVX512; }
 
 static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
@@ -111,12 +119,92 @@ AVX512 static void affine_avx512(float *y, const float *x, int64_t n, const floa
         _mm512_mask_storeu_ps(y + i, m, v);
     }
 }
+
+/* ---- AVX2 + FMA: the group/layer norm hot loops (softmax stays portable there) ---- */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
+
+/* exp as in activation.c's exp_avx2 (2^n in two normal halves, 0 / inf outside) */
+AVX2_INLINE __m256 exp_avx2(__m256 x)
+{
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
+    __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
+    xc = _mm256_max_ps(_mm256_set1_ps(-87.3f), xc);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(0.0013836842263117433f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.008374815806746483f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.04166822507977486f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666419804096222f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.49999991059303284f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i h1 = _mm256_srai_epi32(ni, 1);
+    __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h1, _mm256_set1_epi32(127)), 23));
+    __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h1), _mm256_set1_epi32(127)), 23));
+    __m256 y = _mm256_andnot_ps(lo, _mm256_mul_ps(_mm256_mul_ps(p, f1), f2));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi);
+}
+
+AVX2 static void moments_avx2(const float *x, int64_t n, float s, double *sum, double *sq)
+{
+    __m256d ds = _mm256_setzero_pd(), dq = _mm256_setzero_pd();
+    __m256 sh = _mm256_set1_ps(s);
+    int64_t i = 0;
+    while (i + 8 <= n) {
+        int64_t end = n - i > 256 ? i + 256 : n; /* each lane adds <= 32 values in float */
+        __m256 a0 = _mm256_setzero_ps(), q0 = _mm256_setzero_ps();
+        for (; i + 8 <= end; i += 8) {
+            __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + i), sh);
+            a0 = _mm256_add_ps(a0, v);
+            q0 = _mm256_fmadd_ps(v, v, q0);
+        }
+        ds = _mm256_add_pd(ds, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(a0)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(a0, 1))));
+        dq = _mm256_add_pd(dq, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(q0)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(q0, 1))));
+    }
+    double t[4], u[4];
+    _mm256_storeu_pd(t, ds);
+    _mm256_storeu_pd(u, dq);
+    double a = t[0] + t[1] + t[2] + t[3], q = u[0] + u[1] + u[2] + u[3];
+    for (; i < n; i++) {
+        double v = (double)x[i] - s;
+        a += v;
+        q += v * v;
+    }
+    *sum = a;
+    *sq = q;
+}
+
+AVX2 static void affine_avx2(float *y, const float *x, int64_t n, const float *mean, float a, float b, int silu)
+{
+    __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    __m256 mh = _mm256_set1_ps(mean[0]), ml = _mm256_set1_ps(mean[1]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 d = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mh), ml);
+        __m256 v = _mm256_fmadd_ps(d, va, vb);
+        if (silu)
+            v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+        _mm256_storeu_ps(y + i, v);
+    }
+    for (; i < n; i++) {
+        float v = ((x[i] - mean[0]) - mean[1]) * a + b;
+        y[i] = silu ? silu_f(v) : v;
+    }
+}
 #endif
 
 static void moments(const float *x, int64_t n, float s, double *sum, double *sq)
 {
 #ifdef NORM_X86
     if (use_avx512()) { moments_avx512(x, n, s, sum, sq); return; }
+    if (cpu_isa() == ISA_AVX2) { moments_avx2(x, n, s, sum, sq); return; }
 #endif
     double a = 0, q = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -132,6 +220,7 @@ static void affine(float *y, const float *x, int64_t n, const float *mean, float
 {
 #ifdef NORM_X86
     if (use_avx512()) { affine_avx512(y, x, n, mean, a, b, silu); return; }
+    if (cpu_isa() == ISA_AVX2) { affine_avx2(y, x, n, mean, a, b, silu); return; }
 #endif
     for (int64_t i = 0; i < n; i++) {
         float v = ((x[i] - mean[0]) - mean[1]) * a + b;
@@ -146,7 +235,7 @@ static void affine(float *y, const float *x, int64_t n, const float *mean, float
  * x*a + b, whose two large terms would cancel. */
 static void mean_rstd(const float *x, int64_t n, float eps, float mean[2], float *rstd)
 {
-    int64_t pn = n < 256 ? n : 256;
+    int64_t pn = n < 32 ? n : 32;
     double ps = 0;
     for (int64_t i = 0; i < pn; i++) ps += x[i];
     float s = (float)(ps / (double)pn);

@@ -289,12 +289,19 @@ local function auto_tile(self, device)
   local ok, s = pcall(kiln.mem.stats, device)
   if ok and s and s.budget and s.budget > 0 then free = s.budget - (s.allocated or 0) end
   if free == math.huge then return 64 end
-  -- the widest activation is [ch*mult[1], 8h, 8w] f32 at full resolution; a group norm
-  -- and a conv keep about four of them alive
-  local c = self.config.ch * self.config.ch_mult[1]
-  local per_latent_px = 4 * 4 * c * self.config.factor ^ 2
-  local t = math.floor(math.sqrt(free * 0.8 / per_latent_px))
-  return math.max(16, math.min(t - t % 8, 128))
+  -- bytes per latent pixel at the decoder's widest point: at level i (scale 2^i of the
+  -- latent) a ResBlock holds its input (the upsampled output of level i+1), a norm and
+  -- a conv output, the shortcut and the sum: about 3 tensors of each width, in f32
+  local cfg = self.config
+  local per_latent_px = 0
+  for i = 0, cfg.levels - 1 do
+    local scale = 2 ^ (cfg.levels - 1 - i)
+    local c_in = cfg.ch * cfg.ch_mult[math.min(i + 2, cfg.levels)]
+    local c = cfg.ch * cfg.ch_mult[i + 1]
+    per_latent_px = math.max(per_latent_px, 4 * scale * scale * (3 * c_in + 3 * c))
+  end
+  local t = math.floor(math.sqrt(free * 0.7 / per_latent_px))
+  return math.max(8, math.min(t - t % 8, 128))
 end
 
 -- Runs fn over overlapping tiles of x (spatial scale factor f: out = f * in) and blends
@@ -352,6 +359,8 @@ end
 
 -- ---------------------------------------------------------------- public API
 
+local function is_oom(e) return type(e) == "table" and e.kind == "oom" end
+
 -- z: latents times the scale factor [B, z, h, w] -> images [B, 3, f h, f w] in [0, 1].
 function VAE:decode(z, opts)
   local cfg = self.config
@@ -374,7 +383,18 @@ function VAE:decode(z, opts)
     local tile = topt.tile == "auto" and auto_tile(self, dev) or topt.tile
     img = tiled(zs, tile, topt.overlap, cfg.factor, cfg.out_ch, run)
   else
-    img = run(zs)
+    local ok, r = pcall(run, zs)
+    if ok then
+      img = r
+    elseif is_oom(r) then
+      -- out of memory untiled: retry in tiles sized from what is free now
+      collectgarbage()
+      local tile = auto_tile(self, dev)
+      if tile >= math.max(zs.shape[3], zs.shape[4]) then tile = math.max(8, (math.max(zs.shape[3], zs.shape[4]) // 2) // 8 * 8) end
+      img = tiled(zs, tile, math.min(8, tile // 4), cfg.factor, cfg.out_ch, run)
+    else
+      error(r, 0)
+    end
   end
   zs:free()
   return img
@@ -401,14 +421,12 @@ function VAE:encode(img, opts)
     return r
   end
   local z
-  if topt then
-    -- tile and overlap are in latent units; the encoder's input is f times larger, and
-    -- its output f times smaller: run tiles over the image with factor 1/f via a view
-    local tile = (topt.tile == "auto" and auto_tile(self, dev) or topt.tile)
+  local function encode_tiled(tile, o)
+    -- tile and overlap are in latent units; each tile is f times larger in the image
     local H, W = x.shape[3] // f, x.shape[4] // f
     local lat = kiln.zeros({ x.shape[1], cfg.embed_dim, H, W }):to(dev)
     local wsum = kiln.zeros({ 1, 1, H, W }):to(dev)
-    local stride = tile - topt.overlap
+    local stride = tile - o
     local function starts(n)
       if n <= tile then return { 1 } end
       local s, p = {}, 1
@@ -416,7 +434,6 @@ function VAE:encode(img, opts)
       s[#s + 1] = n - tile + 1
       return s
     end
-    local o = topt.overlap
     local function ramp(n, lo, hi)
       local v = {}
       for i = 1, n do
@@ -442,10 +459,24 @@ function VAE:encode(img, opts)
         r:free(); wt:free()
       end
     end
-    z = lat / wsum
+    local r = lat / wsum
     lat:free(); wsum:free()
+    return r
+  end
+  if topt then
+    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev) or topt.tile, topt.overlap)
   else
-    z = run(x)
+    local ok, r = pcall(run, x)
+    if ok then
+      z = r
+    elseif is_oom(r) then
+      collectgarbage()
+      local n = math.max(x.shape[3], x.shape[4]) // f
+      local tile = math.min(auto_tile(self, dev), math.max(8, (n // 2) // 8 * 8))
+      z = encode_tiled(tile, math.min(8, tile // 4))
+    else
+      error(r, 0)
+    end
   end
   x:free()
   return z

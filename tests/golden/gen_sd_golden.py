@@ -743,6 +743,104 @@ def check_names(model, which):
     print("  %s: every name pattern and rank occurs in %s" % (which, os.path.basename(path)))
 
 
+# ------------------------------------------------------- diffusers names
+
+RES_RENAME = {"in_layers.0": "norm1", "in_layers.2": "conv1", "emb_layers.1": "time_emb_proj",
+              "out_layers.0": "norm2", "out_layers.3": "conv2", "skip_connection": "conv_shortcut"}
+
+
+def _rename_params(mod, orig_prefix, new_prefix, table, inner=None):
+    for pname, _ in mod.named_parameters():
+        new = pname
+        if inner:
+            for a, b in inner.items():
+                if pname.startswith(a + "."):
+                    new = b + pname[len(a):]
+        table[orig_prefix + pname] = new_prefix + new
+
+
+def diffusers_names(m):
+    """orig name -> diffusers name, by walking the reference modules the way
+    diffusers lays out UNet2DConditionModel and AutoencoderKL."""
+    t = {}
+    u = m.model.diffusion_model
+    P = "model.diffusion_model."
+    _rename_params(u.time_embed[0], P + "time_embed.0.", "time_embedding.linear_1.", t)
+    _rename_params(u.time_embed[2], P + "time_embed.2.", "time_embedding.linear_2.", t)
+    _rename_params(u.input_blocks[0][0], P + "input_blocks.0.0.", "conv_in.", t)
+    level, res, att = 0, 0, 0
+    for i, blk in enumerate(u.input_blocks):
+        if i == 0:
+            continue
+        for k, layer in enumerate(blk):
+            op = "%sinput_blocks.%d.%d." % (P, i, k)
+            if isinstance(layer, ResBlock):
+                _rename_params(layer, op, "down_blocks.%d.resnets.%d." % (level, res), t, RES_RENAME)
+                res += 1
+            elif isinstance(layer, SpatialTransformer):
+                _rename_params(layer, op, "down_blocks.%d.attentions.%d." % (level, att), t)
+                att += 1
+            elif isinstance(layer, Downsample):
+                _rename_params(layer.op, op + "op.", "down_blocks.%d.downsamplers.0.conv." % level, t)
+                level, res, att = level + 1, 0, 0
+    for k, layer in enumerate(u.middle_block):
+        op = "%smiddle_block.%d." % (P, k)
+        if isinstance(layer, ResBlock):
+            _rename_params(layer, op, "mid_block.resnets.%d." % (k // 2), t, RES_RENAME)
+        else:
+            _rename_params(layer, op, "mid_block.attentions.0.", t)
+    level, res, att = 0, 0, 0
+    for i, blk in enumerate(u.output_blocks):
+        for k, layer in enumerate(blk):
+            op = "%soutput_blocks.%d.%d." % (P, i, k)
+            if isinstance(layer, ResBlock):
+                _rename_params(layer, op, "up_blocks.%d.resnets.%d." % (level, res), t, RES_RENAME)
+                res += 1
+            elif isinstance(layer, SpatialTransformer):
+                _rename_params(layer, op, "up_blocks.%d.attentions.%d." % (level, att), t)
+                att += 1
+            elif isinstance(layer, Upsample):
+                _rename_params(layer.conv, op + "conv.", "up_blocks.%d.upsamplers.0.conv." % level, t)
+        if any(isinstance(layer, Upsample) for layer in blk):
+            level, res, att = level + 1, 0, 0
+    _rename_params(u.out[0], P + "out.0.", "conv_norm_out.", t)
+    _rename_params(u.out[2], P + "out.2.", "conv_out.", t)
+
+    v = m.first_stage_model
+    P = "first_stage_model."
+    VRES = {"nin_shortcut": "conv_shortcut"}
+    VATT = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+    for side in ("encoder", "decoder"):
+        coder = getattr(v, side)
+        S = P + side + "."
+        _rename_params(coder.conv_in, S + "conv_in.", side + ".conv_in.", t)
+        _rename_params(coder.conv_out, S + "conv_out.", side + ".conv_out.", t)
+        _rename_params(coder.norm_out, S + "norm_out.", side + ".conv_norm_out.", t)
+        _rename_params(coder.mid.block_1, S + "mid.block_1.", side + ".mid_block.resnets.0.", t, VRES)
+        _rename_params(coder.mid.block_2, S + "mid.block_2.", side + ".mid_block.resnets.1.", t, VRES)
+        _rename_params(coder.mid.attn_1, S + "mid.attn_1.", side + ".mid_block.attentions.0.", t, VATT)
+        levels = coder.down if side == "encoder" else coder.up
+        n = len(levels)
+        for i, lv in enumerate(levels):
+            d = i if side == "encoder" else n - 1 - i
+            kind = "down_blocks" if side == "encoder" else "up_blocks"
+            for j, b in enumerate(lv.block):
+                _rename_params(b, "%s%s.%d.block.%d." % (S, "down" if side == "encoder" else "up", i, j),
+                               "%s.%s.%d.resnets.%d." % (side, kind, d, j), t, VRES)
+            if hasattr(lv, "downsample"):
+                _rename_params(lv.downsample.conv, "%sdown.%d.downsample.conv." % (S, i),
+                               "%s.down_blocks.%d.downsamplers.0.conv." % (side, d), t)
+            if hasattr(lv, "upsample"):
+                _rename_params(lv.upsample.conv, "%sup.%d.upsample.conv." % (S, i),
+                               "%s.up_blocks.%d.upsamplers.0.conv." % (side, d), t)
+    for name in ("quant_conv", "post_quant_conv"):
+        _rename_params(getattr(v, name), P + name + ".", name + ".", t)
+    c = "cond_stage_model.transformer."
+    for name, _ in m.cond_stage_model.transformer.named_parameters():
+        t[c + name] = "text_encoder:" + name
+    return t
+
+
 # ------------------------------------------------------------------ goldens
 
 def ids_batch():
@@ -810,6 +908,14 @@ def main():
         g["unet.out"] = m.model.diffusion_model(x, t, ctx)
         vae_goldens(m.first_stage_model, g, 0.18215)
         save(os.path.join(OUT, "sd1.safetensors"), g)
+        names = diffusers_names(m)
+        missing = [k for k in m.state_dict() if k not in names and not k.endswith("position_ids")]
+        if missing:
+            sys.exit("no diffusers name for %s" % missing[:5])
+        with open(os.path.join(OUT, "sd1.diffusers"), "w") as f:
+            f.write("# original name -> diffusers name (unet/, vae/, text_encoder: in text_encoder/)\n")
+            for k, v in names.items():
+                f.write("%s\t%s\n" % (k, v))
 
         # ---- SD 2.x
         m = sd2_model()

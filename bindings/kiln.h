@@ -1,0 +1,215 @@
+/* kiln.h - the C API of kiln, and its only public header: open a context (a Lua 5.4
+ * state with the kiln runtime loaded), run scripts, call Lua functions with images
+ * in and out, receive progress and log messages, cancel, read memory statistics.
+ *
+ *   kiln_config cfg = {0};                    all zero: defaults
+ *   cfg.device = "cuda:0"; cfg.memory_budget = 6ull << 30;
+ *   kiln_ctx *ctx;
+ *   if (kiln_open(&cfg, &ctx) != KILN_OK) { puts(kiln_last_message(NULL)); return; }
+ *   kiln_run_file(ctx, "tool.lua", 0, NULL);  defines a global `generate`
+ *   const char *args[] = {"a red fox", "20"};
+ *   kiln_image img = {0};                     img.format: the pixels wanted back
+ *   if (kiln_call(ctx, "generate", NULL, 0, args, 2, &img) == KILN_OK) { ...; kiln_image_free(&img); }
+ *   kiln_close(ctx);
+ *
+ * Errors: every function that can fail returns a kiln_status; the message of the
+ * last failure is kiln_last_message(ctx). The library never exits the process and
+ * never writes to stdout: a script's print() goes to the log callback.
+ *
+ * Threads: one context per thread. A context is used by one thread at a time (it may
+ * move between threads between calls); kiln_cancel is the only function that may be
+ * called from any thread at any time. Contexts in different threads may run at once:
+ * they share the devices, their budgets and the CPU thread pool (whose jobs run one
+ * after another). kiln_memory_stats may be called from any thread.
+ *
+ * Callbacks (progress, log) run on the thread of the call that triggered them. From
+ * a callback a host may call kiln_cancel, kiln_memory_stats and kiln_memory_summary,
+ * never kiln_run_*, kiln_call or kiln_close (they fail with KILN_ERR_STATE).
+ */
+#ifndef KILN_H
+#define KILN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef KILN_API
+#if defined(__GNUC__)
+#define KILN_API __attribute__((visibility("default")))
+#else
+#define KILN_API
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- status codes ----------------------------------------------------------- */
+
+#ifndef KILN_STATUS_H /* the runtime's status.h has the same values (tests/test_embed.c checks) */
+typedef enum {
+    KILN_OK = 0,
+    KILN_ERR_ARG,         /* bad argument: an image, a config field, a name */
+    KILN_ERR_IO,          /* file system: a script or image that cannot be read or written */
+    KILN_ERR_FORMAT,      /* malformed file */
+    KILN_ERR_OOM,         /* out of memory: an allocation that does not fit a device's budget */
+    KILN_ERR_UNSUPPORTED, /* op, dtype or device not supported */
+    KILN_ERR_STATE,       /* context used in the wrong state (busy in a callback) */
+    KILN_ERR_CANCELLED,   /* stopped by kiln_cancel (or the script's kiln.cancel) */
+    KILN_STATUS_COUNT,
+    KILN_ERR_SCRIPT = 64  /* the script raised an error (syntax or run time): see the message */
+} kiln_status;
+#else
+#define KILN_ERR_SCRIPT ((kiln_status)64) /* (inside the library, in C) status.h has no script code */
+#endif
+
+/* "ok", "argument", ..., "cancelled", "script". */
+KILN_API const char *kiln_status_string(kiln_status status);
+/* "0.1.0" */
+KILN_API const char *kiln_version_string(void);
+
+/* ---- images ---------------------------------------------------------------- */
+
+typedef enum { KILN_PIXEL_U8 = 0, KILN_PIXEL_F32 = 1 } kiln_pixel_format;
+
+/* Interleaved pixels, top row first. Lua sees an image as an f32 tensor
+ * [1, channels, height, width] with values in [0, 1] (8-bit values are divided by
+ * 255); images coming back are clamped to [0, 1] and rounded when 8-bit. */
+typedef struct {
+    int width, height;
+    int channels;             /* 1 gray, 2 gray + alpha, 3 RGB, 4 RGBA */
+    kiln_pixel_format format; /* for kiln_call's output: the format wanted (0 = 8-bit) */
+    size_t stride;            /* bytes from one row to the next; 0 = rows packed */
+    void *data;
+} kiln_image;
+
+/* Frees the pixels of an image the library made (kiln_call's output,
+ * kiln_image_load_png) and zeroes the struct; NULL and empty images are fine. */
+KILN_API void kiln_image_free(kiln_image *image);
+
+/* ---- contexts -------------------------------------------------------------- */
+
+typedef struct kiln_ctx kiln_ctx;
+
+/* ORDER LOG: a message is delivered when its level <= the context's log level */
+typedef enum {
+    KILN_LOG_OFF = -1,
+    KILN_LOG_DEFAULT = 0, /* = KILN_LOG_INFO */
+    KILN_LOG_ERROR = 1,
+    KILN_LOG_WARN = 2,    /* Lua warnings (warn(), errors in finalizers) */
+    KILN_LOG_INFO = 3,    /* a script's print() */
+    KILN_LOG_DEBUG = 4    /* the traceback of every failed call */
+} kiln_log_level;
+
+/* step counts from 1 to total (total 0: unknown); message says what is running
+ * ("sample", "decode tiles"), never NULL. */
+typedef void (*kiln_progress_fn)(void *user, int step, int total, const char *message);
+/* message has no trailing newline. */
+typedef void (*kiln_log_fn)(void *user, kiln_log_level level, const char *message);
+
+/* All fields may be zero (NULL config: all zero). Devices and their budgets belong
+ * to the process: memory_budget and threads change them for every context. */
+typedef struct {
+    const char *device;        /* default device of new tensors: "cpu", "sim", "cuda:0";
+                                  NULL = "cpu" */
+    uint64_t memory_budget;    /* budget of that device in bytes; 0 = leave it as it is */
+    const char *mode;          /* memory mode "high", "normal", "low", "none"; NULL = "normal" */
+    int threads;               /* CPU threads; 0 = leave as is (KILN_THREADS, else one per core) */
+    kiln_log_level log_level;  /* default INFO */
+    kiln_log_fn log;           /* NULL: messages go to stderr, prefixed "kiln: " */
+    void *log_user;
+    const char *script_path;   /* ';'-separated folders holding kiln/NAME.lua, searched before
+                                  the scripts built into the library; NULL: $KILN_PATH */
+    int ignore_env;            /* nonzero: ignore LUA_PATH, LUA_CPATH and KILN_PATH */
+} kiln_config;
+
+/* Opens a context: a Lua state with the standard libraries and the kiln module (the
+ * global `kiln`), configured by config. On failure *out is NULL and the message is
+ * kiln_last_message(NULL). os.exit() in a script ends the script, not the process. */
+KILN_API kiln_status kiln_open(const kiln_config *config, kiln_ctx **out);
+/* Closes the Lua state, which frees every tensor and model it held, and returns the
+ * devices' cached blocks. NULL is fine. */
+KILN_API void kiln_close(kiln_ctx *ctx);
+
+/* Runs a Lua file with `arg` set as the kiln program sets it (arg[0] = path,
+ * arg[1..argc] = argv) and argv as its `...`. os.exit(0) / os.exit(true) is a
+ * normal end; another status is KILN_ERR_SCRIPT. */
+KILN_API kiln_status kiln_run_file(kiln_ctx *ctx, const char *path, int argc, const char *const *argv);
+/* Runs a chunk of Lua code. */
+KILN_API kiln_status kiln_run_string(kiln_ctx *ctx, const char *code);
+
+/* Calls the global Lua function `function` ("generate", or a dotted path such as
+ * "tools.upscale") as function(image_1, ..., image_n, arg_1, ..., arg_m): images
+ * become f32 tensors [1, C, H, W] on the cpu, args Lua strings. When out is not NULL
+ * the first result must be an image tensor ([1, C, H, W], [C, H, W] or [H, W], any
+ * device or dtype, C = 1..4); *out receives it in out->format (set it before the
+ * call; 0 = 8-bit), packed, to be freed with kiln_image_free. On failure *out is
+ * left as it was. Tensors the call made and did not store are freed when it returns,
+ * cancelled or not. */
+KILN_API kiln_status kiln_call(kiln_ctx *ctx, const char *function, const kiln_image *images, int n_images,
+                               const char *const *args, int n_args, kiln_image *out);
+
+/* Asks the running call (kiln_run_*, kiln_call) to stop: it returns KILN_ERR_CANCELLED
+ * at the next progress report (kiln.progress) or within a few thousand Lua
+ * instructions; a single long kernel finishes first. Callable from any thread and
+ * from the progress callback. Each call starts with the request cleared. */
+KILN_API void kiln_cancel(kiln_ctx *ctx);
+
+/* The progress callback (fn NULL: none): scripts report with kiln.progress(step,
+ * total, message); the samplers do so every step. */
+KILN_API void kiln_set_progress(kiln_ctx *ctx, kiln_progress_fn fn, void *user);
+/* Replaces the config's log callback (fn NULL: stderr). */
+KILN_API void kiln_set_log(kiln_ctx *ctx, kiln_log_fn fn, void *user);
+
+/* The message of the last failed call on ctx ("" after a success). ctx NULL: this
+ * thread's message of the last call made without a context (kiln_open). Valid until
+ * the next call on ctx. */
+KILN_API const char *kiln_last_message(const kiln_ctx *ctx);
+/* The Lua traceback of the last failed call ("" when none). */
+KILN_API const char *kiln_last_traceback(const kiln_ctx *ctx);
+
+/* ---- memory ---------------------------------------------------------------- */
+
+typedef struct {
+    char device[16];         /* "cpu", "sim", "cuda:0" */
+    uint64_t allocated;      /* bytes in live tensors and weights */
+    uint64_t peak_allocated; /* since the device was created (or the last reset_peak) */
+    uint64_t reserved;       /* bytes the device holds: allocated + cached free blocks */
+    uint64_t peak_reserved;
+    uint64_t budget;         /* 0 = unlimited */
+    uint64_t total;          /* physical memory of the device; 0 = unknown */
+    uint64_t n_allocs, n_frees, n_ooms;
+} kiln_memory_info;
+
+/* Statistics of a device (NULL: the config's device). ctx may be NULL. */
+KILN_API kiln_status kiln_memory_stats(kiln_ctx *ctx, const char *device, kiln_memory_info *out);
+/* Sets a device's budget in bytes (0 = unlimited); it applies to the whole process. */
+KILN_API kiln_status kiln_memory_set_budget(kiln_ctx *ctx, const char *device, uint64_t bytes);
+/* kiln.mem.summary(): a text table of every device and what holds its memory, for
+ * logs and out-of-memory reports. NULL on failure. Valid until the next call. */
+KILN_API const char *kiln_memory_summary(kiln_ctx *ctx);
+/* The i-th device present (0 = "cpu"), NULL past the last. */
+KILN_API const char *kiln_device_name_at(int i);
+
+/* ---- PNG files -------------------------------------------------------------- */
+
+/* Reads a PNG (8- or 16-bit, any color type) into *out with its own channel count
+ * (1 to 4) in the given format. ctx may be NULL. */
+KILN_API kiln_status kiln_image_load_png(kiln_ctx *ctx, const char *path, kiln_pixel_format format,
+                                         kiln_image *out);
+/* Writes an image as an 8-bit PNG (atomically: a temporary file renamed into place). */
+KILN_API kiln_status kiln_image_save_png(kiln_ctx *ctx, const kiln_image *image, const char *path);
+
+/* ---- advanced ---------------------------------------------------------------- */
+
+/* The context's lua_State, for hosts that register their own functions. Enter Lua
+ * only through lua_pcall, leave the stack as you found it, do not close it; kiln_cancel
+ * and the progress callback work only inside kiln_run_* and kiln_call. */
+struct lua_State;
+KILN_API struct lua_State *kiln_lua_state(kiln_ctx *ctx);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KILN_H */

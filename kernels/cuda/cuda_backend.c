@@ -1,0 +1,489 @@
+/* cuda_backend.c - the CUDA backend: device registration (a "cuda:N" device per GPU
+ * over a cudaMalloc/cudaFree raw memory, so kiln's caching allocator gives CUDA the
+ * same budget, statistics, eviction and typed OOM as `sim`), per-device contexts
+ * (streams, cuBLAS, cuDNN, pinned staging), host<->device transfers, shared helpers
+ * and the operation table. The ops themselves live in one .cu file each. */
+#define _GNU_SOURCE
+#include "cuda_backend.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static kiln_cuda_ctx ctxs[KILN_CUDA_MAX_DEVICES];
+static int n_ctxs;
+static char unavailable[256];
+
+/* ---- errors ---- */
+
+kiln_status kiln_cuda_check(kiln_cuda_ctx *c, const char *op, const char *call, cudaError_t e)
+{
+    if (e == cudaSuccess) return KILN_OK;
+    (void)cudaGetLastError(); /* clears non-sticky errors */
+    const char *dev = c && c->dev ? c->dev->name : "cuda";
+    if (e == cudaErrorMemoryAllocation) {
+        kiln_mem_stats s = c && c->dev ? kiln_allocator_stats(c->dev->alloc) : (kiln_mem_stats){0};
+        return kiln_error_oom(dev, 0, 0, s.budget, "%s: %s: %s failed: %s (the CUDA runtime itself ran out of device memory)",
+                              dev, op, call, cudaGetErrorString(e));
+    }
+    return kiln_error(KILN_ERR_STATE, "%s: %s: %s failed: %s (%s)", dev, op, call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+kiln_status kiln_cuda_check_blas(kiln_cuda_ctx *c, const char *op, const char *call, cublasStatus_t s)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return KILN_OK;
+    const char *dev = c && c->dev ? c->dev->name : "cuda";
+    kiln_status code = s == CUBLAS_STATUS_ALLOC_FAILED ? KILN_ERR_OOM
+                     : s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH ? KILN_ERR_UNSUPPORTED
+                     : KILN_ERR_STATE;
+    return kiln_error(code, "%s: %s: %s failed: %s", dev, op, call, cublasGetStatusString(s));
+}
+
+kiln_status kiln_cuda_check_dnn(kiln_cuda_ctx *c, const char *op, const char *call, cudnnStatus_t s)
+{
+    if (s == CUDNN_STATUS_SUCCESS) return KILN_OK;
+    const char *dev = c && c->dev ? c->dev->name : "cuda";
+    kiln_status code = s == CUDNN_STATUS_ALLOC_FAILED ? KILN_ERR_OOM
+                     : s == CUDNN_STATUS_NOT_SUPPORTED ? KILN_ERR_UNSUPPORTED : KILN_ERR_STATE;
+    return kiln_error(code, "%s: %s: %s failed: %s", dev, op, call, cudnnGetErrorString(s));
+}
+
+kiln_status kiln_cuda_done(kiln_cuda_ctx *c, const char *op)
+{
+    kiln_status st = kiln_cuda_check(c, op, "kernel launch", cudaGetLastError());
+    if (!st && c->debug_sync) st = kiln_cuda_check(c, op, "cudaStreamSynchronize (KILN_CUDA_SYNC)", cudaStreamSynchronize(c->compute));
+    return st;
+}
+
+/* ---- raw device memory for the allocator ---- */
+
+static void *cuda_raw_alloc(void *ctx, size_t n)
+{
+    kiln_cuda_ctx *c = ctx;
+    void *p = NULL;
+    if (cudaSetDevice(c->index) != cudaSuccess || cudaMalloc(&p, n ? n : 1) != cudaSuccess) {
+        (void)cudaGetLastError(); /* out of memory is not sticky; the allocator reports it */
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_raw_free(void *ctx, void *p, size_t n)
+{
+    kiln_cuda_ctx *c = ctx;
+    (void)n;
+    /* cudaFree waits for the work using p; errors here have nobody to go to */
+    if (cudaSetDevice(c->index) != cudaSuccess || cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+/* ---- context ---- */
+
+static int env_flag(const char *name)
+{
+    const char *e = getenv(name);
+    return e && *e && strcmp(e, "0") != 0;
+}
+
+static kiln_status init_fail(kiln_cuda_ctx *c, kiln_status st)
+{
+    snprintf(c->init_error, sizeof c->init_error, "%s", kiln_last_error());
+    c->init_status = st;
+    return st;
+}
+
+static kiln_status ctx_init(kiln_cuda_ctx *c)
+{
+    const char *op = "init";
+    kiln_status st;
+    struct cudaDeviceProp p;
+    if ((st = kiln_cuda_check(c, op, "cudaSetDevice", cudaSetDevice(c->index))) ||
+        (st = kiln_cuda_check(c, op, "cudaGetDeviceProperties", cudaGetDeviceProperties(&p, c->index))))
+        return init_fail(c, st);
+    c->sm_count = p.multiProcessorCount;
+    c->cc_major = p.major;
+    c->cc_minor = p.minor;
+    c->debug_sync = env_flag("KILN_CUDA_SYNC");
+    c->tf32 = env_flag("KILN_CUDA_TF32");
+    c->conv_benchmark = env_flag("KILN_CUDA_CONV_BENCHMARK");
+    if ((st = kiln_cuda_check(c, op, "cudaStreamCreate", cudaStreamCreateWithFlags(&c->compute, cudaStreamNonBlocking))) ||
+        (st = kiln_cuda_check(c, op, "cudaStreamCreate", cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking))) ||
+        (st = kiln_cuda_check(c, op, "cudaEventCreate", cudaEventCreateWithFlags(&c->order_ev, cudaEventDisableTiming))))
+        return init_fail(c, st);
+    for (int i = 0; i < KILN_CUDA_STAGE_SLOTS; i++)
+        if ((st = kiln_cuda_check(c, op, "cudaEventCreate", cudaEventCreateWithFlags(&c->stage_ev[i], cudaEventDisableTiming))))
+            return init_fail(c, st);
+    if ((st = kiln_cuda_check_blas(c, op, "cublasCreate", cublasCreate(&c->blas))) ||
+        (st = kiln_cuda_check_blas(c, op, "cublasSetStream", cublasSetStream(c->blas, c->compute))))
+        return init_fail(c, st);
+    /* cuBLAS would otherwise cudaMalloc its own workspace outside the budget. Set
+     * after cublasSetStream, which resets it. NVIDIA recommends 32 MiB on Hopper. */
+    size_t ws = c->cc_major >= 9 ? (32u << 20) : (4u << 20);
+    if (kiln_cuda_try_scratch(c, ws, &c->blas_ws)) c->blas_ws_size = ws;
+    if ((st = kiln_cuda_check_blas(c, op, "cublasSetWorkspace", cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_size))))
+        return init_fail(c, st);
+    if ((st = kiln_cuda_check_dnn(c, op, "cudnnCreate", cudnnCreate(&c->dnn))) ||
+        (st = kiln_cuda_check_dnn(c, op, "cudnnSetStream", cudnnSetStream(c->dnn, c->compute))))
+        return init_fail(c, st);
+    /* pinned staging: KILN_CUDA_STAGING_MB per slot (default 8); smaller on failure,
+     * and plain synchronous copies when no pinned memory can be had */
+    const char *e = getenv("KILN_CUDA_STAGING_MB");
+    size_t slot = (size_t)(e && atoi(e) > 0 ? atoi(e) : 8) << 20;
+    for (; slot >= (256u << 10); slot /= 4) {
+        void *h = NULL;
+        if (cudaMallocHost(&h, slot * KILN_CUDA_STAGE_SLOTS) == cudaSuccess) {
+            c->stage = h;
+            c->stage_slot = slot;
+            break;
+        }
+        (void)cudaGetLastError();
+    }
+    return KILN_OK;
+}
+
+static kiln_status ctx_ready(kiln_cuda_ctx *c)
+{
+    if (__atomic_load_n(&c->ready, __ATOMIC_ACQUIRE) == 1) return KILN_OK;
+    pthread_mutex_lock(&c->init_mu);
+    if (c->ready == 0) {
+        kiln_status st = ctx_init(c);
+        __atomic_store_n(&c->ready, st ? -1 : 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->init_mu);
+    if (c->ready == 1) return KILN_OK;
+    return kiln_error(c->init_status ? c->init_status : KILN_ERR_STATE, "%s", c->init_error);
+}
+
+static kiln_cuda_ctx *ctx_of_tensor(const kiln_tensor *t)
+{
+    kiln_device *d = t->storage->device;
+    if (d->type != KILN_DEV_CUDA || d->index < 0 || d->index >= n_ctxs) return NULL;
+    return &ctxs[d->index];
+}
+
+/* The context owning device pointer p (transfers get no device argument). */
+static kiln_cuda_ctx *ctx_of_ptr(const void *p)
+{
+    if (n_ctxs == 1) return &ctxs[0];
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return a.device >= 0 && a.device < n_ctxs ? &ctxs[a.device] : NULL;
+}
+
+/* ---- pending copies ---- */
+
+static void recycle_locked(kiln_cuda_ctx *c, int i)
+{
+    c->spare_ev[c->n_spare_ev++] = c->pending[i].ev;
+    c->pending[i] = c->pending[--c->n_pending];
+}
+
+static void wait_ranges(kiln_cuda_ctx *c, const void *const *ptr, const size_t *len, int n)
+{
+    pthread_mutex_lock(&c->pend_mu);
+    for (int i = c->n_pending - 1; i >= 0; i--) {
+        const kiln_cuda_pending *pp = &c->pending[i];
+        int hit = 0;
+        for (int k = 0; k < n && !hit; k++)
+            hit = ptr[k] && (const char *)ptr[k] < pp->ptr + pp->n && pp->ptr < (const char *)ptr[k] + len[k];
+        if (hit) {
+            if (cudaStreamWaitEvent(c->compute, pp->ev, 0) != cudaSuccess) (void)cudaGetLastError();
+            recycle_locked(c, i);
+        }
+    }
+    /* drop a few finished entries so the list stays short */
+    for (int i = 0, looked = 0; i < c->n_pending && looked < 4; looked++) {
+        cudaError_t e = cudaEventQuery(c->pending[i].ev);
+        if (e == cudaSuccess) recycle_locked(c, i);
+        else { (void)cudaGetLastError(); i++; }
+    }
+    pthread_mutex_unlock(&c->pend_mu);
+}
+
+void kiln_cuda_wait_range(kiln_cuda_ctx *c, const void *p, size_t n)
+{
+    wait_ranges(c, &p, &n, 1);
+}
+
+/* Records the end of a host->device copy of [p, p+n) on the copy stream. */
+static kiln_status add_pending(kiln_cuda_ctx *c, void *p, size_t n, const char *op)
+{
+    kiln_status st = KILN_OK;
+    pthread_mutex_lock(&c->pend_mu);
+    cudaEvent_t ev = NULL;
+    if (c->n_spare_ev) ev = c->spare_ev[--c->n_spare_ev];
+    else st = kiln_cuda_check(c, op, "cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    if (!st) st = kiln_cuda_check(c, op, "cudaEventRecord", cudaEventRecord(ev, c->copy));
+    if (!st && c->n_pending == KILN_CUDA_MAX_PENDING) {
+        /* full: order compute after every copy so far (the copy stream is in order) */
+        st = kiln_cuda_check(c, op, "cudaStreamWaitEvent", cudaStreamWaitEvent(c->compute, ev, 0));
+        while (c->n_pending) recycle_locked(c, c->n_pending - 1);
+        c->spare_ev[c->n_spare_ev++] = ev;
+    } else if (!st) {
+        c->pending[c->n_pending++] = (kiln_cuda_pending){(char *)p, n, ev};
+    } else if (ev) {
+        c->spare_ev[c->n_spare_ev++] = ev;
+    }
+    pthread_mutex_unlock(&c->pend_mu);
+    return st;
+}
+
+/* ---- helpers for the op files ---- */
+
+kiln_cuda_ctx *kiln_cuda_enter(const char *op, kiln_status *st, const kiln_tensor *t0, const kiln_tensor *t1,
+                               const kiln_tensor *t2, const kiln_tensor *t3, const kiln_tensor *t4)
+{
+    kiln_cuda_ctx *c = ctx_of_tensor(t0);
+    if (!c) {
+        *st = kiln_error(KILN_ERR_ARG, "cuda: %s: tensor is on %s, not a CUDA device", op, t0->storage->device->name);
+        return NULL;
+    }
+    if ((*st = ctx_ready(c))) return NULL;
+    if ((*st = kiln_cuda_check(c, op, "cudaSetDevice", cudaSetDevice(c->index)))) return NULL;
+    const kiln_tensor *ts[5] = {t0, t1, t2, t3, t4};
+    const void *ptr[5];
+    size_t len[5];
+    for (int i = 0; i < 5; i++) {
+        ptr[i] = ts[i] ? ts[i]->storage->data : NULL;
+        len[i] = ts[i] ? ts[i]->storage->nbytes : 0;
+        if (ts[i] && ts[i]->storage->device != t0->storage->device) {
+            *st = kiln_error(KILN_ERR_ARG, "%s: %s: tensors on different devices (%s and %s)", c->dev->name, op,
+                             t0->storage->device->name, ts[i]->storage->device->name);
+            return NULL;
+        }
+    }
+    wait_ranges(c, ptr, len, 5);
+    *st = KILN_OK;
+    return c;
+}
+
+kiln_status kiln_cuda_temp(kiln_cuda_ctx *c, kiln_dtype dt, int ndim, const int64_t *shape, kiln_tensor **out)
+{
+    kiln_status st = kiln_tensor_new(c->dev, dt, ndim, shape, out);
+    if (!st) kiln_cuda_wait_range(c, (*out)->storage->data, (*out)->storage->nbytes);
+    return st;
+}
+
+kiln_status kiln_cuda_as(kiln_cuda_ctx *c, const kiln_tensor *t, kiln_dtype dt, kiln_tensor **tmp, const void **data)
+{
+    *tmp = NULL;
+    *data = NULL;
+    if (t->dtype == dt && kiln_tensor_is_contiguous(t)) {
+        *data = kiln_tensor_data(t);
+        return KILN_OK;
+    }
+    kiln_status st = kiln_cuda_temp(c, dt, t->ndim, t->shape, tmp);
+    if (!st) st = kiln_cuda_copy(*tmp, t);
+    if (st) {
+        kiln_tensor_free(*tmp);
+        *tmp = NULL;
+        return st;
+    }
+    *data = kiln_tensor_data(*tmp);
+    return KILN_OK;
+}
+
+kiln_status kiln_cuda_scratch(kiln_cuda_ctx *c, size_t n, void **p)
+{
+    kiln_status st = kiln_allocator_alloc(c->dev->alloc, n ? n : 1, p);
+    if (!st) kiln_cuda_wait_range(c, *p, n);
+    return st;
+}
+
+int kiln_cuda_try_scratch(kiln_cuda_ctx *c, size_t n, void **p)
+{
+    *p = NULL;
+    kiln_mem_stats s = kiln_allocator_stats(c->dev->alloc);
+    const uint64_t grain = 2u << 20; /* the allocator's large-segment rounding */
+    uint64_t seg = (n + grain - 1) / grain * grain;
+    if (s.budget && s.reserved + seg > s.budget && s.largest_free < n) return 0;
+    char saved[512];
+    kiln_status saved_st = kiln_last_status();
+    snprintf(saved, sizeof saved, "%s", kiln_last_error());
+    if (kiln_allocator_alloc(c->dev->alloc, n ? n : 1, p) != KILN_OK) {
+        *p = NULL;
+        kiln_error(saved_st, "%s", saved); /* a refused workspace is not this op's error */
+        return 0;
+    }
+    kiln_cuda_wait_range(c, *p, n);
+    return 1;
+}
+
+void kiln_cuda_scratch_free(kiln_cuda_ctx *c, void *p)
+{
+    if (p) kiln_allocator_release(c->dev->alloc, p);
+}
+
+/* ---- transfers ---- */
+
+static kiln_status xfer_begin(kiln_cuda_ctx *c, const char *op)
+{
+    kiln_status st = ctx_ready(c);
+    if (st) return st;
+    pthread_mutex_lock(&c->xfer_mu);
+    /* the copy stream runs after the compute queued so far: the destination block may
+     * have been freed by a tensor that a queued kernel still reads or writes */
+    if ((st = kiln_cuda_check(c, op, "cudaSetDevice", cudaSetDevice(c->index))) ||
+        (st = kiln_cuda_check(c, op, "cudaEventRecord", cudaEventRecord(c->order_ev, c->compute))) ||
+        (st = kiln_cuda_check(c, op, "cudaStreamWaitEvent", cudaStreamWaitEvent(c->copy, c->order_ev, 0))))
+        pthread_mutex_unlock(&c->xfer_mu);
+    return st;
+}
+
+static kiln_status slot_take(kiln_cuda_ctx *c, const char *op, int *slot)
+{
+    int s = c->stage_next;
+    c->stage_next = (s + 1) % KILN_CUDA_STAGE_SLOTS;
+    *slot = s;
+    if (!c->stage_busy[s]) return KILN_OK;
+    c->stage_busy[s] = 0;
+    return kiln_cuda_check(c, op, "cudaEventSynchronize", cudaEventSynchronize(c->stage_ev[s]));
+}
+
+/* Returns once src may be reused (staged or copied); the device side completes on
+ * the copy stream and is ordered before any op touching dst. */
+static kiln_status cuda_to_device(void *dst, const void *src, size_t n)
+{
+    const char *op = "to_device";
+    if (n == 0) return KILN_OK;
+    kiln_cuda_ctx *c = ctx_of_ptr(dst);
+    if (!c) return kiln_error(KILN_ERR_ARG, "cuda: %s: destination is not CUDA device memory", op);
+    kiln_status st = xfer_begin(c, op);
+    if (st) return st;
+    if (!c->stage) {
+        if (!(st = kiln_cuda_check(c, op, "cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->copy))))
+            st = kiln_cuda_check(c, op, "cudaStreamSynchronize", cudaStreamSynchronize(c->copy));
+        pthread_mutex_unlock(&c->xfer_mu);
+        return st;
+    }
+    for (size_t off = 0; off < n && !st;) {
+        size_t len = n - off < c->stage_slot ? n - off : c->stage_slot;
+        int s;
+        if ((st = slot_take(c, op, &s))) break;
+        char *buf = c->stage + (size_t)s * c->stage_slot;
+        memcpy(buf, (const char *)src + off, len);
+        if ((st = kiln_cuda_check(c, op, "cudaMemcpyAsync",
+                                  cudaMemcpyAsync((char *)dst + off, buf, len, cudaMemcpyHostToDevice, c->copy))) ||
+            (st = kiln_cuda_check(c, op, "cudaEventRecord", cudaEventRecord(c->stage_ev[s], c->copy))))
+            break;
+        c->stage_busy[s] = 1;
+        off += len;
+    }
+    if (!st) st = add_pending(c, dst, n, op);
+    pthread_mutex_unlock(&c->xfer_mu);
+    return st;
+}
+
+/* Complete when it returns: chunk i+1 is in flight while chunk i is unpacked. */
+static kiln_status cuda_to_host(void *dst, const void *src, size_t n)
+{
+    const char *op = "to_host";
+    if (n == 0) return KILN_OK;
+    kiln_cuda_ctx *c = ctx_of_ptr(src);
+    if (!c) return kiln_error(KILN_ERR_ARG, "cuda: %s: source is not CUDA device memory", op);
+    kiln_status st = xfer_begin(c, op);
+    if (st) return st;
+    if (!c->stage) {
+        if (!(st = kiln_cuda_check(c, op, "cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->copy))))
+            st = kiln_cuda_check(c, op, "cudaStreamSynchronize", cudaStreamSynchronize(c->copy));
+        pthread_mutex_unlock(&c->xfer_mu);
+        return st;
+    }
+    size_t chunk = c->stage_slot, nchunks = (n + chunk - 1) / chunk;
+    int slot[2] = {0, 0};
+    for (size_t i = 0; i <= nchunks && !st; i++) {
+        if (i < nchunks) { /* issue chunk i */
+            size_t off = i * chunk, len = n - off < chunk ? n - off : chunk;
+            int s;
+            if ((st = slot_take(c, op, &s))) break;
+            slot[i % 2] = s;
+            if ((st = kiln_cuda_check(c, op, "cudaMemcpyAsync",
+                                      cudaMemcpyAsync(c->stage + (size_t)s * chunk, (const char *)src + off, len,
+                                                      cudaMemcpyDeviceToHost, c->copy))) ||
+                (st = kiln_cuda_check(c, op, "cudaEventRecord", cudaEventRecord(c->stage_ev[s], c->copy))))
+                break;
+            c->stage_busy[s] = 1;
+        }
+        if (i > 0) { /* unpack chunk i-1 */
+            size_t off = (i - 1) * chunk, len = n - off < chunk ? n - off : chunk;
+            int s = slot[(i - 1) % 2];
+            if ((st = kiln_cuda_check(c, op, "cudaEventSynchronize", cudaEventSynchronize(c->stage_ev[s])))) break;
+            c->stage_busy[s] = 0;
+            memcpy((char *)dst + off, c->stage + (size_t)s * chunk, len);
+        }
+    }
+    pthread_mutex_unlock(&c->xfer_mu);
+    return st;
+}
+
+/* ---- registration ---- */
+
+/* Every op takes every dtype: float compute ops convert integer inputs to f32. */
+static int cuda_supports(kiln_op op, kiln_dtype dt)
+{
+    return op >= 0 && op < KILN_OP_COUNT && (unsigned)dt < KILN_DTYPE_COUNT;
+}
+
+static const kiln_backend cuda_backend = {
+    .name = "cuda",
+    .supports = cuda_supports,
+    .copy = kiln_cuda_copy,
+    .fill = kiln_cuda_fill,
+    .binary = kiln_cuda_binary,
+    .unary = kiln_cuda_unary,
+    .reduce = kiln_cuda_reduce,
+    .matmul = kiln_cuda_matmul,
+    .linear = kiln_cuda_linear,
+    .conv2d = kiln_cuda_conv2d,
+    .group_norm = kiln_cuda_group_norm,
+    .layer_norm = kiln_cuda_layer_norm,
+    .softmax = kiln_cuda_softmax,
+    .attention = kiln_cuda_attention,
+    .geglu = kiln_cuda_geglu,
+    .resample = kiln_cuda_resample,
+    .pad2d = kiln_cuda_pad2d,
+    .to_device = cuda_to_device,
+    .to_host = cuda_to_host,
+};
+
+/* Called once by the device registry (its lock held). */
+void kiln_cuda_register_devices(void)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n <= 0) {
+        snprintf(unavailable, sizeof unavailable, "%s",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA-capable device is detected");
+        (void)cudaGetLastError();
+        return;
+    }
+    if (n > KILN_CUDA_MAX_DEVICES) n = KILN_CUDA_MAX_DEVICES;
+    for (int i = 0; i < n; i++) {
+        struct cudaDeviceProp p;
+        uint64_t total = 0;
+        if (cudaGetDeviceProperties(&p, i) == cudaSuccess) total = p.totalGlobalMem;
+        else (void)cudaGetLastError();
+        kiln_cuda_ctx *c = &ctxs[n_ctxs];
+        memset(c, 0, sizeof *c);
+        c->index = i;
+        pthread_mutex_init(&c->init_mu, NULL);
+        pthread_mutex_init(&c->xfer_mu, NULL);
+        pthread_mutex_init(&c->pend_mu, NULL);
+        pthread_mutex_init(&c->conv_mu, NULL);
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", i);
+        kiln_raw_memory raw = {cuda_raw_alloc, cuda_raw_free, c};
+        c->dev = kiln_device_register(KILN_DEV_CUDA, i, name, raw, total, &cuda_backend);
+        if (!c->dev) break;
+        n_ctxs++;
+    }
+    snprintf(unavailable, sizeof unavailable, "%d CUDA device%s present", n_ctxs, n_ctxs == 1 ? "" : "s");
+}
+
+const char *kiln_cuda_unavailable_reason(void)
+{
+    return unavailable[0] ? unavailable : "CUDA devices not probed yet";
+}

@@ -1,0 +1,1114 @@
+/* model.c - model weight stores: residency of every tensor (mapped / host /
+ * device), load / offload / unload, LRU eviction through the allocators' evict hook,
+ * memory modes, and streaming (fetch / prefetch on a copy thread per device /
+ * release).
+ *
+ * Locking: one registry mutex (reg_mu) guards every model's state, the registry and
+ * the copy queues. Nothing allocates from a device allocator while holding it: an
+ * allocation may call the evict hook, which takes reg_mu. Freeing under reg_mu is
+ * fine (releasing never calls back), and the events lock is a leaf. */
+#define _GNU_SOURCE
+#include "model.h"
+#include "backend.h"
+#include "events.h"
+#include "safetensors.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_QUEUES 16
+/* Staging buffer of a converting copy to a device with its own memory (cuda): the
+ * conversion never holds a second full host copy of a tensor. */
+#define STAGE_BYTES ((size_t)8 << 20)
+
+typedef struct {
+    const char *name;        /* in the file's entry (the model retains the file) */
+    kiln_st_file *file;
+    int index;
+    kiln_tensor *mapped;     /* view of the file (cpu, wrapped storage) */
+    kiln_tensor *host;       /* host copy in the cpu allocator, or NULL */
+    kiln_tensor *dev;        /* device copy, or NULL */
+    unsigned char streamed;  /* dev came from fetch/prefetch: release frees it */
+    unsigned char fetched;   /* in use after fetch: not evictable until release */
+    unsigned char prefetched;/* dev came from the copy thread and was not fetched yet */
+    unsigned char inflight;  /* a prefetch is queued or copying */
+} mtensor;
+
+struct kiln_model {
+    char name[58];
+    char owner[64];          /* "model:<name>" */
+    int n;
+    mtensor *t;
+    int *slots;              /* open addressing: name -> index */
+    size_t slot_mask;
+    int n_files;
+    kiln_st_file **files;
+    kiln_device *target;     /* load target / streaming target, NULL when none */
+    int dtype;               /* load dtype or -1 */
+    int pinned, busy, inflight;
+    uint64_t last_used;
+    uint64_t n_fetch, n_prefetch, n_waits, n_hits;
+    int prefetch_tid;
+    kiln_model *prev, *next;
+};
+
+typedef struct job { kiln_model *m; int idx; struct job *next; } job;
+typedef struct { pthread_t th; kiln_device *dev; int slot; int quit; } worker;
+
+static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER; /* a prefetch finished */
+static kiln_model *models;
+static uint64_t lru_clock;
+static atomic_int memory_mode = KILN_MEM_NORMAL;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t xfer_mu = PTHREAD_MUTEX_INITIALIZER; /* device transfer counters */
+
+static struct {
+    job *head, *tail;
+    worker *w;
+    pthread_cond_t cv;
+} queues[MAX_QUEUES];
+
+/* ORDER MEMMODE */
+static const char *const memory_mode_names[KILN_MEM_MODE_COUNT] = {"high", "normal", "low", "none"};
+/* ORDER RESIDENCY */
+static const char *const residency_names[KILN_RES_COUNT] = {"mapped", "host", "device"};
+
+/* ---- modes ---- */
+
+void kiln_memory_mode_set(kiln_memory_mode mode)
+{
+    if ((unsigned)mode < KILN_MEM_MODE_COUNT) atomic_store(&memory_mode, (int)mode);
+}
+
+kiln_memory_mode kiln_memory_mode_get(void) { return (kiln_memory_mode)atomic_load(&memory_mode); }
+
+const char *kiln_memory_mode_name(kiln_memory_mode mode)
+{
+    return (unsigned)mode < KILN_MEM_MODE_COUNT ? memory_mode_names[mode] : "?";
+}
+
+int kiln_memory_mode_from_name(const char *name)
+{
+    if (!name) return -1;
+    if (strcmp(name, "cpu") == 0) return KILN_MEM_NONE;
+    for (int i = 0; i < KILN_MEM_MODE_COUNT; i++)
+        if (strcmp(name, memory_mode_names[i]) == 0) return i;
+    return -1;
+}
+
+const char *kiln_residency_name(kiln_residency r)
+{
+    return (unsigned)r < KILN_RES_COUNT ? residency_names[r] : "?";
+}
+
+/* ---- helpers ---- */
+
+static void human(char *buf, size_t n, double b)
+{
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (b >= 1024 && i < 4) { b /= 1024; i++; }
+    if (i == 0) snprintf(buf, n, "%.0f B", b);
+    else snprintf(buf, n, "%.*f %s", b < 10 ? 2 : b < 100 ? 1 : 0, b, u[i]);
+}
+
+static kiln_device *tensor_device(const kiln_tensor *t) { return t->storage->device; }
+static size_t tensor_bytes(const kiln_tensor *t) { return t ? t->storage->nbytes : 0; }
+
+static void drop(kiln_tensor **t)
+{
+    kiln_tensor_free(*t);
+    *t = NULL;
+}
+
+/* The copy new copies are made from: the host copy, else the file. */
+static const kiln_tensor *source_of(const mtensor *t) { return t->host ? t->host : t->mapped; }
+
+/* Load dtype for a tensor: floating-point tensors convert, integer ones (CLIP's
+ * position_ids) keep theirs. */
+static kiln_dtype want_dtype(int dtype, kiln_dtype src)
+{
+    if (dtype < 0 || !kiln_dtype_is_float(src)) return src;
+    return (kiln_dtype)dtype;
+}
+
+static uint64_t hash_str(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+int kiln_model_find(const kiln_model *m, const char *name)
+{
+    if (!m || !name) return -1;
+    for (size_t s = (size_t)hash_str(name) & m->slot_mask; m->slots[s] >= 0; s = (s + 1) & m->slot_mask)
+        if (strcmp(m->t[m->slots[s]].name, name) == 0) return m->slots[s];
+    return -1;
+}
+
+static void slot_insert(kiln_model *m, int idx)
+{
+    size_t s = (size_t)hash_str(m->t[idx].name) & m->slot_mask;
+    while (m->slots[s] >= 0) s = (s + 1) & m->slot_mask;
+    m->slots[s] = idx;
+}
+
+/* Edit distance on at most the first 96 bytes (enough to rank suggestions). */
+static int edit_distance(const char *a, const char *b)
+{
+    int la = (int)strnlen(a, 96), lb = (int)strnlen(b, 96);
+    int row[97];
+    for (int j = 0; j <= lb; j++) row[j] = j;
+    for (int i = 1; i <= la; i++) {
+        int diag = row[0];
+        row[0] = i;
+        for (int j = 1; j <= lb; j++) {
+            int up = row[j];
+            int best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lb];
+}
+
+static kiln_status missing_error(const kiln_model *m, const char *name)
+{
+    if (m->n == 0) return kiln_error(KILN_ERR_ARG, "model '%s': no tensor '%s' (the model has no tensors)", m->name, name);
+    int best[3] = {-1, -1, -1}, dist[3] = {1 << 30, 1 << 30, 1 << 30};
+    for (int i = 0; i < m->n; i++) {
+        int d = edit_distance(name, m->t[i].name);
+        for (int k = 0; k < 3; k++) {
+            if (d < dist[k]) {
+                for (int j = 2; j > k; j--) { dist[j] = dist[j - 1]; best[j] = best[j - 1]; }
+                dist[k] = d;
+                best[k] = i;
+                break;
+            }
+        }
+    }
+    char list[400] = "";
+    for (int k = 0; k < 3 && best[k] >= 0; k++) {
+        size_t used = strlen(list);
+        snprintf(list + used, sizeof list - used, "%s'%s'", k ? ", " : "", m->t[best[k]].name);
+    }
+    return kiln_error(KILN_ERR_ARG, "model '%s': no tensor '%s' (closest: %s)", m->name, name, list);
+}
+
+/* Re-raises the pending error with a prefix, keeping out-of-memory details. */
+static kiln_status prefix_error(kiln_status st, const char *prefix)
+{
+    char msg[800];
+    snprintf(msg, sizeof msg, "%s", kiln_last_error());
+    if (st == KILN_ERR_OOM) {
+        kiln_oom_info o = *kiln_last_oom();
+        return kiln_error_oom(o.device, o.requested, o.free, o.budget, "%s%s", prefix, msg);
+    }
+    return kiln_error(st, "%s%s", prefix, msg);
+}
+
+static void count_transfer(kiln_device *dev, int to_device, size_t n, double secs)
+{
+    if (dev->type == KILN_DEV_CPU) return;
+    pthread_mutex_lock(&xfer_mu);
+    if (to_device) dev->bytes_to_device += n;
+    else dev->bytes_to_host += n;
+    dev->seconds_copying += secs;
+    pthread_mutex_unlock(&xfer_mu);
+}
+
+/* A new copy of src on dev in dtype dt, accounted to owner. Host sources (the file
+ * or a host copy) are converted straight into the new copy (through a bounded
+ * staging buffer for devices with their own memory); anything else goes through
+ * kiln_tensor_to. Must not be called with reg_mu held (it allocates). */
+static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype dt, const char *owner,
+                           kiln_tensor **out)
+{
+    *out = NULL;
+    kiln_status st;
+    kiln_tensor *r;
+    if (tensor_device(src)->type != KILN_DEV_CPU || !kiln_tensor_is_contiguous(src)) {
+        if ((st = kiln_tensor_to(src, dev, dt, &r))) return st;
+        kiln_storage_set_owner(r->storage, owner);
+        *out = r;
+        return KILN_OK;
+    }
+    if ((st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r))) return st;
+    kiln_storage_set_owner(r->storage, owner);
+    size_t n = (size_t)kiln_tensor_numel(src);
+    double t0 = kiln_events_now();
+    if (n == 0) {
+        /* nothing to copy */
+    } else if (!dev->backend->to_device) {
+        kiln_convert(kiln_tensor_data(r), dt, kiln_tensor_data(src), src->dtype, n);
+    } else if (dt == src->dtype) {
+        st = dev->backend->to_device(kiln_tensor_data(r), kiln_tensor_data(src), kiln_tensor_nbytes(r));
+    } else {
+        size_t esz = kiln_dtype_size(dt), chunk = STAGE_BYTES / esz;
+        if (chunk > n) chunk = n;
+        void *stage = NULL;
+        st = kiln_allocator_alloc(kiln_device_cpu()->alloc, chunk * esz, &stage);
+        for (size_t off = 0; !st && off < n; off += chunk) {
+            size_t k = n - off < chunk ? n - off : chunk;
+            kiln_convert(stage, dt, (const char *)kiln_tensor_data(src) + off * kiln_dtype_size(src->dtype), src->dtype, k);
+            st = dev->backend->to_device((char *)kiln_tensor_data(r) + off * esz, stage, k * esz);
+        }
+        if (stage) kiln_allocator_release(kiln_device_cpu()->alloc, stage);
+    }
+    if (st) { kiln_tensor_free(r); return st; }
+    count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
+    *out = r;
+    return KILN_OK;
+}
+
+/* ---- eviction ---- */
+
+static int evictable_on(const kiln_model *m, const kiln_device *dev)
+{
+    for (int i = 0; i < m->n; i++) {
+        const mtensor *t = &m->t[i];
+        if (t->dev && tensor_device(t->dev) == dev && !t->fetched) return 1;
+        if (t->host && tensor_device(t->host) == dev) return 1;
+    }
+    return 0;
+}
+
+/* Drops *slot, returning the bytes that really go back to the allocator. */
+static size_t drop_counted(kiln_tensor **slot, uint64_t *bytes)
+{
+    kiln_storage *s = (*slot)->storage;
+    size_t n = s->nbytes;
+    int alone = atomic_load((atomic_int *)&s->refcount) == 1;
+    *bytes += n;
+    drop(slot);
+    return alone ? n : 0;
+}
+
+/* Evicts whole models (their copies on dev), least recently used first. With
+ * one_step it stops after the first model that gave memory back: the allocator
+ * retries and asks again if that was not enough, so no more is evicted than the
+ * allocation needs (`need` is what the allocator would need in fresh segments,
+ * an overestimate when freed blocks can be reused). */
+static size_t evict_locked(kiln_device *dev, size_t need, int one_step)
+{
+    size_t freed = 0;
+    while (freed < need) {
+        kiln_model *victim = NULL;
+        for (kiln_model *m = models; m; m = m->next) {
+            if (m->pinned || m->busy || !evictable_on(m, dev)) continue;
+            if (!victim || m->last_used < victim->last_used) victim = m;
+        }
+        if (!victim) break;
+        uint64_t bytes = 0;
+        size_t really = 0;
+        int count = 0;
+        for (int i = 0; i < victim->n; i++) {
+            mtensor *t = &victim->t[i];
+            if (t->dev && tensor_device(t->dev) == dev && !t->fetched) {
+                really += drop_counted(&t->dev, &bytes);
+                t->streamed = t->prefetched = 0;
+                count++;
+            }
+            if (t->host && tensor_device(t->host) == dev) {
+                really += drop_counted(&t->host, &bytes);
+                count++;
+            }
+        }
+        freed += really;
+        char nb[32], rb[32];
+        human(nb, sizeof nb, (double)need);
+        human(rb, sizeof rb, (double)(bytes - really));
+        kiln_event_emit(KILN_EV_EVICT, dev->name, bytes, victim->owner,
+                        "%d tensors, least recently used, for an allocation short of %s%s%s", count, nb,
+                        bytes > really ? "; still referenced elsewhere: " : "", bytes > really ? rb : "");
+        if (one_step && really) break;
+    }
+    return freed;
+}
+
+size_t kiln_model_evict(kiln_device *dev, size_t need)
+{
+    if (!dev) return 0;
+    pthread_mutex_lock(&reg_mu);
+    size_t freed = evict_locked(dev, need ? need : 1, 0);
+    pthread_mutex_unlock(&reg_mu);
+    return freed;
+}
+
+/* The allocators' evict hook (called without the allocator's lock). */
+static size_t evict_hook(void *ctx, kiln_allocator *a, size_t need)
+{
+    (void)a;
+    if (kiln_memory_mode_get() == KILN_MEM_HIGH) return 0;
+    pthread_mutex_lock(&reg_mu);
+    size_t freed = evict_locked(ctx, need ? need : 1, 1);
+    pthread_mutex_unlock(&reg_mu);
+    return freed;
+}
+
+static void init_runtime(void)
+{
+    for (int i = 0; i < MAX_QUEUES; i++) pthread_cond_init(&queues[i].cv, NULL);
+    for (int i = 0; i < kiln_device_count(); i++)
+        kiln_allocator_set_evict_hook(kiln_device_at(i)->alloc, evict_hook, kiln_device_at(i));
+}
+
+/* ---- open / close ---- */
+
+static void release_mapped(kiln_storage *s) { kiln_st_release(s->ctx); }
+
+static void base_name(const char *path, char *out, size_t cap)
+{
+    const char *b = strrchr(path, '/');
+    b = b ? b + 1 : path;
+    size_t n = strlen(b);
+    const char *ext = ".safetensors";
+    if (n > strlen(ext) && strcmp(b + n - strlen(ext), ext) == 0) n -= strlen(ext);
+    if (n >= cap) n = cap - 1;
+    memcpy(out, b, n);
+    out[n] = 0;
+}
+
+static void model_free_all(kiln_model *m)
+{
+    for (int i = 0; i < m->n; i++) {
+        mtensor *t = &m->t[i];
+        kiln_tensor_free(t->dev);
+        kiln_tensor_free(t->host);
+        kiln_tensor_free(t->mapped);
+    }
+    for (int i = 0; i < m->n_files; i++) kiln_st_release(m->files[i]);
+    free(m->files);
+    free(m->t);
+    free(m->slots);
+    free(m);
+}
+
+static int has_prefix(const char *s, const char *const *prefixes, int n)
+{
+    if (n == 0) return 1;
+    for (int i = 0; i < n; i++)
+        if (prefixes[i] && strncmp(s, prefixes[i], strlen(prefixes[i])) == 0) return 1;
+    return 0;
+}
+
+kiln_status kiln_model_open(const char *const *paths, int n, const char *name, kiln_model **out)
+{
+    return kiln_model_open_prefixed(paths, n, name, NULL, 0, out);
+}
+
+kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char *name,
+                                     const char *const *prefixes, int n_prefixes, kiln_model **out)
+{
+    if (!out) return kiln_error(KILN_ERR_ARG, "kiln_model_open: out is NULL");
+    if (n_prefixes < 0 || (n_prefixes > 0 && !prefixes)) return kiln_error(KILN_ERR_ARG, "model: bad prefix list");
+    *out = NULL;
+    if (!paths || n < 1) return kiln_error(KILN_ERR_ARG, "model: at least one safetensors file is required");
+    for (int i = 0; i < n; i++)
+        if (!paths[i]) return kiln_error(KILN_ERR_ARG, "model: file %d of %d is NULL", i + 1, n);
+    pthread_once(&init_once, init_runtime);
+    kiln_model *m = calloc(1, sizeof *m);
+    if (!m || !(m->files = calloc((size_t)n, sizeof *m->files))) {
+        free(m);
+        return kiln_error(KILN_ERR_OOM, "model: out of host memory");
+    }
+    kiln_status st;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if ((st = kiln_st_open(paths[i], &m->files[i]))) { model_free_all(m); return st; }
+        m->n_files++;
+        total += (size_t)m->files[i]->n;
+    }
+    size_t cap = 8;
+    while (cap < total * 2) cap *= 2;
+    m->t = calloc(total ? total : 1, sizeof *m->t);
+    m->slots = malloc(cap * sizeof *m->slots);
+    if (!m->t || !m->slots) { model_free_all(m); return kiln_error(KILN_ERR_OOM, "model: out of host memory"); }
+    for (size_t s = 0; s < cap; s++) m->slots[s] = -1;
+    m->slot_mask = cap - 1;
+    for (int f = 0; f < m->n_files; f++) {
+        kiln_st_file *file = m->files[f];
+        for (int e = 0; e < file->n; e++) {
+            if (!has_prefix(file->entries[e].name, prefixes, n_prefixes)) continue;
+            int idx = kiln_model_find(m, file->entries[e].name);
+            if (idx < 0) {
+                idx = m->n++;
+                m->t[idx].name = file->entries[e].name;
+                slot_insert(m, idx);
+            }
+            m->t[idx].name = file->entries[e].name; /* a later file overrides */
+            m->t[idx].file = file;
+            m->t[idx].index = e;
+        }
+    }
+    if (name && *name) snprintf(m->name, sizeof m->name, "%s", name);
+    else base_name(paths[0], m->name, sizeof m->name);
+    if (n_prefixes > 0 && m->n == 0 && total > 0) {
+        char list[256] = "";
+        for (int i = 0; i < n_prefixes; i++) {
+            size_t used = strlen(list);
+            snprintf(list + used, sizeof list - used, "%s'%s'", i ? ", " : "", prefixes[i] ? prefixes[i] : "");
+        }
+        kiln_status err = kiln_error(KILN_ERR_ARG, "model '%s': no tensor of %s%s starts with %s", m->name, paths[0],
+                                     n > 1 ? " (and the other files)" : "", list);
+        model_free_all(m);
+        return err;
+    }
+    snprintf(m->owner, sizeof m->owner, "model:%s", m->name);
+    static char empty_data[KILN_ALLOC_ALIGN];
+    for (int i = 0; i < m->n; i++) {
+        mtensor *t = &m->t[i];
+        const kiln_st_entry *e = &t->file->entries[t->index];
+        void *data = t->file->data ? (void *)kiln_st_data(t->file, t->index) : (void *)empty_data;
+        kiln_st_retain(t->file);
+        kiln_storage *s = kiln_storage_wrap(kiln_device_cpu(), data, (size_t)(e->end - e->begin), release_mapped, t->file);
+        if (!s) { kiln_st_release(t->file); model_free_all(m); return kiln_error(KILN_ERR_OOM, "model: out of host memory"); }
+        kiln_storage_set_owner(s, m->owner);
+        t->mapped = kiln_tensor_from_storage(s, 0, e->dtype, e->ndim, e->shape, NULL);
+        kiln_storage_release(s);
+        if (!t->mapped) { model_free_all(m); return kiln_error(KILN_ERR_OOM, "model: out of host memory"); }
+    }
+    m->dtype = -1;
+    pthread_mutex_lock(&reg_mu);
+    m->last_used = ++lru_clock;
+    m->next = models;
+    if (models) models->prev = m;
+    models = m;
+    pthread_mutex_unlock(&reg_mu);
+    *out = m;
+    return KILN_OK;
+}
+
+/* Takes the queued prefetches of m off the queues and waits for a running one. */
+static void cancel_prefetches_locked(kiln_model *m)
+{
+    for (int q = 0; q < MAX_QUEUES; q++) {
+        job **pj = &queues[q].head, *last = NULL;
+        while (*pj) {
+            job *j = *pj;
+            if (j->m == m) {
+                *pj = j->next;
+                m->t[j->idx].inflight = 0;
+                m->inflight--;
+                free(j);
+            } else {
+                last = j;
+                pj = &j->next;
+            }
+        }
+        queues[q].tail = last;
+    }
+    while (m->inflight > 0) pthread_cond_wait(&done_cv, &reg_mu);
+}
+
+static uint64_t drop_copies_locked(kiln_model *m)
+{
+    uint64_t bytes = 0;
+    for (int i = 0; i < m->n; i++) {
+        mtensor *t = &m->t[i];
+        bytes += tensor_bytes(t->dev) + tensor_bytes(t->host);
+        drop(&t->dev);
+        drop(&t->host);
+        t->streamed = t->fetched = t->prefetched = 0;
+    }
+    return bytes;
+}
+
+void kiln_model_close(kiln_model *m)
+{
+    if (!m) return;
+    pthread_mutex_lock(&reg_mu);
+    cancel_prefetches_locked(m);
+    if (m->prev) m->prev->next = m->next;
+    else models = m->next;
+    if (m->next) m->next->prev = m->prev;
+    const char *dev = m->target ? m->target->name : "";
+    uint64_t bytes = drop_copies_locked(m);
+    if (bytes) kiln_event_emit(KILN_EV_UNLOAD, dev, bytes, m->owner, "closed");
+    /* The last model gone: the copy threads have nothing left to do. */
+    worker *stop[MAX_QUEUES];
+    int n_stop = 0;
+    if (!models) {
+        for (int q = 0; q < MAX_QUEUES; q++) {
+            if (!queues[q].w) continue;
+            queues[q].w->quit = 1;
+            stop[n_stop++] = queues[q].w;
+            queues[q].w = NULL;
+            pthread_cond_broadcast(&queues[q].cv);
+        }
+    }
+    pthread_mutex_unlock(&reg_mu);
+    for (int i = 0; i < n_stop; i++) {
+        pthread_join(stop[i]->th, NULL);
+        free(stop[i]);
+    }
+    model_free_all(m);
+}
+
+/* ---- queries ---- */
+
+const char *kiln_model_name(const kiln_model *m) { return m ? m->name : "?"; }
+int kiln_model_count(const kiln_model *m) { return m ? m->n : 0; }
+
+const char *kiln_model_tensor_name(const kiln_model *m, int i)
+{
+    return m && i >= 0 && i < m->n ? m->t[i].name : NULL;
+}
+
+static kiln_residency residency_of(const mtensor *t)
+{
+    return t->dev ? KILN_RES_DEVICE : t->host ? KILN_RES_HOST : KILN_RES_MAPPED;
+}
+
+kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out)
+{
+    if (!out) return kiln_error(KILN_ERR_ARG, "model tensor: out is NULL");
+    *out = NULL;
+    if (!m || !name) return kiln_error(KILN_ERR_ARG, "model tensor: model and name are required");
+    int i = kiln_model_find(m, name);
+    if (i < 0) return missing_error(m, name);
+    pthread_mutex_lock(&reg_mu);
+    mtensor *t = &m->t[i];
+    const kiln_tensor *best = t->dev ? t->dev : t->host ? t->host : t->mapped;
+    kiln_tensor *v = kiln_tensor_view_of(best);
+    m->last_used = ++lru_clock;
+    pthread_mutex_unlock(&reg_mu);
+    if (!v) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory for a tensor header", m->name);
+    *out = v;
+    return KILN_OK;
+}
+
+kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *out)
+{
+    if (!m || !name || !out) return kiln_error(KILN_ERR_ARG, "model where: model, name and out are required");
+    int i = kiln_model_find(m, name);
+    if (i < 0) return missing_error(m, name);
+    pthread_mutex_lock(&reg_mu);
+    *out = residency_of(&m->t[i]);
+    pthread_mutex_unlock(&reg_mu);
+    return KILN_OK;
+}
+
+void kiln_model_get_info(kiln_model *m, kiln_model_info *o)
+{
+    memset(o, 0, sizeof *o);
+    if (!m) return;
+    pthread_mutex_lock(&reg_mu);
+    o->n_tensors = m->n;
+    for (int i = 0; i < m->n; i++) {
+        const mtensor *t = &m->t[i];
+        kiln_residency r = residency_of(t);
+        o->count[r]++;
+        o->bytes[r] += tensor_bytes(r == KILN_RES_DEVICE ? t->dev : r == KILN_RES_HOST ? t->host : t->mapped);
+        o->file_bytes += tensor_bytes(t->mapped);
+        if (t->host) o->host_bytes += tensor_bytes(t->host);
+        if (t->dev) {
+            if (tensor_device(t->dev)->type == KILN_DEV_CPU) o->host_bytes += tensor_bytes(t->dev);
+            else o->device_bytes += tensor_bytes(t->dev);
+        }
+    }
+    o->device = m->target;
+    o->dtype = m->dtype;
+    o->pinned = m->pinned;
+    o->last_used = m->last_used;
+    o->n_fetch_copies = m->n_fetch;
+    o->n_prefetch_copies = m->n_prefetch;
+    o->n_prefetch_waits = m->n_waits;
+    o->n_prefetch_hits = m->n_hits;
+    o->prefetch_thread = m->prefetch_tid;
+    pthread_mutex_unlock(&reg_mu);
+}
+
+static uint64_t bytes_on_locked(const kiln_model *m, const kiln_device *dev, int *count)
+{
+    uint64_t b = 0;
+    int c = 0;
+    for (int i = 0; i < m->n; i++) {
+        const mtensor *t = &m->t[i];
+        int here = 0;
+        if (t->dev && (!dev || tensor_device(t->dev) == dev)) { b += tensor_bytes(t->dev); here = 1; }
+        if (t->host && (!dev || tensor_device(t->host) == dev)) { b += tensor_bytes(t->host); here = 1; }
+        c += here;
+    }
+    if (count) *count = c;
+    return b;
+}
+
+uint64_t kiln_model_bytes(kiln_model *m, const kiln_device *dev)
+{
+    if (!m) return 0;
+    pthread_mutex_lock(&reg_mu);
+    uint64_t b = bytes_on_locked(m, dev, NULL);
+    pthread_mutex_unlock(&reg_mu);
+    return b;
+}
+
+static int by_recent(const void *x, const void *y)
+{
+    const kiln_model *a = *(kiln_model *const *)x, *b = *(kiln_model *const *)y;
+    return a->last_used < b->last_used ? 1 : a->last_used > b->last_used ? -1 : 0;
+}
+
+int kiln_model_usage_list(kiln_model_usage *out, int max)
+{
+    pthread_mutex_lock(&reg_mu);
+    int n_models = 0;
+    for (kiln_model *m = models; m; m = m->next) n_models++;
+    kiln_model **list = malloc(sizeof *list * (size_t)(n_models ? n_models : 1));
+    if (!list) { pthread_mutex_unlock(&reg_mu); return 0; }
+    int k = 0;
+    for (kiln_model *m = models; m; m = m->next) list[k++] = m;
+    qsort(list, (size_t)n_models, sizeof *list, by_recent);
+    int rows = 0;
+    for (int i = 0; i < n_models; i++) {
+        kiln_model *m = list[i];
+        int any = 0;
+        for (int d = 0; d <= kiln_device_count(); d++) {
+            kiln_device *dev = d < kiln_device_count() ? kiln_device_at(d) : NULL;
+            int count = 0;
+            uint64_t b = dev ? bytes_on_locked(m, dev, &count) : 0;
+            if (dev ? count == 0 : any) continue;
+            any = 1;
+            if (rows < max) {
+                kiln_model_usage *u = &out[rows];
+                memset(u, 0, sizeof *u);
+                snprintf(u->model, sizeof u->model, "%s", m->name);
+                snprintf(u->device, sizeof u->device, "%s", dev ? dev->name : "");
+                u->bytes = dev ? b : 0;
+                u->tensors = count;
+                u->total = m->n;
+                u->pinned = m->pinned;
+                u->last_used = m->last_used;
+            }
+            rows++;
+        }
+    }
+    free(list);
+    pthread_mutex_unlock(&reg_mu);
+    return rows;
+}
+
+/* ---- load / offload / unload / pin ---- */
+
+static void load_error_prefix(kiln_model *m, kiln_device *dev, char *buf, size_t cap)
+{
+    kiln_memory_mode mode = kiln_memory_mode_get();
+    size_t used = (size_t)snprintf(buf, cap, "model '%s': loading onto %s (memory mode %s%s", m->name, dev->name,
+                                   kiln_memory_mode_name(mode),
+                                   mode == KILN_MEM_HIGH ? ": nothing is evicted automatically" : "");
+    int first = 1;
+    pthread_mutex_lock(&reg_mu);
+    for (kiln_model *o = models; o && used < cap; o = o->next) {
+        if (o == m || !o->pinned) continue;
+        used += (size_t)snprintf(buf + used, cap - used, "%s%s", first ? "; pinned: " : ", ", o->name);
+        first = 0;
+    }
+    pthread_mutex_unlock(&reg_mu);
+    if (used < cap) snprintf(buf + used, cap - used, "): ");
+}
+
+kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "model load: model is NULL");
+    if (dtype >= KILN_DTYPE_COUNT || dtype < -1) return kiln_error(KILN_ERR_ARG, "model '%s': load: bad dtype %d", m->name, dtype);
+    kiln_memory_mode mode = kiln_memory_mode_get();
+    if (!dev || mode == KILN_MEM_NONE) dev = kiln_device_cpu();
+    int low = mode == KILN_MEM_LOW && dev->type != KILN_DEV_CPU;
+    unsigned char *made = calloc((size_t)(m->n ? m->n : 1), 1);
+    if (!made) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
+    pthread_mutex_lock(&reg_mu);
+    m->busy++;
+    m->target = dev;
+    m->dtype = dtype;
+    m->last_used = ++lru_clock;
+    pthread_mutex_unlock(&reg_mu);
+    kiln_events_set_context(m->owner);
+    double t0 = kiln_events_now();
+    kiln_status st = KILN_OK;
+    int copied = 0;
+    for (int i = 0; i < m->n && !st; i++) {
+        mtensor *t = &m->t[i];
+        kiln_device *to = low ? kiln_device_cpu() : dev;
+        pthread_mutex_lock(&reg_mu);
+        kiln_dtype want = want_dtype(dtype, source_of(t)->dtype);
+        int have;
+        if (low) {
+            /* the host side of streaming: the file itself unless a conversion is due */
+            have = t->host ? t->host->dtype == want : want == t->mapped->dtype;
+        } else {
+            have = t->dev && tensor_device(t->dev) == dev && (dtype < 0 || t->dev->dtype == want);
+            if (have) t->streamed = t->prefetched = 0; /* load owns it now */
+            if (!have && dev->type == KILN_DEV_CPU && t->host && t->host->dtype == want) {
+                /* a host copy is already what a cpu load wants */
+                kiln_tensor_free(t->dev);
+                t->dev = t->host;
+                t->host = NULL;
+                t->streamed = t->fetched = t->prefetched = 0;
+                have = 1;
+            }
+        }
+        kiln_tensor *src = have ? NULL : kiln_tensor_view_of(source_of(t));
+        pthread_mutex_unlock(&reg_mu);
+        if (have) continue;
+        if (!src) { st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
+        kiln_tensor *r;
+        st = copy_to(src, to, want, m->owner, &r);
+        kiln_tensor_free(src);
+        if (st) break;
+        pthread_mutex_lock(&reg_mu);
+        kiln_tensor **slot = low ? &t->host : &t->dev;
+        kiln_tensor_free(*slot);
+        *slot = r;
+        if (!low) { t->streamed = t->fetched = t->prefetched = 0; made[i] = 1; }
+        pthread_mutex_unlock(&reg_mu);
+        copied++;
+    }
+    pthread_mutex_lock(&reg_mu);
+    if (st) {
+        for (int i = 0; i < m->n; i++)
+            if (made[i]) drop(&m->t[i].dev);
+    } else if (!low) {
+        /* the device copies exist: host copies would only double the memory (the
+         * mapped file can always give them back) */
+        for (int i = 0; i < m->n; i++) drop(&m->t[i].host);
+    }
+    m->busy--;
+    uint64_t bytes = bytes_on_locked(m, low ? kiln_device_cpu() : dev, NULL);
+    pthread_mutex_unlock(&reg_mu);
+    free(made);
+    kiln_events_set_context(NULL);
+    if (st) {
+        char prefix[400];
+        load_error_prefix(m, dev, prefix, sizeof prefix);
+        return prefix_error(st, prefix);
+    }
+    kiln_event_emit(KILN_EV_LOAD, low ? kiln_device_cpu()->name : dev->name, bytes, m->owner,
+                    "%d tensors, %d copied, dtype %s, mode %s%s%s, %.1f ms", m->n, copied,
+                    dtype < 0 ? "as stored" : kiln_dtype_name((kiln_dtype)dtype), kiln_memory_mode_name(mode),
+                    low ? ", streamed to " : "", low ? dev->name : "", (kiln_events_now() - t0) * 1e3);
+    return KILN_OK;
+}
+
+kiln_status kiln_model_offload(kiln_model *m)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "model offload: model is NULL");
+    pthread_mutex_lock(&reg_mu);
+    cancel_prefetches_locked(m);
+    m->busy++;
+    const char *from = m->target ? m->target->name : "?";
+    pthread_mutex_unlock(&reg_mu);
+    kiln_events_set_context(m->owner);
+    kiln_device *cpu = kiln_device_cpu();
+    kiln_status st = KILN_OK;
+    int moved = 0;
+    for (int i = 0; i < m->n && !st; i++) {
+        mtensor *t = &m->t[i];
+        pthread_mutex_lock(&reg_mu);
+        kiln_tensor *src = NULL;
+        if (t->dev && tensor_device(t->dev) == cpu) {
+            kiln_tensor_free(t->host);
+            t->host = t->dev;
+            t->dev = NULL;
+            t->streamed = t->fetched = t->prefetched = 0;
+            moved++;
+        } else if (t->dev) {
+            src = kiln_tensor_view_of(t->dev);
+            if (!src) st = kiln_error(KILN_ERR_OOM, "out of host memory");
+        }
+        pthread_mutex_unlock(&reg_mu);
+        if (!src) continue;
+        kiln_tensor *h;
+        double t0 = kiln_events_now();
+        st = copy_to(src, cpu, src->dtype, m->owner, &h);
+        if (!st) count_transfer(tensor_device(src), 0, tensor_bytes(h), kiln_events_now() - t0);
+        kiln_tensor_free(src);
+        if (st) break;
+        pthread_mutex_lock(&reg_mu);
+        kiln_tensor_free(t->host);
+        t->host = h;
+        drop(&t->dev);
+        t->streamed = t->fetched = t->prefetched = 0;
+        pthread_mutex_unlock(&reg_mu);
+        moved++;
+    }
+    pthread_mutex_lock(&reg_mu);
+    m->busy--;
+    uint64_t bytes = bytes_on_locked(m, cpu, NULL);
+    pthread_mutex_unlock(&reg_mu);
+    kiln_events_set_context(NULL);
+    if (st) {
+        char prefix[160];
+        snprintf(prefix, sizeof prefix, "model '%s': offloading to host memory: ", m->name);
+        return prefix_error(st, prefix);
+    }
+    kiln_event_emit(KILN_EV_OFFLOAD, cpu->name, bytes, m->owner, "%d tensors moved from %s", moved, from);
+    return KILN_OK;
+}
+
+void kiln_model_unload(kiln_model *m)
+{
+    if (!m) return;
+    pthread_mutex_lock(&reg_mu);
+    cancel_prefetches_locked(m);
+    const char *dev = m->target ? m->target->name : "";
+    uint64_t bytes = drop_copies_locked(m);
+    m->target = NULL;
+    m->dtype = -1;
+    pthread_mutex_unlock(&reg_mu);
+    kiln_event_emit(KILN_EV_UNLOAD, dev, bytes, m->owner, "every copy dropped but the mapped file");
+}
+
+void kiln_model_pin(kiln_model *m)
+{
+    if (!m) return;
+    pthread_mutex_lock(&reg_mu);
+    m->pinned++;
+    pthread_mutex_unlock(&reg_mu);
+}
+
+kiln_status kiln_model_unpin(kiln_model *m)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "model unpin: model is NULL");
+    pthread_mutex_lock(&reg_mu);
+    int was = m->pinned;
+    if (was) m->pinned--;
+    pthread_mutex_unlock(&reg_mu);
+    if (!was) return kiln_error(KILN_ERR_STATE, "model '%s': unpin without a matching pin", m->name);
+    return KILN_OK;
+}
+
+/* ---- streaming ---- */
+
+static kiln_status resolve(kiln_model *m, const char *const *names, int n, int **idx, const char *what)
+{
+    *idx = NULL;
+    if (!m) return kiln_error(KILN_ERR_ARG, "model %s: model is NULL", what);
+    if (n < 0 || (n > 0 && !names)) return kiln_error(KILN_ERR_ARG, "model '%s': %s: bad name list", m->name, what);
+    int *v = malloc(sizeof *v * (size_t)(n ? n : 1));
+    if (!v) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
+    for (int i = 0; i < n; i++) {
+        v[i] = names[i] ? kiln_model_find(m, names[i]) : -1;
+        if (v[i] < 0) {
+            free(v);
+            if (!names[i]) return kiln_error(KILN_ERR_ARG, "model '%s': %s: name %d is NULL", m->name, what, i + 1);
+            kiln_status st = missing_error(m, names[i]);
+            char prefix[64];
+            snprintf(prefix, sizeof prefix, "%s: ", what);
+            return prefix_error(st, prefix);
+        }
+    }
+    *idx = v;
+    return KILN_OK;
+}
+
+static kiln_status need_target_locked(kiln_model *m, const char *what)
+{
+    if (m->target) return KILN_OK;
+    return kiln_error(KILN_ERR_STATE, "model '%s': %s needs a device: call load(device) first", m->name, what);
+}
+
+kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
+{
+    int *idx;
+    kiln_status st = resolve(m, names, n, &idx, "fetch");
+    if (st) return st;
+    pthread_mutex_lock(&reg_mu);
+    st = need_target_locked(m, "fetch");
+    kiln_device *dev = m->target;
+    int dtype = m->dtype;
+    m->last_used = ++lru_clock;
+    pthread_mutex_unlock(&reg_mu);
+    if (st) { free(idx); return st; }
+    kiln_events_set_context(m->owner);
+    for (int k = 0; k < n && !st; k++) {
+        mtensor *t = &m->t[idx[k]];
+        pthread_mutex_lock(&reg_mu);
+        if (t->inflight) {
+            m->n_waits++;
+            while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
+        }
+        if (t->dev && tensor_device(t->dev) == dev) {
+            if (t->prefetched) { m->n_hits++; t->prefetched = 0; }
+            if (t->streamed) t->fetched = 1;
+            pthread_mutex_unlock(&reg_mu);
+            continue;
+        }
+        kiln_dtype want = want_dtype(dtype, source_of(t)->dtype);
+        kiln_tensor *src = kiln_tensor_view_of(source_of(t));
+        pthread_mutex_unlock(&reg_mu);
+        if (!src) { st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
+        kiln_tensor *r;
+        st = copy_to(src, dev, want, m->owner, &r);
+        kiln_tensor_free(src);
+        if (st) break;
+        pthread_mutex_lock(&reg_mu);
+        if (t->dev && tensor_device(t->dev) == dev) {
+            kiln_tensor_free(r); /* another thread was faster */
+        } else {
+            kiln_tensor_free(t->dev);
+            t->dev = r;
+            t->streamed = 1;
+            t->fetched = 1;
+        }
+        m->n_fetch++;
+        pthread_mutex_unlock(&reg_mu);
+    }
+    kiln_events_set_context(NULL);
+    free(idx);
+    if (st) {
+        char prefix[200];
+        snprintf(prefix, sizeof prefix, "model '%s': fetch to %s: ", m->name, dev->name);
+        return prefix_error(st, prefix);
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n)
+{
+    int *idx;
+    kiln_status st = resolve(m, names, n, &idx, "release");
+    if (st) return st;
+    pthread_mutex_lock(&reg_mu);
+    for (int k = 0; k < n; k++) {
+        mtensor *t = &m->t[idx[k]];
+        if (t->inflight) {
+            /* still queued: take it off; copying: wait for it */
+            for (int q = 0; q < MAX_QUEUES && t->inflight; q++) {
+                job *last = NULL;
+                for (job **pj = &queues[q].head; *pj;) {
+                    job *j = *pj;
+                    if (j->m == m && j->idx == idx[k]) {
+                        *pj = j->next;
+                        free(j);
+                        t->inflight = 0;
+                        m->inflight--;
+                    } else {
+                        last = j;
+                        pj = &j->next;
+                    }
+                }
+                queues[q].tail = last;
+            }
+            while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
+        }
+        if (t->dev && t->streamed) drop(&t->dev);
+        t->streamed = t->fetched = t->prefetched = 0;
+    }
+    pthread_mutex_unlock(&reg_mu);
+    free(idx);
+    return KILN_OK;
+}
+
+static int queue_slot(const kiln_device *dev)
+{
+    for (int i = 0; i < kiln_device_count() && i < MAX_QUEUES; i++)
+        if (kiln_device_at(i) == dev) return i;
+    return -1;
+}
+
+static void *copy_thread(void *arg)
+{
+    worker *w = arg;
+    char name[32];
+    snprintf(name, sizeof name, "copy %s", w->dev->name);
+    kiln_thread_set_name(name, 1);
+    pthread_mutex_lock(&reg_mu);
+    for (;;) {
+        while (!w->quit && !queues[w->slot].head) pthread_cond_wait(&queues[w->slot].cv, &reg_mu);
+        if (w->quit) break;
+        job *j = queues[w->slot].head;
+        queues[w->slot].head = j->next;
+        if (!j->next) queues[w->slot].tail = NULL;
+        kiln_model *m = j->m; /* stays open: close waits for m->inflight */
+        mtensor *t = &m->t[j->idx];
+        free(j);
+        kiln_device *dev = w->dev;
+        if (m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+            kiln_dtype want = want_dtype(m->dtype, source_of(t)->dtype);
+            kiln_tensor *src = kiln_tensor_view_of(source_of(t));
+            pthread_mutex_unlock(&reg_mu);
+            kiln_tensor *r = NULL;
+            kiln_status st = KILN_ERR_OOM;
+            double t0 = kiln_events_now();
+            if (src) {
+                kiln_events_set_context(m->owner);
+                st = copy_to(src, dev, want, m->owner, &r);
+                kiln_tensor_free(src);
+            }
+            if (!st && kiln_trace_active()) {
+                char args[160];
+                snprintf(args, sizeof args, "\"model\":\"%s\",\"bytes\":%llu", m->name,
+                         (unsigned long long)tensor_bytes(r));
+                kiln_trace_span(t->name, "prefetch", t0, kiln_events_now(), args);
+            }
+            pthread_mutex_lock(&reg_mu);
+            /* a failed prefetch is not an error: fetch copies the tensor itself */
+            if (!st && m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+                kiln_tensor_free(t->dev);
+                t->dev = r;
+                r = NULL;
+                t->streamed = 1;
+                t->prefetched = 1;
+                m->n_prefetch++;
+                m->prefetch_tid = kiln_thread_id();
+            }
+            kiln_tensor_free(r);
+        }
+        t->inflight = 0;
+        m->inflight--;
+        pthread_cond_broadcast(&done_cv);
+    }
+    pthread_mutex_unlock(&reg_mu);
+    return NULL;
+}
+
+kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n)
+{
+    int *idx;
+    kiln_status st = resolve(m, names, n, &idx, "prefetch");
+    if (st) return st;
+    pthread_mutex_lock(&reg_mu);
+    st = need_target_locked(m, "prefetch");
+    kiln_device *dev = m->target;
+    int q = st ? -1 : queue_slot(dev);
+    if (!st && q < 0) st = kiln_error(KILN_ERR_ARG, "model '%s': prefetch: no copy queue for %s", m->name, dev->name);
+    if (!st && !queues[q].w) {
+        worker *w = calloc(1, sizeof *w);
+        if (w) {
+            w->dev = dev;
+            w->slot = q;
+        }
+        if (!w || pthread_create(&w->th, NULL, copy_thread, w) != 0) {
+            free(w);
+            st = kiln_error(KILN_ERR_STATE, "model '%s': prefetch: cannot start the copy thread for %s", m->name, dev->name);
+        } else {
+            queues[q].w = w;
+        }
+    }
+    for (int k = 0; k < n && !st; k++) {
+        mtensor *t = &m->t[idx[k]];
+        if (t->inflight || (t->dev && tensor_device(t->dev) == dev)) continue;
+        job *j = malloc(sizeof *j);
+        if (!j) { st = kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name); break; }
+        j->m = m;
+        j->idx = idx[k];
+        j->next = NULL;
+        if (queues[q].tail) queues[q].tail->next = j;
+        else queues[q].head = j;
+        queues[q].tail = j;
+        t->inflight = 1;
+        m->inflight++;
+    }
+    if (q >= 0) pthread_cond_signal(&queues[q].cv);
+    m->last_used = ++lru_clock;
+    pthread_mutex_unlock(&reg_mu);
+    free(idx);
+    return st;
+}

@@ -1,0 +1,1055 @@
+-- kiln.checkpoint: kiln.load_checkpoint(path [, opts]) -> {clip, unet, vae, family, ...}
+-- for the Stable Diffusion files users already have: single-file .safetensors in the
+-- original naming (SD 1.x, 2.x, SDXL), diffusers folders, separate VAE / text encoder
+-- files. The family and every hyper-parameter the tensors reveal are read from names
+-- and shapes (checkpoint.inspect works on a name -> shape table alone); heads,
+-- activations, scale factor and prediction type come from the family unless the
+-- file's __metadata__ says otherwise (keys below). Each part is a network object that
+-- is also a model: :load(device, {dtype}), :offload(), :unload(), :bytes(dev),
+-- :close() and <close> reach the weight store underneath.
+--
+-- __metadata__ keys read: kiln.family, kiln.heads.unet, kiln.head_dim.unet,
+-- kiln.heads.clip, kiln.heads.clip_g, kiln.clip.activation, kiln.clip_g.activation,
+-- kiln.clip.layer, kiln.scale_factor, kiln.shift_factor, kiln.prediction.
+local kiln = require "kiln"
+local unet = require "kiln.unet"
+local vae = require "kiln.vae"
+local clip = require "kiln.clip"
+
+local M = {}
+local fmt = string.format
+
+-- ---------------------------------------------------------------- small helpers
+
+local function file_exists(p)
+  local f = io.open(p, "rb")
+  if not f then return false end
+  local _, _, code = f:read(0)
+  f:close()
+  return code == nil
+end
+
+local function is_dir(p)
+  local f = io.open(p, "rb")
+  if not f then return false end
+  local _, _, code = f:read(1)
+  f:close()
+  return code == 21 -- EISDIR
+end
+
+local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b end
+
+local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
+
+local function basename(p) return p:match("([^/]+)/*$") or p end
+
+local function copy_shape(s)
+  local r = {}
+  for i = 1, #s do r[i] = s[i] end
+  return r
+end
+
+local function sorted_keys(t)
+  local k = {}
+  for n in pairs(t) do k[#k + 1] = n end
+  table.sort(k)
+  return k
+end
+
+-- Top-level prefixes of a name set, for "found ..." messages: "first_stage_model.* (248)".
+local function summarize(shapes, depth)
+  local counts = {}
+  for name in pairs(shapes) do
+    local parts, p = {}, 0
+    for seg in name:gmatch("[^%.]+") do
+      p = p + 1
+      parts[p] = seg
+      if p == depth then break end
+    end
+    local key = table.concat(parts, ".", 1, math.min(#parts, depth))
+    if #parts >= depth and name ~= key then key = key .. ".*" end
+    counts[key] = (counts[key] or 0) + 1
+  end
+  local keys = sorted_keys(counts)
+  local out = {}
+  for i, k in ipairs(keys) do
+    if i > 12 then out[#out + 1] = fmt("... and %d more", #keys - 12); break end
+    out[#out + 1] = fmt("%s (%d)", k, counts[k])
+  end
+  local names = sorted_keys(shapes)
+  local ex = {}
+  for i = 1, math.min(3, #names) do ex[i] = names[i] end
+  return table.concat(out, ", ") .. "; for example " .. table.concat(ex, ", ")
+end
+
+local function fail(path, msg, level)
+  error(fmt("kiln.load_checkpoint: %s%s", path and ("'" .. path .. "': ") or "", msg), level or 0)
+end
+
+-- ---------------------------------------------------------------- reading files
+
+local PICKLE_HELP = "kiln reads .safetensors only: a .ckpt/.pt/.pth/.bin file is a Python pickle, which " ..
+    "can run arbitrary code when loaded, so kiln does not open it. Convert it once with PyTorch and " ..
+    "safetensors:\n  python -c \"import torch, safetensors.torch as s; d = torch.load('IN.ckpt', " ..
+    "map_location='cpu'); d = d.get('state_dict', d); s.save_file({k: v.contiguous() for k, v in " ..
+    "d.items() if isinstance(v, torch.Tensor)}, 'OUT.safetensors')\""
+
+local function sniff(path)
+  local f, err = io.open(path, "rb")
+  if not f then fail(nil, err) end
+  local head = f:read(9) or ""
+  f:close()
+  -- safetensors: an 8-byte header length, then the JSON header's "{"
+  if head:sub(9, 9) == "{" then return end
+  if head:sub(1, 2) == "PK" or head:byte(1) == 0x80 then
+    fail(path, "this is a PyTorch pickle (zip) checkpoint, not safetensors. " .. PICKLE_HELP)
+  end
+end
+
+-- path -> tensors (name -> mapped tensor), metadata. Errors name the file.
+function M.read_safetensors(path)
+  if path:match("%.ckpt$") or path:match("%.pt$") or path:match("%.pth$") or path:match("%.bin$") then
+    fail(path, PICKLE_HELP)
+  end
+  sniff(path)
+  local ok, tensors, meta = pcall(kiln.load_safetensors, path)
+  if not ok then fail(path, "cannot read it as safetensors: " .. tostring(tensors)) end
+  return tensors, meta or {}
+end
+
+local function shapes_of(tensors)
+  local s = {}
+  for name, t in pairs(tensors) do s[name] = t.shape end
+  return s
+end
+
+-- ---------------------------------------------------------------- family detection
+
+local LORA_MARKERS = { "lora_up", "lora_down", "lora_A", "lora_B", "lora.up", "lora.down", "hada_w1", "lokr_w1" }
+
+local function looks_like_lora(shapes)
+  local n, example = 0, nil
+  for name in pairs(shapes) do
+    for _, m in ipairs(LORA_MARKERS) do
+      if name:find(m, 1, true) then
+        n = n + 1
+        example = example or name
+        break
+      end
+    end
+  end
+  return n, example
+end
+
+local function has_prefix(shapes, prefix)
+  for name in pairs(shapes) do
+    if name:sub(1, #prefix) == prefix then return true end
+  end
+  return false
+end
+
+-- The names below prefix, with prefix removed.
+function M.sub(shapes, prefix)
+  local r = {}
+  for name, s in pairs(shapes) do
+    if name:sub(1, #prefix) == prefix then r[name:sub(#prefix + 1)] = s end
+  end
+  return r
+end
+
+local DEFAULT_SCALE = { sd1 = 0.18215, sd2 = 0.18215, sdxl = 0.13025 }
+
+local function meta_num(meta, key)
+  local v = meta and meta[key]
+  if v == nil then return nil end
+  local n = tonumber(v)
+  if not n then error(fmt("kiln.load_checkpoint: __metadata__ %s = %q is not a number", key, v), 0) end
+  return n
+end
+
+-- Where the parts of a single-file checkpoint live, from its names:
+-- {family, unet = prefix, vae = prefix, clip = {{prefix, layout, role}, ...}}
+function M.layout(shapes, meta, path)
+  local n_lora, example = looks_like_lora(shapes)
+  if n_lora > 0 then
+    fail(path, fmt("this looks like a LoRA (%d tensors such as '%s'), not a checkpoint: load a full " ..
+      "checkpoint with kiln.load_checkpoint and apply the LoRA to it", n_lora, example))
+  end
+  local L = { unet = "model.diffusion_model.", vae = "first_stage_model.", clip = {} }
+  local has_unet = shapes["model.diffusion_model.input_blocks.0.0.weight"] ~= nil
+  local has_vae = has_prefix(shapes, "first_stage_model.")
+  local family
+  if has_prefix(shapes, "conditioner.embedders.1.model.") then
+    family = "sdxl"
+    L.clip = {
+      { prefix = "conditioner.embedders.0.transformer.", role = "l" },
+      { prefix = "conditioner.embedders.1.model.", role = "g" },
+    }
+  elseif has_prefix(shapes, "conditioner.embedders.0.model.") then
+    fail(path, "this is an SDXL refiner checkpoint (only the bigG text encoder, at " ..
+      "conditioner.embedders.0.model.*); kiln supports SD 1.x, SD 2.x and SDXL base checkpoints")
+  elseif has_prefix(shapes, "cond_stage_model.model.") then
+    family = "sd2"
+    L.clip = { { prefix = "cond_stage_model.model.", role = "h" } }
+  elseif has_prefix(shapes, "cond_stage_model.transformer.") then
+    family = "sd1"
+    L.clip = { { prefix = "cond_stage_model.transformer.", role = "l" } }
+  end
+  if has_unet then
+    local ctx
+    for name, s in pairs(shapes) do
+      if name:match("^model%.diffusion_model%..*%.attn2%.to_k%.weight$") then ctx = s[2]; break end
+    end
+    local by_ctx = ({ [768] = "sd1", [1024] = "sd2", [2048] = "sdxl" })[ctx or 0]
+    if shapes["model.diffusion_model.label_emb.0.0.weight"] and not family then by_ctx = "sdxl" end
+    family = family or by_ctx
+  end
+  if meta and meta["kiln.family"] then
+    local f = meta["kiln.family"]
+    if f ~= "sd1" and f ~= "sd2" and f ~= "sdxl" then
+      fail(path, fmt("__metadata__ kiln.family = %q (expected sd1, sd2 or sdxl)", f))
+    end
+    family = f
+  end
+  if not has_unet or not family then
+    local what = "unknown checkpoint layout"
+    if not has_unet and (has_prefix(shapes, "encoder.conv_in.") or has_prefix(shapes, "decoder.conv_in.")) then
+      what = "this looks like a standalone VAE; pass it as kiln.load_checkpoint(ckpt, {vae = PATH})"
+    elseif not has_unet and (has_prefix(shapes, "text_model.") or has_prefix(shapes, "token_embedding.")) then
+      what = "this looks like a standalone text encoder; pass it as kiln.load_checkpoint(ckpt, {clip = PATH})"
+    elseif not has_unet and shapes["input_blocks.0.0.weight"] then
+      what = "this looks like a UNet without the model.diffusion_model. prefix; kiln needs a full single-file " ..
+          "checkpoint or a diffusers folder"
+    elseif not has_unet and shapes["conv_in.weight"] and has_prefix(shapes, "down_blocks.") then
+      what = "this looks like a diffusers UNet file; pass the diffusers folder (with unet/, vae/, text_encoder/)"
+    elseif has_unet then
+      what = "a UNet without a recognizable text encoder and an unusual context width; set __metadata__ kiln.family"
+    end
+    fail(path, fmt("%s. Expected model.diffusion_model.* (UNet), first_stage_model.* (VAE) and " ..
+      "cond_stage_model.* or conditioner.embedders.* (text encoders); found %d tensors: %s",
+      what, (function() local n = 0; for _ in pairs(shapes) do n = n + 1 end; return n end)(), summarize(shapes, 2)))
+  end
+  L.family = family
+  L.has_vae = has_vae
+  return L
+end
+
+-- Encoder roles: "l" CLIP ViT-L (SD 1.x, SDXL 1st), "h" OpenCLIP ViT-H (SD 2.x),
+-- "g" OpenCLIP bigG (SDXL 2nd). How each is used for conditioning, per family:
+local function encoder_use(family, role, cfg, meta)
+  if family == "sd1" then
+    local layer = meta_num(meta, "kiln.clip.layer") or -1
+    return { layer = layer, final_norm = true, pad = nil, pooled = false }
+  elseif family == "sd2" then
+    return { layer = meta_num(meta, "kiln.clip.layer") or -2, final_norm = true, pad = 0, pooled = false }
+  elseif role == "l" then
+    return { layer = -2, final_norm = false, pad = nil, pooled = false }
+  else
+    return { layer = -2, final_norm = false, pad = 0, pooled = cfg.projection ~= nil }
+  end
+end
+
+-- Header-only analysis: name -> shape (+ metadata) -> {family, unet = cfg, vae = cfg,
+-- clip = {cfg, ...}, prefixes}. Works on the lists in ../shared/sd-keys as well as on
+-- real files.
+function M.inspect(shapes, meta, path)
+  meta = meta or {}
+  local L = M.layout(shapes, meta, path)
+  local info = { family = L.family, layout = L }
+  local heads = meta_num(meta, "kiln.heads.unet")
+  local head_dim = meta_num(meta, "kiln.head_dim.unet")
+  if not heads and not head_dim then
+    if L.family == "sd1" then heads = 8 else head_dim = 64 end
+  end
+  local ok, cfg = pcall(unet.config, M.sub(shapes, L.unet), { heads = heads, head_dim = head_dim })
+  if not ok then fail(path, tostring(cfg)) end
+  info.unet = cfg
+  if L.has_vae then
+    local okv, vcfg = pcall(vae.config, M.sub(shapes, L.vae), {
+      scale_factor = meta_num(meta, "kiln.scale_factor") or DEFAULT_SCALE[L.family],
+      shift_factor = meta_num(meta, "kiln.shift_factor") or 0,
+    })
+    if not okv then fail(path, tostring(vcfg)) end
+    info.vae = vcfg
+  end
+  info.clip = {}
+  for i, e in ipairs(L.clip) do
+    local key = e.role == "g" and "clip_g" or "clip"
+    local okc, ccfg = pcall(clip.config, M.sub(shapes, e.prefix), {
+      heads = meta_num(meta, "kiln.heads." .. key),
+      activation = meta["kiln." .. key .. ".activation"],
+    })
+    if not okc then fail(path, tostring(ccfg)) end
+    ccfg.role = e.role
+    info.clip[i] = ccfg
+  end
+  return info
+end
+
+-- ---------------------------------------------------------------- diffusers names
+
+-- diffusers UNet2DConditionModel name -> CompVis name (nil when not a UNet weight).
+local RES_MAP = {
+  norm1 = "in_layers.0", conv1 = "in_layers.2", time_emb_proj = "emb_layers.1",
+  norm2 = "out_layers.0", conv2 = "out_layers.3", conv_shortcut = "skip_connection",
+}
+
+local function map_res(rest)
+  local part, tail = rest:match("^([%w_]+)%.(.*)$")
+  local m = part and RES_MAP[part]
+  if not m then return nil end
+  return m .. "." .. tail
+end
+
+function M.diffusers_unet_map(shapes)
+  local nrb = 0
+  for name in pairs(shapes) do
+    local j = name:match("^down_blocks%.0%.resnets%.(%d+)%.")
+    if j then nrb = math.max(nrb, tonumber(j) + 1) end
+  end
+  local up_attn = {}
+  for name in pairs(shapes) do
+    local i = name:match("^up_blocks%.(%d+)%.attentions%.")
+    if i then up_attn[tonumber(i)] = true end
+  end
+  local map = {}
+  local TOP = {
+    ["time_embedding.linear_1."] = "time_embed.0.", ["time_embedding.linear_2."] = "time_embed.2.",
+    ["add_embedding.linear_1."] = "label_emb.0.0.", ["add_embedding.linear_2."] = "label_emb.0.2.",
+    ["conv_in."] = "input_blocks.0.0.", ["conv_norm_out."] = "out.0.", ["conv_out."] = "out.2.",
+  }
+  for name in pairs(shapes) do
+    local orig
+    for from, to in pairs(TOP) do
+      if name:sub(1, #from) == from then orig = to .. name:sub(#from + 1) end
+    end
+    if not orig then
+      local i, j, rest = name:match("^down_blocks%.(%d+)%.resnets%.(%d+)%.(.*)$")
+      if i then
+        local r = map_res(rest)
+        if r then orig = fmt("input_blocks.%d.0.%s", 1 + i * (nrb + 1) + j, r) end
+      end
+      i, j, rest = name:match("^down_blocks%.(%d+)%.attentions%.(%d+)%.(.*)$")
+      if i then orig = fmt("input_blocks.%d.1.%s", 1 + i * (nrb + 1) + j, rest) end
+      i, rest = name:match("^down_blocks%.(%d+)%.downsamplers%.0%.conv%.(.*)$")
+      if i then orig = fmt("input_blocks.%d.0.op.%s", (i + 1) * (nrb + 1), rest) end
+      j, rest = name:match("^mid_block%.resnets%.(%d+)%.(.*)$")
+      if j then
+        local r = map_res(rest)
+        if r then orig = fmt("middle_block.%d.%s", j * 2, r) end
+      end
+      rest = name:match("^mid_block%.attentions%.0%.(.*)$")
+      if rest then orig = "middle_block.1." .. rest end
+      i, j, rest = name:match("^up_blocks%.(%d+)%.resnets%.(%d+)%.(.*)$")
+      if i then
+        local r = map_res(rest)
+        if r then orig = fmt("output_blocks.%d.0.%s", i * (nrb + 1) + j, r) end
+      end
+      i, j, rest = name:match("^up_blocks%.(%d+)%.attentions%.(%d+)%.(.*)$")
+      if i then orig = fmt("output_blocks.%d.1.%s", i * (nrb + 1) + j, rest) end
+      i, rest = name:match("^up_blocks%.(%d+)%.upsamplers%.0%.conv%.(.*)$")
+      if i then
+        i = tonumber(i)
+        orig = fmt("output_blocks.%d.%d.conv.%s", i * (nrb + 1) + nrb, up_attn[i] and 2 or 1, rest)
+      end
+    end
+    if orig then map[orig] = name end
+  end
+  return map
+end
+
+local VAE_RES = { conv_shortcut = "nin_shortcut" }
+local VAE_ATTN = {
+  group_norm = "norm", to_q = "q", query = "q", to_k = "k", key = "k", to_v = "v", value = "v",
+  ["to_out.0"] = "proj_out", proj_attn = "proj_out",
+}
+
+-- diffusers AutoencoderKL name -> LDM name.
+function M.diffusers_vae_map(shapes)
+  local n_up = 0
+  for name in pairs(shapes) do
+    local i = name:match("^decoder%.up_blocks%.(%d+)%.")
+    if i then n_up = math.max(n_up, tonumber(i) + 1) end
+  end
+  local map = {}
+  for name in pairs(shapes) do
+    local orig
+    local side, rest = name:match("^(%a+coder)%.(.*)$")
+    if side then
+      local function res(r)
+        local part, tail = r:match("^([%w_]+)%.(.*)$")
+        return (VAE_RES[part] or part) .. "." .. tail
+      end
+      if rest:match("^conv_in%.") or rest:match("^conv_out%.") then orig = name end
+      local t = rest:match("^conv_norm_out%.(.*)$")
+      if t then orig = side .. ".norm_out." .. t end
+      local i, j, r = rest:match("^down_blocks%.(%d+)%.resnets%.(%d+)%.(.*)$")
+      if i then orig = fmt("%s.down.%s.block.%s.%s", side, i, j, res(r)) end
+      i, r = rest:match("^down_blocks%.(%d+)%.downsamplers%.0%.conv%.(.*)$")
+      if i then orig = fmt("%s.down.%s.downsample.conv.%s", side, i, r) end
+      i, j, r = rest:match("^up_blocks%.(%d+)%.resnets%.(%d+)%.(.*)$")
+      if i then orig = fmt("%s.up.%d.block.%s.%s", side, n_up - 1 - tonumber(i), j, res(r)) end
+      i, r = rest:match("^up_blocks%.(%d+)%.upsamplers%.0%.conv%.(.*)$")
+      if i then orig = fmt("%s.up.%d.upsample.conv.%s", side, n_up - 1 - tonumber(i), r) end
+      j, r = rest:match("^mid_block%.resnets%.(%d+)%.(.*)$")
+      if j then orig = fmt("%s.mid.block_%d.%s", side, tonumber(j) + 1, res(r)) end
+      r = rest:match("^mid_block%.attentions%.0%.(.*)$")
+      if r then
+        for from, to in pairs(VAE_ATTN) do
+          if r:sub(1, #from + 1) == from .. "." then orig = fmt("%s.mid.attn_1.%s.%s", side, to, r:sub(#from + 2)) end
+        end
+      end
+    elseif name:match("^quant_conv%.") or name:match("^post_quant_conv%.") then
+      orig = name
+    end
+    if orig then map[orig] = name end
+  end
+  return map
+end
+
+-- ---------------------------------------------------------------- weight stores
+
+-- Until kiln.model exists, a part's weights live in this store over the mapped
+-- tensors of kiln.load_safetensors, with the same methods as a kiln.Model.
+local Store = {}
+Store.__index = Store
+M.Store = Store
+
+function Store.new(mapped, label)
+  return setmetatable({ mapped = mapped, resident = nil, label = label }, Store)
+end
+
+function Store:_live()
+  if not self.mapped then error(fmt("%s: model was closed", self.label), 3) end
+end
+
+function Store:tensor(name)
+  self:_live()
+  local t = (self.resident and self.resident[name]) or self.mapped[name]
+  if not t then error(fmt("%s: no tensor named '%s'", self.label, name), 2) end
+  return t
+end
+
+function Store:has(name)
+  self:_live()
+  return self.mapped[name] ~= nil
+end
+
+function Store:names()
+  self:_live()
+  return sorted_keys(self.mapped)
+end
+
+local FLOAT = { f32 = true, f16 = true, bf16 = true }
+
+function Store:load(device, opts)
+  self:_live()
+  device = device or kiln.default_device()
+  local dtype = opts and opts.dtype
+  if dtype ~= nil and not FLOAT[dtype] then
+    error(fmt("load: invalid dtype '%s' (expected one of: f32, f16, bf16)", tostring(dtype)), 2)
+  end
+  local res = {}
+  for name, t in pairs(self.mapped) do
+    local dt = (dtype and FLOAT[t.dtype]) and dtype or t.dtype
+    res[name] = t:to(device, dt)
+  end
+  self.resident = res
+  return self
+end
+
+function Store:offload()
+  self:_live()
+  if self.resident then
+    for name, t in pairs(self.resident) do
+      if t.device ~= "cpu" then self.resident[name] = t:to("cpu") end
+    end
+  end
+  return self
+end
+
+function Store:unload()
+  self:_live()
+  self.resident = nil
+  return self
+end
+
+function Store:bytes(device)
+  self:_live()
+  local n = 0
+  for _, t in pairs(self.resident or {}) do
+    if device == nil or t.device == device then n = n + t:nbytes() end
+  end
+  return n
+end
+
+function Store:close()
+  self.mapped, self.resident = nil, nil
+end
+
+-- Opens a weight store over names (real file names) of the given files.
+-- tensors: name -> mapped tensor (already read); paths: the files.
+-- A kiln.Model holds every tensor of its files, so it serves a part only when the
+-- files hold little else (diffusers folders, separate files); the parts of a
+-- single-file checkpoint share one file and each get a Store over its own names.
+local function open_store(paths, tensors, names, label)
+  local mapped = {}
+  for _, n in ipairs(names) do mapped[n] = tensors[n] end
+  if kiln.model and M.use_kiln_model ~= false then
+    local extra = 0
+    for n, t in pairs(tensors) do
+      if not mapped[n] then extra = extra + t:nbytes() end
+    end
+    if extra <= 1024 * 1024 then
+      return kiln.model(#paths == 1 and paths[1] or paths, { name = label })
+    end
+  end
+  return Store.new(mapped, label)
+end
+
+-- The accessor a network reads its weights through: names relative to the part root,
+-- resolved with a prefix or a name map (diffusers) to the store's names.
+local Weights = {}
+Weights.__index = Weights
+
+local function new_weights(store, prefix, map)
+  return setmetatable({ store = store, prefix = prefix or "", map = map }, Weights)
+end
+
+function Weights:real(name)
+  if self.map then return self.map[name] or (self.prefix .. name) end
+  return self.prefix .. name
+end
+
+function Weights:tensor(name)
+  return self.store:tensor(self:real(name))
+end
+
+-- ---------------------------------------------------------------- validation
+
+local function same_shape(want, got)
+  if #want == #got then
+    for i = 1, #want do if want[i] ~= got[i] then return false end end
+    return true
+  end
+  -- a 1x1 convolution stored as a linear weight (diffusers VAE attention)
+  if #want == 4 and #got == 2 and want[3] == 1 and want[4] == 1 then
+    return want[1] == got[1] and want[2] == got[2]
+  end
+  return false
+end
+
+-- Checks every expected tensor against the file's shapes; raises one error listing
+-- the problems (missing tensors and shape mismatches, with expected vs found).
+local function validate(path, what, expected, resolve, shapes)
+  local problems = {}
+  for _, e in ipairs(expected) do
+    local real = resolve(e[1])
+    local got = shapes[real]
+    if not got then
+      problems[#problems + 1] = fmt("missing tensor '%s' (expected shape %s)", real, shape_str(e[2]))
+    elseif not same_shape(e[2], got) then
+      problems[#problems + 1] = fmt("tensor '%s' has shape %s, expected %s", real, shape_str(got), shape_str(e[2]))
+    end
+  end
+  if #problems > 0 then
+    local n = #problems
+    if n > 12 then
+      for i = n, 13, -1 do problems[i] = nil end
+      problems[13] = fmt("... and %d more", n - 12)
+    end
+    fail(path, fmt("the %s does not match the architecture its tensors describe (%d problem%s):\n  %s",
+      what, n, n == 1 and "" or "s", table.concat(problems, "\n  ")))
+  end
+end
+
+local function names_of(expected, resolve)
+  local r = {}
+  for i, e in ipairs(expected) do r[i] = resolve(e[1]) end
+  return r
+end
+
+-- ---------------------------------------------------------------- parts as models
+
+-- Wraps a network object so it is also its weight store: methods the network's class
+-- lacks (load, offload, unload, bytes, ...) go to the store; close and <close> too.
+local function as_model(obj, store, kind)
+  local class = getmetatable(obj)
+  obj.model = store
+  local mt = {}
+  mt.__name = "kiln." .. kind
+  mt.__index = function(_, k)
+    local v = class[k]
+    if v ~= nil then return v end
+    local f = store[k]
+    if type(f) == "function" then
+      return function(self, ...)
+        local r = f(store, ...)
+        if r == store then return self end
+        return r
+      end
+    end
+    return f
+  end
+  mt.__close = function(t) t:close() end
+  mt.__tostring = function(t)
+    local cfg = rawget(t, "config") or {}
+    return fmt("%s(%s)", kind, cfg.summary or "")
+  end
+  obj.close = function(self)
+    local s = rawget(self, "model")
+    if s then s:close() end
+  end
+  return setmetatable(obj, mt)
+end
+
+-- ---------------------------------------------------------------- tokenizer
+
+local function open_tokenizer(path, where)
+  if not kiln.tokenizer then
+    fail(nil, fmt("a tokenizer was given (%s) but this build has no kiln.tokenizer binding", path))
+  end
+  local ok, t = pcall(kiln.tokenizer, path)
+  if not ok then fail(nil, fmt("cannot open the tokenizer %s%s: %s", path, where or "", tostring(t))) end
+  return t
+end
+
+local function find_tokenizer(opts, dir_candidates)
+  if opts.tokenizer then
+    if type(opts.tokenizer) ~= "string" then return opts.tokenizer end -- an open tokenizer object
+    return open_tokenizer(opts.tokenizer, " (option tokenizer)")
+  end
+  if not kiln.tokenizer then return nil end
+  for _, d in ipairs(dir_candidates) do
+    if file_exists(join(d, "vocab.json")) and file_exists(join(d, "merges.txt")) then
+      return open_tokenizer(d)
+    end
+    if file_exists(join(d, "bpe_simple_vocab_16e6.txt.gz")) then
+      return open_tokenizer(join(d, "bpe_simple_vocab_16e6.txt.gz"))
+    end
+  end
+  return nil
+end
+
+-- ---------------------------------------------------------------- building parts
+
+local function summary_unet(cfg)
+  return fmt("in %d, out %d, channels %d x {%s}, %d res blocks, attention {%s}, depth {%s}/%d, context %d%s%s",
+    cfg.in_channels, cfg.out_channels, cfg.model_channels, table.concat(cfg.channel_mult, ","),
+    cfg.num_res_blocks, table.concat((function()
+      local a = {}
+      for i, v in ipairs(cfg.attention) do a[i] = v and "y" or "n" end
+      return a
+    end)(), ","), table.concat(cfg.transformer_depth, ","), cfg.transformer_depth_middle, cfg.context_dim or 0,
+    cfg.linear_proj and ", linear proj" or "", cfg.adm_in_channels and (", adm " .. cfg.adm_in_channels) or "")
+end
+
+-- One part from a source: {path(s), tensors, shapes, prefix | map}.
+local function build_unet(src, cfg, family)
+  cfg.summary = summary_unet(cfg)
+  local resolve = function(n) return src.map and src.map[n] or (src.prefix .. n) end
+  local exp = unet.expected(cfg)
+  validate(src.path, family .. " UNet", exp, resolve, src.shapes)
+  local store = open_store(src.paths, src.tensors, names_of(exp, resolve), "unet")
+  return as_model(unet.new(new_weights(store, src.prefix, src.map), cfg), store, "UNet")
+end
+
+local function build_vae(src, cfg)
+  cfg.summary = fmt("ch %d x {%s}, %d res blocks, z %d, factor %d, scale %g", cfg.ch, table.concat(cfg.ch_mult, ","),
+    cfg.num_res_blocks, cfg.z_channels, cfg.factor, cfg.scale_factor)
+  local resolve = function(n) return src.map and src.map[n] or (src.prefix .. n) end
+  local exp = vae.expected(cfg)
+  validate(src.path, "VAE", exp, resolve, src.shapes)
+  local store = open_store(src.paths, src.tensors, names_of(exp, resolve), "vae")
+  local v = as_model(vae.new(new_weights(store, src.prefix, src.map), cfg), store, "VAE")
+  v.factor, v.scale_factor, v.shift_factor = cfg.factor, cfg.scale_factor, cfg.shift_factor
+  return v
+end
+
+-- encs: list of {src, cfg, use}; all encoders of a part share one store (one file) or
+-- each its own (diffusers folders, override files): then the part's store is a group.
+local Group = {}
+Group.__index = Group
+
+local function group(stores)
+  if #stores == 1 then return stores[1] end
+  return setmetatable({ stores = stores }, Group)
+end
+
+for _, m in ipairs({ "load", "offload", "unload", "close" }) do
+  Group[m] = function(self, ...)
+    for _, s in ipairs(self.stores) do s[m](s, ...) end
+    return self
+  end
+end
+
+function Group:bytes(device)
+  local n = 0
+  for _, s in ipairs(self.stores) do n = n + s:bytes(device) end
+  return n
+end
+
+function Group:tensor(name)
+  error("clip: tensor() on a multi-file part: use clip.encoders[i].enc.weights", 2)
+end
+
+local function build_clip(encs, family, tokenizer, hint)
+  local stores, by_path, entries = {}, {}, {}
+  -- encoders from the same file share one store
+  local names_for = {}
+  for i, e in ipairs(encs) do
+    local key = e.src.path
+    local resolve = function(n) return e.src.prefix .. n end
+    local exp = clip.expected(e.cfg)
+    validate(e.src.path, fmt("text encoder %d (%s)", i, e.cfg.layout), exp, resolve, e.src.shapes)
+    names_for[key] = names_for[key] or { src = e.src, names = {} }
+    for _, n in ipairs(names_of(exp, resolve)) do table.insert(names_for[key].names, n) end
+  end
+  for i, e in ipairs(encs) do
+    local key = e.src.path
+    if not by_path[key] then
+      local nf = names_for[key]
+      by_path[key] = open_store(nf.src.paths, nf.src.tensors, nf.names, "clip")
+      stores[#stores + 1] = by_path[key]
+    end
+    local enc = clip.new_encoder(new_weights(by_path[key], e.src.prefix), e.cfg)
+    entries[i] = { enc = enc, layer = e.use.layer, final_norm = e.use.final_norm, pad = e.use.pad, pooled = e.use.pooled }
+  end
+  local store = group(stores)
+  local text = clip.new_text({ encoders = entries, tokenizer = tokenizer, family = family, tokenizer_hint = hint })
+  local parts = {}
+  for i, e in ipairs(encs) do
+    parts[i] = fmt("%s %s width %d x %d layers, %d heads, %s", e.cfg.role or "?", e.cfg.layout, e.cfg.width,
+      e.cfg.layers, e.cfg.heads, e.cfg.activation)
+  end
+  text.config = { summary = table.concat(parts, "; "), encoders = (function()
+    local c = {}
+    for i, e in ipairs(encs) do c[i] = e.cfg end
+    return c
+  end)() }
+  return as_model(text, store, "CLIP")
+end
+
+-- ---------------------------------------------------------------- sources
+
+-- A file as a source: {path, paths, tensors, shapes, meta, prefix}.
+local function file_source(path, prefix)
+  local tensors, meta = M.read_safetensors(path)
+  return { path = path, paths = { path }, tensors = tensors, shapes = shapes_of(tensors), meta = meta, prefix = prefix or "" }
+end
+
+-- diffusers component folder: its safetensors file(s), sharded or not.
+local function diffusers_files(dir, stem)
+  for _, name in ipairs({ stem .. ".safetensors", stem .. ".fp16.safetensors" }) do
+    if file_exists(join(dir, name)) then return { join(dir, name) } end
+  end
+  for _, idx in ipairs({ stem .. ".safetensors.index.json", stem .. ".safetensors.index.fp16.json" }) do
+    local f = io.open(join(dir, idx), "rb")
+    if f then
+      local text = f:read("a")
+      f:close()
+      local seen, files = {}, {}
+      for file in text:gmatch('"([^"/]+%.safetensors)"') do
+        if not seen[file] then seen[file] = true; files[#files + 1] = join(dir, file) end
+      end
+      table.sort(files)
+      if #files > 0 then return files end
+    end
+  end
+  for _, name in ipairs({ stem .. ".bin", stem .. ".fp16.bin", stem .. ".ckpt" }) do
+    if file_exists(join(dir, name)) then fail(join(dir, name), PICKLE_HELP) end
+  end
+  return nil
+end
+
+local function multi_source(paths, prefix)
+  local tensors, meta = {}, {}
+  for _, p in ipairs(paths) do
+    local t, m = M.read_safetensors(p)
+    for k, v in pairs(t) do tensors[k] = v end
+    for k, v in pairs(m) do meta[k] = v end
+  end
+  return { path = paths[1], paths = paths, tensors = tensors, shapes = shapes_of(tensors), meta = meta, prefix = prefix or "" }
+end
+
+-- A separate VAE file: LDM names (with or without first_stage_model.) or diffusers names.
+local function vae_override(path)
+  local src = file_source(path)
+  local s = src.shapes
+  if has_prefix(s, "first_stage_model.") then
+    src.prefix = "first_stage_model."
+  elseif has_prefix(s, "vae.") and not s["encoder.conv_in.weight"] then
+    src.prefix = "vae."
+  end
+  local sub = M.sub(s, src.prefix)
+  if sub["encoder.down_blocks.0.resnets.0.norm1.weight"] or sub["decoder.up_blocks.0.resnets.0.norm1.weight"] then
+    src.map = M.diffusers_vae_map(sub)
+    if src.prefix ~= "" then
+      for k, v in pairs(src.map) do src.map[k] = src.prefix .. v end
+    end
+    local mapped = {}
+    for orig, real in pairs(src.map) do mapped[orig] = s[real] end
+    return src, mapped
+  end
+  if not sub["decoder.conv_in.weight"] and not sub["encoder.conv_in.weight"] then
+    fail(path, "not a VAE: no encoder.conv_in / decoder.conv_in tensors; found " .. summarize(s, 2))
+  end
+  return src, sub
+end
+
+-- A separate text-encoder file: HF CLIPTextModel names (text_model.*, with or without a
+-- single-file prefix) or open_clip names.
+local function clip_override(path, want)
+  local src = file_source(path)
+  local s = src.shapes
+  for _, p in ipairs({ "cond_stage_model.transformer.", "cond_stage_model.model.", "conditioner.embedders.0.transformer.",
+    "conditioner.embedders.1.model.", "transformer.", "model.", "" }) do
+    local sub = M.sub(s, p)
+    if sub["text_model.embeddings.token_embedding.weight"] or sub["token_embedding.weight"] then
+      src.prefix = p
+      return src, sub
+    end
+  end
+  fail(path, fmt("not a CLIP text encoder (%s): no token embedding found; found %s", want, summarize(s, 2)))
+end
+
+-- ---------------------------------------------------------------- load_checkpoint
+
+local function check_opts(opts)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then error("kiln.load_checkpoint: options must be a table", 3) end
+  local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, prediction = true,
+    family = true, scale_factor = true }
+  for k in pairs(opts) do
+    if not known[k] then
+      error(fmt("kiln.load_checkpoint: unknown option '%s' (known: %s)", tostring(k),
+        table.concat(sorted_keys(known), ", ")), 3)
+    end
+  end
+  if opts.prediction and opts.prediction ~= "eps" and opts.prediction ~= "v" then
+    error(fmt("kiln.load_checkpoint: prediction must be \"eps\" or \"v\", got %q", tostring(opts.prediction)), 3)
+  end
+  return opts
+end
+
+-- ComfyUI's heuristic for SD 2.x: v-prediction models have a large spread in one
+-- LayerNorm bias of the last output block.
+local function guess_v(src, prefix)
+  local t = src.tensors[prefix .. "output_blocks.11.1.transformer_blocks.0.norm1.bias"]
+  if not t then return false end
+  local f = t:to("f32")
+  local m = f:mean()
+  local d = f - m
+  local var = (d * d):mean()
+  return math.sqrt(var) > 0.09
+end
+
+local function finish(ckpt)
+  ckpt.close = function(self)
+    for _, k in ipairs({ "clip", "unet", "vae" }) do
+      local p = rawget(self, k)
+      if p then p:close() end
+    end
+  end
+  return setmetatable(ckpt, {
+    __close = function(t) t:close() end,
+    __tostring = function(t) return fmt("checkpoint(%s, %s)", t.family, t.path) end,
+  })
+end
+
+local function load_single(path, opts)
+  local src = file_source(path)
+  local meta = src.meta
+  if opts.family then meta = setmetatable({ ["kiln.family"] = opts.family }, { __index = src.meta }) end
+  local info = M.inspect(src.shapes, meta, path)
+  local L = info.layout
+  local family = info.family
+  local ckpt = { family = family, path = path, metadata = src.meta, config = info }
+
+  -- UNet
+  local usrc = { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = L.unet }
+  ckpt.unet = build_unet(usrc, info.unet, family)
+
+  -- VAE: override file, else the checkpoint's
+  local scale = opts.scale_factor or meta_num(src.meta, "kiln.scale_factor") or DEFAULT_SCALE[family]
+  if opts.vae then
+    local vsrc, sub = vae_override(opts.vae)
+    local vcfg = vae.config(sub, { scale_factor = scale, shift_factor = meta_num(src.meta, "kiln.shift_factor") })
+    ckpt.vae = build_vae(vsrc, vcfg)
+  elseif info.vae then
+    info.vae.scale_factor = scale
+    ckpt.vae = build_vae({ path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = L.vae }, info.vae)
+  end
+
+  -- text encoders: overrides, else the checkpoint's
+  local encs = {}
+  for i, e in ipairs(L.clip) do
+    local key = (family == "sdxl") and (e.role == "g" and "clip_g" or "clip_l") or "clip"
+    local esrc, cfg = { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = e.prefix },
+        info.clip[i]
+    local override = opts[key] or (family ~= "sdxl" and opts.clip_l) or nil
+    if override then
+      local sub
+      esrc, sub = clip_override(override, key)
+      cfg = clip.config(sub, { heads = meta_num(esrc.meta, "kiln.heads.clip") or meta_num(src.meta, "kiln.heads." .. (e.role == "g" and "clip_g" or "clip")),
+        activation = esrc.meta["kiln.clip.activation"] })
+      cfg.role = e.role
+    end
+    encs[i] = { src = esrc, cfg = cfg, use = encoder_use(family, e.role, cfg, src.meta) }
+  end
+  if #encs == 0 and (opts.clip or opts.clip_l) then
+    local esrc, sub = clip_override(opts.clip or opts.clip_l, "clip")
+    local cfg = clip.config(sub, { heads = meta_num(esrc.meta, "kiln.heads.clip") })
+    cfg.role = "l"
+    encs[1] = { src = esrc, cfg = cfg, use = encoder_use(family, "l", cfg, src.meta) }
+  end
+  if #encs > 0 then
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local tok = find_tokenizer(opts, { dir })
+    ckpt.clip = build_clip(encs, family, tok,
+      kiln.tokenizer and "" or " (this build has no kiln.tokenizer binding)")
+  end
+
+  ckpt.scale_factor = scale
+  ckpt.prediction = opts.prediction or src.meta["kiln.prediction"] or
+      (family == "sd2" and guess_v(src, L.unet) and "v") or "eps"
+  return finish(ckpt)
+end
+
+local function load_diffusers(dir, opts)
+  local ufiles = diffusers_files(join(dir, "unet"), "diffusion_pytorch_model")
+  if not ufiles then
+    fail(dir, "a folder, but not a diffusers model: no unet/diffusion_pytorch_model.safetensors (or sharded " ..
+      "index) inside")
+  end
+  local usrc = multi_source(ufiles)
+  usrc.map = M.diffusers_unet_map(usrc.shapes)
+  local ushapes = {}
+  for orig, real in pairs(usrc.map) do ushapes[orig] = usrc.shapes[real] end
+  local te2 = diffusers_files(join(dir, "text_encoder_2"), "model")
+  local ctx
+  for n, s in pairs(ushapes) do if n:match("attn2%.to_k%.weight$") then ctx = s[2] end end
+  local family = opts.family or usrc.meta["kiln.family"] or (te2 and "sdxl") or
+      ({ [768] = "sd1", [1024] = "sd2", [2048] = "sdxl" })[ctx or 0]
+  if not family then
+    -- an unusual width: CLIP-L's QuickGELU says SD 1.x, OpenCLIP's GELU SD 2.x
+    local cf = io.open(join(join(dir, "text_encoder"), "config.json"), "rb")
+    local act = cf and cf:read("a"):match('"hidden_act"%s*:%s*"([%w_]+)"')
+    if cf then cf:close() end
+    family = act == "quick_gelu" and "sd1" or act == "gelu" and "sd2" or nil
+  end
+  if not family then
+    fail(dir, fmt("cannot tell the family: cross-attention context width %s (set it with {family = ...})", tostring(ctx)))
+  end
+  if family ~= "sd1" and family ~= "sd2" and family ~= "sdxl" then
+    fail(dir, fmt("family %q (expected sd1, sd2 or sdxl)", family))
+  end
+  local heads, head_dim = meta_num(usrc.meta, "kiln.heads.unet"), meta_num(usrc.meta, "kiln.head_dim.unet")
+  if not heads and not head_dim then
+    if family == "sd1" then heads = 8 else head_dim = 64 end
+  end
+  local ok, ucfg = pcall(unet.config, ushapes, { heads = heads, head_dim = head_dim })
+  if not ok then fail(dir .. "/unet", tostring(ucfg)) end
+  local ckpt = { family = family, path = dir, metadata = usrc.meta, config = { family = family, unet = ucfg } }
+  usrc.prefix = ""
+  ckpt.unet = build_unet(usrc, ucfg, family)
+
+  local scale = opts.scale_factor or DEFAULT_SCALE[family]
+  local vsrc, vsub
+  if opts.vae then
+    vsrc, vsub = vae_override(opts.vae)
+  else
+    local vfiles = diffusers_files(join(dir, "vae"), "diffusion_pytorch_model")
+    if vfiles then
+      vsrc = multi_source(vfiles)
+      vsrc.map = M.diffusers_vae_map(vsrc.shapes)
+      vsub = {}
+      for orig, real in pairs(vsrc.map) do vsub[orig] = vsrc.shapes[real] end
+      local cfgf = io.open(join(join(dir, "vae"), "config.json"), "rb")
+      if cfgf then
+        local text = cfgf:read("a")
+        cfgf:close()
+        local sf = text:match('"scaling_factor"%s*:%s*([%d%.eE+-]+)')
+        if sf and not opts.scale_factor then scale = tonumber(sf) or scale end
+      end
+    end
+  end
+  if vsrc then
+    local ok2, vcfg = pcall(vae.config, vsub, { scale_factor = scale })
+    if not ok2 then fail(vsrc.path, tostring(vcfg)) end
+    ckpt.vae = build_vae(vsrc, vcfg)
+    ckpt.config.vae = vcfg
+  end
+
+  local encs = {}
+  local function add_encoder(files, role, override)
+    local esrc, sub
+    if override then
+      esrc, sub = clip_override(override, role)
+    elseif files then
+      esrc = multi_source(files)
+      sub = esrc.shapes
+    else
+      return
+    end
+    local act, nheads
+    local cf = files and io.open(join(files[1]:match("^(.*)/[^/]*$"), "config.json"), "rb")
+    if cf then
+      local text = cf:read("a")
+      cf:close()
+      act = text:match('"hidden_act"%s*:%s*"([%w_]+)"')
+      nheads = tonumber(text:match('"num_attention_heads"%s*:%s*(%d+)') or "")
+      if act and act ~= "quick_gelu" and act ~= "gelu" then
+        fail(files[1], fmt("unsupported text-encoder activation %q (config.json)", act))
+      end
+    end
+    local cfg = clip.config(sub, { heads = nheads, activation = act })
+    cfg.role = role
+    encs[#encs + 1] = { src = esrc, cfg = cfg, use = encoder_use(family, role, cfg, {}) }
+  end
+  if family == "sdxl" then
+    add_encoder(diffusers_files(join(dir, "text_encoder"), "model"), "l", opts.clip_l)
+    add_encoder(te2, "g", opts.clip_g)
+  else
+    add_encoder(diffusers_files(join(dir, "text_encoder"), "model"), family == "sd2" and "h" or "l", opts.clip)
+  end
+  if #encs > 0 then
+    local tok = find_tokenizer(opts, { join(dir, "tokenizer"), dir })
+    ckpt.clip = build_clip(encs, family, tok, "")
+  end
+  ckpt.scale_factor = scale
+  local pred = opts.prediction
+  if not pred then
+    local sf = io.open(join(join(dir, "scheduler"), "scheduler_config.json"), "rb")
+    if sf then
+      local text = sf:read("a")
+      sf:close()
+      local p = text:match('"prediction_type"%s*:%s*"([%w_]+)"')
+      pred = p == "v_prediction" and "v" or nil
+    end
+  end
+  ckpt.prediction = pred or "eps"
+  return finish(ckpt)
+end
+
+-- kiln.load_checkpoint(path [, opts]) -> {clip, unet, vae, family, prediction,
+-- scale_factor, metadata, path, config}; opts: tokenizer (folder with vocab.json +
+-- merges.txt, or bpe_simple_vocab_16e6.txt.gz, or an open kiln.tokenizer), vae (a VAE
+-- file), clip / clip_l / clip_g (text encoder files), prediction ("eps" | "v"),
+-- family (force "sd1" | "sd2" | "sdxl"), scale_factor.
+function M.load_checkpoint(path, opts)
+  if type(path) ~= "string" then error("kiln.load_checkpoint: path must be a string, got " .. type(path), 2) end
+  opts = check_opts(opts)
+  if is_dir(path) then return load_diffusers(path:gsub("/+$", ""), opts) end
+  if not file_exists(path) then
+    local f, err = io.open(path, "rb")
+    if f then f:close() end
+    fail(nil, err or (path .. ": cannot open"))
+  end
+  return load_single(path, opts)
+end
+
+-- kiln.load_checkpoint is this function (bindings/l_kiln.c loads this module lazily)
+M.load = M.load_checkpoint
+
+return M

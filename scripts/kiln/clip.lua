@@ -1,0 +1,553 @@
+-- kiln.clip: the CLIP text encoders of Stable Diffusion over kiln.nn, and the prompt
+-- front end (A1111's emphasis syntax, 75-token chunks).
+--   Encoder (one text transformer) in either layout:
+--     "hf"       transformers' CLIPTextModel: text_model.embeddings.token_embedding,
+--                encoder.layers.N.self_attn.{q,k,v,out}_proj, mlp.fc1/fc2, final_layer_norm
+--                (SD 1.x CLIP-L, SDXL's first encoder, diffusers text_encoder[_2])
+--     "openclip" open_clip's TextTransformer: token_embedding, positional_embedding,
+--                transformer.resblocks.N.attn.in_proj_weight (q, k, v packed), mlp.c_fc/
+--                c_proj, ln_final, text_projection (SD 2.x, SDXL's bigG)
+--   Text (the `clip` part of a checkpoint): one encoder (SD 1.x/2.x) or two (SDXL),
+--     with clip:tokenize(text) and clip:encode(text) -> cond [1, 77k, dim] (, pooled).
+local kiln = require "kiln"
+local nn = kiln.nn
+
+local M = {}
+local Encoder = {}
+Encoder.__index = Encoder
+M.Encoder = Encoder
+
+local fmt = string.format
+
+local function count_indices(shapes, pattern)
+  local n = -1
+  for name in pairs(shapes) do
+    local i = name:match(pattern)
+    if i then n = math.max(n, tonumber(i)) end
+  end
+  return n + 1
+end
+
+-- Standard heads by width (CLIP-L 12, OpenCLIP-H 16, bigG 20: all head size 64).
+local function default_heads(width)
+  if width == 768 then return 12 end
+  return math.max(1, width // 64)
+end
+
+-- name -> shape (relative to the encoder's root) -> architecture.
+-- opts: heads, activation ("quick_gelu" | "gelu"), pad (padding token id).
+function M.config(shapes, opts)
+  opts = opts or {}
+  local cfg = {}
+  local te
+  if shapes["text_model.embeddings.token_embedding.weight"] then
+    cfg.layout = "hf"
+    te = shapes["text_model.embeddings.token_embedding.weight"]
+    cfg.positions = (shapes["text_model.embeddings.position_embedding.weight"] or { 77 })[1]
+    cfg.layers = count_indices(shapes, "^text_model%.encoder%.layers%.(%d+)%.")
+    cfg.mlp = (shapes["text_model.encoder.layers.0.mlp.fc1.weight"] or { 0 })[1]
+    local tp = shapes["text_projection.weight"]
+    cfg.projection = tp and tp[1] or nil
+  elseif shapes["token_embedding.weight"] then
+    cfg.layout = "openclip"
+    te = shapes["token_embedding.weight"]
+    cfg.positions = (shapes["positional_embedding"] or { 77 })[1]
+    cfg.layers = count_indices(shapes, "^transformer%.resblocks%.(%d+)%.")
+    cfg.mlp = (shapes["transformer.resblocks.0.mlp.c_fc.weight"] or { 0 })[1]
+    local tp = shapes["text_projection"]
+    cfg.projection = tp and tp[2] or nil
+  else
+    error("CLIP: no token embedding found (expected text_model.embeddings.token_embedding.weight or token_embedding.weight)", 0)
+  end
+  cfg.vocab, cfg.width = te[1], te[2]
+  if cfg.layers < 1 then error("CLIP: no transformer layers found", 0) end
+  cfg.heads = opts.heads or default_heads(cfg.width)
+  if cfg.width % cfg.heads ~= 0 then
+    error(fmt("CLIP: width %d does not split into %d heads", cfg.width, cfg.heads), 0)
+  end
+  cfg.activation = opts.activation or (cfg.layout == "hf" and cfg.width == 768 and "quick_gelu") or
+      (cfg.layout == "hf" and not cfg.projection and cfg.width < 1024 and "quick_gelu") or "gelu"
+  cfg.pad = opts.pad
+  return cfg
+end
+
+-- Every tensor the encoder reads (all layers, final norm, projection when present).
+function M.expected(cfg)
+  local list = {}
+  local function add(name, shape) list[#list + 1] = { name, shape } end
+  local W, F = cfg.width, cfg.mlp
+  if cfg.layout == "hf" then
+    add("text_model.embeddings.token_embedding.weight", { cfg.vocab, W })
+    add("text_model.embeddings.position_embedding.weight", { cfg.positions, W })
+    for i = 0, cfg.layers - 1 do
+      local p = fmt("text_model.encoder.layers.%d.", i)
+      for _, n in ipairs({ "k_proj", "v_proj", "q_proj", "out_proj" }) do
+        add(p .. "self_attn." .. n .. ".weight", { W, W }); add(p .. "self_attn." .. n .. ".bias", { W })
+      end
+      add(p .. "layer_norm1.weight", { W }); add(p .. "layer_norm1.bias", { W })
+      add(p .. "mlp.fc1.weight", { F, W }); add(p .. "mlp.fc1.bias", { F })
+      add(p .. "mlp.fc2.weight", { W, F }); add(p .. "mlp.fc2.bias", { W })
+      add(p .. "layer_norm2.weight", { W }); add(p .. "layer_norm2.bias", { W })
+    end
+    add("text_model.final_layer_norm.weight", { W }); add("text_model.final_layer_norm.bias", { W })
+    if cfg.projection then add("text_projection.weight", { cfg.projection, W }) end
+  else
+    add("token_embedding.weight", { cfg.vocab, W })
+    add("positional_embedding", { cfg.positions, W })
+    for i = 0, cfg.layers - 1 do
+      local p = fmt("transformer.resblocks.%d.", i)
+      add(p .. "ln_1.weight", { W }); add(p .. "ln_1.bias", { W })
+      add(p .. "attn.in_proj_weight", { 3 * W, W }); add(p .. "attn.in_proj_bias", { 3 * W })
+      add(p .. "attn.out_proj.weight", { W, W }); add(p .. "attn.out_proj.bias", { W })
+      add(p .. "ln_2.weight", { W }); add(p .. "ln_2.bias", { W })
+      add(p .. "mlp.c_fc.weight", { F, W }); add(p .. "mlp.c_fc.bias", { F })
+      add(p .. "mlp.c_proj.weight", { W, F }); add(p .. "mlp.c_proj.bias", { W })
+    end
+    add("ln_final.weight", { W }); add("ln_final.bias", { W })
+    if cfg.projection then add("text_projection", { W, cfg.projection }) end
+  end
+  return list
+end
+
+-- ---------------------------------------------------------------- encoder network
+
+function M.new_encoder(weights, cfg)
+  return setmetatable({ weights = weights, config = cfg }, Encoder)
+end
+
+function Encoder:w(name) return self.weights:tensor(name) end
+
+function Encoder:_use(prefix)
+  local w = self.weights
+  if w.use then w:use(prefix) end
+end
+
+local function names(cfg, i)
+  if cfg.layout == "hf" then
+    local p = fmt("text_model.encoder.layers.%d.", i)
+    return {
+      prefix = p, ln1 = p .. "layer_norm1", ln2 = p .. "layer_norm2", out = p .. "self_attn.out_proj",
+      fc1 = p .. "mlp.fc1", fc2 = p .. "mlp.fc2",
+      q = p .. "self_attn.q_proj", k = p .. "self_attn.k_proj", v = p .. "self_attn.v_proj",
+    }
+  end
+  local p = fmt("transformer.resblocks.%d.", i)
+  return {
+    prefix = p, ln1 = p .. "ln_1", ln2 = p .. "ln_2", out = p .. "attn.out_proj",
+    fc1 = p .. "mlp.c_fc", fc2 = p .. "mlp.c_proj", packed = p .. "attn.in_proj_",
+  }
+end
+
+-- q, k or v weight and bias of layer n (j = 1, 2, 3): separate tensors in the HF
+-- layout, rows of the packed in_proj in open_clip's.
+function Encoder:_qkv(n, j)
+  if n.packed then
+    local W = self.config.width
+    return self:w(n.packed .. "weight"):narrow(1, (j - 1) * W + 1, W),
+        self:w(n.packed .. "bias"):narrow(1, (j - 1) * W + 1, W)
+  end
+  local p = ({ n.q, n.k, n.v })[j]
+  return self:w(p .. ".weight"), self:w(p .. ".bias")
+end
+
+-- Token ids (a Lua list, or a list of lists for a batch) -> embeddings [B, L, W] f32.
+function Encoder:embed(ids)
+  local cfg = self.config
+  if type(ids[1]) == "number" then ids = { ids } end
+  local tok = self:w(cfg.layout == "hf" and "text_model.embeddings.token_embedding.weight" or "token_embedding.weight")
+  local pos = self:w(cfg.layout == "hf" and "text_model.embeddings.position_embedding.weight" or "positional_embedding")
+  local L = #ids[1]
+  if L > cfg.positions then error(fmt("CLIP: %d tokens, but the encoder has %d positions", L, cfg.positions), 3) end
+  local rows = {}
+  for b, seq in ipairs(ids) do
+    if #seq ~= L then error("CLIP: token sequences of a batch must have the same length", 3) end
+    local r = {}
+    for i, id in ipairs(seq) do
+      if math.type(id) ~= "integer" or id < 0 or id >= cfg.vocab then
+        error(fmt("CLIP: token id %s at position %d is outside the vocabulary (0..%d)", tostring(id), i, cfg.vocab - 1), 3)
+      end
+      r[i] = tok:narrow(1, id + 1, 1)
+    end
+    rows[b] = kiln.cat(r, 1):reshape({ 1, L, cfg.width })
+  end
+  local e = #rows == 1 and rows[1] or kiln.cat(rows, 1)
+  local p = pos:narrow(1, 1, L):reshape({ 1, L, cfg.width })
+  local x = e:to("f32") + p:to("f32")
+  e:free()
+  return x
+end
+
+-- One transformer layer (pre-LN, causal self-attention, MLP).
+function Encoder:_layer(i, x)
+  local cfg = self.config
+  local n = names(cfg, i)
+  self:_use(n.prefix)
+  local B, L, W = x.shape[1], x.shape[2], x.shape[3]
+  local H = cfg.heads
+  local d = W // H
+  local h = nn.layer_norm(x, self:w(n.ln1 .. ".weight"), self:w(n.ln1 .. ".bias"), 1e-5)
+  local function proj(j)
+    local w, b = self:_qkv(n, j)
+    return nn.linear(h, w, b)
+  end
+  local q, k, v = proj(1), proj(2), proj(3)
+  h:free()
+  local function heads(t) return t:reshape({ B, L, H, d }):transpose(2, 3) end
+  local o = nn.attention(heads(q), heads(k), heads(v), { causal = true })
+  q:free(); k:free(); v:free()
+  local o2 = o:transpose(2, 3):contiguous()
+  o:free()
+  local a = nn.linear(o2:reshape({ B, L, W }), self:w(n.out .. ".weight"), self:w(n.out .. ".bias"))
+  o2:free()
+  local x1 = x + a
+  a:free()
+  h = nn.layer_norm(x1, self:w(n.ln2 .. ".weight"), self:w(n.ln2 .. ".bias"), 1e-5)
+  local f = nn.linear(h, self:w(n.fc1 .. ".weight"), self:w(n.fc1 .. ".bias"))
+  h:free()
+  local g = cfg.activation == "quick_gelu" and nn.quick_gelu(f) or nn.gelu(f)
+  f:free()
+  local m = nn.linear(g, self:w(n.fc2 .. ".weight"), self:w(n.fc2 .. ".bias"))
+  g:free()
+  local x2 = x1 + m
+  x1:free(); m:free()
+  return x2
+end
+
+function Encoder:final_norm(x)
+  local p = self.config.layout == "hf" and "text_model.final_layer_norm" or "ln_final"
+  return nn.layer_norm(x, self:w(p .. ".weight"), self:w(p .. ".bias"), 1e-5)
+end
+
+-- Runs the encoder on token ids. opts:
+--   layer = n (hidden state after layer n, 1-based; negative counts from the end:
+--           -1 the last layer, -2 the penultimate), default -1
+--   final_norm = true|false (apply the final layer norm to that state), default true
+--   pooled = true: also return the pooled vector (final norm of the last layer at the
+--           first end-of-text token, the highest id as CLIP's argmax, times the projection)
+-- Returns hidden [B, L, W] (f32) [, pooled [B, P]].
+function Encoder:forward(ids, opts)
+  opts = opts or {}
+  local cfg = self.config
+  local layer = opts.layer or -1
+  if layer < 0 then layer = cfg.layers + 1 + layer end
+  if layer < 0 or layer > cfg.layers then
+    error(fmt("CLIP: layer %d out of range (the encoder has %d layers)", opts.layer, cfg.layers), 2)
+  end
+  local final_norm = opts.final_norm ~= false
+  local want_pooled = opts.pooled
+  local last = want_pooled and cfg.layers or layer
+  local batch = type(ids[1]) == "number" and { ids } or ids
+  self:_use("embeddings")
+  local x = self:embed(batch)
+  local hidden
+  for i = 0, last - 1 do
+    if i == layer then hidden = x end
+    local nx = self:_layer(i, x)
+    if x ~= hidden then x:free() end
+    x = nx
+  end
+  if layer == last then hidden = x end
+  local out = final_norm and self:final_norm(hidden) or hidden
+  local pooled
+  if want_pooled then
+    pooled = self:_pooled(x, batch)
+  end
+  if final_norm and hidden ~= out then hidden:free() end
+  if x ~= hidden and x ~= out then x:free() end
+  return out, pooled
+end
+
+function Encoder:_pooled(last, batch)
+  local cfg = self.config
+  if not cfg.projection then error("CLIP: this encoder has no text projection (no pooled output)", 3) end
+  local n = self:final_norm(last)
+  local rows = {}
+  for b, seq in ipairs(batch) do
+    local best, at = -1, 1
+    for i, id in ipairs(seq) do if id > best then best, at = id, i end end
+    rows[b] = n:narrow(1, b, 1):narrow(2, at, 1):reshape({ 1, cfg.width })
+  end
+  local e = #rows == 1 and rows[1] or kiln.cat(rows, 1)
+  local r
+  if cfg.layout == "hf" then
+    r = nn.linear(e, self:w("text_projection.weight"))
+  else
+    r = e:matmul(self:w("text_projection"):to("f32"))
+  end
+  n:free()
+  return r
+end
+
+-- ---------------------------------------------------------------- prompt parsing
+
+-- A1111's parse_prompt_attention: "(a:1.2) [b] \(c\)" -> {{"a", 1.2}, {" ", 1}, ...}.
+-- ( ) multiplies by 1.1, [ ] divides by 1.1, (text:w) multiplies by w, \( \) \[ \] \\
+-- are literal, unclosed brackets apply to the rest; BREAK (upper case, own word)
+-- starts a new chunk and appears as {"BREAK", -1}. Adjacent runs with equal weights
+-- are merged.
+function M.parse_emphasis(text)
+  local res = {}
+  local round, square = {}, {}
+  local function multiply(from, m)
+    for p = from, #res do res[p][2] = res[p][2] * m end
+  end
+  local function add_text(s)
+    -- split on BREAK as A1111's re_break (\s*\bBREAK\b\s*)
+    local pos = 1
+    local first = true
+    while true do
+      local a, b = nil, nil
+      local search = pos
+      while true do
+        a, b = s:find("BREAK", search, true)
+        if not a then break end
+        local before = a == 1 or not s:sub(a - 1, a - 1):match("[%w_]")
+        local after = b == #s or not s:sub(b + 1, b + 1):match("[%w_]")
+        if before and after then break end
+        search = a + 1
+      end
+      if not a then
+        if not first then res[#res + 1] = { "BREAK", -1 } end
+        res[#res + 1] = { s:sub(pos), 1.0 }
+        return
+      end
+      local pa = a
+      while pa > pos and s:sub(pa - 1, pa - 1):match("%s") do pa = pa - 1 end
+      local pb = b
+      while pb < #s and s:sub(pb + 1, pb + 1):match("%s") do pb = pb + 1 end
+      if not first then res[#res + 1] = { "BREAK", -1 } end
+      res[#res + 1] = { s:sub(pos, pa - 1), 1.0 }
+      first = false
+      pos = pb + 1
+    end
+  end
+  local i, n = 1, #text
+  while i <= n do
+    local c = text:sub(i, i)
+    if c == "\\" then
+      local nx = text:sub(i + 1, i + 1)
+      if nx == "(" or nx == ")" or nx == "[" or nx == "]" or nx == "\\" then
+        res[#res + 1] = { nx, 1.0 }
+        i = i + 2
+      else
+        res[#res + 1] = { "", 1.0 } -- a lone backslash (A1111 keeps text[1:] = "")
+        i = i + 1
+      end
+    elseif c == "(" then
+      round[#round + 1] = #res + 1
+      i = i + 1
+    elseif c == "[" then
+      square[#square + 1] = #res + 1
+      i = i + 1
+    elseif c == ":" then
+      -- ":<spaces><number><spaces>)" closes a weighted round bracket
+      local ws, num, we = text:match("^:(%s*)([+-]?[%.%d]+)(%s*)%)", i)
+      if num and #round > 0 and tonumber(num) then
+        multiply(table.remove(round), tonumber(num))
+        i = i + 1 + #ws + #num + #we + 1
+      elseif num then
+        add_text(text:sub(i, i + #ws + #num + #we + 1))
+        i = i + 1 + #ws + #num + #we + 1
+      else
+        add_text(":")
+        i = i + 1
+      end
+    elseif c == ")" and #round > 0 then
+      multiply(table.remove(round), 1.1)
+      i = i + 1
+    elseif c == "]" and #square > 0 then
+      multiply(table.remove(square), 1 / 1.1)
+      i = i + 1
+    elseif c == ")" or c == "]" then
+      add_text(c)
+      i = i + 1
+    else
+      local j = i
+      while j <= n and not text:sub(j, j):match("[\\%(%)%[%]:]") do j = j + 1 end
+      add_text(text:sub(i, j - 1))
+      i = j
+    end
+  end
+  for _, p in ipairs(round) do multiply(p, 1.1) end
+  for _, p in ipairs(square) do multiply(p, 1 / 1.1) end
+  if #res == 0 then res = { { "", 1.0 } } end
+  local k = 1
+  while k < #res do
+    if res[k][2] == res[k + 1][2] then
+      res[k][1] = res[k][1] .. res[k + 1][1]
+      table.remove(res, k + 1)
+    else
+      k = k + 1
+    end
+  end
+  return res
+end
+
+-- ---------------------------------------------------------------- chunking
+
+-- Splits weighted tokens into 75-token chunks as A1111's tokenize_line: a BREAK ends
+-- the chunk; when a chunk fills up and a comma was seen in its last `backtrack`
+-- tokens, the tokens after the comma move to the next chunk. Each chunk becomes
+-- {ids = 77 ids, weights = 77 multipliers}: start, tokens, padding, end.
+function M.chunks(pieces, tok, opts)
+  opts = opts or {}
+  local bos, eos = opts.bos or 49406, opts.eos or 49407
+  local pad = opts.pad or eos
+  local comma = opts.comma
+  local backtrack = opts.backtrack or 20
+  local chunks = {}
+  local cur_t, cur_w = {}, {}
+  local last_comma = -1
+  local function next_chunk(is_last)
+    local ids, ws = { bos }, { 1.0 }
+    for i = 1, #cur_t do ids[#ids + 1] = cur_t[i]; ws[#ws + 1] = cur_w[i] end
+    while #ids < 76 do ids[#ids + 1] = pad; ws[#ws + 1] = 1.0 end
+    ids[#ids + 1] = eos; ws[#ws + 1] = 1.0
+    -- A1111 pads with the end token up to 77 then (for OpenCLIP) with pad: the token
+    -- right after the text is always the end token
+    if pad ~= eos and #cur_t < 75 then
+      ids[#cur_t + 2] = eos
+      ids[77] = pad
+    end
+    chunks[#chunks + 1] = { ids = ids, weights = ws }
+    cur_t, cur_w = {}, {}
+    last_comma = -1
+    return is_last
+  end
+  for _, piece in ipairs(pieces) do
+    local text, w = piece[1], piece[2]
+    if text == "BREAK" and w == -1 then
+      next_chunk(false)
+    else
+      local ids = tok(text)
+      local i = 1
+      while i <= #ids do
+        local t = ids[i]
+        if comma and t == comma then
+          last_comma = #cur_t + 1
+        elseif backtrack > 0 and #cur_t == 75 and last_comma ~= -1 and #cur_t - (last_comma - 1) <= backtrack then
+          local break_at = last_comma + 1
+          local rt, rw = {}, {}
+          for k = break_at, #cur_t do rt[#rt + 1] = cur_t[k]; rw[#rw + 1] = cur_w[k] end
+          for k = #cur_t, break_at, -1 do cur_t[k] = nil; cur_w[k] = nil end
+          next_chunk(false)
+          cur_t, cur_w = rt, rw
+        end
+        if #cur_t == 75 then next_chunk(false) end
+        cur_t[#cur_t + 1] = t
+        cur_w[#cur_w + 1] = w
+        i = i + 1
+      end
+    end
+  end
+  if #cur_t > 0 or #chunks == 0 then next_chunk(true) end
+  return chunks
+end
+
+-- A1111's weighting: multiply each token's hidden state by its weight, then rescale
+-- so that the mean over the chunk is unchanged.
+function M.apply_weights(z, weights)
+  local all_one = true
+  for _, w in ipairs(weights) do if w ~= 1.0 then all_one = false; break end end
+  if all_one then return z end
+  local L = z.shape[2]
+  local wt = kiln.tensor(weights):reshape({ 1, L, 1 })
+  if wt.device ~= z.device then wt = wt:to(z.device) end
+  local original_mean = z:mean()
+  local zw = z * wt
+  local new_mean = zw:mean()
+  local r = zw * (original_mean / new_mean)
+  zw:free()
+  return r
+end
+
+-- ---------------------------------------------------------------- the clip part
+
+-- The text side of a checkpoint: one encoder (SD 1.x, 2.x) or two (SDXL), sharing a
+-- tokenizer. Each entry of encoders: {enc = Encoder, layer = n, final_norm = bool,
+-- pad = id, pooled = bool}.
+local Text = {}
+Text.__index = Text
+M.Text = Text
+
+function M.new_text(spec)
+  return setmetatable({ encoders = spec.encoders, tokenizer = spec.tokenizer, family = spec.family,
+    tokenizer_hint = spec.tokenizer_hint, clip_skip = spec.clip_skip }, Text)
+end
+
+function Text:_tok()
+  local t = self.tokenizer
+  if not t then
+    error("clip: no tokenizer: pass {tokenizer = PATH} to kiln.load_checkpoint (a folder with vocab.json and " ..
+      "merges.txt, or CLIP's bpe_simple_vocab_16e6.txt.gz)" .. (self.tokenizer_hint or ""), 3)
+  end
+  return t
+end
+
+local function special_ids(t)
+  return t:bos(), t:eos()
+end
+
+-- Plain CLIP tokenization in 77-token windows (start, up to 75 tokens, end, padded with
+-- the end token as SD 1.x does); a longer prompt gives several windows, concatenated
+-- into one flat list. The emphasis syntax is not parsed here (see clip:encode).
+function Text:tokenize(text)
+  if type(text) ~= "string" then error("clip:tokenize: text must be a string, got " .. type(text), 2) end
+  local t = self:_tok()
+  local bos, eos = special_ids(t)
+  local chunks = M.chunks({ { text, 1.0 } }, function(s) return t:encode(s) end,
+    { bos = bos, eos = eos, pad = eos, backtrack = 0 })
+  local ids = {}
+  for _, c in ipairs(chunks) do
+    for _, id in ipairs(c.ids) do ids[#ids + 1] = id end
+  end
+  return ids
+end
+
+-- Encodes already-split weighted pieces ({{text, weight}, ...}, as M.parse_emphasis
+-- gives) with the A1111 chunking and weighting. Returns cond [1, 77k, dim] (, pooled).
+function Text:encode_pieces(pieces, opts)
+  opts = opts or {}
+  local t = self:_tok()
+  local bos, eos = special_ids(t)
+  local comma = t.token_id and t:token_id(",</w>") or nil
+  if comma and comma < 0 then comma = nil end
+  local tok = function(s) return t:encode(s) end
+  local per_encoder, pooled = {}, nil
+  local clip_skip = opts.clip_skip or self.clip_skip or 1
+  for ei, e in ipairs(self.encoders) do
+    local chunks = M.chunks(pieces, tok, { bos = bos, eos = eos, pad = e.pad or eos, comma = comma,
+      backtrack = opts.comma_backtrack })
+    local zs = {}
+    for ci, c in ipairs(chunks) do
+      local layer = e.layer
+      if ei == 1 and #self.encoders == 1 and clip_skip > 1 then layer = -clip_skip end
+      local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1 })
+      if p then pooled = p end
+      local zw = opts.weighting == "none" and z or M.apply_weights(z, c.weights)
+      if zw ~= z then z:free() end
+      zs[ci] = zw
+    end
+    per_encoder[ei] = #zs == 1 and zs[1] or kiln.cat(zs, 2)
+    if #zs > 1 then for _, z in ipairs(zs) do z:free() end end
+  end
+  local cond = #per_encoder == 1 and per_encoder[1] or kiln.cat(per_encoder, 3)
+  if #per_encoder > 1 then for _, z in ipairs(per_encoder) do z:free() end end
+  if pooled then return cond, pooled end
+  return cond
+end
+
+-- text -> conditioning [1, 77k, dim] (and the pooled vector [1, P] for SDXL).
+-- The emphasis syntax of A1111 is applied: (word:1.2), (word) = x1.1, [word] = /1.1,
+-- \( \) literal, BREAK starts a new chunk; each chunk's hidden states are multiplied
+-- by the token weights and rescaled to keep their mean. opts: clip_skip (SD 1.x:
+-- 2 = penultimate layer), emphasis = false (plain text), weighting = "none",
+-- comma_backtrack (default 20, as A1111).
+function Text:encode(text, opts)
+  if type(text) ~= "string" then error("clip:encode: text must be a string, got " .. type(text), 2) end
+  opts = opts or {}
+  local pieces = opts.emphasis == false and { { text, 1.0 } } or M.parse_emphasis(text)
+  return self:encode_pieces(pieces, opts)
+end
+
+return M
