@@ -3,6 +3,7 @@
 #include "l_kiln.h"
 #include "../runtime/png_io.h"
 #include "../runtime/safetensors.h"
+#include "../runtime/sha256.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -158,7 +159,17 @@ static int l_save_png(lua_State *L)
     return 1;
 }
 
+/* kiln.sha256_file(path) -> hex digest (A1111's "Model hash" is its first 10 digits) */
+static int l_sha256_file(lua_State *L)
+{
+    char hex[65];
+    L_TRY(L, kiln_sha256_file(luaL_checkstring(L, 1), hex));
+    lua_pushstring(L, hex);
+    return 1;
+}
+
 static const luaL_Reg io_funcs[] = {
+    {"sha256_file", l_sha256_file},
     {"load_safetensors", l_load_safetensors}, {"save_safetensors", l_save_safetensors},
     {"load_png", l_load_png}, {"save_png", l_save_png},
     {NULL, NULL},

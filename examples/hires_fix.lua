@@ -9,7 +9,7 @@ if o.out == "" then o.out = "hires_fix.png" end
 if o.hires_steps == 0 then o.hires_steps = nil end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)
-o.width, o.height = o.width or ckpt.image_size, o.height or ckpt.image_size
+o.width, o.height = o.width or pipeline.image_size(ckpt), o.height or pipeline.image_size(ckpt)
 
 local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need
 local final = { width = img.shape[4], height = img.shape[3] }

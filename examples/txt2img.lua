@@ -10,7 +10,7 @@ local o = cli.parse(arg)
 if o.out == "" then o.out = "txt2img.png" end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)      -- nothing is read yet: files are mapped
-o.width, o.height = o.width or ckpt.image_size, o.height or ckpt.image_size
+o.width, o.height = o.width or pipeline.image_size(ckpt), o.height or pipeline.image_size(ckpt)
 
 local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded
 pipeline.save(img, o.out, o, ckpt)

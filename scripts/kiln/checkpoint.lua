@@ -663,6 +663,7 @@ local function build_vae(src, cfg)
   local store = open_store(src.paths, src.tensors, names_of(exp, resolve), "vae")
   local v = as_model(vae.new(new_weights(store, src.prefix, src.map), cfg), store, "VAE")
   v.factor, v.scale_factor, v.shift_factor = cfg.factor, cfg.scale_factor, cfg.shift_factor
+  v.latent_channels = cfg.z_channels
   return v
 end
 

@@ -30,6 +30,33 @@ local function opts_with_defaults(opts)
   return o
 end
 
+--- The native image size of a checkpoint: its metadata's kiln.image_size, else
+-- the family's (SD 1.x 512, SD 2.x 768 for v-prediction else 512, SDXL 1024).
+function pipeline.image_size(ckpt)
+  local m = ckpt.metadata and tonumber(ckpt.metadata["kiln.image_size"])
+  if m then return m end
+  if ckpt.family == "sdxl" then return 1024 end
+  if ckpt.family == "sd2" and ckpt.prediction == "v" then return 768 end
+  return 512
+end
+
+--- A1111's model hash (first 10 hex digits of the file's SHA-256), computed once
+-- per checkpoint; skipped for files over 512 MiB unless forced (hashing a 7 GB
+-- file costs seconds).
+function pipeline.model_hash(ckpt, force)
+  if ckpt._hash == nil and ckpt.path then
+    local f = io.open(ckpt.path, "rb")
+    local size = f and f:seek("end") or 0
+    if f then f:close() end
+    if f and (force or size <= 512 * 1024 * 1024) then
+      ckpt._hash = kiln.sha256_file(ckpt.path):sub(1, 10)
+    else
+      ckpt._hash = false
+    end
+  end
+  return ckpt._hash or nil
+end
+
 --- The device stages run on: opts.device, else kiln's default device.
 local function device_of(o) return o.device or kiln.default_device() end
 
@@ -154,8 +181,8 @@ end
 --- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
   local o = opts_with_defaults(opts)
-  local W = o.width or ckpt.image_size or 512
-  local H = o.height or ckpt.image_size or 512
+  local W = o.width or pipeline.image_size(ckpt)
+  local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
 
@@ -164,7 +191,7 @@ function pipeline.txt2img(ckpt, opts)
   ckpt.clip:unload()                       -- the text encoder is not needed again
 
   ckpt.unet:load(dev)
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { 1, ckpt.latent_channels or 4, lh, lw })
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
   cond:free(); uncond:free()
   ckpt.unet:unload()                       -- make room for the decoder
 
@@ -208,8 +235,8 @@ function pipeline.hires_fix(ckpt, opts)
   local scale = o.scale or 2
   local upscale = o.upscale or "latent-bilinear"
   local dev = device_of(o)
-  local W = o.width or ckpt.image_size or 512
-  local H = o.height or ckpt.image_size or 512
+  local W = o.width or pipeline.image_size(ckpt)
+  local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
@@ -221,7 +248,7 @@ function pipeline.hires_fix(ckpt, opts)
   ckpt.unet:load(dev)
   local first = opts_with_defaults(opts)
   first.denoise = 1
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.latent_channels or 4, lh, lw })
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
 
   local up
   if upscale == "latent-nearest" or upscale == "latent-bilinear" then
@@ -257,7 +284,12 @@ function pipeline.hires_fix(ckpt, opts)
 end
 
 --- The A1111 "parameters" text for a PNG (other tools read it).
-function pipeline.parameters(o, ckpt, extra)
+function pipeline.parameters(opts, ckpt, extra)
+  local o = setmetatable({}, { __index = function(_, k)
+    local v = opts[k]
+    if v == nil then v = DEFAULTS[k] end
+    return v
+  end })
   local lines = { o.prompt or "" }
   if o.negative and o.negative ~= "" then lines[#lines + 1] = "Negative prompt: " .. o.negative end
   local f = {
@@ -268,8 +300,11 @@ function pipeline.parameters(o, ckpt, extra)
     ("Seed: %d"):format(o.seed),
     ("Size: %dx%d"):format(o.width or 0, o.height or 0),
   }
-  if ckpt and ckpt.hash then f[#f + 1] = "Model hash: " .. ckpt.hash end
-  if ckpt and ckpt.name then f[#f + 1] = "Model: " .. ckpt.name end
+  local hash = ckpt and pipeline.model_hash(ckpt)
+  if hash then f[#f + 1] = "Model hash: " .. hash end
+  if ckpt and ckpt.path then
+    f[#f + 1] = "Model: " .. ckpt.path:gsub("^.*/", ""):gsub("%.safetensors$", "")
+  end
   if o.denoise and o.denoise < 1 then f[#f + 1] = ("Denoising strength: %g"):format(o.denoise) end
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end
   f[#f + 1] = "Version: kiln " .. kiln.version

@@ -1,0 +1,1103 @@
+---@meta kiln
+-- bindings/kiln.meta.lua - definitions of the whole kiln Lua API for
+-- lua-language-server (LuaLS): completion, signatures and type checks in editors.
+-- Installed as PREFIX/share/kiln/kiln.meta.lua; point LuaLS at it with
+--   "workspace.library": ["/usr/local/share/kiln"]   (.luarc.json)
+-- tests/lua/meta_test.lua checks that every function the live module exports is
+-- declared here: module functions as `function kiln.NAME(` / `function kiln.SUB.NAME(`,
+-- methods as `function Class:NAME(` under `---@class kiln.Class` + `local Class = {}`.
+-- Dimensions count from 1; negative dimensions count from the end (-1 is the last).
+
+---@alias kiln.DType "f32"|"f16"|"bf16"|"i32"|"i64"|"u8"
+---@alias kiln.DeviceName "cpu"|"sim"|"cuda"|"cuda:0"|"cuda:1"|string
+---@alias kiln.Shape integer[]
+---@alias kiln.MemoryMode "high"|"normal"|"low"|"none"|"cpu"
+---@alias kiln.Residency "mapped"|"host"|"device"
+
+---@class kiln.TensorOptions
+---@field dtype? kiln.DType
+---@field device? kiln.DeviceName
+
+---@class kiln.RandomOptions: kiln.TensorOptions
+---@field seed? integer the same values as torch.manual_seed(seed); torch.randn(shape)
+
+---The kiln runtime: tensors, ops, devices and memory, models, samplers, pipelines.
+---Script modules (kiln.sample, kiln.pipeline, ...) load on first use.
+---@class kiln
+---@field version string "0.1.0"
+---@field nn kiln.nn
+---@field mem kiln.mem
+---@field trace kiln.trace
+---@field sample kiln.sample
+---@field pipeline kiln.pipeline
+---@field util kiln.util
+---@field cli kiln.cli
+kiln = {}
+
+-- ---------------------------------------------------------------- tensors
+
+---A tensor from a nested table of numbers (or a number: a 0-d tensor), on the default device.
+---@param data number|table
+---@param dtype? kiln.DType default "f32"
+---@return kiln.Tensor
+function kiln.tensor(data, dtype) end
+
+---A tensor of zeros.
+---@param shape kiln.Shape
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+function kiln.zeros(shape, opts) end
+
+---A tensor of ones.
+---@param shape kiln.Shape
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+function kiln.ones(shape, opts) end
+
+---A tensor filled with value.
+---@param shape kiln.Shape
+---@param value number
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+function kiln.full(shape, value, opts) end
+
+---A tensor whose contents are undefined.
+---@param shape kiln.Shape
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+function kiln.empty(shape, opts) end
+
+---Normal noise, N(0, 1); with opts.seed the same f32 values as PyTorch's CPU generator.
+---@param shape kiln.Shape
+---@param opts? kiln.DType|kiln.RandomOptions
+---@return kiln.Tensor
+function kiln.randn(shape, opts) end
+
+---Uniform noise in [0, 1).
+---@param shape kiln.Shape
+---@param opts? kiln.DType|kiln.RandomOptions
+---@return kiln.Tensor
+function kiln.rand(shape, opts) end
+
+---Seeds the generator randn/rand use when no seed is given.
+---@param seed integer
+function kiln.manual_seed(seed) end
+
+---arange(n): 0 .. n-1; arange(a, b [, step]): a, a+step, ... below b. Integers give i64.
+---@param a number
+---@param b? number
+---@param step? number
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+---@overload fun(n: number, opts?: kiln.DType|kiln.TensorOptions): kiln.Tensor
+function kiln.arange(a, b, step, opts) end
+
+---n values evenly spaced from a to b (both included).
+---@param a number
+---@param b number
+---@param n integer
+---@param opts? kiln.DType|kiln.TensorOptions
+---@return kiln.Tensor
+function kiln.linspace(a, b, n, opts) end
+
+---Concatenates tensors along dim (default 1).
+---@param list kiln.Tensor[]
+---@param dim? integer
+---@return kiln.Tensor
+function kiln.cat(list, dim) end
+
+---a + b (tensors or numbers, broadcasting).
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.add(a, b) end
+
+---a - b
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.sub(a, b) end
+
+---a * b (elementwise)
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.mul(a, b) end
+
+---a / b
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.div(a, b) end
+
+---a ^ b
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.pow(a, b) end
+
+---Elementwise minimum.
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.minimum(a, b) end
+
+---Elementwise maximum.
+---@param a kiln.Tensor|number
+---@param b kiln.Tensor|number
+---@return kiln.Tensor
+function kiln.maximum(a, b) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.exp(x) end
+
+---Natural logarithm.
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.log(x) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.sqrt(x) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.abs(x) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.tanh(x) end
+
+---Clamps to [lo, hi] (nil: no bound on that side).
+---@param x kiln.Tensor
+---@param lo? number
+---@param hi? number
+---@return kiln.Tensor
+function kiln.clamp(x, lo, hi) end
+
+---Matrix product (batched over leading dimensions).
+---@param a kiln.Tensor
+---@param b kiln.Tensor
+---@return kiln.Tensor
+function kiln.matmul(a, b) end
+
+-- ---------------------------------------------------------------- files
+
+---Tensors of a .safetensors file (mapped, zero-copy on the cpu) and its metadata.
+---@param path string
+---@return table<string, kiln.Tensor> tensors
+---@return table<string, string> metadata
+function kiln.load_safetensors(path) end
+
+---Writes tensors (and string metadata) as a .safetensors file.
+---@param path string
+---@param tensors table<string, kiln.Tensor>
+---@param metadata? table<string, string>
+function kiln.save_safetensors(path, tensors, metadata) end
+
+---Reads a PNG as an f32 tensor [1, C, H, W] in [0, 1].
+---@param path string
+---@return kiln.Tensor
+function kiln.load_png(path) end
+
+---Writes an image tensor [1, C, H, W] or [C, H, W] (C = 1..4, values clamped to [0, 1])
+---as an 8-bit PNG, atomically; opts.text adds text chunks.
+---@param image kiln.Tensor
+---@param path string
+---@param opts? {text?: table<string, string|number>}
+---@return string path
+function kiln.save_png(image, path, opts) end
+
+-- ---------------------------------------------------------------- devices, threads, runtime
+
+---Names of the devices present: {"cpu", "sim", "cuda:0", ...}.
+---@return kiln.DeviceName[]
+function kiln.devices() end
+
+---Sets the device new tensors are made on.
+---@param device kiln.DeviceName
+function kiln.set_default_device(device) end
+
+---@return kiln.DeviceName
+function kiln.default_device() end
+
+---Sets the number of CPU threads (0: one per core, or KILN_THREADS).
+---@param n integer
+function kiln.set_threads(n) end
+
+---@return integer
+function kiln.threads() end
+
+---Sets (and returns) the memory mode: "high" keeps weights on the device, "normal" evicts
+---least recently used models when the budget requires, "low" streams weights layer by
+---layer, "none"/"cpu" runs on the CPU.
+---@param mode? kiln.MemoryMode
+---@return kiln.MemoryMode
+function kiln.memory_mode(mode) end
+
+---Seconds on a monotonic clock.
+---@return number
+function kiln.time() end
+
+---Whether a standard stream is a terminal.
+---@param stream? "stdin"|"stdout"|"stderr" default "stderr"
+---@return boolean
+function kiln.isatty(stream) end
+
+---Turns progress bars and chatter off (the kiln program's --quiet).
+---@param on boolean
+function kiln.set_quiet(on) end
+
+---@return boolean
+function kiln.quiet() end
+
+-- ---------------------------------------------------------------- progress, cancel
+
+---Reports step `step` of `total` (0: unknown) to the kiln.on_progress handler and to an
+---embedding host, then raises the "cancelled" error ({kind = "cancelled", message}) when a
+---cancel was requested. Loops (samplers, tiles) call it between steps.
+---@param step integer
+---@param total? integer
+---@param message? string what is running ("sample", "decode tiles")
+function kiln.progress(step, total, message) end
+
+---Sets the handler kiln.progress calls (nil: none); returns the previous one.
+---@param fn? fun(step: integer, total: integer, message: string)
+---@return fun(step: integer, total: integer, message: string)|nil
+function kiln.on_progress(fn) end
+
+---Requests (or with false withdraws) a cancel: the next kiln.progress raises "cancelled".
+---@param on? boolean default true
+function kiln.cancel(on) end
+
+---Whether a cancel was requested (by kiln.cancel or the embedding host's kiln_cancel).
+---@return boolean
+function kiln.cancelled() end
+
+-- ---------------------------------------------------------------- models
+
+---A weight store over one or more .safetensors files: nothing is read until used.
+---@param paths string|string[]
+---@param opts? {name?: string, prefix?: string|string[]}
+---@return kiln.Model
+function kiln.model(paths, opts) end
+
+---Loads a Stable Diffusion checkpoint (a .safetensors file or a diffusers folder) as
+---{clip, unet, vae, family}; nothing is read yet.
+---@param path string
+---@param opts? {tokenizer?: string, vae?: string, clip?: string}
+---@return kiln.Checkpoint
+function kiln.load_checkpoint(path, opts) end
+
+---CLIP's byte-level BPE tokenizer: a folder with vocab.json + merges.txt, a vocab.json,
+---or CLIP's bpe_simple_vocab_16e6.txt.gz.
+---@param path string
+---@return kiln.Tokenizer
+function kiln.tokenizer(path) end
+
+-- ---------------------------------------------------------------- kiln.nn
+
+---Functional neural-network ops, as PyTorch's torch.nn.functional.
+---@class kiln.nn
+kiln.nn = {}
+
+---x @ w^T + b
+---@param x kiln.Tensor [..., in]
+---@param w kiln.Tensor [out, in]
+---@param b? kiln.Tensor [out]
+---@return kiln.Tensor
+function kiln.nn.linear(x, w, b) end
+
+---2-d convolution; stride, padding and dilation are numbers or {h, w}.
+---@param x kiln.Tensor [N, C, H, W]
+---@param w kiln.Tensor [K, C/groups, kh, kw]
+---@param b? kiln.Tensor [K]
+---@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer}
+---@return kiln.Tensor
+function kiln.nn.conv2d(x, w, b, opts) end
+
+---Group normalization (opts.silu fuses a SiLU after it).
+---@param x kiln.Tensor
+---@param groups integer
+---@param w? kiln.Tensor
+---@param b? kiln.Tensor
+---@param eps? number default 1e-5
+---@param opts? {silu?: boolean}
+---@return kiln.Tensor
+function kiln.nn.group_norm(x, groups, w, b, eps, opts) end
+
+---Layer normalization over the last dimension.
+---@param x kiln.Tensor
+---@param w? kiln.Tensor
+---@param b? kiln.Tensor
+---@param eps? number default 1e-5
+---@return kiln.Tensor
+function kiln.nn.layer_norm(x, w, b, eps) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.nn.silu(x) end
+
+---GELU, exact or with the tanh approximation.
+---@param x kiln.Tensor
+---@param approximate? "none"|"tanh"|{approximate?: "none"|"tanh"}
+---@return kiln.Tensor
+function kiln.nn.gelu(x, approximate) end
+
+---x * sigmoid(1.702 x) (CLIP's activation).
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.nn.quick_gelu(x) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.nn.sigmoid(x) end
+
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.nn.relu(x) end
+
+---GEGLU: the last dimension split in halves a, b; returns a * gelu(b).
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function kiln.nn.geglu(x) end
+
+---@param x kiln.Tensor
+---@param dim integer
+---@return kiln.Tensor
+function kiln.nn.softmax(x, dim) end
+
+---Scaled dot-product attention, softmax(q k^T * scale) v; scale defaults to 1/sqrt(D).
+---@param q kiln.Tensor [B, heads, Lq, D]
+---@param k kiln.Tensor [B, heads, Lk, D]
+---@param v kiln.Tensor [B, heads, Lk, D]
+---@param opts? {scale?: number, causal?: boolean}
+---@return kiln.Tensor
+function kiln.nn.attention(q, k, v, opts) end
+
+---Nearest-neighbour upsampling of [N, C, H, W] by an integer factor.
+---@param x kiln.Tensor
+---@param factor? integer default 2
+---@return kiln.Tensor
+function kiln.nn.upsample_nearest(x, factor) end
+
+---Resizes [N, C, H, W] to opts.size or by opts.scale_factor.
+---@param x kiln.Tensor
+---@param opts {size?: integer[], scale_factor?: number, mode?: "nearest"|"nearest-exact"|"bilinear"}
+---@return kiln.Tensor
+function kiln.nn.interpolate(x, opts) end
+
+---Pads the last two dimensions by {left, right, top, bottom}.
+---@param x kiln.Tensor
+---@param pads integer[]
+---@param mode? "constant"|"reflect"|"replicate"
+---@param value? number default 0
+---@return kiln.Tensor
+function kiln.nn.pad(x, pads, mode, value) end
+
+-- ---------------------------------------------------------------- kiln.mem
+
+---@class kiln.MemStats
+---@field device string
+---@field allocated integer bytes in live tensors and weights
+---@field reserved integer bytes the device holds (allocated + cached free blocks)
+---@field peak integer peak of allocated
+---@field peak_allocated integer
+---@field peak_reserved integer
+---@field budget integer 0 = unlimited
+---@field allocs integer
+---@field frees integer
+---@field ooms integer
+---@field segments integer
+---@field largest_free integer
+---@field bytes_to_device integer
+---@field bytes_to_host integer
+---@field seconds_copying number
+
+---@class kiln.MemEvent
+---@field seq integer
+---@field time number
+---@field kind "load"|"offload"|"unload"|"evict"|"oom"|"alloc"|"free"|"mark"
+---@field device string
+---@field bytes integer
+---@field owner string
+---@field detail string
+---@field thread integer
+
+---Memory of each device: statistics, budgets, the summary table, the event log.
+---@class kiln.mem
+kiln.mem = {}
+
+---@param device? kiln.DeviceName default: the default device
+---@return kiln.MemStats
+function kiln.mem.stats(device) end
+
+---@param device? kiln.DeviceName
+function kiln.mem.reset_peak(device) end
+
+---Returns the device's cached free blocks to it.
+---@param device? kiln.DeviceName
+function kiln.mem.empty_cache(device) end
+
+---Sets a device's budget (0 = unlimited): allocations beyond it evict, then fail with
+---an out-of-memory error {kind = "oom", device, requested, free, budget}.
+---@param device kiln.DeviceName
+---@param bytes integer
+function kiln.mem.set_budget(device, bytes) end
+
+---A text table of every device and what holds its memory.
+---@return string
+function kiln.mem.summary() end
+
+---The memory events (loads, offloads, evictions, OOMs, ...) after seq `since`, oldest first.
+---@param since? integer
+---@return kiln.MemEvent[]
+function kiln.mem.events(since) end
+
+function kiln.mem.clear_events() end
+
+---Allocations of at least `bytes` become "alloc"/"free" events (0 = off); returns the threshold.
+---@param bytes? integer
+---@return integer
+function kiln.mem.event_threshold(bytes) end
+
+-- ---------------------------------------------------------------- kiln.trace
+
+---Chrome trace files (Perfetto, chrome://tracing): memory events, counters and spans.
+---@class kiln.trace
+kiln.trace = {}
+
+---@param path string
+function kiln.trace.start(path) end
+
+---Finishes the trace file; true when one was written, nil when no trace ran.
+---@return true|nil
+function kiln.trace.stop() end
+
+---@return boolean
+function kiln.trace.active() end
+
+---Runs fn(...) inside a named span and returns its results (the span closes on error too).
+---@generic R
+---@param name string
+---@param fn fun(...): R
+---@param ... any
+---@return R
+function kiln.trace.span(name, fn, ...) end
+
+---An instant event in the event log and the trace.
+---@param name string
+---@param detail? string
+function kiln.trace.mark(name, detail) end
+
+---Samples every device's memory counters into the trace now.
+function kiln.trace.counters() end
+
+-- ---------------------------------------------------------------- kiln.sample
+
+---@alias kiln.Denoiser fun(x: kiln.Tensor, sigma: number): kiln.Tensor
+
+---@class kiln.SampleStep
+---@field i integer
+---@field n integer
+---@field sigma number
+---@field x kiln.Tensor
+---@field denoised kiln.Tensor
+
+---@class kiln.SampleOptions
+---@field seed? integer
+---@field noise? fun(shape: kiln.Shape): kiln.Tensor the noise ancestral and SDE samplers add
+---@field callback? fun(step: kiln.SampleStep): boolean|nil return false to stop
+---@field eta? number
+---@field s_churn? number
+---@field s_tmin? number
+---@field s_tmax? number
+---@field s_noise? number
+
+---Samplers (k-diffusion's arithmetic, ComfyUI's names) and noise schedules.
+---@class kiln.sample
+---@field samplers table<string, function>
+---@field schedules table<string, function>
+kiln.sample = {}
+
+---Runs a sampler ("euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral", "lms",
+---"dpmpp_2m", "dpmpp_2s_ancestral", "dpmpp_sde", "ddim", "lcm") from x over sigmas; returns x.
+---@param name string
+---@param denoise kiln.Denoiser
+---@param x kiln.Tensor
+---@param sigmas kiln.Tensor|number[] ending in 0
+---@param opts? kiln.SampleOptions
+---@return kiln.Tensor
+function kiln.sample.run(name, denoise, x, sigmas, opts) end
+
+---steps + 1 sigmas ending in 0: "karras" / "exponential" (sigma_min, sigma_max, rho),
+---"normal", "simple", "sgm_uniform", "ddim_uniform" (opts.model_sampling).
+---@param name string
+---@param steps integer
+---@param opts? {sigma_min?: number, sigma_max?: number, rho?: number, model_sampling?: table}
+---@return kiln.Tensor
+function kiln.sample.sigmas(name, steps, opts) end
+
+---The sampler names, sorted.
+---@return string[]
+function kiln.sample.names() end
+
+---Stable Diffusion's discrete noise schedule (sigma <-> timestep).
+---@param opts? table
+---@return table
+function kiln.sample.discrete_schedule(opts) end
+
+---sigma_down, sigma_up of an ancestral step.
+---@param sigma_from number
+---@param sigma_to number
+---@param eta? number
+---@return number down
+---@return number up
+function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
+
+-- ---------------------------------------------------------------- kiln.pipeline
+
+---@class kiln.PipelineOptions
+---@field prompt? string
+---@field negative? string
+---@field seed? integer
+---@field steps? integer
+---@field cfg? number
+---@field sampler? string
+---@field scheduler? string
+---@field width? integer
+---@field height? integer
+---@field denoise? number
+---@field device? kiln.DeviceName
+---@field tile? integer|"auto"
+
+---Staged workflows: each stage loads what it needs and releases what the next does not.
+---@class kiln.pipeline
+kiln.pipeline = {}
+
+---Text to image: [1, 3, H, W] in [0, 1], and the final latents.
+---@param ckpt kiln.Checkpoint
+---@param opts kiln.PipelineOptions
+---@return kiln.Tensor image
+---@return kiln.Tensor latents
+function kiln.pipeline.txt2img(ckpt, opts) end
+
+---An input image [1, 3, H, W] in [0, 1] re-generated at opts.denoise.
+---@param ckpt kiln.Checkpoint
+---@param image kiln.Tensor
+---@param opts kiln.PipelineOptions
+---@return kiln.Tensor image
+---@return kiln.Tensor latents
+function kiln.pipeline.img2img(ckpt, image, opts) end
+
+---Samples small, upscales, samples again at a partial denoise.
+---@param ckpt kiln.Checkpoint
+---@param opts kiln.PipelineOptions
+---@return kiln.Tensor image
+---@return kiln.Tensor latents
+function kiln.pipeline.hires_fix(ckpt, opts) end
+
+---@param ckpt kiln.Checkpoint
+---@return table
+function kiln.pipeline.model_sampling(ckpt) end
+
+---@param ckpt kiln.Checkpoint
+---@param scheduler string
+---@param steps integer
+---@param denoise? number
+---@return kiln.Tensor
+function kiln.pipeline.sigmas(ckpt, scheduler, steps, denoise) end
+
+---Conditioning: cond, uncond (and the pooled vectors where the family has them).
+---@param ckpt kiln.Checkpoint
+---@param prompt string
+---@param negative? string
+---@return kiln.Tensor cond
+---@return kiln.Tensor uncond
+---@return kiln.Tensor? pooled
+---@return kiln.Tensor? upooled
+function kiln.pipeline.encode_prompts(ckpt, prompt, negative) end
+
+---The denoiser the samplers call: classifier-free guidance around the UNet.
+---@param ckpt kiln.Checkpoint
+---@param cond kiln.Tensor
+---@param uncond kiln.Tensor
+---@param cfg number
+---@param opts? kiln.PipelineOptions
+---@return kiln.Denoiser
+function kiln.pipeline.denoiser(ckpt, cond, uncond, cfg, opts) end
+
+---Samples latents from noise (x0 nil) or from x0 at opts.denoise < 1.
+---@param ckpt kiln.Checkpoint
+---@param cond kiln.Tensor
+---@param uncond kiln.Tensor
+---@param opts kiln.PipelineOptions
+---@param x0? kiln.Tensor
+---@param shape? kiln.Shape
+---@return kiln.Tensor
+function kiln.pipeline.sample_latents(ckpt, cond, uncond, opts, x0, shape) end
+
+---The A1111 "parameters" text of a PNG.
+---@param opts kiln.PipelineOptions
+---@param ckpt kiln.Checkpoint
+---@param extra? table
+---@return string
+function kiln.pipeline.parameters(opts, ckpt, extra) end
+
+---Saves an image with its generation parameters.
+---@param image kiln.Tensor
+---@param path string
+---@param opts kiln.PipelineOptions
+---@param ckpt kiln.Checkpoint
+---@param extra? table
+---@return string path
+function kiln.pipeline.save(image, path, opts, ckpt, extra) end
+
+-- ---------------------------------------------------------------- kiln.util, kiln.cli
+
+---@class kiln.util
+kiln.util = {}
+
+---Parses "--name value" / "--flag" arguments over defaults; unknown options are errors.
+---@param args string[]
+---@param defaults table
+---@return table
+function kiln.util.parse_args(args, defaults) end
+
+---The options the example workflows share (--device, --mode, --vram, --quiet, ...).
+---@class kiln.cli
+kiln.cli = {}
+
+---Parses args with the common options plus `extra` defaults and applies the runtime ones.
+---@param args string[]
+---@param extra? table
+---@return table
+function kiln.cli.parse(args, extra) end
+
+---"6G", "512M", "1.5GiB", "300000000" -> bytes.
+---@param s string
+---@return integer
+function kiln.cli.parse_size(s) end
+
+---@return string
+function kiln.cli.script_dir() end
+
+---The bundled demo model.
+---@return string
+function kiln.cli.default_model() end
+
+---Prints what a run wrote and where the memory went (unless quiet).
+---@param path string
+---@param opts table
+function kiln.cli.report(path, opts) end
+
+-- ---------------------------------------------------------------- kiln.Tensor
+
+---A view of a reference-counted storage: dtype, shape, strides, device. Operators
+---+ - * / ^ and unary - work with tensors and numbers; t[i] indexes the first dimension.
+---Whole-tensor reductions (t:sum() with no dim) return Lua numbers.
+---@class kiln.Tensor
+---@field shape kiln.Shape
+---@field dtype kiln.DType
+---@field device kiln.DeviceName
+---@field ndim integer
+---@operator add(kiln.Tensor|number): kiln.Tensor
+---@operator sub(kiln.Tensor|number): kiln.Tensor
+---@operator mul(kiln.Tensor|number): kiln.Tensor
+---@operator div(kiln.Tensor|number): kiln.Tensor
+---@operator pow(kiln.Tensor|number): kiln.Tensor
+---@operator unm: kiln.Tensor
+---@operator len: integer
+local Tensor = {}
+
+---Frees the memory now (later use raises, naming where it was freed). Also <close>.
+function Tensor:free() end
+
+---The values as nested Lua tables.
+---@return table|number
+function Tensor:table() end
+
+---The value of a one-element tensor.
+---@return number
+function Tensor:item() end
+
+---@return integer
+function Tensor:numel() end
+
+---@return integer
+function Tensor:nbytes() end
+
+---@return integer
+function Tensor:dim() end
+
+---The shape, or the size of one dimension.
+---@param dim? integer
+---@return kiln.Shape|integer
+function Tensor:size(dim) end
+
+---Strides in elements.
+---@return integer[]
+function Tensor:stride() end
+
+---@return boolean
+function Tensor:is_contiguous() end
+
+---A view with a new shape when possible, else a copy.
+---@param shape kiln.Shape|integer
+---@param ... integer
+---@return kiln.Tensor
+function Tensor:reshape(shape, ...) end
+
+---Same as reshape.
+---@param shape kiln.Shape|integer
+---@param ... integer
+---@return kiln.Tensor
+function Tensor:view(shape, ...) end
+
+---@param dims integer[]|integer
+---@param ... integer
+---@return kiln.Tensor
+function Tensor:permute(dims, ...) end
+
+---@param dim0 integer
+---@param dim1 integer
+---@return kiln.Tensor
+function Tensor:transpose(dim0, dim1) end
+
+---A view of `length` entries of dim from start (1-based; negative from the end).
+---@param dim integer
+---@param start integer
+---@param length integer
+---@return kiln.Tensor
+function Tensor:narrow(dim, start, length) end
+
+---The view at index i of dim, without that dimension.
+---@param dim integer
+---@param index integer
+---@return kiln.Tensor
+function Tensor:select(dim, index) end
+
+---Removes dim (or every dimension of size 1).
+---@param dim? integer
+---@return kiln.Tensor
+function Tensor:squeeze(dim) end
+
+---@param dim integer
+---@return kiln.Tensor
+function Tensor:unsqueeze(dim) end
+
+---A broadcast view.
+---@param shape kiln.Shape|integer
+---@param ... integer
+---@return kiln.Tensor
+function Tensor:expand(shape, ...) end
+
+---@return kiln.Tensor
+function Tensor:contiguous() end
+
+---@return kiln.Tensor
+function Tensor:clone() end
+
+---Copies src into this tensor (broadcast, converted); returns self.
+---@param src kiln.Tensor
+---@return kiln.Tensor
+function Tensor:copy(src) end
+
+---Fills with value; returns self.
+---@param value number
+---@return kiln.Tensor
+function Tensor:fill(value) end
+
+---A copy with another dtype and/or on another device.
+---@param a kiln.DType|kiln.DeviceName
+---@param b? kiln.DType|kiln.DeviceName
+---@return kiln.Tensor
+function Tensor:to(a, b) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:add(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:sub(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:mul(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:div(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:pow(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:minimum(other) end
+
+---@param other kiln.Tensor|number
+---@return kiln.Tensor
+function Tensor:maximum(other) end
+
+---@return kiln.Tensor
+function Tensor:neg() end
+
+---@return kiln.Tensor
+function Tensor:exp() end
+
+---@return kiln.Tensor
+function Tensor:log() end
+
+---@return kiln.Tensor
+function Tensor:sqrt() end
+
+---@return kiln.Tensor
+function Tensor:abs() end
+
+---@return kiln.Tensor
+function Tensor:tanh() end
+
+---@return kiln.Tensor
+function Tensor:sigmoid() end
+
+---@return kiln.Tensor
+function Tensor:sin() end
+
+---@return kiln.Tensor
+function Tensor:cos() end
+
+---@return kiln.Tensor
+function Tensor:relu() end
+
+---@param lo? number
+---@param hi? number
+---@return kiln.Tensor
+function Tensor:clamp(lo, hi) end
+
+---Sum over dim (a tensor), or of everything (a number).
+---@param dim? integer
+---@param keepdim? boolean
+---@return kiln.Tensor|number
+function Tensor:sum(dim, keepdim) end
+
+---@param dim? integer
+---@param keepdim? boolean
+---@return kiln.Tensor|number
+function Tensor:mean(dim, keepdim) end
+
+---@param dim? integer
+---@param keepdim? boolean
+---@return kiln.Tensor|number
+function Tensor:max(dim, keepdim) end
+
+---@param dim? integer
+---@param keepdim? boolean
+---@return kiln.Tensor|number
+function Tensor:min(dim, keepdim) end
+
+---Variance (unbiased unless the 3rd argument is false).
+---@param dim? integer
+---@param keepdim? boolean
+---@param unbiased? boolean
+---@return kiln.Tensor|number
+function Tensor:var(dim, keepdim, unbiased) end
+
+---@param other kiln.Tensor
+---@return kiln.Tensor
+function Tensor:matmul(other) end
+
+-- ---------------------------------------------------------------- kiln.Model
+
+---@class kiln.ModelStats
+---@field tensors integer
+---@field mapped integer
+---@field host integer
+---@field device integer
+---@field file_bytes integer
+---@field host_bytes integer
+---@field device_bytes integer
+
+---A named set of weight tensors over mapped .safetensors files, each tensor resident
+---"mapped", on the "host" or on the "device". m.name, m.residency, m.device, m.pinned,
+---m.closed are properties; m[name] is the tensor of that name; #m the tensor count.
+---@class kiln.Model
+---@field name string
+---@field device string|nil
+---@field pinned boolean
+---@field closed boolean
+---@field residency {mapped: integer, host: integer, device: integer, tensors: integer, target?: string}
+local Model = {}
+
+---Copies the weights to a device (converting the dtype if asked); returns self.
+---@param device? kiln.DeviceName
+---@param opts? kiln.DType|{dtype?: kiln.DType}
+---@return kiln.Model
+function Model:load(device, opts) end
+
+---Moves the device copies to host memory; returns self.
+---@return kiln.Model
+function Model:offload() end
+
+---Drops every copy but the mapped file; returns self.
+---@return kiln.Model
+function Model:unload() end
+
+---Keeps the model from being evicted; returns self.
+---@return kiln.Model
+function Model:pin() end
+
+---@return kiln.Model
+function Model:unpin() end
+
+---Bytes of the model's copies on a device (all host and device copies when nil).
+---@param device? kiln.DeviceName
+---@return integer
+function Model:bytes(device) end
+
+---The tensor of that name, where it is resident now.
+---@param name string
+---@return kiln.Tensor
+function Model:tensor(name) end
+
+---@param name string
+---@return boolean
+function Model:has(name) end
+
+---Sorted tensor names.
+---@return string[]
+function Model:names() end
+
+---Streaming ("low" mode): brings tensors to the device now; returns self.
+---@param names string|string[]
+---@return kiln.Model
+function Model:fetch(names) end
+
+---Streaming: drops the device copies of tensors; returns self.
+---@param names string|string[]
+---@return kiln.Model
+function Model:release(names) end
+
+---Streaming: starts copying tensors to the device in the background; returns self.
+---@param names string|string[]
+---@return kiln.Model
+function Model:prefetch(names) end
+
+---@param name string
+---@return kiln.Residency
+function Model:where(name) end
+
+---@return kiln.ModelStats
+function Model:stats() end
+
+---Releases the model (also <close> and the garbage collector).
+function Model:close() end
+
+-- ---------------------------------------------------------------- kiln.Tokenizer
+
+---CLIP's byte-level BPE (kiln.tokenizer); :free(), <close> and the GC release it.
+---@class kiln.Tokenizer
+local Tokenizer = {}
+
+---Token ids of text, without the start and end tokens.
+---@param text string
+---@return integer[]
+function Tokenizer:encode(text) end
+
+---@param ids integer[]
+---@return string
+function Tokenizer:decode(ids) end
+
+---The start-of-text token id.
+---@return integer
+function Tokenizer:bos() end
+
+---The end-of-text token id.
+---@return integer
+function Tokenizer:eos() end
+
+---The id of a vocabulary entry ("cat</w>"), nil when absent.
+---@param token string
+---@return integer|nil
+function Tokenizer:token_id(token) end
+
+---@return integer
+function Tokenizer:vocab_size() end
+
+function Tokenizer:free() end
+
+-- ---------------------------------------------------------------- checkpoints
+
+---@class kiln.Checkpoint
+---@field clip kiln.CLIP
+---@field unet kiln.UNet
+---@field vae kiln.VAE
+---@field family "sd1"|"sd2"|"sdxl"
+---@field path string
+---@field image_size integer
+local Checkpoint = {}
+
+---Closes clip, unet and vae (also <close>).
+function Checkpoint:close() end
+
+---The text encoder(s); also a kiln.Model (load, offload, unload, bytes, close).
+---@class kiln.CLIP: kiln.Model
+local CLIP = {}
+
+---Token ids: 77 per window (start, tokens, end, padded with the end token).
+---@param text string
+---@return integer[]
+function CLIP:tokenize(text) end
+
+---Conditioning [1, 77 k, dim] (and the pooled vector where the family has one);
+---parses the emphasis syntax (word:1.2).
+---@param text string
+---@param opts? table
+---@return kiln.Tensor cond
+---@return kiln.Tensor? pooled
+function CLIP:encode(text, opts) end
+
+---The denoising network; also a kiln.Model.
+---@class kiln.UNet: kiln.Model
+local UNet = {}
+
+---The raw network output (epsilon or v).
+---@param x kiln.Tensor latents [B, 4, h, w]
+---@param t kiln.Tensor timesteps [B] (0-999)
+---@param context kiln.Tensor [B, L, dim]
+---@param y? kiln.Tensor SDXL's pooled / size vector
+---@return kiln.Tensor
+function UNet:forward(x, t, context, y) end
+
+---The autoencoder; also a kiln.Model.
+---@class kiln.VAE: kiln.Model
+local VAE = {}
+
+---Latents (already times the scale factor) -> images [B, 3, 8h, 8w] in [0, 1].
+---@param z kiln.Tensor
+---@param opts? {tile?: integer|"auto", overlap?: integer}
+---@return kiln.Tensor
+function VAE:decode(z, opts) end
+
+---Images in [0, 1] -> latents (the posterior's mode times the scale factor).
+---@param image kiln.Tensor
+---@param opts? {tile?: integer|"auto", overlap?: integer}
+---@return kiln.Tensor
+function VAE:encode(image, opts) end
+
+-- ---------------------------------------------------------------- errors
+
+---The error value of an out-of-memory or a cancel; tostring(e) gives its message.
+---@class kiln.Error
+---@field kind "oom"|"cancelled"
+---@field message string
+---@field device? string
+---@field requested? integer
+---@field free? integer
+---@field budget? integer
+local Error = {}
+
+return kiln
