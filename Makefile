@@ -8,6 +8,15 @@ SAN     ?= 0
 CUDA    ?= 0
 PYTHON  ?= /usr/bin/python3
 
+KILN_VERSION := $(shell sed -n 's/^\#define KILN_VERSION "\(.*\)"/\1/p' bindings/l_kiln.c)
+LIBDIR   ?= $(PREFIX)/lib
+INCDIR   ?= $(PREFIX)/include
+MANDIR   ?= $(PREFIX)/share/man
+DATADIR  ?= $(PREFIX)/share/kiln
+# Lua 5.4's C module folder: Debian's own for PREFIX=/usr, else PREFIX/lib/lua/5.4
+# (/usr/local/lib/lua/5.4 is on lua5.4's default package.cpath)
+LUA_CMOD ?= $(if $(filter /usr,$(PREFIX)),$(shell pkg-config --variable=INSTALL_CMOD lua5.4 2>/dev/null),$(PREFIX)/lib/lua/5.4)
+
 ifeq ($(SAN),1)
 BUILD   := build-san
 OPT     := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -43,7 +52,7 @@ C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 DEPS_OK := build/.deps-ok
 
 .PHONY: all deps test bench demo clean install uninstall check-deps
-all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so
+all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $(BUILD)/examples/art_tool
 
 # ---- dependencies -------------------------------------------------------------
 # Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline.
@@ -85,6 +94,11 @@ $(BUILD)/lua/kiln.so: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) -shared -o $@ $^ $(LDFLAGS) $(CORE_LIBS)
 
+# The embedding example includes <kiln.h> as an installed host would, hence -Ibindings.
+$(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h $(BUILD)/libkiln.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Ibindings -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+
 # ---- tests ---------------------------------------------------------------------
 $(BUILD)/tests/%: tests/%.c tests/test.h $(BUILD)/libkiln.a
 	@mkdir -p $(dir $@)
@@ -104,10 +118,21 @@ clean:
 	rm -rf build build-san
 
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCDIR) \
+	  $(DESTDIR)$(LUA_CMOD) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DATADIR)
 	install -m 755 $(BUILD)/kiln $(DESTDIR)$(PREFIX)/bin/kiln
-	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(PREFIX)/lib/libkiln.a
-	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(PREFIX)/lib/libkiln.so
+	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.a
+	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(LIBDIR)/libkiln.so
+	install -m 644 bindings/kiln.h $(DESTDIR)$(INCDIR)/kiln.h
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' bindings/kiln.pc.in \
+	  > $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
+	chmod 644 $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
+	install -m 755 $(BUILD)/lua/kiln.so $(DESTDIR)$(LUA_CMOD)/kiln.so
+	install -m 644 bindings/kiln.1 $(DESTDIR)$(MANDIR)/man1/kiln.1
+	install -m 644 bindings/kiln.meta.lua $(DESTDIR)$(DATADIR)/kiln.meta.lua
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(PREFIX)/lib/libkiln.a $(DESTDIR)$(PREFIX)/lib/libkiln.so
+	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(LIBDIR)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.so \
+	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
+	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua
+	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true

@@ -655,7 +655,9 @@ static int call_function(lua_State *L)
     if (!t || nd < 2 || nd > 4 || (nd == 4 && t->shape[0] != 1) || c < 1 || c > 4 || t->shape[nd - 2] < 1 ||
         t->shape[nd - 1] < 1 || t->shape[nd - 2] > MAX_SIDE || t->shape[nd - 1] > MAX_SIDE)
         return luaL_error(L, "kiln_call: '%s' returned %s%s, expected an image tensor [1, C, H, W] with C = 1..4",
-                          j->function, t ? "a tensor " : luaL_typename(L, -1), shape);
+                          j->function,
+                          t ? "a tensor " : luaL_testudata(L, -1, KILN_TENSOR_MT) ? "a freed tensor" : luaL_typename(L, -1),
+                          shape);
     kiln_tensor *f;
     L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), KILN_F32, &f));
     kiln_tensor *fc;

@@ -23,8 +23,8 @@
  * after another). kiln_memory_stats may be called from any thread.
  *
  * Callbacks (progress, log) run on the thread of the call that triggered them. From
- * a callback a host may call kiln_cancel, kiln_memory_stats and kiln_memory_summary,
- * never kiln_run_*, kiln_call or kiln_close (they fail with KILN_ERR_STATE).
+ * a callback a host may call kiln_cancel, kiln_memory_stats and kiln_memory_summary;
+ * kiln_run_* and kiln_call fail there with KILN_ERR_STATE, kiln_close is ignored.
  */
 #ifndef KILN_H
 #define KILN_H
@@ -119,7 +119,8 @@ typedef struct {
     kiln_log_fn log;           /* NULL: messages go to stderr, prefixed "kiln: " */
     void *log_user;
     const char *script_path;   /* ';'-separated folders holding kiln/NAME.lua, searched before
-                                  the scripts built into the library; NULL: $KILN_PATH */
+                                  the scripts built into the library; NULL: $KILN_PATH;
+                                  "": the built-in scripts only */
     int ignore_env;            /* nonzero: ignore LUA_PATH, LUA_CPATH and KILN_PATH */
 } kiln_config;
 

@@ -28,6 +28,7 @@
 ---@field nn kiln.nn
 ---@field mem kiln.mem
 ---@field trace kiln.trace
+---@field tile kiln.tile
 ---@field sample kiln.sample
 ---@field pipeline kiln.pipeline
 ---@field util kiln.util
@@ -208,6 +209,11 @@ function kiln.load_png(path) end
 ---@param opts? {text?: table<string, string|number>}
 ---@return string path
 function kiln.save_png(image, path, opts) end
+
+---The SHA-256 of a file as 64 hex digits (A1111's "Model hash" is the first 10).
+---@param path string
+---@return string
+function kiln.sha256_file(path) end
 
 -- ---------------------------------------------------------------- devices, threads, runtime
 
@@ -462,6 +468,55 @@ function kiln.mem.clear_events() end
 ---@return integer
 function kiln.mem.event_threshold(bytes) end
 
+---Measures the peak bytes fn(inputs...) needs (run on a dry device), for sizing tiles
+---and checking a budget before spending it; returns bytes and the details.
+---@param fn function
+---@param inputs any
+---@param opts? table
+---@return integer bytes
+---@return table details
+function kiln.mem.estimate(fn, inputs, opts) end
+
+-- ---------------------------------------------------------------- kiln.tile
+
+---@class kiln.TileOptions
+---@field tile? integer tile side in the input's units (default 64)
+---@field overlap? integer default tile/4
+---@field scale? number|string output size / input size: 8 (VAE decode), 0.125 or "1/8" (encode), 4, 1
+---@field blend? string "linear" feathering of the overlaps
+---@field multiple? integer tile sides rounded to a multiple of this
+---@field gc? boolean collect garbage between tiles (default true)
+---@field progress? string label: reports every tile through kiln.progress
+
+---@class kiln.TilePlan
+---@field count integer
+---@field rows integer
+---@field cols integer
+---@field tile integer
+---@field overlap integer
+---@field out_h integer
+---@field out_w integer
+
+---Spatial tiling: peak memory depends on the tile, not the image.
+---@class kiln.tile
+kiln.tile = {}
+
+---Runs fn over overlapping tiles of x (its last two dimensions) and blends the outputs,
+---scaled by opts.scale, into one result. fn gets a contiguous copy of each tile.
+---@param x kiln.Tensor
+---@param fn fun(tile: kiln.Tensor): kiln.Tensor
+---@param opts? kiln.TileOptions
+---@return kiln.Tensor
+function kiln.tile.map(x, fn, opts) end
+
+---The grid kiln.tile.map would use: {count, rows, cols, ..., [i] = {input = {y, x, h, w},
+---output = {y, x, h, w}}} with 1-based positions.
+---@param height integer
+---@param width integer
+---@param opts? kiln.TileOptions
+---@return kiln.TilePlan
+function kiln.tile.plan(height, width, opts) end
+
 -- ---------------------------------------------------------------- kiln.trace
 
 ---Chrome trace files (Perfetto, chrome://tracing): memory events, counters and spans.
@@ -601,6 +656,19 @@ function kiln.pipeline.hires_fix(ckpt, opts) end
 ---@param ckpt kiln.Checkpoint
 ---@return table
 function kiln.pipeline.model_sampling(ckpt) end
+
+---The checkpoint's native image size: its metadata's kiln.image_size, else the
+---family's (512 for SD 1.x, 768 for SD 2.x v-prediction, 1024 for SDXL).
+---@param ckpt kiln.Checkpoint
+---@return integer
+function kiln.pipeline.image_size(ckpt) end
+
+---A1111's model hash (10 hex digits of the file's SHA-256), computed once; files over
+---512 MiB are skipped unless force.
+---@param ckpt kiln.Checkpoint
+---@param force? boolean
+---@return string|nil
+function kiln.pipeline.model_hash(ckpt, force) end
 
 ---@param ckpt kiln.Checkpoint
 ---@param scheduler string

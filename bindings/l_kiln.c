@@ -191,6 +191,7 @@ int luaopen_kiln(lua_State *L)
     l_open_progress(L);
     l_open_model(L);
     l_open_trace(L);
+    l_open_tile(L);
     l_open_tokenizer(L);
 
     lua_createtable(L, 0, 1);

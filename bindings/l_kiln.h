@@ -71,6 +71,7 @@ void l_progress_set_host(lua_State *L, const l_progress_host *host); /* NULL: no
 int l_raise_cancelled(lua_State *L, const char *detail);
 void l_open_model(lua_State *L);
 void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
+void l_open_tile(lua_State *L);  /* kiln.tile; adds kiln.mem.estimate */
 void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
 
 #endif

@@ -909,24 +909,27 @@ int main(int argc, char **argv)
     }
     if (argc > 1 && strcmp(argv[1], "--bench") == 0) return bench();
     printf("# parity: cpu vs %s (%.1f GiB)\n", dev_name, dev->total_memory / 1073741824.0);
-    RUN(t_transfer);
-    RUN(t_copy);
-    RUN(t_fill);
-    RUN(t_binary);
-    RUN(t_unary);
-    RUN(t_reduce);
-    RUN(t_matmul);
-    RUN(t_linear);
-    RUN(t_conv2d);
-    RUN(t_group_norm);
-    RUN(t_layer_norm);
-    RUN(t_softmax);
-    RUN(t_attention);
-    RUN(t_geglu);
-    RUN(t_resample);
-    RUN(t_pad2d);
-    RUN(t_oom);
-    RUN(t_errors);
+    /* `test_cuda_parity t_conv2d t_attention` runs only those */
+    static const struct { const char *name; void (*fn)(void); } tests[] = {
+        {"t_transfer", t_transfer}, {"t_copy", t_copy}, {"t_fill", t_fill}, {"t_binary", t_binary},
+        {"t_unary", t_unary}, {"t_reduce", t_reduce}, {"t_matmul", t_matmul}, {"t_linear", t_linear},
+        {"t_conv2d", t_conv2d}, {"t_group_norm", t_group_norm}, {"t_layer_norm", t_layer_norm},
+        {"t_softmax", t_softmax}, {"t_attention", t_attention}, {"t_geglu", t_geglu}, {"t_resample", t_resample},
+        {"t_pad2d", t_pad2d}, {"t_oom", t_oom}, {"t_errors", t_errors},
+    };
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        int want = argc < 2;
+        for (int a = 1; a < argc && !want; a++) want = strcmp(argv[a], tests[i].name) == 0;
+        if (!want) continue;
+        test_cur_name = tests[i].name;
+        test_cur_failed = 0;
+        test_cur_skipped = 0;
+        tests[i].fn();
+        if (test_cur_skipped) test_n_skip++;
+        else if (test_cur_failed) test_n_fail++;
+        else { test_n_pass++; printf("PASS %s\n", tests[i].name); }
+        fflush(stdout);
+    }
     kiln_mem_stats s = kiln_allocator_stats(dev->alloc);
     printf("# %d cases; %s peak allocated %.1f MiB, %llu allocations, %llu OOMs\n", n_cases, dev_name,
            s.peak_allocated / 1048576.0, (unsigned long long)s.n_allocs, (unsigned long long)s.n_ooms);

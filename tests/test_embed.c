@@ -6,6 +6,7 @@
 #include "test.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
@@ -123,6 +124,39 @@ static void t_script_errors(void)
     kiln_close(ctx);
 }
 
+/* config.script_path: folders searched for kiln/NAME.lua before the built-in scripts */
+static void t_script_path(void)
+{
+    char dir[512], path[600];
+    snprintf(dir, sizeof dir, "%s/kiln", tmpdir);
+    snprintf(path, sizeof path, "%s/kiln/hostmod.lua", tmpdir);
+    mkdir(dir, 0700);
+    FILE *f = fopen(path, "w");
+    if (!f) { SKIP("cannot write %s", path); return; }
+    fputs("return {answer = 42}\n", f);
+    fclose(f);
+    kiln_config cfg = {0};
+    cfg.script_path = tmpdir;
+    cfg.log_level = KILN_LOG_OFF;
+    kiln_ctx *ctx = NULL;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_OK, "open: %s", kiln_last_message(NULL));
+    if (ctx) {
+        CHECK(kiln_run_string(ctx, "assert(require('kiln.hostmod').answer == 42)") ==
+                  KILN_OK,
+              "script_path: %s", kiln_last_message(ctx));
+        kiln_close(ctx);
+    }
+    cfg.script_path = "";
+    CHECK(kiln_open(&cfg, &ctx) == KILN_OK, "open: %s", kiln_last_message(NULL));
+    if (ctx) {
+        CHECK(kiln_run_string(ctx, "assert(not pcall(require, 'kiln.hostmod'))") == KILN_OK, "built-in only: %s",
+              kiln_last_message(ctx));
+        kiln_close(ctx);
+    }
+    remove(path);
+    rmdir(dir);
+}
+
 static void t_run_file(void)
 {
     char path[512];
@@ -160,6 +194,7 @@ static const char *IMAGE_SCRIPT =
     "function nothing() end\n"
     "function five() return kiln.zeros({1, 5, 2, 2}) end\n"
     "function text() return 'hello' end\n"
+    "function freed() local t = kiln.zeros({1, 3, 2, 2}); t:free(); return t end\n"
     "tools = {half = function(img) return img * 0.5 end}\n";
 
 static void t_call_images(void)
@@ -243,6 +278,8 @@ static void t_call_errors(void)
     CHECK(contains(kiln_last_message(ctx), "[1,5,2,2]"), "message '%s'", kiln_last_message(ctx));
     CHECK(kiln_call(ctx, "text", NULL, 0, NULL, 0, &out) == KILN_ERR_SCRIPT, "string result");
     CHECK(out.data == NULL && out.width == 0, "out touched on failure");
+    CHECK(kiln_call(ctx, "freed", NULL, 0, NULL, 0, &out) == KILN_ERR_SCRIPT, "freed tensor result");
+    CHECK(contains(kiln_last_message(ctx), "a freed tensor"), "message '%s'", kiln_last_message(ctx));
 
     kiln_image bad = in;
     bad.channels = 5;
@@ -388,8 +425,31 @@ static void t_cancel_from_another_thread(void)
     kiln_close(ctx);
 }
 
-/* The samplers report each step through kiln.progress (scripts/kiln/sample.lua). */
+/* A sampler loop reports each step as the pipeline does (kiln.progress bars, via the
+ * sampler's callback), and a cancel stops it at that step. */
 static void t_sampler_progress_and_cancel(void)
+{
+    kiln_ctx *ctx = open_quiet(NULL);
+    if (!ctx) return;
+    progress_log p = {.ctx = ctx, .cancel_at = 4};
+    kiln_set_progress(ctx, on_progress, &p);
+    const char *setup =
+        "sigmas = kiln.sample.sigmas('karras', 10, {sigma_min = 0.03, sigma_max = 14.6})\n"
+        "x0 = kiln.randn({1, 4, 8, 8}, {seed = 1})\n"
+        "function denoise(x, sigma) return x * 0.5 end\n";
+    CHECK(kiln_run_string(ctx, setup) == KILN_OK, "setup: %s", kiln_last_message(ctx));
+    kiln_status st = kiln_run_string(ctx,
+        "local bar = require('kiln.progress').start('sample', 10)\n"
+        "kiln.sample.run('euler', denoise, x0, sigmas, {callback = function(s) bar:step(s.i) end})\n");
+    CHECK(st == KILN_ERR_CANCELLED, "sampler gave %s: %s", kiln_status_string(st), kiln_last_message(ctx));
+    CHECK(p.last_step == 4 && p.last_total == 10 && strcmp(p.last_msg, "sample") == 0, "stopped at %d/%d '%s'",
+          p.last_step, p.last_total, p.last_msg);
+
+    kiln_close(ctx);
+}
+
+/* kiln.sample.run alone (no callback): reports too once the sampler calls kiln.progress. */
+static void t_bare_sampler_progress(void)
 {
     kiln_ctx *ctx = open_quiet(NULL);
     if (!ctx) return;
@@ -397,13 +457,12 @@ static void t_sampler_progress_and_cancel(void)
     kiln_set_progress(ctx, on_progress, &p);
     kiln_status st = kiln_run_string(ctx,
         "local sigmas = kiln.sample.sigmas('karras', 10, {sigma_min = 0.03, sigma_max = 14.6})\n"
-        "local x = kiln.randn({1, 4, 8, 8}, {seed = 1})\n"
-        "kiln.sample.run('euler', function(x, sigma) return x * 0.5 end, x, sigmas)\n");
+        "kiln.sample.run('euler', function(x) return x * 0.5 end, kiln.randn({1, 4, 8, 8}, {seed = 1}), sigmas)\n");
     if (p.calls == 0 && st == KILN_OK) {
-        SKIP("kiln.sample.run does not report kiln.progress yet");
+        SKIP("kiln.sample.run reports kiln.progress only through a callback");
     } else {
-        CHECK(st == KILN_ERR_CANCELLED, "sampler gave %s: %s", kiln_status_string(st), kiln_last_message(ctx));
-        CHECK(p.calls == 4 && p.last_total == 10, "%d progress calls, total %d", p.calls, p.last_total);
+        CHECK(st == KILN_ERR_CANCELLED, "bare sampler gave %s: %s", kiln_status_string(st), kiln_last_message(ctx));
+        CHECK(p.last_step == 4 && p.last_total == 10, "stopped at %d/%d", p.last_step, p.last_total);
     }
     kiln_close(ctx);
 }
@@ -513,6 +572,10 @@ static void t_memory_and_oom(void)
     CHECK(kiln_run_string(ctx, "local ok, e = pcall(kiln.zeros, {1024, 1024}); "
                                "assert(not ok and e.kind == 'oom' and e.device == 'sim')") == KILN_OK,
           "typed OOM: %s", kiln_last_message(ctx));
+    /* garbage tensors are collected when the budget is reached (the pressure hook) */
+    CHECK(kiln_memory_set_budget(ctx, "sim", 9 << 20) == KILN_OK, "set budget");
+    CHECK(kiln_run_string(ctx, "for i = 1, 40 do local t = kiln.zeros({1024, 1024}) end") == KILN_OK,
+          "40 x 4 MiB of garbage in a 9 MiB budget: %s", kiln_last_message(ctx));
     CHECK(kiln_memory_set_budget(ctx, "sim", old_budget) == KILN_OK, "set budget");
     CHECK(kiln_memory_set_budget(ctx, "warp9", 1) == KILN_ERR_ARG, "budget of an unknown device");
     CHECK(kiln_run_string(ctx, "big = kiln.zeros({1024, 1024})") == KILN_OK, "fits now: %s", kiln_last_message(ctx));
@@ -582,11 +645,13 @@ int main(void)
     RUN(t_open_bad_config);
     RUN(t_script_errors);
     RUN(t_run_file);
+    RUN(t_script_path);
     RUN(t_call_images);
     RUN(t_call_errors);
     RUN(t_progress_and_cancel);
     RUN(t_cancel_from_another_thread);
     RUN(t_sampler_progress_and_cancel);
+    RUN(t_bare_sampler_progress);
     RUN(t_log_and_no_stdout);
     RUN(t_memory_and_oom);
     RUN(t_png_roundtrip);

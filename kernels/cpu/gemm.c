@@ -429,8 +429,9 @@ static void task_fn(void *vctx, int64_t begin, int64_t end)
 {
     task_ctx *t = vctx;
     const gemm_args *g = t->g;
-    float *bpanel = t->scratch + (size_t)kiln_thread_index() * t->per_thread;
-    float *asliver = bpanel + (size_t)KC * (size_t)t->nb;
+    /* prepacked operands need no scratch (NULL) */
+    float *bpanel = t->scratch ? t->scratch + (size_t)kiln_thread_index() * t->per_thread : NULL;
+    float *asliver = bpanel ? bpanel + (size_t)KC * (size_t)t->nb : NULL;
     for (int64_t task = begin; task < end; task++) {
         int64_t bi = task / t->n_nblk, bj = task % t->n_nblk;
         int64_t i0 = bi * t->mb, j0 = bj * t->nb;

@@ -173,32 +173,45 @@ static kiln_cuda_ctx *ctx_of_ptr(const void *p)
     return a.device >= 0 && a.device < n_ctxs ? &ctxs[a.device] : NULL;
 }
 
-/* ---- pending copies ---- */
+/* ---- pending copies ----
+ * Kept oldest first. The copy stream runs in order, so a newer event also stands
+ * for every older copy: adjacent ranges merge into one entry, and when the list is
+ * full compute waits for the oldest entry only. */
 
-static void recycle_locked(kiln_cuda_ctx *c, int i)
+static void remove_locked(kiln_cuda_ctx *c, int i)
 {
     c->spare_ev[c->n_spare_ev++] = c->pending[i].ev;
-    c->pending[i] = c->pending[--c->n_pending];
+    memmove(&c->pending[i], &c->pending[i + 1], (size_t)(c->n_pending - i - 1) * sizeof c->pending[0]);
+    c->n_pending--;
+}
+
+/* drops finished copies from the old end (at most `budget` queries) */
+static void prune_locked(kiln_cuda_ctx *c, int budget)
+{
+    while (c->n_pending > 0 && budget-- > 0) {
+        cudaError_t e = cudaEventQuery(c->pending[0].ev);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError(); /* cudaErrorNotReady is recorded as the last error */
+            break;
+        }
+        remove_locked(c, 0);
+    }
 }
 
 static void wait_ranges(kiln_cuda_ctx *c, const void *const *ptr, const size_t *len, int n)
 {
     pthread_mutex_lock(&c->pend_mu);
+    prune_locked(c, 4);
+    /* newest first: waiting for a newer copy covers the older ones */
     for (int i = c->n_pending - 1; i >= 0; i--) {
         const kiln_cuda_pending *pp = &c->pending[i];
         int hit = 0;
         for (int k = 0; k < n && !hit; k++)
             hit = ptr[k] && (const char *)ptr[k] < pp->ptr + pp->n && pp->ptr < (const char *)ptr[k] + len[k];
-        if (hit) {
-            if (cudaStreamWaitEvent(c->compute, pp->ev, 0) != cudaSuccess) (void)cudaGetLastError();
-            recycle_locked(c, i);
-        }
-    }
-    /* drop a few finished entries so the list stays short */
-    for (int i = 0, looked = 0; i < c->n_pending && looked < 4; looked++) {
-        cudaError_t e = cudaEventQuery(c->pending[i].ev);
-        if (e == cudaSuccess) recycle_locked(c, i);
-        else { (void)cudaGetLastError(); i++; }
+        if (!hit) continue;
+        if (cudaStreamWaitEvent(c->compute, pp->ev, 0) != cudaSuccess) (void)cudaGetLastError();
+        while (i >= 0) remove_locked(c, i--);
+        break;
     }
     pthread_mutex_unlock(&c->pend_mu);
 }
@@ -217,15 +230,23 @@ static kiln_status add_pending(kiln_cuda_ctx *c, void *p, size_t n, const char *
     if (c->n_spare_ev) ev = c->spare_ev[--c->n_spare_ev];
     else st = kiln_cuda_check(c, op, "cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     if (!st) st = kiln_cuda_check(c, op, "cudaEventRecord", cudaEventRecord(ev, c->copy));
-    if (!st && c->n_pending == KILN_CUDA_MAX_PENDING) {
-        /* full: order compute after every copy so far (the copy stream is in order) */
-        st = kiln_cuda_check(c, op, "cudaStreamWaitEvent", cudaStreamWaitEvent(c->compute, ev, 0));
-        while (c->n_pending) recycle_locked(c, c->n_pending - 1);
-        c->spare_ev[c->n_spare_ev++] = ev;
-    } else if (!st) {
+    if (st) {
+        if (ev) c->spare_ev[c->n_spare_ev++] = ev;
+        pthread_mutex_unlock(&c->pend_mu);
+        return st;
+    }
+    kiln_cuda_pending *last = c->n_pending ? &c->pending[c->n_pending - 1] : NULL;
+    if (last && last->ptr + last->n == (char *)p) { /* a chunked copy continuing */
+        c->spare_ev[c->n_spare_ev++] = last->ev;
+        last->n += n;
+        last->ev = ev;
+    } else {
+        if (c->n_pending == KILN_CUDA_MAX_PENDING) prune_locked(c, KILN_CUDA_MAX_PENDING);
+        if (c->n_pending == KILN_CUDA_MAX_PENDING) {
+            if (cudaStreamWaitEvent(c->compute, c->pending[0].ev, 0) != cudaSuccess) (void)cudaGetLastError();
+            remove_locked(c, 0);
+        }
         c->pending[c->n_pending++] = (kiln_cuda_pending){(char *)p, n, ev};
-    } else if (ev) {
-        c->spare_ev[c->n_spare_ev++] = ev;
     }
     pthread_mutex_unlock(&c->pend_mu);
     return st;
@@ -473,7 +494,7 @@ void kiln_cuda_register_devices(void)
         pthread_mutex_init(&c->xfer_mu, NULL);
         pthread_mutex_init(&c->pend_mu, NULL);
         pthread_mutex_init(&c->conv_mu, NULL);
-        char name[16];
+        char name[32];
         snprintf(name, sizeof name, "cuda:%d", i);
         kiln_raw_memory raw = {cuda_raw_alloc, cuda_raw_free, c};
         c->dev = kiln_device_register(KILN_DEV_CUDA, i, name, raw, total, &cuda_backend);

@@ -64,7 +64,7 @@ typedef struct kiln_cuda_ctx {
     cudaEvent_t order_ev;           /* compute -> copy ordering */
     kiln_cuda_pending pending[KILN_CUDA_MAX_PENDING];
     int n_pending;
-    cudaEvent_t spare_ev[KILN_CUDA_MAX_PENDING];
+    cudaEvent_t spare_ev[KILN_CUDA_MAX_PENDING + 2]; /* every event ever made: pending + spare <= MAX + 1 */
     int n_spare_ev;
 
     void *conv_cache;               /* conv2d.cu: cuDNN algorithm choices per shape */

@@ -15,6 +15,7 @@ local kiln = require "kiln"
 local unet = require "kiln.unet"
 local vae = require "kiln.vae"
 local clip = require "kiln.clip"
+local stream = require "kiln.stream"
 
 local M = {}
 local fmt = string.format
@@ -409,121 +410,18 @@ end
 
 -- ---------------------------------------------------------------- weight stores
 
--- Until kiln.model exists, a part's weights live in this store over the mapped
--- tensors of kiln.load_safetensors, with the same methods as a kiln.Model.
-local Store = {}
-Store.__index = Store
-M.Store = Store
-
-function Store.new(mapped, label)
-  return setmetatable({ mapped = mapped, resident = nil, label = label }, Store)
+-- Every part is a kiln.Model (residency, load / offload / unload, eviction, the
+-- per-model summary, streaming) over exactly the tensors its network reads: the real
+-- names are given as the model's prefixes, so the parts of a single-file checkpoint
+-- are three models over one file and a diffusers or override file contributes only
+-- what is used (not position_ids, logit_scale, ...).
+local function open_store(paths, names, label)
+  local ok, m = pcall(kiln.model, #paths == 1 and paths[1] or paths, { prefix = names, name = label })
+  if not ok then fail(paths[1], fmt("cannot open the %s weights: %s", label, tostring(m))) end
+  return m
 end
 
-function Store:_live()
-  if not self.mapped then error(fmt("%s: model was closed", self.label), 3) end
-end
-
-function Store:tensor(name)
-  self:_live()
-  local t = (self.resident and self.resident[name]) or self.mapped[name]
-  if not t then error(fmt("%s: no tensor named '%s'", self.label, name), 2) end
-  return t
-end
-
-function Store:has(name)
-  self:_live()
-  return self.mapped[name] ~= nil
-end
-
-function Store:names()
-  self:_live()
-  return sorted_keys(self.mapped)
-end
-
-local FLOAT = { f32 = true, f16 = true, bf16 = true }
-
-function Store:load(device, opts)
-  self:_live()
-  device = device or kiln.default_device()
-  local dtype = opts and opts.dtype
-  if dtype ~= nil and not FLOAT[dtype] then
-    error(fmt("load: invalid dtype '%s' (expected one of: f32, f16, bf16)", tostring(dtype)), 2)
-  end
-  local res = {}
-  for name, t in pairs(self.mapped) do
-    local dt = (dtype and FLOAT[t.dtype]) and dtype or t.dtype
-    res[name] = t:to(device, dt)
-  end
-  self.resident = res
-  return self
-end
-
-function Store:offload()
-  self:_live()
-  if self.resident then
-    for name, t in pairs(self.resident) do
-      if t.device ~= "cpu" then self.resident[name] = t:to("cpu") end
-    end
-  end
-  return self
-end
-
-function Store:unload()
-  self:_live()
-  self.resident = nil
-  return self
-end
-
-function Store:bytes(device)
-  self:_live()
-  local n = 0
-  for _, t in pairs(self.resident or {}) do
-    if device == nil or t.device == device then n = n + t:nbytes() end
-  end
-  return n
-end
-
-function Store:close()
-  self.mapped, self.resident = nil, nil
-end
-
--- Opens a weight store over names (real file names) of the given files.
--- tensors: name -> mapped tensor (already read); paths: the files.
--- A kiln.Model holds every tensor of its files, so it serves a part only when the
--- files hold little else (diffusers folders, separate files); the parts of a
--- single-file checkpoint share one file and each get a Store over its own names.
-local function open_store(paths, tensors, names, label)
-  local mapped = {}
-  for _, n in ipairs(names) do mapped[n] = tensors[n] end
-  if kiln.model and M.use_kiln_model ~= false then
-    local extra = 0
-    for n, t in pairs(tensors) do
-      if not mapped[n] then extra = extra + t:nbytes() end
-    end
-    if extra <= 1024 * 1024 then
-      return kiln.model(#paths == 1 and paths[1] or paths, { name = label })
-    end
-  end
-  return Store.new(mapped, label)
-end
-
--- The accessor a network reads its weights through: names relative to the part root,
--- resolved with a prefix or a name map (diffusers) to the store's names.
-local Weights = {}
-Weights.__index = Weights
-
-local function new_weights(store, prefix, map)
-  return setmetatable({ store = store, prefix = prefix or "", map = map }, Weights)
-end
-
-function Weights:real(name)
-  if self.map then return self.map[name] or (self.prefix .. name) end
-  return self.prefix .. name
-end
-
-function Weights:tensor(name)
-  return self.store:tensor(self:real(name))
-end
+local new_weights = stream.weights
 
 -- ---------------------------------------------------------------- validation
 
@@ -571,8 +469,17 @@ end
 
 -- ---------------------------------------------------------------- parts as models
 
--- Wraps a network object so it is also its weight store: methods the network's class
--- lacks (load, offload, unload, bytes, ...) go to the store; close and <close> too.
+-- What a part forwards to its kiln.Model: methods (returning the part where the model
+-- returns itself) and read-only properties. Anything else is the network's own field,
+-- nil when absent (a kiln.Model would take an unknown key for a tensor name).
+local MODEL_METHODS = {
+  load = true, offload = true, unload = true, pin = true, unpin = true, bytes = true, fetch = true,
+  prefetch = true, release = true, where = true, stats = true, names = true, has = true, tensor = true,
+}
+local MODEL_PROPS = { name = true, residency = true, device = true, pinned = true, closed = true }
+
+-- Wraps a network object so it is also its weight store: load, offload, unload, bytes,
+-- ... go to the store; close and <close> too.
 local function as_model(obj, store, kind)
   local class = getmetatable(obj)
   obj.model = store
@@ -581,20 +488,24 @@ local function as_model(obj, store, kind)
   mt.__index = function(_, k)
     local v = class[k]
     if v ~= nil then return v end
-    local f = store[k]
-    if type(f) == "function" then
+    if MODEL_METHODS[k] then
+      local f = store[k]
+      if type(f) ~= "function" then
+        error(fmt("%s: '%s' is not available on this part (its weights span several files)", kind, k), 2)
+      end
       return function(self, ...)
         local r = f(store, ...)
         if r == store then return self end
         return r
       end
     end
-    return f
+    if MODEL_PROPS[k] then return store[k] end
+    return nil
   end
   mt.__close = function(t) t:close() end
   mt.__tostring = function(t)
     local cfg = rawget(t, "config") or {}
-    return fmt("%s(%s)", kind, cfg.summary or "")
+    return fmt("%s(%s; %s)", kind, cfg.summary or "", tostring(store))
   end
   obj.close = function(self)
     local s = rawget(self, "model")
@@ -650,7 +561,7 @@ local function build_unet(src, cfg, family)
   local resolve = function(n) return src.map and src.map[n] or (src.prefix .. n) end
   local exp = unet.expected(cfg)
   validate(src.path, family .. " UNet", exp, resolve, src.shapes)
-  local store = open_store(src.paths, src.tensors, names_of(exp, resolve), "unet")
+  local store = open_store(src.paths, names_of(exp, resolve), "unet")
   return as_model(unet.new(new_weights(store, src.prefix, src.map), cfg), store, "UNet")
 end
 
@@ -660,7 +571,7 @@ local function build_vae(src, cfg)
   local resolve = function(n) return src.map and src.map[n] or (src.prefix .. n) end
   local exp = vae.expected(cfg)
   validate(src.path, "VAE", exp, resolve, src.shapes)
-  local store = open_store(src.paths, src.tensors, names_of(exp, resolve), "vae")
+  local store = open_store(src.paths, names_of(exp, resolve), "vae")
   local v = as_model(vae.new(new_weights(store, src.prefix, src.map), cfg), store, "VAE")
   v.factor, v.scale_factor, v.shift_factor = cfg.factor, cfg.scale_factor, cfg.shift_factor
   v.latent_channels = cfg.z_channels
@@ -677,7 +588,7 @@ local function group(stores)
   return setmetatable({ stores = stores }, Group)
 end
 
-for _, m in ipairs({ "load", "offload", "unload", "close" }) do
+for _, m in ipairs({ "load", "offload", "unload", "pin", "unpin", "close" }) do
   Group[m] = function(self, ...)
     for _, s in ipairs(self.stores) do s[m](s, ...) end
     return self
@@ -692,6 +603,12 @@ end
 
 function Group:tensor(name)
   error("clip: tensor() on a multi-file part: use clip.encoders[i].enc.weights", 2)
+end
+
+Group.__tostring = function(g)
+  local r = {}
+  for i, st in ipairs(g.stores) do r[i] = tostring(st) end
+  return table.concat(r, " + ")
 end
 
 local function build_clip(encs, family, tokenizer, hint)
@@ -710,7 +627,7 @@ local function build_clip(encs, family, tokenizer, hint)
     local key = e.src.path
     if not by_path[key] then
       local nf = names_for[key]
-      by_path[key] = open_store(nf.src.paths, nf.src.tensors, nf.names, "clip")
+      by_path[key] = open_store(nf.src.paths, nf.names, "clip")
       stores[#stores + 1] = by_path[key]
     end
     local enc = clip.new_encoder(new_weights(by_path[key], e.src.prefix), e.cfg)

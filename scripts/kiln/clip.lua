@@ -10,6 +10,7 @@
 --   Text (the `clip` part of a checkpoint): one encoder (SD 1.x/2.x) or two (SDXL),
 --     with clip:tokenize(text) and clip:encode(text) -> cond [1, 77k, dim] (, pooled).
 local kiln = require "kiln"
+local stream = require "kiln.stream"
 local nn = kiln.nn
 
 local M = {}
@@ -111,17 +112,6 @@ end
 
 -- ---------------------------------------------------------------- encoder network
 
-function M.new_encoder(weights, cfg)
-  return setmetatable({ weights = weights, config = cfg }, Encoder)
-end
-
-function Encoder:w(name) return self.weights:tensor(name) end
-
-function Encoder:_use(prefix)
-  local w = self.weights
-  if w.use then w:use(prefix) end
-end
-
 local function names(cfg, i)
   if cfg.layout == "hf" then
     local p = fmt("text_model.encoder.layers.%d.", i)
@@ -138,13 +128,46 @@ local function names(cfg, i)
   }
 end
 
+-- The streaming block a tensor belongs to: "layers.N" (one transformer layer) or
+-- "final" (final norm and projection). The embeddings belong to none: in mode "low"
+-- their rows are gathered on the host and only the [B, L, W] result goes to the device.
+function M.block_of(name)
+  local i = name:match("^text_model%.encoder%.layers%.(%d+)%.") or name:match("^transformer%.resblocks%.(%d+)%.")
+  if i then return "layers." .. i end
+  if name:match("^text_model%.final_layer_norm%.") or name:match("^ln_final%.") or name:match("^text_projection") then
+    return "final"
+  end
+  return nil
+end
+
+function M.new_encoder(weights, cfg)
+  local self = setmetatable({ weights = weights, config = cfg }, Encoder)
+  self.streamer = stream.new(weights, stream.blocks(M.expected(cfg), M.block_of), "clip")
+  return self
+end
+
+function Encoder:w(name) return self.weights:tensor(name) end
+
+-- The device the encoder runs on (the streaming target in mode "low").
+function Encoder:device()
+  local probe = names(self.config, 0).ln1 .. ".weight"
+  local w = self.weights
+  if w.device then return w:device(probe) end
+  local t = w:tensor(probe)
+  return t.device
+end
+
 -- q, k or v weight and bias of layer n (j = 1, 2, 3): separate tensors in the HF
 -- layout, rows of the packed in_proj in open_clip's.
+-- (views of the packed tensors are new handles: the caller frees them, as it may
+-- free the others)
 function Encoder:_qkv(n, j)
   if n.packed then
     local W = self.config.width
-    return self:w(n.packed .. "weight"):narrow(1, (j - 1) * W + 1, W),
-        self:w(n.packed .. "bias"):narrow(1, (j - 1) * W + 1, W)
+    local w, b = self:w(n.packed .. "weight"), self:w(n.packed .. "bias")
+    local wv, bv = w:narrow(1, (j - 1) * W + 1, W), b:narrow(1, (j - 1) * W + 1, W)
+    w:free(); b:free()
+    return wv, bv
   end
   local p = ({ n.q, n.k, n.v })[j]
   return self:w(p .. ".weight"), self:w(p .. ".bias")
@@ -157,23 +180,38 @@ function Encoder:embed(ids)
   local tok = self:w(cfg.layout == "hf" and "text_model.embeddings.token_embedding.weight" or "token_embedding.weight")
   local pos = self:w(cfg.layout == "hf" and "text_model.embeddings.position_embedding.weight" or "positional_embedding")
   local L = #ids[1]
-  if L > cfg.positions then error(fmt("CLIP: %d tokens, but the encoder has %d positions", L, cfg.positions), 3) end
+  local function drop_all() tok:free(); pos:free() end
+  if L > cfg.positions then
+    drop_all()
+    error(fmt("CLIP: %d tokens, but the encoder has %d positions", L, cfg.positions), 3)
+  end
   local rows = {}
   for b, seq in ipairs(ids) do
-    if #seq ~= L then error("CLIP: token sequences of a batch must have the same length", 3) end
+    if #seq ~= L then drop_all(); error("CLIP: token sequences of a batch must have the same length", 3) end
     local r = {}
     for i, id in ipairs(seq) do
       if math.type(id) ~= "integer" or id < 0 or id >= cfg.vocab then
+        drop_all()
         error(fmt("CLIP: token id %s at position %d is outside the vocabulary (0..%d)", tostring(id), i, cfg.vocab - 1), 3)
       end
       r[i] = tok:narrow(1, id + 1, 1)
     end
-    rows[b] = kiln.cat(r, 1):reshape({ 1, L, cfg.width })
+    local c = kiln.cat(r, 1)
+    for _, v in ipairs(r) do v:free() end
+    rows[b] = c:reshape({ 1, L, cfg.width })
+    c:free()
   end
   local e = #rows == 1 and rows[1] or kiln.cat(rows, 1)
-  local p = pos:narrow(1, 1, L):reshape({ 1, L, cfg.width })
-  local x = e:to("f32") + p:to("f32")
-  e:free()
+  if #rows > 1 then for _, v in ipairs(rows) do v:free() end end
+  local pn = pos:narrow(1, 1, L)
+  local p = pn:reshape({ 1, L, cfg.width })
+  pn:free()
+  local ef, pf = e:to("f32"), p:to("f32")
+  local x = ef + pf
+  if ef ~= e then ef:free() end
+  if pf ~= p then pf:free() end
+  e:free(); p:free()
+  drop_all()
   return x
 end
 
@@ -181,24 +219,34 @@ end
 function Encoder:_layer(i, x)
   local cfg = self.config
   local n = names(cfg, i)
-  self:_use(n.prefix)
   local B, L, W = x.shape[1], x.shape[2], x.shape[3]
   local H = cfg.heads
   local d = W // H
   local h = nn.layer_norm(x, self:w(n.ln1 .. ".weight"), self:w(n.ln1 .. ".bias"), 1e-5)
   local function proj(j)
     local w, b = self:_qkv(n, j)
-    return nn.linear(h, w, b)
+    local r = nn.linear(h, w, b)
+    w:free(); b:free()
+    return r
   end
   local q, k, v = proj(1), proj(2), proj(3)
   h:free()
-  local function heads(t) return t:reshape({ B, L, H, d }):transpose(2, 3) end
-  local o = nn.attention(heads(q), heads(k), heads(v), { causal = true })
-  q:free(); k:free(); v:free()
-  local o2 = o:transpose(2, 3):contiguous()
-  o:free()
-  local a = nn.linear(o2:reshape({ B, L, W }), self:w(n.out .. ".weight"), self:w(n.out .. ".bias"))
-  o2:free()
+  -- every view is freed as soon as it is dead (a view keeps its storage alive)
+  local function heads(t)
+    local r = t:reshape({ B, L, H, d })
+    local v = r:transpose(2, 3)
+    r:free()
+    return v
+  end
+  local qh, kh, vh = heads(q), heads(k), heads(v)
+  local o = nn.attention(qh, kh, vh, { causal = true })
+  qh:free(); kh:free(); vh:free(); q:free(); k:free(); v:free()
+  local ot = o:transpose(2, 3)
+  local o2 = ot:contiguous()
+  ot:free(); o:free()
+  local o3 = o2:reshape({ B, L, W })
+  local a = nn.linear(o3, self:w(n.out .. ".weight"), self:w(n.out .. ".bias"))
+  o3:free(); o2:free()
   local x1 = x + a
   a:free()
   h = nn.layer_norm(x1, self:w(n.ln2 .. ".weight"), self:w(n.ln2 .. ".bias"), 1e-5)
@@ -237,21 +285,35 @@ function Encoder:forward(ids, opts)
   local want_pooled = opts.pooled
   local last = want_pooled and cfg.layers or layer
   local batch = type(ids[1]) == "number" and { ids } or ids
-  self:_use("embeddings")
+  local order = {}
+  for i = 0, last - 1 do order[#order + 1] = "layers." .. i end
+  if final_norm or want_pooled then order[#order + 1] = "final" end
+  local pass <close> = self.streamer:pass(order)
+  local dev = self:device()
   local x = self:embed(batch)
+  if x.device ~= dev then
+    local xd = x:to(dev)
+    x:free()
+    x = xd
+  end
   local hidden
   for i = 0, last - 1 do
     if i == layer then hidden = x end
-    local nx = self:_layer(i, x)
+    local nx = pass:run("layers." .. i, self._layer, self, i, x)
     if x ~= hidden then x:free() end
     x = nx
   end
   if layer == last then hidden = x end
+  if not (final_norm or want_pooled) then return hidden end
+  return pass:run("final", self._finish, self, hidden, x, final_norm, want_pooled and batch)
+end
+
+-- The final norm of the chosen hidden state and (pooled_batch given) the pooled vector
+-- from the last layer's state x; frees what the caller does not get back.
+function Encoder:_finish(hidden, x, final_norm, pooled_batch)
   local out = final_norm and self:final_norm(hidden) or hidden
   local pooled
-  if want_pooled then
-    pooled = self:_pooled(x, batch)
-  end
+  if pooled_batch then pooled = self:_pooled(x, pooled_batch) end
   if final_norm and hidden ~= out then hidden:free() end
   if x ~= hidden and x ~= out then x:free() end
   return out, pooled
@@ -272,8 +334,13 @@ function Encoder:_pooled(last, batch)
   if cfg.layout == "hf" then
     r = nn.linear(e, self:w("text_projection.weight"))
   else
-    r = e:matmul(self:w("text_projection"):to("f32"))
+    local p = self:w("text_projection")
+    local pf = p:to("f32")
+    r = e:matmul(pf)
+    if pf ~= p then pf:free() end
   end
+  if #rows > 1 then e:free() end
+  for _, v in ipairs(rows) do v:free() end
   n:free()
   return r
 end

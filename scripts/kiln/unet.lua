@@ -7,6 +7,7 @@
 --                                          -- the UNet root ("input_blocks.1.0.in_layers.0.weight")
 --   local eps = u:forward(x, t, context [, y])
 local kiln = require "kiln"
+local stream = require "kiln.stream"
 local nn = kiln.nn
 
 local M = {}
@@ -204,24 +205,33 @@ end
 
 -- ---------------------------------------------------------------- network
 
+-- The streaming block a tensor belongs to (its name relative to the UNet root):
+-- "time_embed." (with SDXL's label_emb), "input_blocks.N.", "middle_block.",
+-- "output_blocks.N.", "out.".
+function M.block_of(name)
+  local k = name:match("^(input_blocks%.%d+%.)") or name:match("^(output_blocks%.%d+%.)")
+  if k then return k end
+  if name:match("^middle_block%.") then return "middle_block." end
+  if name:match("^time_embed%.") or name:match("^label_emb%.") then return "time_embed." end
+  if name:match("^out%.") then return "out." end
+  return nil
+end
+
 function M.new(weights, cfg)
   local self = setmetatable({ weights = weights, config = cfg }, UNet)
   self.plan = M.plan(cfg)
+  self.streamer = stream.new(weights, stream.blocks(M.expected(cfg), M.block_of), "unet")
   return self
 end
 
 function UNet:w(name) return self.weights:tensor(name) end
 
--- Called before a block runs with the block's name prefix: the place where weights
--- are fetched per block (low memory mode) when the store supports it.
-function UNet:_use(prefix)
+-- The device the network runs on (the streaming target in mode "low").
+function UNet:device()
   local w = self.weights
-  if w.use then w:use(prefix) end
-end
-
-function UNet:_done(prefix)
-  local w = self.weights
-  if w.done then w:done(prefix) end
+  if w.device then return w:device("time_embed.0.weight") end
+  local t = w:tensor("time_embed.0.weight")
+  return t.device
 end
 
 -- CompVis timestep_embedding: [cos(t f), sin(t f)] with f_i = exp(-ln(10000) i / half).
@@ -237,10 +247,19 @@ function M.timestep_embedding(t, dim, device)
   return emb
 end
 
+-- t:reshape(shape):transpose(a, b) as one new view (no handle left for the GC: a
+-- view keeps its storage alive until it is freed or collected).
+local function reshape_transpose(t, shape, a, b)
+  local r = t:reshape(shape)
+  local v = r:transpose(a, b)
+  r:free()
+  return v
+end
+
+-- A 1x1 convolution weight [out, in, 1, 1] as a linear weight [out, in]: always a new
+-- view, which the caller frees (a streamed weight's storage must not outlive its block).
 local function linear2d(w)
-  -- a 1x1 convolution weight [out, in, 1, 1] used as a linear weight [out, in]
-  if #w.shape == 4 then return w:reshape({ w.shape[1], w.shape[2] }) end
-  return w
+  return w:reshape({ w.shape[1], w.shape[2] })
 end
 
 function UNet:_resblock(ly, x, emb_silu)
@@ -249,8 +268,9 @@ function UNet:_resblock(ly, x, emb_silu)
   local h2 = nn.conv2d(h, self:w(p .. "in_layers.2.weight"), self:w(p .. "in_layers.2.bias"), { padding = 1 })
   h:free()
   local e = nn.linear(emb_silu, self:w(p .. "emb_layers.1.weight"), self:w(p .. "emb_layers.1.bias"))
-  local h3 = h2 + e:reshape({ e.shape[1], e.shape[2], 1, 1 })
-  h2:free(); e:free()
+  local e4 = e:reshape({ e.shape[1], e.shape[2], 1, 1 })
+  local h3 = h2 + e4
+  h2:free(); e4:free(); e:free()
   local h4 = nn.group_norm(h3, 32, self:w(p .. "out_layers.0.weight"), self:w(p .. "out_layers.0.bias"), 1e-5, { silu = true })
   h3:free()
   local h5 = nn.conv2d(h4, self:w(p .. "out_layers.3.weight"), self:w(p .. "out_layers.3.bias"), { padding = 1 })
@@ -275,13 +295,17 @@ function UNet:_attention(p, x, context, heads)
   local v = nn.linear(ctx, self:w(p .. "to_v.weight"))
   local B, L, inner = q.shape[1], q.shape[2], q.shape[3]
   local Lk, d = k.shape[2], inner // heads
-  local o = nn.attention(q:reshape({ B, L, heads, d }):transpose(2, 3),
-    k:reshape({ B, Lk, heads, d }):transpose(2, 3), v:reshape({ B, Lk, heads, d }):transpose(2, 3))
-  q:free(); k:free(); v:free()
-  local o2 = o:transpose(2, 3):contiguous()
-  o:free()
-  local r = nn.linear(o2:reshape({ B, L, inner }), self:w(p .. "to_out.0.weight"), self:w(p .. "to_out.0.bias"))
-  o2:free()
+  local qh = reshape_transpose(q, { B, L, heads, d }, 2, 3)
+  local kh = reshape_transpose(k, { B, Lk, heads, d }, 2, 3)
+  local vh = reshape_transpose(v, { B, Lk, heads, d }, 2, 3)
+  local o = nn.attention(qh, kh, vh)
+  qh:free(); kh:free(); vh:free(); q:free(); k:free(); v:free()
+  local ot = o:transpose(2, 3)
+  local o2 = ot:contiguous()
+  ot:free(); o:free()
+  local o3 = o2:reshape({ B, L, inner })
+  local r = nn.linear(o3, self:w(p .. "to_out.0.weight"), self:w(p .. "to_out.0.bias"))
+  o3:free(); o2:free()
   return r
 end
 
@@ -314,20 +338,24 @@ function UNet:_spatial_transformer(ly, x, context)
   local p = ly.prefix
   local B, C, H, W = x.shape[1], x.shape[2], x.shape[3], x.shape[4]
   local n = nn.group_norm(x, 32, self:w(p .. "norm.weight"), self:w(p .. "norm.bias"), 1e-6)
-  local h = nn.linear(n:reshape({ B, C, H * W }):transpose(2, 3), linear2d(self:w(p .. "proj_in.weight")),
-    self:w(p .. "proj_in.bias"))
-  n:free()
+  local pin = linear2d(self:w(p .. "proj_in.weight"))
+  local nt = reshape_transpose(n, { B, C, H * W }, 2, 3)
+  local h = nn.linear(nt, pin, self:w(p .. "proj_in.bias"))
+  pin:free(); nt:free(); n:free()
   for d = 0, ly.depth - 1 do
     local h2 = self:_transformer_block(fmt("%stransformer_blocks.%d.", p, d), h, context, ly.heads)
     h:free()
     h = h2
   end
-  local o = nn.linear(h, linear2d(self:w(p .. "proj_out.weight")), self:w(p .. "proj_out.bias"))
-  h:free()
-  local o2 = o:transpose(2, 3):contiguous()
-  o:free()
-  local r = o2:reshape({ B, C, H, W }) + x
-  o2:free()
+  local pout = linear2d(self:w(p .. "proj_out.weight"))
+  local o = nn.linear(h, pout, self:w(p .. "proj_out.bias"))
+  pout:free(); h:free()
+  local ot = o:transpose(2, 3)
+  local o2 = ot:contiguous()
+  ot:free(); o:free()
+  local o4 = o2:reshape({ B, C, H, W })
+  local r = o4 + x
+  o4:free(); o2:free()
   return r
 end
 
@@ -348,14 +376,12 @@ end
 
 -- Runs one block; frees every intermediate but never the block's input.
 function UNet:_block(blk, x, emb_silu, context)
-  self:_use(blk.prefix)
   local h = x
   for _, ly in ipairs(blk) do
     local nxt = self:_layer(ly, h, emb_silu, context)
     if h ~= x then h:free() end
     h = nxt
   end
-  self:_done(blk.prefix)
   return h
 end
 
@@ -397,15 +423,39 @@ function UNet:forward(x, t, context, y)
   if y and (#y.shape ~= 2 or y.shape[2] ~= cfg.adm_in_channels) then
     error(fmt("unet:forward: y must be [B, %d], got [%s]", cfg.adm_in_channels, table.concat(y.shape, ", ")), 2)
   end
-  self:_use("time_embed.")
-  local dev = self:w("time_embed.0.weight").device
+  local pass <close> = self.streamer:pass()
+  local dev = self:device()
   local dt = x.dtype
-  if x.device ~= dev then x = x:to(dev) end
-  if context.device ~= dev then context = context:to(dev) end
-  if context.dtype ~= dt then context = context:to(dt) end
+  -- copies made here are freed when the pass ends (x itself is the caller's)
+  local copies <close> = setmetatable({}, { __close = function(c) for _, v in ipairs(c) do v:free() end end })
+  local function own(v) copies[#copies + 1] = v; return v end
+  if x.device ~= dev then x = own(x:to(dev)) end
+  if context.device ~= dev then context = own(context:to(dev)) end
+  if context.dtype ~= dt then context = own(context:to(dt)) end
   t = as_timesteps(t, B, dev)
 
-  -- time (and label) embedding; every ResBlock applies SiLU to it first, so do it once
+  local emb_silu = pass:run("time_embed.", self._embed, self, t, y, dev, dt)
+  local hs = {}
+  local h = x
+  for _, blk in ipairs(self.plan.input) do
+    h = pass:run(blk.prefix, self._block, self, blk, h, emb_silu, context)
+    hs[#hs + 1] = h
+  end
+  h = pass:run(self.plan.middle.prefix, self._block, self, self.plan.middle, h, emb_silu, context)
+  for _, blk in ipairs(self.plan.output) do
+    local skip = table.remove(hs)
+    local cat = kiln.cat({ h, skip }, 2)
+    h:free(); skip:free()
+    h = pass:run(blk.prefix, self._block, self, blk, cat, emb_silu, context)
+    cat:free()
+  end
+  emb_silu:free()
+  return pass:run("out.", self._out, self, h)
+end
+
+-- time (and label) embedding; every ResBlock applies SiLU to it first, so do it once
+function UNet:_embed(t, y, dev, dt)
+  local cfg = self.config
   local te = M.timestep_embedding(t, cfg.model_channels, dev)
   local e1 = nn.linear(te, self:w("time_embed.0.weight"), self:w("time_embed.0.bias"))
   te:free()
@@ -414,7 +464,6 @@ function UNet:forward(x, t, context, y)
   local emb = nn.linear(e1s, self:w("time_embed.2.weight"), self:w("time_embed.2.bias"))
   e1s:free()
   if y then
-    self:_use("label_emb.")
     if y.device ~= dev then y = y:to(dev) end
     local l1 = nn.linear(y, self:w("label_emb.0.0.weight"), self:w("label_emb.0.0.bias"))
     local l1s = nn.silu(l1)
@@ -427,24 +476,15 @@ function UNet:forward(x, t, context, y)
   end
   local emb_silu = nn.silu(emb)
   emb:free()
-  if emb_silu.dtype ~= dt then emb_silu = emb_silu:to(dt) end
+  if emb_silu.dtype ~= dt then
+    local c = emb_silu:to(dt)
+    emb_silu:free()
+    emb_silu = c
+  end
+  return emb_silu
+end
 
-  local hs = {}
-  local h = x
-  for _, blk in ipairs(self.plan.input) do
-    h = self:_block(blk, h, emb_silu, context)
-    hs[#hs + 1] = h
-  end
-  h = self:_block(self.plan.middle, h, emb_silu, context)
-  for _, blk in ipairs(self.plan.output) do
-    local skip = table.remove(hs)
-    local cat = kiln.cat({ h, skip }, 2)
-    h:free(); skip:free()
-    h = self:_block(blk, cat, emb_silu, context)
-    cat:free()
-  end
-  emb_silu:free()
-  self:_use("out.")
+function UNet:_out(h)
   local n = nn.group_norm(h, 32, self:w("out.0.weight"), self:w("out.0.bias"), 1e-5, { silu = true })
   h:free()
   local out = nn.conv2d(n, self:w("out.2.weight"), self:w("out.2.bias"), { padding = 1 })

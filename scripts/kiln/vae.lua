@@ -6,6 +6,7 @@
 -- The architecture is read from the tensors (vae.config); vae.expected(cfg) lists the
 -- tensors with their shapes.
 local kiln = require "kiln"
+local stream = require "kiln.stream"
 local nn = kiln.nn
 
 local M = {}
@@ -129,15 +130,64 @@ end
 
 -- ---------------------------------------------------------------- network
 
+-- The streaming block a tensor belongs to (its name relative to the VAE root):
+-- "decoder.in" (post_quant_conv, decoder.conv_in), "decoder.mid.", "decoder.up.N.",
+-- "decoder.out" (norm_out, conv_out), and the encoder's "encoder.in",
+-- "encoder.down.N.", "encoder.mid.", "encoder.out" (with quant_conv).
+function M.block_of(name)
+  local k = name:match("^(decoder%.up%.%d+%.)") or name:match("^(encoder%.down%.%d+%.)") or
+      name:match("^(decoder%.mid%.)") or name:match("^(encoder%.mid%.)")
+  if k then return k end
+  if name:match("^post_quant_conv%.") or name:match("^decoder%.conv_in%.") then return "decoder.in" end
+  if name:match("^decoder%.norm_out%.") or name:match("^decoder%.conv_out%.") then return "decoder.out" end
+  if name:match("^encoder%.conv_in%.") then return "encoder.in" end
+  if name:match("^encoder%.norm_out%.") or name:match("^encoder%.conv_out%.") or name:match("^quant_conv%.") then
+    return "encoder.out"
+  end
+  return nil
+end
+
 function M.new(weights, cfg)
-  return setmetatable({ weights = weights, config = cfg }, VAE)
+  local self = setmetatable({ weights = weights, config = cfg }, VAE)
+  self.streamer = stream.new(weights, stream.blocks(M.expected(cfg), M.block_of), "vae")
+  if cfg.has_decoder then
+    local o = { "decoder.in", "decoder.mid." }
+    for i = cfg.levels - 1, 0, -1 do o[#o + 1] = fmt("decoder.up.%d.", i) end
+    o[#o + 1] = "decoder.out"
+    self.decode_order = o
+  end
+  if cfg.has_encoder then
+    local o = { "encoder.in" }
+    for i = 0, cfg.levels - 1 do o[#o + 1] = fmt("encoder.down.%d.", i) end
+    o[#o + 1] = "encoder.mid."
+    o[#o + 1] = "encoder.out"
+    self.encode_order = o
+  end
+  return self
 end
 
 function VAE:w(name) return self.weights:tensor(name) end
 
-function VAE:_use(prefix)
+-- The device the network runs on (the streaming target in mode "low").
+function VAE:device(probe)
   local w = self.weights
-  if w.use then w:use(prefix) end
+  if w.device then return w:device(probe) end
+  local t = w:tensor(probe)
+  return t.device
+end
+
+-- Bytes the streamed weights need on the device at once (the two largest adjacent
+-- blocks of a pass), 0 when the weights are not streamed.
+function VAE:stream_bytes(order)
+  local w = self.weights
+  if not (w.streaming and w:streaming()) then return 0 end
+  local sizes = {}
+  for _, b in ipairs(self.streamer:block_bytes() or {}) do sizes[b.key] = b.bytes end
+  local worst = 0
+  for i = 1, #order do
+    worst = math.max(worst, (sizes[order[i]] or 0) + (sizes[order[i + 1]] or 0))
+  end
+  return worst
 end
 
 local function conv(self, p, x, opts)
@@ -164,29 +214,44 @@ function VAE:_resblock(p, x)
   return out
 end
 
+-- A 1x1 convolution weight as a linear weight (diffusers files store them so): always a
+-- new view, which the caller frees (a streamed weight must not outlive its block).
 local function as2d(w)
-  if #w.shape == 4 then return w:reshape({ w.shape[1], w.shape[2] }) end
-  return w -- diffusers files store these 1x1 convolutions as linear weights
+  return w:reshape({ w.shape[1], w.shape[2] })
 end
 
--- Single-head self-attention over the h*w positions (scale c^-1/2).
+local function linear1x1(self, p, x)
+  local w = as2d(self:w(p .. ".weight"))
+  local r = nn.linear(x, w, self:w(p .. ".bias"))
+  w:free()
+  return r
+end
+
+-- Single-head self-attention over the h*w positions (scale c^-1/2). Every view is
+-- freed as soon as it is dead (a view keeps its storage alive until then).
 function VAE:_attn(p, x)
   local B, C, H, W = x.shape[1], x.shape[2], x.shape[3], x.shape[4]
   local n = nn.group_norm(x, 32, self:w(p .. ".norm.weight"), self:w(p .. ".norm.bias"), 1e-6)
-  local seq = n:reshape({ B, C, H * W }):transpose(2, 3):contiguous() -- [B, HW, C]
-  n:free()
-  local q = nn.linear(seq, as2d(self:w(p .. ".q.weight")), self:w(p .. ".q.bias"))
-  local k = nn.linear(seq, as2d(self:w(p .. ".k.weight")), self:w(p .. ".k.bias"))
-  local v = nn.linear(seq, as2d(self:w(p .. ".v.weight")), self:w(p .. ".v.bias"))
+  local n3 = n:reshape({ B, C, H * W })
+  local nt = n3:transpose(2, 3)
+  local seq = nt:contiguous() -- [B, HW, C]
+  nt:free(); n3:free(); n:free()
+  local q = linear1x1(self, p .. ".q", seq)
+  local k = linear1x1(self, p .. ".k", seq)
+  local v = linear1x1(self, p .. ".v", seq)
   seq:free()
-  local o = nn.attention(q:reshape({ B, 1, H * W, C }), k:reshape({ B, 1, H * W, C }), v:reshape({ B, 1, H * W, C }))
-  q:free(); k:free(); v:free()
-  local pr = nn.linear(o:reshape({ B, H * W, C }), as2d(self:w(p .. ".proj_out.weight")), self:w(p .. ".proj_out.bias"))
-  o:free()
-  local t = pr:transpose(2, 3):contiguous()
-  pr:free()
-  local r = t:reshape({ B, C, H, W }) + x
-  t:free()
+  local q4, k4, v4 = q:reshape({ B, 1, H * W, C }), k:reshape({ B, 1, H * W, C }), v:reshape({ B, 1, H * W, C })
+  local o = nn.attention(q4, k4, v4)
+  q4:free(); k4:free(); v4:free(); q:free(); k:free(); v:free()
+  local o2 = o:reshape({ B, H * W, C })
+  local pr = linear1x1(self, p .. ".proj_out", o2)
+  o2:free(); o:free()
+  local pt = pr:transpose(2, 3)
+  local t = pt:contiguous()
+  pt:free(); pr:free()
+  local t4 = t:reshape({ B, C, H, W })
+  local r = t4 + x
+  t4:free(); t:free()
   return r
 end
 
@@ -196,57 +261,64 @@ local function step(x, keep, y)
   return y
 end
 
-function VAE:_mid(side, h, keep)
-  self:_use(side .. ".mid.")
-  h = step(h, keep, self:_resblock(side .. ".mid.block_1", h))
-  h = step(h, keep, self:_attn(side .. ".mid.attn_1", h))
-  h = step(h, keep, self:_resblock(side .. ".mid.block_2", h))
+function VAE:_mid(side, h)
+  h = step(h, nil, self:_resblock(side .. ".mid.block_1", h))
+  h = step(h, nil, self:_attn(side .. ".mid.attn_1", h))
+  h = step(h, nil, self:_resblock(side .. ".mid.block_2", h))
   return h
+end
+
+function VAE:_dec_in(z)
+  local h = conv(self, "post_quant_conv", z)
+  return step(h, nil, conv(self, "decoder.conv_in", h, { padding = 1 }))
+end
+
+function VAE:_dec_up(i, h)
+  local cfg = self.config
+  for j = 0, cfg.num_res_blocks do
+    h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h))
+  end
+  if i ~= 0 then
+    local u = nn.upsample_nearest(h, 2)
+    h:free()
+    h = step(u, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), u, { padding = 1 }))
+  end
+  return h
+end
+
+function VAE:_dec_out(h)
+  h = step(h, nil, nn.group_norm(h, 32, self:w("decoder.norm_out.weight"), self:w("decoder.norm_out.bias"), 1e-6, { silu = true }))
+  return step(h, nil, conv(self, "decoder.conv_out", h, { padding = 1 }))
 end
 
 -- unscaled latent z [B, z, h, w] -> decoder output (about [-1, 1]) [B, 3, fh, fw]
 function VAE:decode_raw(z)
   local cfg = self.config
   if not cfg.has_decoder then error("vae:decode: this VAE has no decoder", 2) end
-  self:_use("decoder.")
-  local h = conv(self, "post_quant_conv", z)
-  h = step(h, nil, conv(self, "decoder.conv_in", h, { padding = 1 }))
-  h = self:_mid("decoder", h)
+  local pass <close> = self.streamer:pass(self.decode_order)
+  local h = pass:run("decoder.in", self._dec_in, self, z)
+  h = pass:run("decoder.mid.", self._mid, self, "decoder", h)
   for i = cfg.levels - 1, 0, -1 do
-    self:_use(fmt("decoder.up.%d.", i))
-    for j = 0, cfg.num_res_blocks do
-      h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h))
-    end
-    if i ~= 0 then
-      local u = nn.upsample_nearest(h, 2)
-      h:free()
-      h = step(u, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), u, { padding = 1 }))
-    end
+    h = pass:run(fmt("decoder.up.%d.", i), self._dec_up, self, i, h)
   end
-  self:_use("decoder.")
-  h = step(h, nil, nn.group_norm(h, 32, self:w("decoder.norm_out.weight"), self:w("decoder.norm_out.bias"), 1e-6, { silu = true }))
-  return step(h, nil, conv(self, "decoder.conv_out", h, { padding = 1 }))
+  return pass:run("decoder.out", self._dec_out, self, h)
 end
 
--- image in [-1, 1] [B, 3, H, W] -> posterior mean (unscaled) [B, embed_dim, H/f, W/f]
-function VAE:encode_raw(x)
+function VAE:_enc_down(i, h)
   local cfg = self.config
-  if not cfg.has_encoder then error("vae:encode: this VAE has no encoder", 2) end
-  self:_use("encoder.")
-  local h = conv(self, "encoder.conv_in", x, { padding = 1 })
-  for i = 0, cfg.levels - 1 do
-    self:_use(fmt("encoder.down.%d.", i))
-    for j = 0, cfg.num_res_blocks - 1 do
-      h = step(h, nil, self:_resblock(fmt("encoder.down.%d.block.%d", i, j), h))
-    end
-    if i ~= cfg.levels - 1 then
-      local pd = nn.pad(h, { 0, 1, 0, 1 })
-      h:free()
-      h = step(pd, nil, conv(self, fmt("encoder.down.%d.downsample.conv", i), pd, { stride = 2 }))
-    end
+  for j = 0, cfg.num_res_blocks - 1 do
+    h = step(h, nil, self:_resblock(fmt("encoder.down.%d.block.%d", i, j), h))
   end
-  h = self:_mid("encoder", h)
-  self:_use("encoder.")
+  if i ~= cfg.levels - 1 then
+    local pd = nn.pad(h, { 0, 1, 0, 1 })
+    h:free()
+    h = step(pd, nil, conv(self, fmt("encoder.down.%d.downsample.conv", i), pd, { stride = 2 }))
+  end
+  return h
+end
+
+function VAE:_enc_out(h)
+  local cfg = self.config
   h = step(h, nil, nn.group_norm(h, 32, self:w("encoder.norm_out.weight"), self:w("encoder.norm_out.bias"), 1e-6, { silu = true }))
   h = step(h, nil, conv(self, "encoder.conv_out", h, { padding = 1 }))
   local moments = conv(self, "quant_conv", h)
@@ -254,6 +326,19 @@ function VAE:encode_raw(x)
   local mean = moments:narrow(2, 1, cfg.embed_dim):contiguous()
   moments:free()
   return mean
+end
+
+-- image in [-1, 1] [B, 3, H, W] -> posterior mean (unscaled) [B, embed_dim, H/f, W/f]
+function VAE:encode_raw(x)
+  local cfg = self.config
+  if not cfg.has_encoder then error("vae:encode: this VAE has no encoder", 2) end
+  local pass <close> = self.streamer:pass(self.encode_order)
+  local h = pass:run("encoder.in", conv, self, "encoder.conv_in", x, { padding = 1 })
+  for i = 0, cfg.levels - 1 do
+    h = pass:run(fmt("encoder.down.%d.", i), self._enc_down, self, i, h)
+  end
+  h = pass:run("encoder.mid.", self._mid, self, "encoder", h)
+  return pass:run("encoder.out", self._enc_out, self, h)
 end
 
 -- ---------------------------------------------------------------- tiling options
@@ -283,12 +368,14 @@ function M.tile_options(opts, what)
 end
 
 -- Largest tile (latent units) whose decode fits the free budget of the device, from a
--- measured estimate of the decoder's peak per latent pixel.
-local function auto_tile(self, device)
+-- measured estimate of the decoder's peak per latent pixel; streamed weights (mode
+-- "low") take their two largest adjacent blocks off the budget first.
+local function auto_tile(self, device, order)
   local free = math.huge
   local ok, s = pcall(kiln.mem.stats, device)
   if ok and s and s.budget and s.budget > 0 then free = s.budget - (s.allocated or 0) end
   if free == math.huge then return 64 end
+  free = free - self:stream_bytes(order or {})
   -- bytes per latent pixel at the decoder's widest point: at level i (scale 2^i of the
   -- latent) a ResBlock holds its input (the upsampled output of level i+1), a norm and
   -- a conv output, the shortcut and the sum: about 3 tensors of each width, in f32
@@ -368,10 +455,16 @@ function VAE:decode(z, opts)
   if #z.shape ~= 4 or z.shape[2] ~= cfg.embed_dim then
     error(fmt("vae:decode: z must be [B, %d, h, w], got [%s]", cfg.embed_dim or -1, table.concat(z.shape, ", ")), 2)
   end
-  local dev = self:w("post_quant_conv.weight").device
-  if z.device ~= dev then z = z:to(dev) end
+  local dev = self:device("post_quant_conv.weight")
+  local zd = z.device ~= dev and z:to(dev) or nil
+  if zd then z = zd end
   local zs = z / cfg.scale_factor
-  if cfg.shift_factor ~= 0 then zs = zs + cfg.shift_factor end
+  if zd then zd:free() end
+  if cfg.shift_factor ~= 0 then
+    local s = zs + cfg.shift_factor
+    zs:free()
+    zs = s
+  end
   local function run(part)
     local d = self:decode_raw(part)
     local img = ((d + 1) * 0.5):clamp(0, 1)
@@ -380,7 +473,7 @@ function VAE:decode(z, opts)
   end
   local img
   if topt then
-    local tile = topt.tile == "auto" and auto_tile(self, dev) or topt.tile
+    local tile = topt.tile == "auto" and auto_tile(self, dev, self.decode_order) or topt.tile
     img = tiled(zs, tile, topt.overlap, cfg.factor, cfg.out_ch, run)
   else
     local ok, r = pcall(run, zs)
@@ -389,7 +482,7 @@ function VAE:decode(z, opts)
     elseif is_oom(r) then
       -- out of memory untiled: retry in tiles sized from what is free now
       collectgarbage()
-      local tile = auto_tile(self, dev)
+      local tile = auto_tile(self, dev, self.decode_order)
       if tile >= math.max(zs.shape[3], zs.shape[4]) then tile = math.max(8, (math.max(zs.shape[3], zs.shape[4]) // 2) // 8 * 8) end
       img = tiled(zs, tile, math.min(8, tile // 4), cfg.factor, cfg.out_ch, run)
     else
@@ -411,9 +504,11 @@ function VAE:encode(img, opts)
   if img.shape[3] % f ~= 0 or img.shape[4] % f ~= 0 then
     error(fmt("vae:encode: image size %dx%d must be a multiple of %d", img.shape[3], img.shape[4], f), 2)
   end
-  local dev = self:w("quant_conv.weight").device
-  if img.device ~= dev then img = img:to(dev) end
+  local dev = self:device("quant_conv.weight")
+  local imgd = img.device ~= dev and img:to(dev) or nil
+  if imgd then img = imgd end
   local x = img * 2 - 1
+  if imgd then imgd:free() end
   local function run(part)
     local m = self:encode_raw(part)
     local r = cfg.shift_factor ~= 0 and (m - cfg.shift_factor) * cfg.scale_factor or m * cfg.scale_factor
@@ -464,7 +559,7 @@ function VAE:encode(img, opts)
     return r
   end
   if topt then
-    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev) or topt.tile, topt.overlap)
+    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev, self.encode_order) or topt.tile, topt.overlap)
   else
     local ok, r = pcall(run, x)
     if ok then
@@ -472,7 +567,7 @@ function VAE:encode(img, opts)
     elseif is_oom(r) then
       collectgarbage()
       local n = math.max(x.shape[3], x.shape[4]) // f
-      local tile = math.min(auto_tile(self, dev), math.max(8, (n // 2) // 8 * 8))
+      local tile = math.min(auto_tile(self, dev, self.encode_order), math.max(8, (n // 2) // 8 * 8))
       z = encode_tiled(tile, math.min(8, tile // 4))
     else
       error(r, 0)
