@@ -37,12 +37,12 @@ static void check_scale(lua_State *L, int idx, const char *what, int64_t *num, i
     if (t != LUA_TNUMBER) luaL_error(L, "%s: option 'scale' must be a number or \"num/den\", got %s", what, luaL_typename(L, -1));
     double s = lua_tonumber(L, -1);
     lua_pop(L, 1);
-    if (!(s > 0) || !isfinite(s) || s > 4096) luaL_error(L, "%s: option 'scale' must be in (0, 4096], got %g", what, s);
+    if (!(s > 0) || !isfinite(s) || s > 4096) luaL_error(L, "%s: option 'scale' must be in (0, 4096], got %f", what, s);
     for (int64_t d = 1; d <= 4096; d++) {
         double v = s * (double)d, r = floor(v + 0.5);
         if (r >= 1 && fabs(v - r) <= 1e-9 * v) { *num = (int64_t)r; *den = d; return; }
     }
-    luaL_error(L, "%s: option 'scale' %g is not a fraction with a denominator up to 4096 (use e.g. 8 or 0.125)", what, s);
+    luaL_error(L, "%s: option 'scale' %f is not a fraction with a denominator up to 4096 (use e.g. 8 or 0.125)", what, s);
 }
 
 /* Reads the options table at idx (may be absent) into o; gc and label when asked. */

@@ -380,361 +380,83 @@ static void plan(int64_t C, int64_t K, int64_t T, int64_t *kb, int64_t *ts)
     *ts = ((T + nstrip - 1) / nstrip + 31) / 32 * 32;
 }
 
-int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p);
-int kiln_cpu_gemm_have_simd(void);
-int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-void *kiln_cpu_scratch_get(size_t bytes);
-void kiln_cpu_scratch_put(void *p);
+static void set_block(wino_ctx *c, int64_t bk, int64_t kb)
+{
+    c->k0 = bk * kb;
+    c->kb = c->K - c->k0 < kb ? c->K - c->k0 : kb;
+    c->ns = (c->kb + 11) / 12;
+    c->su = c->ns * 12 * c->C + 16;
+    c->sm = c->kb * c->tp + 16;
+}
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define AVX512 __attribute__((target("avx512f")))
+static void set_strip(wino_ctx *c, int64_t st, int64_t ts)
+{
+    int64_t T = c->TH * c->TW;
+    c->t0 = st * ts;
+    c->nt = T - c->t0 < ts ? T - c->t0 : ts;
+    c->tp = (c->nt + 31) / 32 * 32;
+    c->sv = c->C * c->tp + 16;
+    c->sm = c->kb * c->tp + 16;
+}
 
-/* Lanes of a 16-tile block that lie in one tile row: [l0, l1), row ty, first column tx. */
+static void gemms(const wino_ctx *c)
+{
+    kiln_cpu_gemm_prepacked(36, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+}
+
+/* Two ways to share the work, so that each thread runs a whole pipeline (transforms
+ * and GEMMs) on data in its own cache, with one pool job per image instead of four per
+ * step:
+ *  - BLOCKS (one strip): V of the images is transformed once, in parallel; then each
+ *    task takes a block of output channels: its U, its 36 GEMMs, its output transform;
+ *  - STRIPS: U of a block is transformed in parallel; then each task takes a strip of
+ *    tiles: its V, its 36 GEMMs, its output transform. */
 typedef struct {
-    int n;
-    int l0[16], l1[16];
-    int64_t ty[16], tx[16];
-} tile_runs;
+    wino_ctx base;            /* block (STRIPS) or strip (BLOCKS) already set */
+    int64_t kb, ts;
+    float *U, *V, *M;         /* per-thread parts: U (BLOCKS) or V (STRIPS), and M */
+    size_t nU, nV, nM;        /* floats per thread (or per image for V in BLOCKS) */
+    blk_setup *blk;           /* STRIPS: per thread, ts/16 each */
+    size_t nB;                /* blk_setup entries per thread */
+    int64_t n_img;            /* BLOCKS: images whose V is ready */
+    const float *x;           /* BLOCKS: first of those images */
+    float *y;
+} job_ctx;
 
-/* Where the input transform of one 16-tile block loads from (same for every channel). */
-typedef struct {
-    tile_runs runs;
-    int64_t col0[16];             /* input column of float 4*l0 of each run's window */
-    __mmask16 wm[16][5], zm[16][5]; /* window floats inside the image / covered by the run */
-    __mmask16 fix, fcol4, fcol5;  /* lanes patched by a gather, and their valid columns 4, 5 */
-    int32_t foff[16], fiy[16];    /* patched lanes: offset of row 0 column 4, and input row */
-} blk_setup;
-
-typedef struct wino_ctx {
-    const kiln_conv2d_params *p;
-    const float *x;             /* image n: [C, H, W] */
-    float *y;                   /* image n: [K, OH, OW] */
-    const void *w;
-    kiln_dtype w_dt;
-    const float *bias;
-    int64_t C, K, TW, TH;       /* tiles per row and column of one image */
-    int64_t t0, nt, tp;         /* strip: first tile, tiles, padded to 32 (row length of M) */
-    int64_t k0, kb, ns;         /* block of output channels; ns = ceil(kb/12) slivers */
-    int64_t su, sv, sm;         /* floats from one xi to the next in U, V, M */
-    /* U[36][ns][C][12] and V[36][tp/32][C][32] in the GEMM's sliver layout (no packing
-     * there); M[36][kb][tp] row-major */
-    float *U, *V, *M;
-    float *wbuf;                /* kiln_threads() x 48*16*9 floats: converted weights */
-    blk_setup *blk;             /* tp/16 blocks of the strip */
-} wino_ctx;
-
-/* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
-
-/* G (6x3) applied to the 3 values of one column, for 16 lanes. */
-#define G_APPLY(g0, g1, g2, o)                                                                                  \
-    do {                                                                                                        \
-        __m512 s02_ = _mm512_add_ps(g0, g2);                                                                     \
-        o[0] = _mm512_mul_ps(g0, _mm512_set1_ps(0.25f));                                                        \
-        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        __m512 e_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(1.0f / 24), _mm512_mul_ps(g2, _mm512_set1_ps(1.0f / 6))); \
-        __m512 f_ = _mm512_mul_ps(g1, _mm512_set1_ps(1.0f / 12));                                                \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
-        o[5] = g2;                                                                                              \
-    } while (0)
-
-/* Task: output channels kk in [48g, 48g+48) of the block (slivers 4g..4g+3), 16 of
- * them per vector, times 16 input channels from c0 = 16 * (task % chunks). */
-AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
+AVX512 static void block_task(void *vctx, int64_t begin, int64_t end)
 {
-    const wino_ctx *c = vctx;
-    const int64_t C = c->C;
-    const size_t esz = kiln_dtype_size(c->w_dt);
-    const size_t su = (size_t)c->su;
-    float *buf = c->wbuf + (size_t)kiln_thread_index() * (48 * 144);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(144));
-    /* lanes [a, b) of vector v go to sliver 4g + sl, starting at position pos */
-    static const struct { int v, a, b, sl, pos; } part[6] = {
-        {0, 0, 12, 0, 0}, {0, 12, 16, 1, 0}, {1, 0, 8, 1, 4}, {1, 8, 16, 2, 0}, {2, 0, 4, 2, 8}, {2, 4, 16, 3, 0}};
-    const int64_t chunks = (C + 15) / 16;
-    for (int64_t task = begin; task < end; task++) {
-        int64_t g = task / chunks, c0 = 16 * (task % chunks);
-        int64_t kk0 = 48 * g, kn = c->kb - kk0 < 48 ? c->kb - kk0 : 48;
-        int64_t cn = C - c0 < 16 ? C - c0 : 16;
-        for (int64_t r = 0; r < kn; r++)
-            kiln_to_f32(buf + r * 144, (const char *)c->w + (size_t)(((c->k0 + kk0 + r) * C + c0) * 9) * esz,
-                        c->w_dt, (size_t)(cn * 9));
-        for (int64_t cc = 0; cc < cn; cc++) {
-            __m512 u[3][36];
-            for (int v = 0; v < 3; v++) {
-                int64_t rows = kn - 16 * v;
-                __mmask16 mk = rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1);
-                __m512 gv[9];
-                for (int e = 0; e < 9; e++)
-                    gv[e] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, buf + 16 * v * 144 + cc * 9 + e, 4);
-                __m512 t[3][6]; /* t[s][i] = (G g)[i][s] */
-                for (int s = 0; s < 3; s++) G_APPLY(gv[s], gv[3 + s], gv[6 + s], t[s]);
-                for (int i = 0; i < 6; i++) {
-                    __m512 o[6];
-                    G_APPLY(t[0][i], t[1][i], t[2][i], o);
-                    for (int j = 0; j < 6; j++) u[v][i * 6 + j] = o[j];
-                }
-            }
-            for (int q = 0; q < 6; q++) {
-                int64_t sl = 4 * g + part[q].sl;
-                if (sl >= c->ns) continue;
-                __mmask16 mk = (__mmask16)(((1u << part[q].b) - 1) & ~((1u << part[q].a) - 1));
-                float *dst = c->U + (sl * C + c0 + cc) * 12 + part[q].pos - part[q].a;
-                for (int xi = 0; xi < 36; xi++) _mm512_mask_storeu_ps(dst + xi * su, mk, u[part[q].v][xi]);
-            }
+    const job_ctx *j = vctx;
+    int t = kiln_thread_index();
+    wino_ctx c = j->base;
+    c.U = j->U + (size_t)t * j->nU;
+    c.M = j->M + (size_t)t * j->nM;
+    for (int64_t bk = begin; bk < end; bk++) {
+        set_block(&c, bk, j->kb);
+        weight_fn(&c, 0, (c.kb + 47) / 48 * ((c.C + 15) / 16));
+        for (int64_t i = 0; i < j->n_img; i++) {
+            c.V = j->V + (size_t)i * j->nV;
+            c.y = j->y + i * c.K * c.p->oh * c.p->ow;
+            gemms(&c);
+            output_fn(&c, 0, c.kb);
         }
     }
 }
 
-/* ---- input transform: V[xi][c][t] = (B^T d B)[xi] ---- */
-
-/* B^T (6x6) applied to 6 values, for 16 lanes. */
-#define BT_APPLY(d, o)                                                                                          \
-    do {                                                                                                        \
-        __m512 four_ = _mm512_set1_ps(4.0f), five_ = _mm512_set1_ps(5.0f), two_ = _mm512_set1_ps(2.0f);             \
-        o[0] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[2], _mm512_mul_ps(four_, d[0])), d[4]);                    \
-        __m512 a_ = _mm512_fnmadd_ps(four_, d[2], d[4]);   /* d4 - 4 d2 */                                        \
-        __m512 b_ = _mm512_fnmadd_ps(four_, d[1], d[3]);   /* d3 - 4 d1 */                                        \
-        o[1] = _mm512_add_ps(a_, b_);                                                                             \
-        o[2] = _mm512_sub_ps(a_, b_);                                                                             \
-        __m512 e_ = _mm512_sub_ps(d[4], d[2]);                                                                   \
-        __m512 f_ = _mm512_mul_ps(two_, _mm512_sub_ps(d[3], d[1]));                                               \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
-        o[5] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[3], _mm512_mul_ps(four_, d[1])), d[5]);                    \
-    } while (0)
-
-static void tile_runs_init(const struct wino_ctx *c, int64_t tb, tile_runs *r)
+AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
 {
-    r->n = 0;
-    for (int l = 0; l < 16;) {
-        int64_t t = c->t0 + tb + l;
-        if (t >= c->t0 + c->nt) break;
-        int64_t tx = t % c->TW;
-        int len = c->TW - tx < 16 - l ? (int)(c->TW - tx) : 16 - l;
-        if (t + len > c->t0 + c->nt) len = (int)(c->t0 + c->nt - t);
-        r->l0[r->n] = l; r->l1[r->n] = l + len; r->ty[r->n] = t / c->TW; r->tx[r->n] = tx;
-        r->n++;
-        l += len;
+    const job_ctx *j = vctx;
+    int t = kiln_thread_index();
+    wino_ctx c = j->base;
+    c.V = j->V + (size_t)t * j->nV;
+    c.M = j->M + (size_t)t * j->nM;
+    c.blk = j->blk + (size_t)t * j->nB;
+    for (int64_t st = begin; st < end; st++) {
+        set_strip(&c, st, j->ts);
+        for (int64_t tb = 0; tb < c.tp; tb += 16) blk_setup_init(&c, tb, &c.blk[tb / 16]);
+        input_fn(&c, 0, c.C);
+        gemms(&c);
+        output_fn(&c, 0, c.kb);
     }
-}
-
-/* Floats f in [lo, hi) of an 80-float (5-vector) window as 5 lane masks. */
-static inline void window_masks(int64_t lo, int64_t hi, __mmask16 *m)
-{
-    for (int q = 0; q < 5; q++) {
-        int64_t a = lo - 16 * q, b = hi - 16 * q;
-        if (a < 0) a = 0;
-        if (b > 16) b = 16;
-        m[q] = a >= b ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
-    }
-}
-
-static void blk_setup_init(const wino_ctx *c, int64_t tb, blk_setup *bs)
-{
-    const kiln_conv2d_params *p = c->p;
-    const int64_t W = p->w;
-    tile_runs_init(c, tb, &bs->runs);
-    const tile_runs *runs = &bs->runs;
-    bs->fix = bs->fcol4 = bs->fcol5 = 0;
-    for (int l = 0; l < 16; l++) bs->foff[l] = 0, bs->fiy[l] = -1000000;
-    for (int r = 0; r < runs->n; r++) {
-        if (runs->l1[r] < 16) { /* the last tile of this run has no next tile in the window */
-            int l = runs->l1[r] - 1;
-            int64_t iy = 4 * runs->ty[r] - p->pad_h, ix = 4 * (runs->tx[r] + l - runs->l0[r]) - p->pad_w + 4;
-            bs->fix |= (__mmask16)(1u << l);
-            if (ix >= 0 && ix < W) bs->fcol4 |= (__mmask16)(1u << l);
-            if (ix + 1 >= 0 && ix + 1 < W) bs->fcol5 |= (__mmask16)(1u << l);
-            bs->fiy[l] = (int32_t)iy;
-            bs->foff[l] = (int32_t)(iy * W + ix);
-        }
-        bs->col0[r] = 4 * runs->tx[r] - p->pad_w;
-        int64_t lo = 4 * runs->l0[r], hi = 4 * runs->l1[r] + 2;
-        window_masks(lo, hi, bs->zm[r]);
-        if (bs->col0[r] < 0) lo -= bs->col0[r];
-        if (hi > 4 * runs->l0[r] + (W - bs->col0[r])) hi = 4 * runs->l0[r] + (W - bs->col0[r]);
-        window_masks(lo, hi, bs->wm[r]);
-    }
-}
-
-/* Reads the 6x6 input tiles of 16 lanes with contiguous loads: one input row of the
- * whole block is an 80-float window where tile l starts at float 4l, so columns
- * j = 0..3 come out of a 4-way de-interleave and j = 4, 5 are columns 0, 1 of the next
- * tile; the last tile of a run that does not end the block has no next tile and
- * is patched by a gather. Channels outer: each plane is read front to back. */
-AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
-{
-    const wino_ctx *c = vctx;
-    const kiln_conv2d_params *p = c->p;
-    const int64_t HW = p->h * p->w, W = p->w, H = p->h, C = c->C;
-    /* input rows this strip reads: short runs per channel that the hardware prefetcher
-     * does not see coming, so the next channel's rows are prefetched by hand */
-    int64_t row0 = 4 * (c->t0 / c->TW) - p->pad_h, row1 = 4 * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + 6;
-    if (row0 < 0) row0 = 0;
-    if (row1 > H) row1 = H;
-    for (int64_t ch = begin; ch < end; ch++) {
-        const float *plane = c->x + ch * HW;
-        if (ch + 1 < end && row1 > row0) {
-            const char *a = (const char *)(plane + HW + row0 * W), *b = (const char *)(plane + HW + row1 * W);
-            for (; a < b; a += 64) _mm_prefetch(a, _MM_HINT_T1);
-        }
-        for (int64_t tb = 0; tb < c->tp; tb += 16) {
-            const blk_setup *bs = &c->blk[tb / 16];
-            const tile_runs *rn = &bs->runs;
-            __m512 tmp[6][6]; /* tmp[i][j'] = (d B)[i][j'] */
-            for (int i = 0; i < 6; i++) {
-                __m512 x[5];
-                for (int q = 0; q < 5; q++) x[q] = _mm512_setzero_ps();
-                for (int r = 0; r < rn->n; r++) {
-                    int64_t iy = 4 * rn->ty[r] - p->pad_h + i;
-                    if (r > 0)
-                        for (int q = 0; q < 5; q++) x[q] = _mm512_mask_mov_ps(x[q], bs->zm[r][q], _mm512_setzero_ps());
-                    if (iy < 0 || iy >= H) continue;
-                    /* float f of the window is column col0 + f - 4 l0; masked-off lanes are never read */
-                    const float *base = plane + iy * W + bs->col0[r] - 4 * rn->l0[r];
-                    for (int q = 0; q < 5; q++)
-                        if (bs->wm[r][q]) x[q] = _mm512_mask_loadu_ps(x[q], bs->wm[r][q], base + 16 * q);
-                }
-                /* de-interleave floats 4l + b of x[0..3] into e[b], lane l */
-                __m512 v = _mm512_shuffle_f32x4(x[0], x[1], 0x88), w = _mm512_shuffle_f32x4(x[2], x[3], 0x88);
-                __m512 v2 = _mm512_shuffle_f32x4(x[0], x[1], 0xDD), w2 = _mm512_shuffle_f32x4(x[2], x[3], 0xDD);
-                __m512 q0 = _mm512_shuffle_f32x4(v, w, 0x88), q2 = _mm512_shuffle_f32x4(v, w, 0xDD);
-                __m512 q1 = _mm512_shuffle_f32x4(v2, w2, 0x88), q3 = _mm512_shuffle_f32x4(v2, w2, 0xDD);
-                __m512 t0 = _mm512_unpacklo_ps(q0, q1), t1 = _mm512_unpackhi_ps(q0, q1);
-                __m512 t2 = _mm512_unpacklo_ps(q2, q3), t3 = _mm512_unpackhi_ps(q2, q3);
-                __m512 e[6];
-                e[0] = _mm512_shuffle_ps(t0, t2, 0x44);
-                e[1] = _mm512_shuffle_ps(t0, t2, 0xEE);
-                e[2] = _mm512_shuffle_ps(t1, t3, 0x44);
-                e[3] = _mm512_shuffle_ps(t1, t3, 0xEE);
-                __m512i x4 = _mm512_castps_si512(x[4]);
-                e[4] = _mm512_castsi512_ps(_mm512_alignr_epi32(x4, _mm512_castps_si512(e[0]), 1));
-                e[5] = _mm512_castsi512_ps(
-                    _mm512_alignr_epi32(_mm512_alignr_epi32(x4, x4, 1), _mm512_castps_si512(e[1]), 1));
-                if (bs->fix) {
-                    __m512i ri = _mm512_add_epi32(_mm512_loadu_si512(bs->fiy), _mm512_set1_epi32(i));
-                    __mmask16 rv = _mm512_cmpge_epi32_mask(ri, _mm512_setzero_si512()) &
-                                   _mm512_cmplt_epi32_mask(ri, _mm512_set1_epi32((int)H));
-                    __m512i o4 = _mm512_add_epi32(_mm512_loadu_si512(bs->foff), _mm512_set1_epi32((int)(i * W)));
-                    e[4] = _mm512_mask_mov_ps(e[4], bs->fix, _mm512_setzero_ps());
-                    e[5] = _mm512_mask_mov_ps(e[5], bs->fix, _mm512_setzero_ps());
-                    e[4] = _mm512_mask_i32gather_ps(e[4], bs->fcol4 & rv, o4, plane, 4);
-                    e[5] = _mm512_mask_i32gather_ps(e[5], bs->fcol5 & rv, _mm512_add_epi32(o4, _mm512_set1_epi32(1)),
-                                                    plane, 4);
-                }
-                BT_APPLY(e, tmp[i]);
-            }
-            float *dst = c->V + ((tb / 32) * C + ch) * 32 + tb % 32;
-            for (int j = 0; j < 6; j++) {
-                __m512 d[6] = {tmp[0][j], tmp[1][j], tmp[2][j], tmp[3][j], tmp[4][j], tmp[5][j]}, vv[6];
-                BT_APPLY(d, vv);
-                for (int i = 0; i < 6; i++) _mm512_store_ps(dst + (size_t)(i * 6 + j) * (size_t)c->sv, vv[i]);
-            }
-        }
-    }
-}
-
-/* ---- output transform: y = A^T m A (+ bias) ---- */
-
-/* A^T (4x6) applied to 6 values, for 16 lanes. */
-#define AT_APPLY(m, o)                                                                                          \
-    do {                                                                                                        \
-        __m512 s12_ = _mm512_add_ps(m[1], m[2]), d12_ = _mm512_sub_ps(m[1], m[2]);                                \
-        __m512 s34_ = _mm512_add_ps(m[3], m[4]), d34_ = _mm512_sub_ps(m[3], m[4]);                                \
-        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12_), s34_);                                                    \
-        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_);                                                 \
-        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_);                                                 \
-        o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_), m[5]);                            \
-    } while (0)
-
-/* Interleaves o[b] (lane l = tile l) into r[q]: floats 4l+b of 64, i.e. the 4 outputs
- * of each tile side by side, as they lie in an output row. */
-AVX512 static inline void interleave4(const __m512 *o, __m512 *r)
-{
-    __m512 p01l = _mm512_unpacklo_ps(o[0], o[1]), p01h = _mm512_unpackhi_ps(o[0], o[1]);
-    __m512 p23l = _mm512_unpacklo_ps(o[2], o[3]), p23h = _mm512_unpackhi_ps(o[2], o[3]);
-    /* q[c], 128-bit lane L: the 4 outputs of tile 4L + c */
-    __m512 q0 = _mm512_shuffle_ps(p01l, p23l, 0x44), q1 = _mm512_shuffle_ps(p01l, p23l, 0xEE);
-    __m512 q2 = _mm512_shuffle_ps(p01h, p23h, 0x44), q3 = _mm512_shuffle_ps(p01h, p23h, 0xEE);
-    __m512 v = _mm512_shuffle_f32x4(q0, q1, 0x88), w = _mm512_shuffle_f32x4(q2, q3, 0x88);
-    __m512 v2 = _mm512_shuffle_f32x4(q0, q1, 0xDD), w2 = _mm512_shuffle_f32x4(q2, q3, 0xDD);
-    r[0] = _mm512_shuffle_f32x4(v, w, 0x88);
-    r[2] = _mm512_shuffle_f32x4(v, w, 0xDD);
-    r[1] = _mm512_shuffle_f32x4(v2, w2, 0x88);
-    r[3] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
-}
-
-/* Output channels outer: each plane is written front to back. */
-AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
-{
-    const wino_ctx *c = vctx;
-    const kiln_conv2d_params *p = c->p;
-    const int64_t OHW = p->oh * p->ow, OW = p->ow;
-    int64_t row0 = 4 * (c->t0 / c->TW), row1 = 4 * ((c->t0 + c->nt - 1) / c->TW) + 4;
-    if (row1 > p->oh) row1 = p->oh;
-    for (int64_t kk = begin; kk < end; kk++) {
-        int64_t k = c->k0 + kk;
-        float *plane = c->y + k * OHW;
-        __m512 bv = _mm512_set1_ps(c->bias ? c->bias[k] : 0.0f);
-        if (kk + 1 < end) { /* the next plane's rows, for writing */
-            const char *a = (const char *)(plane + OHW + row0 * OW), *b = (const char *)(plane + OHW + row1 * OW);
-            for (; a < b; a += 64) __builtin_prefetch(a, 1, 2);
-        }
-        for (int64_t tb = 0; tb < c->tp; tb += 16) {
-            const tile_runs *rn = &c->blk[tb / 16].runs;
-            __m512 s[6][4]; /* s[j][a] = (A^T m)[a][j] */
-            for (int j = 0; j < 6; j++) {
-                __m512 m[6];
-                for (int i = 0; i < 6; i++) m[i] = _mm512_load_ps(c->M + (i * 6 + j) * c->sm + kk * c->tp + tb);
-                AT_APPLY(m, s[j]);
-            }
-            for (int a = 0; a < 4; a++) {
-                __m512 m[6] = {s[0][a], s[1][a], s[2][a], s[3][a], s[4][a], s[5][a]}, o[4], r[4];
-                AT_APPLY(m, o);
-                for (int bb = 0; bb < 4; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
-                interleave4(o, r);
-                for (int t = 0; t < rn->n; t++) {
-                    int64_t oy = 4 * rn->ty[t] + a;
-                    if (oy >= p->oh) continue;
-                    /* float f of r (f in [4 l0, 4 l1)) goes to column 4 tx + f - 4 l0, if < OW */
-                    int64_t f0 = 4 * rn->l0[t], f1 = 4 * rn->l1[t], lim = f0 + (OW - 4 * rn->tx[t]);
-                    if (f1 > lim) f1 = lim;
-                    uint64_t bits = (f1 >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << f1) - 1)) & ~(((uint64_t)1 << f0) - 1);
-                    float *base = plane + oy * OW + 4 * rn->tx[t] - f0;
-                    for (int q = 0; q < 4; q++) {
-                        __mmask16 mk = (__mmask16)(bits >> (16 * q));
-                        if (mk) _mm512_mask_storeu_ps(base + 16 * q, mk, r[q]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/* Blocking: output channels in blocks of kb (U = 36*kb*C floats <= U_MAX_BYTES; more
- * blocks mean the tiles are transformed again per block) and tiles in strips of ts, a
- * multiple of 32: V + M <= STRIP_MAX_BYTES keeps a strip in cache between its
- * transform, its GEMMs and the output transform, but at least MIN_STRIP tiles so that
- * the GEMMs reuse each U element enough while U streams from memory. Tuned on SD's
- * shapes (tests/bench/bench_gemm_conv.c). */
-static const size_t U_MAX_BYTES = (size_t)24 << 20, STRIP_MAX_BYTES = (size_t)2 << 20;
-enum { MIN_STRIP = 64 };
-
-static void plan(int64_t C, int64_t K, int64_t T, int64_t *kb, int64_t *ts)
-{
-    const double unit = 36.0 * 4.0;
-    int64_t k = (int64_t)((double)U_MAX_BYTES / (unit * (double)C));
-    *kb = k >= K ? K : (k / 48 * 48 < 48 ? 48 : k / 48 * 48);
-    if (*kb > K) *kb = K;
-    int64_t t = (int64_t)((double)STRIP_MAX_BYTES / (unit * (double)(C + *kb)));
-    if (t < MIN_STRIP) t = MIN_STRIP;
-    int64_t nstrip = (T + t - 1) / t;            /* strips of equal size */
-    *ts = ((T + nstrip - 1) / nstrip + 31) / 32 * 32;
 }
 
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
@@ -752,57 +474,69 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     int64_t C = p->c, K = p->k, TH = (p->oh + 3) / 4, TW = (p->ow + 3) / 4, T = TH * TW;
     /* Measured (tests/bench): below these the GEMM is too thin for the transforms to pay. */
     if (!forced && (C < 32 || K < 32 || T < 32)) return 1;
+    int threads = kiln_threads();
     int64_t kb, ts;
     plan(C, K, T, &kb, &ts);
-    int threads = kiln_threads();
-    int64_t ns_max = (kb + 11) / 12;
+    int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;
+    int blocks_mode = nstrip == 1 && nkb >= threads;
+    if (!blocks_mode && nstrip % threads && T > 32) { /* strips in a multiple of the threads */
+        int64_t want = (nstrip + threads - 1) / threads * threads;
+        ts = ((T + want - 1) / want + 31) / 32 * 32;
+        nstrip = (T + ts - 1) / ts;
+    }
+    /* images whose V is held at once (BLOCKS: every block task uses them all) */
+    size_t v_img = (size_t)36 * (size_t)(C * ts + 16);
+    int64_t n_img = 1;
+    if (blocks_mode) {
+        n_img = (int64_t)(V_ONE_STRIP_BYTES * 2 / (v_img * sizeof(float)));
+        if (n_img < 1) n_img = 1;
+        if (n_img > p->n) n_img = p->n;
+    }
     /* The 36 matrices of U, V and M sit one 64-byte line further apart than their size:
      * sizes are multiples of 4 KB, and 36 streams 4 KB apart would share one L1 set. */
-    size_t nU = (size_t)36 * (size_t)(ns_max * 12 * C + 16), nV = (size_t)36 * (size_t)(C * ts + 16);
-    size_t nM = (size_t)36 * (size_t)(kb * ts + 16);
+    size_t nU = (size_t)36 * (size_t)((kb + 11) / 12 * 12 * C + 16), nM = (size_t)36 * (size_t)(kb * ts + 16);
     size_t nW = (size_t)threads * 48 * 144;
-    size_t nB = (size_t)(ts / 16) * ((sizeof(blk_setup) + 63) / 64 * 16); /* in floats, whole lines */
-    float *buf = kiln_cpu_scratch_get((nU + nV + nM + nW + nB) * sizeof(float));
+    size_t nB = (size_t)(ts / 16), bsz = (sizeof(blk_setup) + 63) / 64 * 16; /* floats per entry, whole lines */
+    size_t tot_U = blocks_mode ? (size_t)threads * nU : nU;
+    size_t tot_V = blocks_mode ? (size_t)n_img * v_img : (size_t)threads * v_img;
+    size_t tot_B = (blocks_mode ? 1 : (size_t)threads) * nB * bsz;
+    float *buf = kiln_cpu_scratch_get((tot_U + tot_V + (size_t)threads * nM + nW + tot_B) * sizeof(float));
     if (!buf) return -1;
-    wino_ctx c = {0};
-    c.p = p; c.w = w; c.w_dt = w_dtype; c.bias = bias; c.C = C; c.K = K; c.TW = TW; c.TH = TH;
-    c.U = buf; c.V = buf + nU; c.M = c.V + nV; c.wbuf = c.M + nM; /* every part a multiple of 16 floats */
-    c.blk = (blk_setup *)(void *)(c.wbuf + nW);
-    int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;
-    /* With several blocks and several strips one of the transforms is repeated: the
-     * tiles once per block (blocks outer) or the weights once per strip (strips outer),
-     * whichever costs less (a tile transform is about 3x a weight transform per pair). */
-    int strips_outer = nkb > 1 && nstrip > 1 && 3 * nkb * T > nstrip * K;
-    int64_t setup_t0 = -1;
-    for (int64_t n = 0; n < p->n; n++) {
-        c.x = x + n * C * p->h * p->w;
-        c.y = y + n * K * p->oh * p->ow;
-        int64_t n_outer = strips_outer ? nstrip : nkb, n_inner = strips_outer ? nkb : nstrip;
-        for (int64_t o = 0; o < n_outer; o++)
-            for (int64_t i = 0; i < n_inner; i++) {
-                int64_t bk = strips_outer ? i : o, st = strips_outer ? o : i;
-                c.k0 = bk * kb;
-                c.kb = K - c.k0 < kb ? K - c.k0 : kb;
-                c.ns = (c.kb + 11) / 12;
-                c.t0 = st * ts;
-                c.nt = T - c.t0 < ts ? T - c.t0 : ts;
-                c.tp = (c.nt + 31) / 32 * 32;
-                c.su = c.ns * 12 * C + 16;
-                c.sv = C * c.tp + 16;
-                c.sm = c.kb * c.tp + 16;
-                /* U is kept while the block stays (one block: for every image) */
-                int need_u = nkb == 1 ? n == 0 && st == 0 : strips_outer || st == 0;
-                /* V is kept while the strip stays */
-                int need_v = nstrip == 1 ? bk == 0 : !strips_outer || bk == 0;
-                if (c.t0 != setup_t0) { /* (cheap) block setups of this strip */
-                    for (int64_t tb = 0; tb < c.tp; tb += 16) blk_setup_init(&c, tb, &c.blk[tb / 16]);
-                    setup_t0 = c.t0;
-                }
-                if (need_u) kiln_parallel_for((c.kb + 47) / 48 * ((C + 15) / 16), 1, weight_fn, &c);
-                if (need_v) kiln_parallel_for(C, 1, input_fn, &c);
-                kiln_cpu_gemm_prepacked(36, c.kb, c.nt, C, c.U, c.su, c.V, c.sv, c.M, c.tp, c.sm);
-                kiln_parallel_for(c.kb, 1, output_fn, &c);
+    job_ctx j;
+    memset(&j, 0, sizeof j);
+    wino_ctx *c = &j.base;
+    c->p = p; c->w = w; c->w_dt = w_dtype; c->bias = bias; c->C = C; c->K = K; c->TW = TW; c->TH = TH;
+    j.kb = kb; j.ts = ts; j.nU = nU; j.nV = v_img; j.nM = nM; j.nB = nB * bsz * sizeof(float) / sizeof(blk_setup);
+    j.U = buf; j.V = j.U + tot_U; j.M = j.V + tot_V; c->wbuf = j.M + (size_t)threads * nM;
+    j.blk = (blk_setup *)(void *)(c->wbuf + nW); /* every part a multiple of 16 floats */
+    c->blk = j.blk;
+    if (blocks_mode) {
+        set_strip(c, 0, ts);
+        for (int64_t tb = 0; tb < c->tp; tb += 16) blk_setup_init(c, tb, &c->blk[tb / 16]);
+        for (int64_t n0 = 0; n0 < p->n; n0 += n_img) {
+            j.n_img = p->n - n0 < n_img ? p->n - n0 : n_img;
+            j.x = x + n0 * C * p->h * p->w;
+            j.y = y + n0 * K * p->oh * p->ow;
+            for (int64_t i = 0; i < j.n_img; i++) {
+                wino_ctx ci = *c;
+                ci.x = j.x + i * C * p->h * p->w;
+                ci.V = j.V + (size_t)i * v_img;
+                kiln_parallel_for(C, 1, input_fn, &ci);
             }
+            kiln_parallel_for(nkb, 1, block_task, &j);
+        }
+    } else {
+        c->U = j.U;
+        for (int64_t n = 0; n < p->n; n++) {
+            c->x = x + n * C * p->h * p->w;
+            c->y = y + n * K * p->oh * p->ow;
+            for (int64_t bk = 0; bk < nkb; bk++) {
+                set_block(c, bk, kb);
+                /* one block: U serves every image */
+                if (nkb > 1 || n == 0) kiln_parallel_for((c->kb + 47) / 48 * ((C + 15) / 16), 1, weight_fn, c);
+                kiln_parallel_for(nstrip, 1, strip_task, &j);
+            }
+        }
     }
     kiln_cpu_scratch_put(buf);
     return 0;

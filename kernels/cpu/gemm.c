@@ -360,6 +360,8 @@ AVX512 static void ukr_packed(int64_t kc, const float *restrict ap, const float 
     UKR_ZERO()
     for (int64_t k = 0; k < kc; k++) {
         __m512 x0 = _mm512_load_ps(bp), x1 = _mm512_load_ps(bp + 16), s;
+        _mm_prefetch((const char *)(bp + 8 * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ap + 16 * MR), _MM_HINT_T0);
         ROW(a0, b0_, ap[0]) ROW(a1, b1_, ap[1]) ROW(a2, b2_, ap[2]) ROW(a3, b3_, ap[3])
         ROW(a4, b4_, ap[4]) ROW(a5, b5_, ap[5]) ROW(a6, b6_, ap[6]) ROW(a7, b7_, ap[7])
         ROW(a8, b8_, ap[8]) ROW(a9, b9_, ap[9]) ROW(a10, b10_, ap[10]) ROW(a11, b11_, ap[11])

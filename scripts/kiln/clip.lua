@@ -149,7 +149,7 @@ end
 function Encoder:w(name) return self.weights:tensor(name) end
 
 -- The device the encoder runs on (the streaming target in mode "low").
-function Encoder:device()
+function Encoder:_device()
   local probe = names(self.config, 0).ln1 .. ".weight"
   local w = self.weights
   if w.device then return w:device(probe) end
@@ -289,7 +289,7 @@ function Encoder:forward(ids, opts)
   for i = 0, last - 1 do order[#order + 1] = "layers." .. i end
   if final_norm or want_pooled then order[#order + 1] = "final" end
   local pass <close> = self.streamer:pass(order)
-  local dev = self:device()
+  local dev = self:_device()
   local x = self:embed(batch)
   if x.device ~= dev then
     local xd = x:to(dev)

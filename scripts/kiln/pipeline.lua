@@ -117,6 +117,11 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
     local t = kiln.full({ n }, ms.timestep(sigma))
     local c_in = 1 / math.sqrt(sigma * sigma + 1)
     local out = unet:forward(xin * c_in, t, ctx, y)
+    if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
+      local o = out:to(xin.device)
+      out:free()
+      out = o
+    end
     local den
     if v_pred then   -- v-prediction: x * 1/(s^2+1) - v * s/sqrt(s^2+1)
       den = xin * (1 / (sigma * sigma + 1)) - out * (sigma / math.sqrt(sigma * sigma + 1))
@@ -167,7 +172,7 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local bar = progress.start("sample", #s - 1)
   local t0 = kiln.time()
   local out = sample.run(o.sampler, den, x, sigmas, {
-    seed = o.seed, eta = o.eta, s_noise = o.s_noise,
+    seed = o.seed, eta = o.eta, s_noise = o.s_noise, progress = false, -- the bar reports
     callback = function(st)
       bar:step(st.i)
       if kiln.cancelled and kiln.cancelled() then return false end

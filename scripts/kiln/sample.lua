@@ -49,9 +49,14 @@ local function default_noise(opts)
   end
 end
 
+-- Per step: report progress to an embedding host (kiln.progress raises a
+-- "cancelled" error when the host asked to stop; opts.progress = false when the
+-- caller reports itself), then the user's callback.
 local function stepper(opts, n)
   local cb = opts.callback
+  local report = opts.progress ~= false and kiln.progress
   return function(i, sigma, x, denoised)
+    if report then report(i, n, "sample") end
     if cb and cb({ i = i, n = n, sigma = sigma, x = x, denoised = denoised }) == false then
       error({ kind = "cancelled", message = "sampling cancelled at step " .. i }, 0)
     end

@@ -143,13 +143,22 @@ local Pass = {}
 Pass.__index = Pass
 
 local function inactive_run(_, _, fn, ...) return fn(...) end
-local INACTIVE = setmetatable({ run = inactive_run, active = false }, { __close = function() end })
+local INACTIVE = setmetatable({ run = inactive_run, streaming = false }, { __close = function() end })
 
 -- A forward pass over the blocks named in order (default: every block). Returns an
--- object to close when the forward ends (a to-be-closed variable).
+-- object to close when the forward ends (a to-be-closed variable). The model is pinned
+-- while the pass is open: a network's own weights are never evicted under it (mode
+-- "normal" would otherwise pick the model in use when its activations need room).
 function Streamer:pass(order)
   local w = self.weights
-  if type(w) ~= "table" or not w.streaming or not w:streaming() then return INACTIVE end
+  local m = type(w) == "table" and w.model and w:model()
+  if not m then return INACTIVE end
+  local trace = kiln.trace and kiln.trace.active and kiln.trace.active() or false
+  local streaming = w:streaming()
+  if not streaming then
+    m:pin()
+    return setmetatable({ s = self, model = m, streaming = false, active = true, trace = trace, pinned = true }, Pass)
+  end
   if w.pass then
     error(fmt("%s: a forward pass is already running on these weights (nested passes are not supported)",
       self.label), 2)
@@ -160,13 +169,13 @@ function Streamer:pass(order)
     if not b then error(fmt("%s: no block '%s' in the streaming plan", self.label, tostring(k)), 2) end
     seq[i] = b
   end
+  m:pin()
   local p = setmetatable({
-    s = self, model = w:model(), seq = seq, pos = 0,
+    s = self, model = m, seq = seq, pos = 0, streaming = true, active = true, trace = trace, pinned = true,
     held = {},       -- block index -> true while fetched or prefetched
     handles = {},    -- block index -> tensor handles given out while it ran
     loose = {},      -- handles given out outside any block
-    current = nil, active = true,
-    trace = kiln.trace and kiln.trace.active and kiln.trace.active(),
+    current = nil,
   }, Pass)
   w.pass = p
   return p
@@ -198,6 +207,10 @@ end
 -- Runs fn(...) as block `key`: its weights are on the device while fn runs and the
 -- next block's are on their way.
 function Pass:run(key, fn, ...)
+  if not self.streaming then
+    if self.trace then return kiln.trace.span(self.s.label .. " " .. key, fn, ...) end
+    return fn(...)
+  end
   local b = self.s.index[key]
   if not b then error(fmt("%s: no block '%s' in the streaming plan", self.s.label, tostring(key)), 2) end
   -- position in the order: the next entry naming b at or after the current position
@@ -232,12 +245,16 @@ end
 function Pass:close()
   if not self.active then return end
   self.active = false
-  for b in pairs(self.held) do self:_drop(b) end
-  for b in pairs(self.handles) do free_all(self.handles[b]) end
-  free_all(self.loose)
-  self.handles = {}
-  local w = self.s.weights
-  if w.pass == self then w.pass = nil end
+  if self.streaming then
+    for b in pairs(self.held) do self:_drop(b) end
+    for b in pairs(self.handles) do free_all(self.handles[b]) end
+    free_all(self.loose)
+    self.handles = {}
+    local w = self.s.weights
+    if w.pass == self then w.pass = nil end
+  end
+  -- the model may have been closed by the network's caller meanwhile
+  if self.pinned and not self.model.closed then pcall(self.model.unpin, self.model) end
 end
 
 Pass.__close = Pass.close

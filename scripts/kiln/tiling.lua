@@ -2,10 +2,11 @@
 -- kiln.tile.map (the C tile primitive: overlapping tiles, feathered blending, one
 -- tile's intermediates alive at a time).
 --
---   tiling.decode(vae, z [, opts])     tiled / auto-tiled / OOM-recovering VAE decode
---   tiling.encode(vae, img [, opts])   the same for the encoder
---   tiling.apply(fn, x, opts)          the same for any network fn(x) -> y whose output
---                                      is `scale` times the input (upscalers: scale 4)
+--   tiling.decode(vae, z [, opts]) -> img, info   tiled / auto-tiled / OOM-recovering
+--                                      VAE decode (info.tile: the tile used, nil untiled)
+--   tiling.encode(vae, img [, opts]) -> z, info   the same for the encoder
+--   tiling.apply(fn, x, opts) -> y, info   the same for any network fn(x) -> y whose
+--                                      output is `scale` times the input (upscalers: 4)
 --   tiling.with_oom_retry(run, opts)   run(nil) untiled; on OOM run(tile) halving
 --   tiling.multidiffusion(denoise, opts)  denoise(x, sigma, ...) over blended tiles
 --   tiling.auto_tile(fn, x, opts)      the largest tile that fits the free budget
@@ -23,7 +24,8 @@
 --            latent size, halving until it fits or min_tile is reached;
 --            an integer: tiled (and halved likewise on OOM); "auto": chosen from the
 --            free budget of the device with the network's measured per-pixel cost
---   overlap  default 8 (clamped to tile/4 for the smaller tiles a retry picks)
+--   overlap  default 8 (tile/4 instead when 2*overlap >= tile, as for the smaller
+--            tiles a retry picks)
 --   blend    "linear" (default) or "cosine";   min_tile  default 8
 --   retry    false: an OOM is raised as is (no tiled retry)
 --
@@ -37,7 +39,10 @@
 -- the prediction for the full size is that fit, never below the largest probe.
 -- This is measured-and-extrapolated, not computed from shapes: it sees what the
 -- kernels really allocate on this device (workspaces, casts, the allocator's
--- rounding) at the cost of running a few small probes once. Probes reset the
+-- rounding) at the cost of running a few small probes once. One blind spot: a
+-- caching allocator (sim, cuda) hands out blocks over 1 MiB in 2 MiB grains, which
+-- probes with smaller tensors do not see; relative to tensors of tens of MiB (any
+-- real VAE or UNet stage) that is a few percent. Probes reset the
 -- device's peak counter (kiln.mem.reset_peak). auto_tile caches the fit per vae
 -- (or opts.cache object), stage, device, batch, channels and dtype.
 local kiln = require "kiln"
@@ -67,6 +72,7 @@ M.log_event = log_event
 
 local function factor_of(vae)
   local f = vae.factor or (vae.config and vae.config.factor) or 8
+  f = math.tointeger(f) or f -- 2^(levels-1) is a float
   if math.type(f) ~= "integer" or f < 1 then error(fmt("tiling: vae factor must be a positive integer, got %s", tostring(f)), 3) end
   return f
 end
@@ -122,7 +128,21 @@ local function fit(points, quadratic)
       end
     end
     local a, b, c = A[1][4] / A[1][1], A[2][4] / A[2][2] / s, A[3][4] / A[3][3] / (s * s)
+    if a < 0 and a > -0.01 * points[1].peak then a = 0 end -- rounding around a true 0
     if a >= 0 and b >= 0 and c >= 0 then return { a = a, b = b, c = c } end
+    if a < 0 then -- through the origin: least squares of [x x^2]
+      local s11, s12, s22, t1, t2 = 0, 0, 0, 0, 0
+      for _, p in ipairs(points) do
+        local x = p.px / s
+        s11, s12, s22 = s11 + x * x, s12 + x ^ 3, s22 + x ^ 4
+        t1, t2 = t1 + p.peak * x, t2 + p.peak * x * x
+      end
+      local d = s11 * s22 - s12 * s12
+      if d > 0 then
+        b, c = (t1 * s22 - t2 * s12) / d / s, (s11 * t2 - s12 * t1) / d / (s * s)
+        if b >= 0 and c >= 0 then return { a = 0, b = b, c = c } end
+      end
+    end
   end
   local sx, sy, sxx, sxy = 0, 0, 0, 0
   for _, p in ipairs(points) do
@@ -357,7 +377,8 @@ local function map_opts(t, overlap, unit, scale, blend)
 end
 M.map_opts = map_opts
 
--- tiling.apply(fn, x, opts) -> y
+-- tiling.apply(fn, x, opts) -> y, info
+-- info = {tile = the tile used (units; nil: untiled), attempts = failed tries}.
 -- fn(x) -> y untiled (y's spatial size = x's times opts.scale); opts: scale, unit
 -- (input pixels per tile unit: 8 for an encoder whose tiles are given in latent
 -- units), tile (units, nil or "auto"), overlap (units, default 8), blend, min_tile,
@@ -388,9 +409,8 @@ function M.apply(fn, x, opts)
     if t >= size then return fn(x) end
     return kiln.tile.map(x, fn, map_opts(t, overlap, unit, scale, opts.blend))
   end
-  if opts.retry == false then return run(tile) end
-  local r = M.with_oom_retry(run, { tile = tile, size = size, min_tile = opts.min_tile, what = what })
-  return r
+  if opts.retry == false then return run(tile), { tile = tile, attempts = {} } end
+  return M.with_oom_retry(run, { tile = tile, size = size, min_tile = opts.min_tile, what = what })
 end
 
 function M.decode(vae, z, opts)

@@ -227,7 +227,7 @@ end
 function UNet:w(name) return self.weights:tensor(name) end
 
 -- The device the network runs on (the streaming target in mode "low").
-function UNet:device()
+function UNet:_device()
   local w = self.weights
   if w.device then return w:device("time_embed.0.weight") end
   local t = w:tensor("time_embed.0.weight")
@@ -424,7 +424,7 @@ function UNet:forward(x, t, context, y)
     error(fmt("unet:forward: y must be [B, %d], got [%s]", cfg.adm_in_channels, table.concat(y.shape, ", ")), 2)
   end
   local pass <close> = self.streamer:pass()
-  local dev = self:device()
+  local dev = self:_device()
   local dt = x.dtype
   -- copies made here are freed when the pass ends (x itself is the caller's)
   local copies <close> = setmetatable({}, { __close = function(c) for _, v in ipairs(c) do v:free() end end })

@@ -169,7 +169,7 @@ end
 function VAE:w(name) return self.weights:tensor(name) end
 
 -- The device the network runs on (the streaming target in mode "low").
-function VAE:device(probe)
+function VAE:_device(probe)
   local w = self.weights
   if w.device then return w:device(probe) end
   local t = w:tensor(probe)
@@ -448,6 +448,59 @@ end
 
 local function is_oom(e) return type(e) == "table" and e.kind == "oom" end
 
+-- unscaled latents -> images in [0, 1]
+function VAE:_decode_unscaled(z)
+  local d = self:decode_raw(z)
+  local h = d + 1
+  d:free()
+  local h2 = h * 0.5
+  h:free()
+  local img = h2:clamp(0, 1)
+  h2:free()
+  return img
+end
+
+-- The untiled network of vae:decode / vae:encode, per tile, as kiln.tiling expects
+-- them: latents as samplers produce them -> images in [0, 1] (and back), on the
+-- weights' device.
+function VAE:_decode_untiled(z)
+  local cfg = self.config
+  local dev = self:_device("post_quant_conv.weight")
+  local zd = z.device ~= dev and z:to(dev) or nil
+  local zs = (zd or z) / cfg.scale_factor
+  if zd then zd:free() end
+  if cfg.shift_factor ~= 0 then
+    local s = zs + cfg.shift_factor
+    zs:free()
+    zs = s
+  end
+  local img = self:_decode_unscaled(zs)
+  zs:free()
+  return img
+end
+
+function VAE:_encode_untiled(img)
+  local cfg = self.config
+  local dev = self:_device("quant_conv.weight")
+  local imgd = img.device ~= dev and img:to(dev) or nil
+  local x2 = (imgd or img) * 2
+  if imgd then imgd:free() end
+  local x = x2 - 1
+  x2:free()
+  local m = self:encode_raw(x)
+  x:free()
+  local r
+  if cfg.shift_factor ~= 0 then
+    local d = m - cfg.shift_factor
+    r = d * cfg.scale_factor
+    d:free()
+  else
+    r = m * cfg.scale_factor
+  end
+  m:free()
+  return r
+end
+
 -- z: latents times the scale factor [B, z, h, w] -> images [B, 3, f h, f w] in [0, 1].
 function VAE:decode(z, opts)
   local cfg = self.config
@@ -455,7 +508,7 @@ function VAE:decode(z, opts)
   if #z.shape ~= 4 or z.shape[2] ~= cfg.embed_dim then
     error(fmt("vae:decode: z must be [B, %d, h, w], got [%s]", cfg.embed_dim or -1, table.concat(z.shape, ", ")), 2)
   end
-  local dev = self:device("post_quant_conv.weight")
+  local dev = self:_device("post_quant_conv.weight")
   local zd = z.device ~= dev and z:to(dev) or nil
   if zd then z = zd end
   local zs = z / cfg.scale_factor
@@ -465,12 +518,7 @@ function VAE:decode(z, opts)
     zs:free()
     zs = s
   end
-  local function run(part)
-    local d = self:decode_raw(part)
-    local img = ((d + 1) * 0.5):clamp(0, 1)
-    d:free()
-    return img
-  end
+  local function run(part) return self:_decode_unscaled(part) end
   local img
   if topt then
     local tile = topt.tile == "auto" and auto_tile(self, dev, self.decode_order) or topt.tile
@@ -504,7 +552,7 @@ function VAE:encode(img, opts)
   if img.shape[3] % f ~= 0 or img.shape[4] % f ~= 0 then
     error(fmt("vae:encode: image size %dx%d must be a multiple of %d", img.shape[3], img.shape[4], f), 2)
   end
-  local dev = self:device("quant_conv.weight")
+  local dev = self:_device("quant_conv.weight")
   local imgd = img.device ~= dev and img:to(dev) or nil
   if imgd then img = imgd end
   local x = img * 2 - 1

@@ -12,17 +12,11 @@ local unet = require "kiln.unet"
 local vae = require "kiln.vae"
 local test, eq, near, raises = H.test, H.eq, H.near, H.raises
 
+local T = require "tiny_sd"
+
 local SHARED = os.getenv("KILN_SHARED") or "../shared"
-local GOLD = "tests/golden/sd/"
-local TMP = os.tmpname()
-os.remove(TMP)
-assert(os.execute("mkdir -p '" .. TMP .. "'"))
-local made = {}
-local function tmp(name)
-  local p = TMP .. "/" .. name
-  made[#made + 1] = p
-  return p
-end
+local GOLD = T.GOLD
+local tmp = T.tmp
 
 local function shape_of(t) return table.concat(t.shape, ",") end
 
@@ -42,58 +36,7 @@ local function note(name, err) report[#report + 1] = ("%s %.2g"):format(name, er
 
 -- ---------------------------------------------------------------- recipes
 
-local function parse_shape(s)
-  local r = {}
-  for d in s:gmatch("%d+") do r[#r + 1] = tonumber(d) end
-  return r
-end
-
--- recipe -> tensors, metadata (the same values as the PyTorch reference's weights)
-local function build_recipe(name, dtype)
-  local tensors, meta = {}, {}
-  for line in io.lines(GOLD .. name .. ".recipe") do
-    local c = line:sub(1, 1)
-    if c == "@" then
-      local k, v = line:match("^@([^\t]+)\t(.*)$")
-      meta[k] = v
-    elseif c ~= "#" then
-      local n, dt, shape, seed, std, mean = line:match("^([^\t]+)\t([^\t]+)\t([^\t]+)\t([^\t]+)\t([^\t]+)\t([^\t]+)$")
-      local s = parse_shape(shape)
-      local t
-      if dt == "i64" then
-        t = kiln.arange(s[2]):reshape(s)
-      elseif #s == 0 then
-        t = kiln.tensor(tonumber(mean))
-      else
-        t = kiln.randn(s, { seed = tonumber(seed) }) * tonumber(std) + tonumber(mean)
-        if dtype and dtype ~= "f32" then t = t:to(dtype) end
-      end
-      tensors[n] = t
-    end
-  end
-  return tensors, meta
-end
-
-local recipes = {}
-local function from_recipe(name, dtype)
-  local key = name .. (dtype or "")
-  if not recipes[key] then recipes[key] = { build_recipe(name, dtype) } end
-  local t, m = {}, {}
-  for k, v in pairs(recipes[key][1]) do t[k] = v end
-  for k, v in pairs(recipes[key][2]) do m[k] = v end
-  return t, m
-end
-
-local built = {}
-local function ckpt_file(name, dtype)
-  local key = name .. (dtype or "")
-  if not built[key] then
-    local t, m = from_recipe(name, dtype)
-    built[key] = tmp(key .. ".safetensors")
-    kiln.save_safetensors(built[key], t, m)
-  end
-  return built[key]
-end
+local parse_shape, from_recipe, ckpt_file = T.parse_shape, T.from_recipe, T.ckpt_file
 
 local G = {
   sd1 = kiln.load_safetensors(GOLD .. "sd1.safetensors"),
@@ -128,9 +71,7 @@ local fake_tok = {
   token_id = function(_, s) return s == ",</w>" and 267 or nil end,
 }
 
-local function inputs(ctx_dim)
-  return kiln.randn({ 2, 4, 8, 8 }, { seed = 1 }), kiln.tensor({ 10, 500 }), kiln.randn({ 2, 77, ctx_dim }, { seed = 2 })
-end
+local inputs = T.inputs
 
 -- ---------------------------------------------------------------- prompt parsing
 
@@ -424,7 +365,7 @@ test("diffusers folder: names mapped to the same modules", function()
   end
   for _, f in ipairs({ "unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
     "text_encoder/model.safetensors", "text_encoder/config.json", "vae/config.json", "scheduler/scheduler_config.json" }) do
-    made[#made + 1] = dir .. "/" .. f
+    tmp("diffusers/" .. f)
   end
   for name in pairs(parts) do assert(os.execute("mkdir -p '" .. dir .. "/" .. name .. "'")) end
   assert(os.execute("mkdir -p '" .. dir .. "/scheduler'"))
@@ -567,8 +508,5 @@ end)
 local summary = {}
 for _, r in ipairs(report) do summary[#summary + 1] = r end
 print("# max relative error: " .. table.concat(summary, ", "))
-for i = #made, 1, -1 do os.remove(made[i]) end
-for _, d in ipairs({ "/diffusers/unet", "/diffusers/vae", "/diffusers/text_encoder", "/diffusers/scheduler", "/diffusers", "" }) do
-  os.remove(TMP .. d)
-end
+T.cleanup({ "/diffusers/unet", "/diffusers/vae", "/diffusers/text_encoder", "/diffusers/scheduler", "/diffusers" })
 H.done()

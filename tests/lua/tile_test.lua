@@ -113,7 +113,9 @@ test("options: clear errors", function()
   raises(function() kiln.tile.map(x, id, { tile = 8, scale = "a/b" }) end, "num/den")
   raises(function() kiln.tile.map(x, 42) end, "function")
   raises(function() kiln.tile.map(kiln.randn({ 5 }), id) end, "at least 2 dims")
-  raises(function() kiln.tile.map(x, id, { tile = 3, overlap = 0, scale = 0.125 }) end, "not a multiple of 8")
+  raises(function() kiln.tile.map(x, id, { tile = 3, overlap = 0, scale = 0.125 }) end, "smaller than the required multiple 8")
+  raises(function() kiln.tile.map(kiln.randn({ 1, 1, 12, 16 }), id, { tile = 8, overlap = 0, scale = 0.125 }) end,
+    "input size 12x16 is not a multiple of 8")
 end)
 
 test("fn output checks and errors", function()
@@ -302,7 +304,7 @@ test("OOM recovery: a sim budget forces exactly two halvings; same result as til
   eq(maxdiff(r2, up_front), 0, "apply: same result")
   kiln.mem.set_budget("sim", kiln.mem.stats("sim").reserved + 64 * KiB)
   local ok3, e3 = pcall(tiling.apply, function(t)
-    local s <close> = kiln.zeros({ 1, 4096, t.shape[3], t.shape[4] }, { device = "sim" })
+    local s <close> = kiln.zeros({ 1, 16384, t.shape[3], t.shape[4] }, { device = "sim" })
     return t * 2
   end, x, { overlap = 4, what = "apply" })
   kiln.mem.set_budget("sim", old_budget)
@@ -373,6 +375,22 @@ test("kiln.mem.estimate is within 25% of the measured peak", function()
     note("estimate %s conv %d-%d-%d at %dx%d (probes 8/16/24): predicted %s, measured %s (%+.1f%%)", dev, case[2], case[3],
       case[4], case[5], case[5], tiling.human(est), tiling.human(real), 100 * (est - real) / real)
   end
+  -- memory quadratic in the pixels (a materialized attention matrix): opts.quadratic
+  local function attn_like(x)
+    local L = x.shape[3] * x.shape[4]
+    local s <close> = kiln.zeros({ 1, 1, L, L })
+    return x * 2
+  end
+  local x = kiln.randn({ 1, 1, 40, 40 })
+  local est, info = kiln.mem.estimate(attn_like, x, { quadratic = true })
+  fresh("cpu")
+  local base = kiln.mem.stats("cpu").allocated
+  kiln.mem.reset_peak("cpu")
+  attn_like(x):free()
+  local real = kiln.mem.stats("cpu").peak - base
+  truthy(info.c > 0, "quadratic term")
+  truthy(math.abs(est - real) / real <= 0.25, ("quadratic: estimate %d, real %d"):format(est, real))
+  note("estimate with quadratic = true, L x L scores at 40x40: predicted %s, measured %s", tiling.human(est), tiling.human(real))
   -- a small input is simply run: exact
   local net = conv_net(2, 4, 2, 60, "cpu")
   local _, info = kiln.mem.estimate(net, kiln.randn({ 1, 2, 8, 8 }))
@@ -415,19 +433,20 @@ end)
 
 -- ---------------------------------------------------------------- tiled VAE
 
--- A stand-in VAE with the interface tiling.decode/encode expect: the decoder is a
--- conv net followed by nearest x8, the encoder average-pools by 8 then a conv net.
+-- A stand-in VAE with the interface tiling.decode/encode expect; like a real one it
+-- spends most memory at image resolution: the decoder upsamples x8 (nearest) and
+-- runs a conv net there, the encoder runs a conv net on the image and pools by 8.
 local function fake_vae(dev)
-  local dec, enc, pool = conv_net(4, 8, 3, 80, dev), conv_net(3, 8, 4, 90, dev), avg_pool8(3, dev)
+  local dec, enc, pool = conv_net(4, 8, 3, 80, dev), conv_net(3, 8, 4, 90, dev), avg_pool8(4, dev)
   return {
     factor = 8,
     _decode_untiled = function(self, z)
-      local h <close> = dec(z)
-      return kiln.nn.upsample_nearest(h, 8)
+      local u <close> = kiln.nn.upsample_nearest(z, 8)
+      return dec(u)
     end,
     _encode_untiled = function(self, img)
-      local p <close> = pool(img)
-      return enc(p)
+      local h <close> = enc(img)
+      return pool(h)
     end,
   }
 end
@@ -455,7 +474,7 @@ test("tiled VAE decode / encode (stand-in VAE), tile = N and \"auto\"", function
   kiln.mem.set_budget("sim", budget)
   local ooms = kiln.mem.stats("sim").ooms
   kiln.mem.reset_peak("sim")
-  local ok, a = pcall(tiling.decode, vae, z, { tile = "auto", retry = false })
+  local ok, a, info = pcall(tiling.decode, vae, z, { tile = "auto", retry = false })
   local st = kiln.mem.stats("sim")
   kiln.mem.set_budget("sim", old)
   truthy(ok, "auto decode: " .. tostring(a))
@@ -463,8 +482,10 @@ test("tiled VAE decode / encode (stand-in VAE), tile = N and \"auto\"", function
   truthy(st.peak <= budget, "peak within the budget")
   local pa = psnr(a, full)
   truthy(pa >= 40, "auto psnr " .. pa)
-  note("stand-in VAE 48x40 latents: decode tile 16 PSNR %.1f dB, encode tile 24 PSNR %.1f dB, auto decode under %s PSNR %.1f dB",
-    p, pe, tiling.human(6 * MiB), pa)
+  local chosen = info.tile
+  truthy(chosen and chosen < 48, "auto tiled: " .. tostring(chosen))
+  note("stand-in VAE 48x40 latents: decode tile 16 PSNR %.1f dB, encode tile 24 PSNR %.1f dB, auto decode under %s: tile %d, PSNR %.1f dB",
+    p, pe, tiling.human(6 * MiB), chosen, pa)
   raises(function() tiling.encode(vae, kiln.rand({ 1, 3, 60, 64 }), { tile = 8 }) end, "not a multiple of 8")
   raises(function() tiling.decode(vae, z, { tile = 0 }) end, "tile must be a positive integer")
 end)
