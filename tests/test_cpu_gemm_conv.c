@@ -2,7 +2,7 @@
  * conv2d.c, conv2d_winograd.c) against torch 1.13 goldens (tests/golden/gen_gemm_conv.py
  * -> tests/golden/ops/{gemm,conv}_cases.safetensors) and against naive double references.
  * Every conv golden runs through each path (KILN_CONV_PATH = auto, gemm, winograd,
- * im2col, direct where it applies); a child process reruns the program with
+ * im2col, direct - depthwise or few outputs - where it applies); a child process reruns the program with
  * KILN_CPU_ISA=generic, which takes the OpenBLAS fallback everywhere.
  * Tolerances, as max |got - expected| / max |expected| (the goldens are float64 results
  * of the same f16-rounded inputs, so this is our error alone):
@@ -17,7 +17,11 @@
 #include "safetensors.h"
 #include "threadpool.h"
 
+#include <pthread.h>
 #include <stdint.h>
+
+/* defined in kernels/cpu/gemm.c; proposed for cpu_kernels.h (memory-pressure hook) */
+void kiln_cpu_scratch_trim(void);
 
 #define GOLDEN "tests/golden/ops/"
 #define GUARD 16
@@ -273,10 +277,15 @@ static void t_gemm_shapes(void)
 {
     static const int64_t sizes[] = {1, 5, 12, 13, 31, 32, 33, 100, 385};
     int n_sizes = (int)(sizeof sizes / sizeof *sizes);
-    for (int it = 0; it < 60; it++) {
+    /* fixed cases first: few rows (the 4 x 96 kernel), then random ones */
+    static const int64_t fixed[][5] = {{3, 200, 50, 0, 0}, {4, 97, 400, 0, 1}, {1, 500, 33, 1, 1}, {2, 96, 7, 1, 0}};
+    for (int it = 0; it < 64; it++) {
         int64_t M = sizes[irand(n_sizes)], N = sizes[irand(n_sizes)], K = sizes[irand(n_sizes)];
         if (M * N * K > 2000000) K = 7;
         int ta = irand(2), tb = irand(2), pad = irand(3);
+        if (it < 4) {
+            M = fixed[it][0]; N = fixed[it][1]; K = fixed[it][2]; ta = (int)fixed[it][3]; tb = (int)fixed[it][4];
+        }
         float alpha = it % 5 == 0 ? 0.5f : 1.0f, beta = it % 3 == 0 ? 0.0f : it % 3 == 1 ? 1.0f : -0.75f;
         int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
         float *A = rand_buf((ta ? K : M) * lda), *B = rand_buf((tb ? N : K) * ldb), *C0 = rand_buf(M * ldc);
@@ -408,7 +417,8 @@ static int path_applies(const char *path, const kiln_conv2d_params *p)
     if (!strcmp(path, "winograd"))
         return p->r == 3 && p->s == 3 && p->stride_h == 1 && p->stride_w == 1 && p->dil_h == 1 && p->dil_w == 1 &&
                p->groups == 1 && p->pad_h <= 4 && p->pad_w <= 4;
-    if (!strcmp(path, "direct")) return p->c == p->groups;
+    if (!strcmp(path, "direct")) /* depthwise, or <= 4 outputs per group with stride_w 1 (AVX-512) */
+        return p->c == p->groups || (p->k / p->groups <= 4 && p->stride_w == 1);
     return 1;
 }
 
@@ -539,6 +549,39 @@ static void t_conv_winograd_blocks(void)
     }
 }
 
+/* Two host threads convolving at once (the scratch cache hands each its own block),
+ * then the cache trimmed: the same bits every time. */
+typedef struct { const float *x, *w, *b; float *y; kiln_conv2d_params p; kiln_status st; } conc_job;
+static void *conc_fn(void *v)
+{
+    conc_job *j = v;
+    for (int i = 0; i < 3 && j->st == KILN_OK; i++) j->st = kiln_cpu_conv2d(j->y, j->x, j->w, KILN_F32, j->b, &j->p);
+    return NULL;
+}
+
+static void t_conv_concurrent(void)
+{
+    kiln_conv2d_params p = {1, 64, 40, 40, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+    kiln_conv2d_out_size(&p);
+    int64_t nx = p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.k * p.oh * p.ow;
+    float *x = rand_buf(nx), *w = rand_buf(nw), *b = rand_buf(p.k), *ref = rand_buf(ny);
+    float *y1 = rand_buf(ny), *y2 = rand_buf(ny);
+    if (!x || !w || !b || !ref || !y1 || !y2) { CHECK(0, "out of memory"); return; }
+    CHECK(kiln_cpu_conv2d(ref, x, w, KILN_F32, b, &p) == KILN_OK, "%s", kiln_last_error());
+    conc_job j1 = {x, w, b, y1, p, KILN_OK}, j2 = {x, w, b, y2, p, KILN_OK};
+    pthread_t t1, t2;
+    int ok1 = pthread_create(&t1, NULL, conc_fn, &j1) == 0, ok2 = pthread_create(&t2, NULL, conc_fn, &j2) == 0;
+    if (ok1) pthread_join(t1, NULL);
+    if (ok2) pthread_join(t2, NULL);
+    CHECK(ok1 && ok2 && j1.st == KILN_OK && j2.st == KILN_OK, "threads: %d %d", j1.st, j2.st);
+    CHECK(!memcmp(y1, ref, (size_t)ny * sizeof *ref) && !memcmp(y2, ref, (size_t)ny * sizeof *ref),
+          "concurrent convolutions differ");
+    kiln_cpu_scratch_trim();
+    CHECK(kiln_cpu_conv2d(y1, x, w, KILN_F32, b, &p) == KILN_OK && !memcmp(y1, ref, (size_t)ny * sizeof *ref),
+          "after trim: differs");
+    free(x); free(w); free(b); free(ref); free(y1); free(y2);
+}
+
 static void t_conv_errors(void)
 {
     kiln_conv2d_params base = {1, 4, 8, 8, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0};
@@ -631,6 +674,7 @@ int main(int argc, char **argv)
     RUN(t_conv_golden_direct);
     RUN(t_conv_random);
     RUN(t_conv_winograd_blocks);
+    RUN(t_conv_concurrent);
     RUN(t_conv_errors);
     if (!child_mode) RUN(t_blas_fallback);
     return test_summary();

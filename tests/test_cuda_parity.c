@@ -530,7 +530,8 @@ static void conv_case(const conv_case_t *cc, kiln_dtype xdt, kiln_dtype wdt, int
                  (long long)cc->r, (long long)cc->s, (long long)cc->sh, (long long)cc->sw, (long long)cc->ph, (long long)cc->pw,
                  (long long)cc->dh, (long long)cc->dw, (long long)cc->g, with_bias ? " +bias" : "", strided_x ? " strided" : "",
                  tight ? " (no room for a workspace)" : "");
-        expect(what, ref, &g, TOL_ACC(ref->dtype));
+        /* f32: cuDNN's FFT and Winograd algorithms round differently from a direct sum */
+        expect(what, ref, &g, tol_of(ref->dtype, 1e-7, 1e-5, 1e-4));
         guarded_free(&g);
     }
     kiln_tensor_free(xfull); kiln_tensor_free(w); kiln_tensor_free(b); kiln_tensor_free(x); kiln_tensor_free(dxfull);

@@ -62,6 +62,44 @@ def hue_stats(img):
             for p in (border, centre)]
 
 
+def classify(img):
+    """Nearest palette colour of each pixel -> (border colour, colour of the
+    largest other region inside the centre 40x40, its pixel share)."""
+    import data
+    names = list(data.COLORS)
+    pal = np.array([data.COLORS[n] for n in names], dtype=np.float32) / 255
+    a = img.permute(1, 2, 0).numpy()
+    lab = ((a[:, :, None, :] - pal) ** 2).sum(-1).argmin(-1)
+    border = np.concatenate([lab[:3].ravel(), lab[-3:].ravel(),
+                             lab[:, :3].ravel(), lab[:, -3:].ravel()])
+    bg = np.bincount(border, minlength=len(names)).argmax()
+    inner = lab[12:52, 12:52].ravel()
+    inner = inner[inner != bg]
+    if inner.size == 0:
+        return names[bg], None, 0.0
+    counts = np.bincount(inner, minlength=len(names))
+    return names[bg], names[counts.argmax()], counts.max() / 1600
+
+
+def evaluate(model, tok, n=48, seed=0, steps=20, cfg=6.0):
+    """Colour accuracy on n random single-shape captions that name the
+    background: fraction of pictures whose border / shape colour is right."""
+    import data
+    rng = np.random.default_rng(seed)
+    ok_bg = ok_fg = 0
+    for i in range(n):
+        bg, fg = rng.choice(data.COLOR_NAMES, 2, replace=False)
+        shape = rng.choice(data.SHAPES)
+        prompt = "%s %s %s on %s background" % (
+            "an" if fg[0] in "aeiou" else "a", fg, shape,
+            "an " + bg if bg[0] in "aeiou" else "a " + bg)
+        img = generate(model, tok, [prompt], steps, cfg, seed + i)[0]
+        got_bg, got_fg, _ = classify(img)
+        ok_bg += got_bg == bg
+        ok_fg += got_fg == fg
+    return ok_bg / n, ok_fg / n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("prompts", nargs="*", default=[
@@ -74,6 +112,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=1, help="images per prompt")
     ap.add_argument("--outdir", default="/tmp/samples")
+    ap.add_argument("--eval", type=int, default=0,
+                    help="also measure colour accuracy on this many prompts")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = load_checkpoint(args.ckpt)
@@ -88,7 +128,12 @@ def main():
                               .astype(np.uint8) for im in imgs], axis=1)
         path = os.path.join(args.outdir, "%d.png" % j)
         Image.fromarray(row).save(path)
-        print(path, repr(p), "border/centre hsv:", hue_stats(imgs[0]))
+        print(path, repr(p), "border/centre hsv:", hue_stats(imgs[0]),
+              "classified:", classify(imgs[0]))
+    if args.eval:
+        bg, fg = evaluate(model, tok, args.eval, cfg=args.cfg)
+        print("colour accuracy on %d prompts: background %.2f, shape %.2f"
+              % (args.eval, bg, fg))
 
 
 if __name__ == "__main__":

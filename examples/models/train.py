@@ -213,7 +213,7 @@ def metadata(sd, extra):
         "kiln.clip.output": "last_hidden_state+final_layer_norm",
         "kiln.tokenizer": "vocab.json and merges.txt beside this file",
         "kiln.schedule": "scaled_linear 0.00085 0.012 1000",
-        "kiln.license": "MIT (kiln project); trained only on procedural data",
+        "kiln.license": "same as kiln (our own work, trained only on procedural data)",
     }
     m.update(extra)
     return m

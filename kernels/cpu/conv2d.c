@@ -6,7 +6,8 @@
  *   - implicit GEMM: our packed GEMM kernel (gemm.c) with a B packer that reads the
  *     image directly (im2col one KC x NB panel at a time, never a column buffer);
  *     1x1 stride-1 convolutions are the plain GEMM W[K,C] x X[C,HW];
- *   - a direct loop for depthwise convolutions (one input channel per group);
+ *   - direct loops for depthwise convolutions (one input channel per group) and for
+ *     <= 4 output channels per group (VAE conv_out, UNet conv_out);
  *   - without AVX-512: im2col over strips of output rows (column buffer bounded by
  *     COL_MAX_FLOATS) and OpenBLAS sgemm. */
 #define _GNU_SOURCE
@@ -216,6 +217,106 @@ AVX512 static void im2col_pack(void *vctx, float *dst, int64_t j0, int64_t n, in
     }
 }
 
+/* ---------- few output channels (AVX-512) ---------- */
+
+/* With <= 4 output channels per group (the VAE's 128 -> 3 conv_out, the UNet's 320 -> 4)
+ * a GEMM would pack the whole image to use each packed value for <= 4 rows. Instead:
+ * 64 output pixels of a row x 4 output channels in registers, one load of the input
+ * row per tap serving all 4 (stride_w 1). The f32 weights, zero-padded to 4 outputs
+ * per group, are small: 4 x C x R x S floats. */
+enum { SMALLK = 4, SK_VEC = 4 };
+
+typedef struct {
+    float *y;
+    const float *x, *w;           /* w: [groups][SMALLK][cg][r][s] f32 */
+    const float *bias;
+    const kiln_conv2d_params *p;
+} smallk_job;
+
+AVX512 static void smallk_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const smallk_job *j = vctx;
+    const kiln_conv2d_params *p = j->p;
+    const int64_t cg = p->c / p->groups, kg = p->k / p->groups, R = p->r, S = p->s, H = p->h, W = p->w;
+    const int64_t OH = p->oh, OW = p->ow, RS = R * S;
+    for (int64_t row = begin; row < end; row++) { /* row = (n * groups + g) * OH + oy */
+        int64_t oy = row % OH, ng = row / OH, g = ng % p->groups, n = ng / p->groups;
+        const float *xg = j->x + (n * p->c + g * cg) * H * W;
+        const float *wg = j->w + g * SMALLK * cg * RS;
+        for (int64_t ox0 = 0; ox0 < OW; ox0 += 16 * SK_VEC) {
+            /* fully unrolled loops over k and v keep acc in 16 registers */
+            __m512 acc[SMALLK][SK_VEC];
+#pragma GCC unroll 4
+            for (int k = 0; k < SMALLK; k++)
+#pragma GCC unroll 4
+                for (int v = 0; v < SK_VEC; v++)
+                    acc[k][v] = _mm512_set1_ps(j->bias && k < kg ? j->bias[g * kg + k] : 0.0f);
+            for (int64_t c = 0; c < cg; c++)
+                for (int64_t r = 0; r < R; r++) {
+                    int64_t iy = oy * p->stride_h - p->pad_h + r * p->dil_h;
+                    if (iy < 0 || iy >= H) continue;
+                    const float *xr = xg + (c * H + iy) * W;
+                    /* this row's part for the next 64 outputs: used after all C*R rows of
+                     * this block, far enough ahead to come from memory in time */
+                    if (ox0 + 16 * SK_VEC < OW)
+                        for (int v = 0; v < SK_VEC; v++) {
+                            int64_t at = ox0 + 16 * SK_VEC - p->pad_w + 16 * v;
+                            if (at >= 0 && at < W) _mm_prefetch((const char *)(xr + at), _MM_HINT_T0);
+                        }
+                    for (int64_t q = 0; q < S; q++) {
+                        int64_t ix0 = ox0 - p->pad_w + q * p->dil_w;
+                        __m512 xv[SK_VEC];
+#pragma GCC unroll 4
+                        for (int v = 0; v < SK_VEC; v++) {
+                            /* lane l reads column ix0 + 16v + l: inside the row and for an output < OW */
+                            int64_t lo = ix0 + 16 * v, a = lo < 0 ? -lo : 0, b = W - lo;
+                            if (b > OW - ox0 - 16 * v) b = OW - ox0 - 16 * v;
+                            if (b > 16) b = 16;
+                            __mmask16 mk = a >= b ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+                            xv[v] = _mm512_maskz_loadu_ps(mk, xr + lo);
+                        }
+                        const float *wp = wg + c * RS + r * S + q;
+#pragma GCC unroll 4
+                        for (int k = 0; k < SMALLK; k++) {
+                            __m512 wv = _mm512_set1_ps(wp[k * cg * RS]);
+#pragma GCC unroll 4
+                            for (int v = 0; v < SK_VEC; v++) acc[k][v] = _mm512_fmadd_ps(wv, xv[v], acc[k][v]);
+                        }
+                    }
+                }
+            for (int64_t k = 0; k < kg; k++) {
+                float *yr = j->y + ((n * p->k + g * kg + k) * OH + oy) * OW + ox0;
+                for (int v = 0; v < SK_VEC; v++) {
+                    int64_t b = OW - ox0 - 16 * v;
+                    if (b <= 0) break;
+                    _mm512_mask_storeu_ps(yr + 16 * v, b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << b) - 1),
+                                          acc[k][v]);
+                }
+            }
+        }
+    }
+}
+
+/* 0 done, -1 not possible (no SIMD, not this shape, no scratch). */
+static int conv_smallk(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
+                       const kiln_conv2d_params *p)
+{
+    int64_t cg = p->c / p->groups, kg = p->k / p->groups, crs = cg * p->r * p->s;
+    if (!kiln_cpu_gemm_have_simd() || kg > SMALLK || p->stride_w != 1) return -1;
+    size_t n = (size_t)(p->groups * SMALLK * crs);
+    float *wp = calloc(n, sizeof *wp);
+    if (!wp) return -1;
+    size_t esz = kiln_dtype_size(w_dt);
+    for (int64_t g = 0; g < p->groups; g++)
+        for (int64_t k = 0; k < kg; k++)
+            kiln_to_f32(wp + (g * SMALLK + k) * crs, (const char *)w + (size_t)((g * kg + k) * crs) * esz, w_dt,
+                        (size_t)crs);
+    smallk_job j = {y, x, wp, bias, p};
+    kiln_parallel_for(p->n * p->groups * p->oh, 1, smallk_fn, &j);
+    free(wp);
+    return 0;
+}
+
 /* 0 done, -1 not possible (no SIMD kernel or no scratch). */
 static int conv_implicit_gemm(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
                               const kiln_conv2d_params *p)
@@ -236,6 +337,12 @@ static int conv_implicit_gemm(float *y, const float *x, const void *w, kiln_dtyp
 #else
 static int conv_implicit_gemm(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
                               const kiln_conv2d_params *p)
+{
+    (void)y; (void)x; (void)w; (void)w_dt; (void)bias; (void)p;
+    return -1;
+}
+static int conv_smallk(float *y, const float *x, const void *w, kiln_dtype w_dt, const float *bias,
+                       const kiln_conv2d_params *p)
 {
     (void)y; (void)x; (void)w; (void)w_dt; (void)bias; (void)p;
     return -1;
@@ -373,6 +480,7 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
             return KILN_OK;
         }
     }
+    if ((path == PATH_AUTO || path == PATH_DIRECT) && conv_smallk(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
     if (path == PATH_AUTO || path == PATH_WINOGRAD) {
         int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p);
         if (r == 0) return KILN_OK;

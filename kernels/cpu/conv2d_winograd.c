@@ -52,7 +52,7 @@ typedef struct wino_ctx {
     /* U[36][ns][C][12] and V[36][tp/32][C][32] in the GEMM's sliver layout (no packing
      * there); M[36][kb][tp] row-major */
     float *U, *V, *M;
-    float *wbuf;                /* kiln_threads() x 48*16*9 floats: converted weights */
+    float *wbuf;                /* kiln_threads() x 12*144 floats: converted weights */
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
 
@@ -72,50 +72,99 @@ typedef struct wino_ctx {
         o[5] = g2;                                                                                              \
     } while (0)
 
-/* Task: output channels kk in [48g, 48g+48) of the block (slivers 4g..4g+3), 16 of
- * them per vector, times 16 input channels from c0 = 16 * (task % chunks). */
+/* In-register transpose of a 16 x 16 block: r[i][j] becomes r[j][i] (as in gemm.c). */
+AVX512 static inline void transpose16(__m512 *r)
+{
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g4 = 0; g4 < 16; g4 += 4) {
+        u[g4 + 0] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0x44);
+        u[g4 + 1] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0xEE);
+        u[g4 + 2] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0x44);
+        u[g4 + 3] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        __m512 v2 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(v, w, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(v, w, 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+    }
+}
+
+/* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input
+ * channels from c0. The 12 weight rows (16 channels x 9 taps each) are transposed so a
+ * vector holds one tap of the 12 outputs; vectors then pair 4 input channels x 12
+ * outputs, so that for each xi three whole vectors fill U[xi][s][c0+cq .. +3][0..11]
+ * (192 contiguous bytes): plain stores, no gathers, no partial lines. */
 AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
-    const int64_t C = c->C;
-    const size_t esz = kiln_dtype_size(c->w_dt);
-    const size_t su = (size_t)c->su;
-    float *buf = c->wbuf + (size_t)kiln_thread_index() * (48 * 144);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(144));
-    /* lanes [a, b) of vector v go to sliver 4g + sl, starting at position pos */
-    static const struct { int v, a, b, sl, pos; } part[6] = {
-        {0, 0, 12, 0, 0}, {0, 12, 16, 1, 0}, {1, 0, 8, 1, 4}, {1, 8, 16, 2, 0}, {2, 0, 4, 2, 8}, {2, 4, 16, 3, 0}};
-    const int64_t chunks = (C + 15) / 16;
+    const int64_t C = c->C, chunks = (C + 15) / 16;
+    const size_t esz = kiln_dtype_size(c->w_dt), su = (size_t)c->su;
+    /* f32 weights are read in place (rows C*9 floats apart); f16/bf16 rows are converted
+     * into buf first (rows 144 floats apart) */
+    const int f32 = c->w_dt == KILN_F32;
+    const int64_t rstride = f32 ? C * 9 : 144;
+    float *buf = c->wbuf + (size_t)kiln_thread_index() * (12 * 144);
+    __m512 tb[144]; /* tb[c*9 + e], lane k: tap e of input channel c0+c for output 12s+k */
     for (int64_t task = begin; task < end; task++) {
-        int64_t g = task / chunks, c0 = 16 * (task % chunks);
-        int64_t kk0 = 48 * g, kn = c->kb - kk0 < 48 ? c->kb - kk0 : 48;
-        int64_t cn = C - c0 < 16 ? C - c0 : 16;
-        for (int64_t r = 0; r < kn; r++)
-            kiln_to_f32(buf + r * 144, (const char *)c->w + (size_t)(((c->k0 + kk0 + r) * C + c0) * 9) * esz,
-                        c->w_dt, (size_t)(cn * 9));
-        for (int64_t cc = 0; cc < cn; cc++) {
+        int64_t sl = task / chunks, c0 = (task % chunks) * 16;
+        int64_t cn = C - c0 < 16 ? C - c0 : 16, kk0 = 12 * sl, kn = c->kb - kk0 < 12 ? c->kb - kk0 : 12;
+        const float *src = f32 ? (const float *)c->w + ((c->k0 + kk0) * C + c0) * 9 : buf;
+        if (!f32)
+            for (int64_t r = 0; r < kn; r++)
+                kiln_to_f32(buf + r * 144, (const char *)c->w + (size_t)(((c->k0 + kk0 + r) * C + c0) * 9) * esz,
+                            c->w_dt, (size_t)(cn * 9));
+        for (int b = 0; b < 9; b++) { /* columns 16b .. 16b+15 of the 12 x (cn*9) rows */
+            int64_t cols = cn * 9 - 16 * b;
+            __mmask16 cm = cols >= 16 ? (__mmask16)0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1);
+            __m512 r[16];
+            for (int k = 0; k < 16; k++)
+                r[k] = k < kn && cm ? _mm512_maskz_loadu_ps(cm, src + k * rstride + 16 * b) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int m = 0; m < 16; m++) tb[16 * b + m] = r[m];
+        }
+        for (int64_t cq = 0; cq < cn; cq += 4) {
             __m512 u[3][36];
-            for (int v = 0; v < 3; v++) {
-                int64_t rows = kn - 16 * v;
-                __mmask16 mk = rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1);
+            for (int q = 0; q < 3; q++) {
                 __m512 gv[9];
-                for (int e = 0; e < 9; e++)
-                    gv[e] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, buf + 16 * v * 144 + cc * 9 + e, 4);
+                for (int e = 0; e < 9; e++) {
+                    /* lane l of vector q is element 16q + l of [4 channels][12 outputs] */
+                    __m512i t0 = _mm512_castps_si512(tb[(cq + q) * 9 + e]);
+                    __m512i t1 = _mm512_castps_si512(tb[(cq + q + 1) * 9 + e]);
+                    __m512i x;
+                    if (q == 0) /* channel 0 outputs 0..11, channel 1 outputs 0..3 */
+                        x = _mm512_mask_blend_epi32(0xF000, t0, _mm512_alignr_epi32(t1, t1, 4));
+                    else if (q == 1) /* channel 1 outputs 4..11, channel 2 outputs 0..7 */
+                        x = _mm512_mask_blend_epi32(0xFF00, _mm512_alignr_epi32(t0, t0, 4), _mm512_alignr_epi32(t1, t1, 8));
+                    else /* channel 2 outputs 8..11, channel 3 outputs 0..11 */
+                        x = _mm512_mask_blend_epi32(0xFFF0, _mm512_alignr_epi32(t0, t0, 8), _mm512_alignr_epi32(t1, t1, 12));
+                    gv[e] = _mm512_castsi512_ps(x);
+                }
                 __m512 t[3][6]; /* t[s][i] = (G g)[i][s] */
-                for (int s = 0; s < 3; s++) G_APPLY(gv[s], gv[3 + s], gv[6 + s], t[s]);
+                for (int s3 = 0; s3 < 3; s3++) G_APPLY(gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
                 for (int i = 0; i < 6; i++) {
                     __m512 o[6];
                     G_APPLY(t[0][i], t[1][i], t[2][i], o);
-                    for (int j = 0; j < 6; j++) u[v][i * 6 + j] = o[j];
+                    for (int j = 0; j < 6; j++) u[q][i * 6 + j] = o[j];
                 }
             }
-            for (int q = 0; q < 6; q++) {
-                int64_t sl = 4 * g + part[q].sl;
-                if (sl >= c->ns) continue;
-                __mmask16 mk = (__mmask16)(((1u << part[q].b) - 1) & ~((1u << part[q].a) - 1));
-                float *dst = c->U + (sl * C + c0 + cc) * 12 + part[q].pos - part[q].a;
-                for (int xi = 0; xi < 36; xi++) _mm512_mask_storeu_ps(dst + xi * su, mk, u[part[q].v][xi]);
+            float *dst = c->U + (sl * C + c0 + cq) * 12;
+            if (cn - cq >= 4) {
+                for (int xi = 0; xi < 36; xi++)
+                    for (int q = 0; q < 3; q++) _mm512_storeu_ps(dst + xi * su + 16 * q, u[q][xi]);
+            } else { /* channels past C: lanes whose element 16q + l belongs to channel >= cn - cq */
+                int64_t valid = 12 * (cn - cq);
+                for (int q = 0; q < 3; q++) {
+                    int64_t v = valid - 16 * q;
+                    __mmask16 mk = v >= 16 ? (__mmask16)0xffff : v <= 0 ? 0 : (__mmask16)((1u << v) - 1);
+                    for (int xi = 0; xi < 36; xi++) _mm512_mask_storeu_ps(dst + xi * su + 16 * q, mk, u[q][xi]);
+                }
             }
         }
     }
@@ -432,7 +481,7 @@ AVX512 static void block_task(void *vctx, int64_t begin, int64_t end)
     c.M = j->M + (size_t)t * j->nM;
     for (int64_t bk = begin; bk < end; bk++) {
         set_block(&c, bk, j->kb);
-        weight_fn(&c, 0, (c.kb + 47) / 48 * ((c.C + 15) / 16));
+        weight_fn(&c, 0, c.ns * ((c.C + 15) / 16));
         for (int64_t i = 0; i < j->n_img; i++) {
             c.V = j->V + (size_t)i * j->nV;
             c.y = j->y + i * c.K * c.p->oh * c.p->ow;
@@ -495,7 +544,7 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     /* The 36 matrices of U, V and M sit one 64-byte line further apart than their size:
      * sizes are multiples of 4 KB, and 36 streams 4 KB apart would share one L1 set. */
     size_t nU = (size_t)36 * (size_t)((kb + 11) / 12 * 12 * C + 16), nM = (size_t)36 * (size_t)(kb * ts + 16);
-    size_t nW = (size_t)threads * 48 * 144;
+    size_t nW = (size_t)threads * 12 * 144;
     size_t nB = (size_t)(ts / 16), bsz = (sizeof(blk_setup) + 63) / 64 * 16; /* floats per entry, whole lines */
     size_t tot_U = blocks_mode ? (size_t)threads * nU : nU;
     size_t tot_V = blocks_mode ? (size_t)n_img * v_img : (size_t)threads * v_img;
@@ -533,7 +582,7 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
             for (int64_t bk = 0; bk < nkb; bk++) {
                 set_block(c, bk, kb);
                 /* one block: U serves every image */
-                if (nkb > 1 || n == 0) kiln_parallel_for((c->kb + 47) / 48 * ((C + 15) / 16), 1, weight_fn, c);
+                if (nkb > 1 || n == 0) kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
                 kiln_parallel_for(nstrip, 1, strip_task, &j);
             }
         }

@@ -37,13 +37,15 @@ int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, cons
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
 void *kiln_cpu_scratch_get(size_t bytes);
 void kiln_cpu_scratch_put(void *p);
+void kiln_cpu_scratch_trim(void);
 
 /* ---------- scratch cache ---------- */
 
 /* Kernels that run again and again with the same shapes (every UNet step) reuse their
  * scratch instead of taking fresh pages from the OS on every call: the page faults on
  * a 40 MB Winograd buffer cost as much as the convolution itself. A few blocks of at
- * most SCRATCH_CACHE_MAX bytes stay cached for the life of the process. */
+ * most SCRATCH_CACHE_MAX bytes stay cached until kiln_cpu_scratch_trim() (meant for the
+ * runtime's memory-pressure hook) hands the idle ones back. */
 enum { SCRATCH_SLOTS = 4 };
 static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -89,6 +91,18 @@ void kiln_cpu_scratch_put(void *p)
         }
     pthread_mutex_unlock(&scratch_lock);
     free(p);
+}
+
+void kiln_cpu_scratch_trim(void)
+{
+    pthread_mutex_lock(&scratch_lock);
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        if (!scratch_slots[i].busy) {
+            free(scratch_slots[i].p);
+            scratch_slots[i].p = NULL;
+            scratch_slots[i].cap = 0;
+        }
+    pthread_mutex_unlock(&scratch_lock);
 }
 
 typedef struct {
@@ -371,7 +385,42 @@ AVX512 static void ukr_packed(int64_t kc, const float *restrict ap, const float 
     UKR_STORE(o)
 }
 
-/* Same, reading MR full rows of a row-major f32 A (stride lda) in place: no packing. */
+/* A sliver of at most 4 rows (products with a handful of rows, such as the VAE's 3
+ * output channels) times 3 B slivers: 4 x 96 accumulators keep the FMAs as busy as the
+ * 12 x 32 tile, which would leave 2/3 of its rows empty. bs: floats between slivers. */
+AVX512 static void ukr_wide(int64_t kc, const float *restrict ap, const float *restrict bp, int64_t bs,
+                            const tile_out *o)
+{
+    /* fully unrolled loops over r and v keep acc in 24 registers */
+    __m512 acc[4][6];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 6
+        for (int v = 0; v < 6; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 x[6];
+#pragma GCC unroll 6
+        for (int v = 0; v < 6; v++) x[v] = _mm512_load_ps(bp + (v / 2) * bs + k * NR + (v % 2) * 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512 s = _mm512_set1_ps(ap[k * MR + r]);
+#pragma GCC unroll 6
+            for (int v = 0; v < 6; v++) acc[r][v] = _mm512_fmadd_ps(s, x[v], acc[r][v]);
+        }
+    }
+    for (int q = 0; q < 3; q++) {
+        tile_out oq = *o;
+        oq.c += q * NR;
+        oq.n = NR;
+        if (oq.bias_col) oq.bias_col += q * NR;
+        __m512 lo[4] = {acc[0][2 * q], acc[1][2 * q], acc[2][2 * q], acc[3][2 * q]};
+        __m512 hi[4] = {acc[0][2 * q + 1], acc[1][2 * q + 1], acc[2][2 * q + 1], acc[3][2 * q + 1]};
+        store_tile(&oq, lo, hi);
+    }
+}
+
+/* Same as ukr_packed, reading MR full rows of a row-major f32 A (stride lda) in place:
+ * no packing. */
 AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, const float *restrict bp,
                             const tile_out *o)
 {
@@ -406,15 +455,22 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
             const float *ap = asliver;
             if (g->a_packed) ap = (const float *)g->A + (i / MR) * g->K * MR + k0 * MR;
             else if (!direct) pack_a(asliver, g, i, m, k0, kc);
-            for (int64_t js = 0; js < n; js += NR) {
+            for (int64_t js = 0; js < n;) {
                 tile_out o = {g->C + i * g->ldc + j0 + js, g->ldc, m, n - js < NR ? (int)(n - js) : NR,
                               g->alpha, g->beta, k0 > 0,
                               last && g->bias_row ? g->bias_row + i : NULL,
                               last && g->bias_col ? g->bias_col + j0 + js : NULL};
                 const float *bp = g->b_packed ? (const float *)g->B + ((j0 + js) / NR) * g->K * NR + k0 * NR
                                               : bpanel + (js / NR) * kc * NR;
+                if (m <= 4 && n - js >= 3 * NR) {
+                    o.n = 3 * NR;
+                    ukr_wide(kc, ap, bp, g->b_packed ? g->K * NR : kc * NR, &o);
+                    js += 3 * NR;
+                    continue;
+                }
                 if (direct) ukr_rows(kc, (const float *)g->A + i * g->lda + k0, g->lda, bp, &o);
                 else ukr_packed(kc, ap, bp, &o);
+                js += NR;
             }
         }
     }
@@ -453,11 +509,14 @@ static void choose_blocks(int64_t M, int64_t N, int threads, int64_t *mb, int64_
     *nb = n_up < NB_MAX ? n_up : NB_MAX;
     *mb = (M + MR - 1) / MR * MR;
     int64_t want = threads > 1 ? 4 * (int64_t)threads : 1;
+    /* a few rows go through the 4 x 96 kernel: keep column blocks at least that wide */
+    int64_t nb_min = M <= 4 ? 3 * NR : 2 * NR;
     for (;;) {
         int64_t tasks = ((M + *mb - 1) / *mb) * ((N + *nb - 1) / *nb);
         if (tasks >= want) break;
+        int64_t half = ((*nb / 2) + NR - 1) / NR * NR;
         if (*mb >= 8 * MR) *mb = ((*mb / 2) + MR - 1) / MR * MR;
-        else if (*nb >= 4 * NR) *nb = ((*nb / 2) + NR - 1) / NR * NR;
+        else if (half >= nb_min) *nb = half;
         else break;
     }
 }

@@ -260,7 +260,10 @@ extern "C" kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, 
             if ((st = kiln_cuda_copy(y, bv))) break;
             beta = 1.0f;
         }
-        cudnnStatus_t s = cudnnSetConvolutionMathType(e->cd, p->mathType);
+        /* cuDNN may report DEFAULT_MATH (TF32 allowed) for an f32 algorithm asked with
+         * FMA_MATH: keep f32 exact unless TF32 was asked for (as PyTorch does) */
+        cudnnMathType_t math = e->key.math == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : p->mathType;
+        cudnnStatus_t s = cudnnSetConvolutionMathType(e->cd, math);
         if (s == CUDNN_STATUS_SUCCESS)
             s = cudnnConvolutionForward(c->dnn, &one, e->xd, X, e->wd, W, e->cd, p->algo, ws, wsize, &beta, e->yd, Y);
         kiln_cuda_scratch_free(c, ws);

@@ -5,8 +5,12 @@
 -- and shapes (checkpoint.inspect works on a name -> shape table alone); heads,
 -- activations, scale factor and prediction type come from the family unless the
 -- file's __metadata__ says otherwise (keys below). Each part is a network object that
--- is also a model: :load(device, {dtype}), :offload(), :unload(), :bytes(dev),
--- :close() and <close> reach the weight store underneath.
+-- is also its weight store, a kiln.Model named "unet", "vae" or "clip" over exactly the
+-- tensors the network reads (one file's part through the model's prefix list):
+-- :load(device, {dtype}), :offload(), :unload(), :bytes(dev), :pin(), :stats(),
+-- :where(name), .device, .residency, :close() and <close> reach it; the networks read
+-- their weights through it in every memory mode (streamed per block in "low", see
+-- kiln.stream).
 --
 -- __metadata__ keys read: kiln.family, kiln.heads.unet, kiln.head_dim.unet,
 -- kiln.heads.clip, kiln.heads.clip_g, kiln.clip.activation, kiln.clip_g.activation,

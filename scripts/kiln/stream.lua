@@ -1,21 +1,26 @@
 -- kiln.stream: how a network reads its weights, and the per-block weight streaming
 -- of memory mode "low". A network (UNet, VAE, CLIP encoder) names its weights
 -- relative to its root; a weights accessor (stream.weights) resolves those names in
--- the part's kiln.Model. The network is a sequence of blocks; stream.new groups the
--- tensors by block once per network, and each forward pass runs its blocks through a
--- pass:
+-- the part's kiln.Model, whose :tensor(name) gives a new handle per call (the device
+-- copy when there is one): the networks free the handles and views they make, so no
+-- storage outlives its use waiting for the GC. A network is a sequence of blocks;
+-- stream.new groups its tensors by block once, and each forward pass runs its blocks
+-- through a pass:
 --
 --   local pass <close> = self.streamer:pass(order)    -- order: block keys, in run order
 --   h = pass:run("input_blocks.1.", fn, ...)          -- fn(...) with the block's weights
 --
 -- In mode "low" with a device target (the model was :load(dev)ed: its weights stay on
--- the host, f16 when the file is f16), pass:run fetches the block's tensors (waiting
--- for a prefetch in flight), queues the next block's on the device's copy thread so
--- the copy overlaps this block's compute, runs fn, then frees the tensor handles the
--- block was given and releases its device copies. Closing the pass (also on error)
--- releases whatever it still holds, so after a forward the model has no device bytes.
--- In every other case (weights resident on the device, mode "none", no target)
--- pass:run is just fn(...).
+-- the host, f16 when the file is f16, and the kernels cast at use), pass:run queues
+-- the blocks that follow on the device's copy thread (the next one always, more while
+-- the prefetched weights stay within the two largest adjacent blocks), fetches this
+-- block's tensors (waiting for their prefetch), runs fn while the copies go on, then
+-- frees the tensor handles the block was given and releases its device copies.
+-- Closing the pass (also on error) releases whatever it still holds, so after a
+-- forward the model has no bytes on the device. In every other mode the weights are
+-- wherever the pipeline loaded them and pass:run is fn(...). In all modes the model
+-- is pinned while a pass is open (its own weights are not evicted under it), and with
+-- a trace running each block is a span named "<net> <block>".
 local kiln = require "kiln"
 
 local M = {}
@@ -67,7 +72,7 @@ function Weights:device(probe)
   if self:streaming() then return self.store.device end
   local t = self.store:tensor(self:real(probe))
   local d = t.device
-  t:free()
+  if self:model() then t:free() end
   return d
 end
 
@@ -121,21 +126,15 @@ function Streamer:keys()
   return r
 end
 
--- Bytes of each block's tensors as stored in the model (nil when there is none).
+-- Bytes of each block's tensors as stored in the model: a list of {key, bytes}
+-- (nil when the weights are not a kiln.Model).
 function Streamer:block_bytes()
   local w = self.weights
   local m = type(w) == "table" and w.model and w:model()
   if not m then return nil end
+  local sizes = self:_sizes(m)
   local r = {}
-  for i, b in ipairs(self.blocks) do
-    local n = 0
-    for _, name in ipairs(b.real) do
-      local t = m:tensor(name)
-      n = n + t:nbytes()
-      t:free()
-    end
-    r[i] = { key = b.key, bytes = n }
-  end
+  for i, b in ipairs(self.blocks) do r[i] = { key = b.key, bytes = sizes[i] } end
   return r
 end
 
@@ -204,6 +203,47 @@ function Pass:_drop(b)
   end
 end
 
+-- Stored bytes of each block (index -> bytes) and the prefetch window: the largest
+-- two adjacent blocks of the plan. Computed once (the first streamed pass).
+function Streamer:_sizes(m)
+  if not self.sizes then
+    local sizes, window = {}, 0
+    for i, b in ipairs(self.blocks) do
+      local n = 0
+      for _, name in ipairs(b.real) do
+        local t = m:tensor(name)
+        n = n + t:nbytes()
+        t:free()
+      end
+      sizes[i] = n
+    end
+    for i = 1, #sizes do window = math.max(window, sizes[i] + (sizes[i + 1] or 0)) end
+    self.sizes, self.window = sizes, window
+  end
+  return self.sizes, self.window
+end
+
+-- Queues the blocks after position pos on the copy thread: always the next one, and
+-- more while the blocks held stay within the window (small blocks are fetched ahead,
+-- so the copy thread keeps working while a large block computes; the device never
+-- holds more weights than the two largest adjacent blocks).
+function Pass:_prefetch_after(pos)
+  local sizes, window = self.s:_sizes(self.model)
+  local held = 0
+  for b in pairs(self.held) do held = held + sizes[b] end
+  local j = pos + 1
+  while self.seq[j] do
+    local nb = self.seq[j]
+    if not self.held[nb] then
+      if j > pos + 1 and held + sizes[nb] > window then break end
+      self.model:prefetch(self.s.blocks[nb].real)
+      self.held[nb] = true
+      held = held + sizes[nb]
+    end
+    j = j + 1
+  end
+end
+
 -- Runs fn(...) as block `key`: its weights are on the device while fn runs and the
 -- next block's are on their way.
 function Pass:run(key, fn, ...)
@@ -220,14 +260,11 @@ function Pass:run(key, fn, ...)
     error(fmt("%s: block '%s' runs out of the pass's order", self.s.label, key), 2)
   end
   self.pos = pos
-  local m = self.model
-  m:fetch(self.s.blocks[b].real)
+  -- queue what follows first, so the copy thread works while this block is fetched
+  -- (it waits for its own prefetch, or copies on this thread for the first block)
   self.held[b] = true
-  local nxt = self.seq[pos + 1]
-  if nxt and nxt ~= b and not self.held[nxt] then
-    m:prefetch(self.s.blocks[nxt].real)
-    self.held[nxt] = true
-  end
+  self:_prefetch_after(pos)
+  self.model:fetch(self.s.blocks[b].real)
   self.current = b
   self.handles[b] = self.handles[b] or {}
   local function finish(...)

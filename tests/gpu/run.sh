@@ -116,13 +116,15 @@ elif [ -z "$KILN" ]; then
   echo "skipped: no kiln binary (the Makefile has no CUDA rules yet)"
 elif [ ! -f examples/txt2img.lua ]; then
   echo "skipped: examples/txt2img.lua does not exist yet"
+elif [ ! -f "${TXT2IMG_MODEL:=examples/models/kiln-shapes.safetensors}" ]; then
+  echo "skipped: no model at $TXT2IMG_MODEL (set TXT2IMG_MODEL to a checkpoint)"
 else
   for mode in high normal low; do
     vram=2G
     [ "$mode" = low ] && vram=1G
     t0=$(date +%s.%N)
     if timeout 120 "$KILN" examples/txt2img.lua --device cuda --mode "$mode" --vram "$vram" --seed 42 --steps 8 \
-         --prompt "a red circle on a blue background" --out "$OUT/txt2img-$mode.png" >"$OUT/txt2img-$mode.log" 2>&1; then
+         --model "$TXT2IMG_MODEL" --prompt "a red circle on a blue background" --out "$OUT/txt2img-$mode.png" >"$OUT/txt2img-$mode.log" 2>&1; then
       printf '  %-7s --vram %-3s %6.1f s\n' "$mode" "$vram" "$(awk -v s="$t0" -v e="$(date +%s.%N)" 'BEGIN { print e - s }')"
       tail -12 "$OUT/txt2img-$mode.log" | sed 's/^/      /'
     else

@@ -1,0 +1,469 @@
+-- tests/bench/bench_sd.lua - the SD 1.5 architecture, end to end, with random f16
+-- weights: UNet evaluation (64x64 latent, batch 1 and 2, context [B, 77, 768]), VAE
+-- decode of a 64x64 latent (512x512 image), CLIP-L encode; time, GFLOP/s, peak memory
+-- and the ratio to PyTorch (tests/bench/torch_sd.py, the original modules in f32 on
+-- the same weights and inputs); low vs high memory mode for one UNet step on sim;
+-- and text encode + one UNet step with CFG + VAE decode in low mode inside a 512 MiB
+-- sim budget.
+--
+--   build/kiln tests/bench/bench_sd.lua [--quick] [--repeat N] [--only LIST]
+--       [--no-torch] [--weights PATH] [--fresh] [--clean] [--threads N] [--budget MIB]
+--
+-- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
+-- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
+-- unet,vae,clip,modes,pipeline. The weights (2.1 GB f16, names and shapes from
+-- ../shared/sd-keys/sd15.txt) are generated once into a temporary file and reused by
+-- later runs (--fresh regenerates, --clean removes it at the end, --weights names it).
+-- Tensors up to 1 Mi elements are kiln.randn with their own seed; larger ones repeat
+-- a seeded 1 Mi-element randn block (random enough for timing, and 5x faster to
+-- generate); weights are scaled by 1/sqrt(fan_in), norm weights are 1 + 0.1 N(0, 1).
+local kiln = require "kiln"
+local util = require "kiln.util"
+
+local opts = util.parse_args(arg or {}, {
+  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline", no_torch = false, weights = "",
+  fresh = false, clean = false, threads = 0, budget = 512,
+})
+if opts.threads > 0 then kiln.set_threads(opts.threads) end
+local SHARED = os.getenv("KILN_SHARED") or "../shared"
+local PY = os.getenv("PYTHON") or "/usr/bin/python3"
+local SIZE = opts.quick and 32 or 64
+local BATCHES = opts.quick and { 1 } or { 1, 2 }
+local REPEAT = math.max(1, math.floor(opts["repeat"]))
+local only = {}
+for w in opts.only:gmatch("[^,]+") do only[w] = true end
+local fmt = string.format
+local MiB, GiB = 1024 * 1024, 1024 * 1024 * 1024
+kiln.set_quiet(true)
+
+local function human(b)
+  if not b then return "-" end
+  if b >= GiB then return fmt("%.2f GiB", b / GiB) end
+  return fmt("%.1f MiB", b / MiB)
+end
+
+local function say(...) io.stdout:write(fmt(...), "\n"); io.stdout:flush() end
+
+local function loadavg()
+  local f = io.open("/proc/loadavg")
+  if not f then return "?" end
+  local s = f:read("l")
+  f:close()
+  return s:match("^(%S+ %S+ %S+)") or "?"
+end
+
+local function vm_hwm() -- peak resident set of this process (bytes), from /proc
+  local f = io.open("/proc/self/status")
+  if not f then return nil end
+  for line in f:lines() do
+    local kb = line:match("^VmHWM:%s+(%d+) kB")
+    if kb then f:close(); return tonumber(kb) * 1024 end
+  end
+  f:close()
+end
+
+-- ---------------------------------------------------------------- weights
+
+local function parse_shape(s)
+  local r = {}
+  for d in s:gmatch("%d+") do r[#r + 1] = tonumber(d) end
+  return r
+end
+
+local MARK = "sd15-random-f16-v1"
+
+local function file_ok(path)
+  local ok, t, meta = pcall(kiln.load_safetensors, path)
+  if not ok then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return meta and meta["kiln.bench"] == MARK and n > 1000
+end
+
+local BLOCK = 1024 * 1024
+
+local function gen_tensor(name, shape, seed)
+  local n = 1
+  for _, d in ipairs(shape) do n = n * d end
+  if name:match("position_ids$") then return kiln.arange(n):reshape(shape) end
+  local std, mean
+  if #shape >= 2 then
+    local fan_in = n // shape[1]
+    std, mean = 1 / math.sqrt(fan_in), 0
+  elseif name:match("%.weight$") then
+    std, mean = 0.1, 1 -- norm scales
+  else
+    std, mean = 0.02, 0
+  end
+  local k = math.min(n, BLOCK)
+  local r = kiln.randn({ k }, { seed = seed })
+  local s = r * std
+  r:free()
+  if mean ~= 0 then local m = s + mean; s:free(); s = m end
+  local h = s:to("f16")
+  s:free()
+  if k == n then
+    local t = h:reshape(shape)
+    h:free()
+    return t
+  end
+  local parts = {}
+  for i = 1, (n + k - 1) // k do parts[i] = h end
+  local c = kiln.cat(parts, 1)
+  h:free()
+  local t = c:narrow(1, 1, n):contiguous():reshape(shape)
+  c:free()
+  return t
+end
+
+local function make_weights(path)
+  local keys = SHARED .. "/sd-keys/sd15.txt"
+  local f = io.open(keys)
+  if not f then error("bench_sd: " .. keys .. " is missing (set KILN_SHARED to the shared folder)") end
+  f:close()
+  local t0 = kiln.time()
+  local tensors, n, bytes = {}, 0, 0
+  local i = 0
+  for line in io.lines(keys) do
+    local name, s = line:match("^([^\t]+)\t(.*)$")
+    i = i + 1
+    -- the schedule buffers (betas, alphas_cumprod, ...) belong to no network
+    if name and (name:match("^model%.diffusion_model%.") or name:match("^first_stage_model%.") or
+          name:match("^cond_stage_model%.")) then
+      local t = gen_tensor(name, parse_shape(s), 1000 + i)
+      tensors[name] = t
+      n = n + 1
+      bytes = bytes + t:nbytes()
+    end
+  end
+  kiln.save_safetensors(path, tensors, { ["kiln.bench"] = MARK })
+  for _, t in pairs(tensors) do t:free() end
+  collectgarbage()
+  return n, bytes, kiln.time() - t0
+end
+
+-- ---------------------------------------------------------------- FLOP counts
+
+local unet_mod = require "kiln.unet"
+
+-- One UNet evaluation (multiply-add = 2 FLOP) from the block plan: convolutions,
+-- linear layers and attention (q k^T and p v); norms and pointwise ops left out.
+local function unet_flops(cfg, B, H, W, L)
+  local plan = unet_mod.plan(cfg)
+  local ted, mc, ctx = cfg.time_embed_dim, cfg.model_channels, cfg.context_dim
+  local total = 2 * B * (mc * ted + ted * ted)
+  local hw = H * W
+  local function layer(ly)
+    if ly.kind == "conv" then
+      total = total + 2 * B * ly.cout * ly.cin * 9 * hw
+    elseif ly.kind == "res" then
+      total = total + 2 * B * (ly.cout * ly.cin * 9 + ly.cout * ly.cout * 9) * hw + 2 * B * ted * ly.cout
+      if ly.cin ~= ly.cout then total = total + 2 * B * ly.cout * ly.cin * hw end
+    elseif ly.kind == "attn" then
+      local c, N = ly.ch, hw
+      local per = 2 * N * c * c * 4 + 2 * 2 * N * N * c         -- self-attention
+          + 2 * N * c * c * 2 + 2 * 2 * L * ctx * c + 2 * 2 * N * L * c -- cross-attention
+          + 2 * N * c * 8 * c + 2 * N * 4 * c * c                 -- GEGLU feed-forward
+      total = total + B * (2 * 2 * N * c * c + ly.depth * per)   -- + proj_in, proj_out
+    elseif ly.kind == "down" then
+      hw = hw // 4
+      total = total + 2 * B * ly.ch * ly.ch * 9 * hw
+    elseif ly.kind == "up" then
+      hw = hw * 4
+      total = total + 2 * B * ly.ch * ly.ch * 9 * hw
+    end
+  end
+  for _, blk in ipairs(plan.input) do for _, ly in ipairs(blk) do layer(ly) end end
+  for _, ly in ipairs(plan.middle) do layer(ly) end
+  for _, blk in ipairs(plan.output) do for _, ly in ipairs(blk) do layer(ly) end end
+  total = total + 2 * B * cfg.out_channels * mc * 9 * hw
+  return total
+end
+
+-- VAE decoder on an h x w latent.
+local function vae_decode_flops(cfg, h, w)
+  local ch, mult, nrb = cfg.ch, cfg.ch_mult, cfg.num_res_blocks
+  local top = ch * mult[#mult]
+  local hw = h * w
+  local total = 2 * cfg.z_channels * cfg.embed_dim * hw + 2 * top * cfg.z_channels * 9 * hw
+  local function res(cin, cout)
+    total = total + 2 * (cout * cin * 9 + cout * cout * 9) * hw
+    if cin ~= cout then total = total + 2 * cout * cin * hw end
+  end
+  res(top, top)
+  total = total + 2 * 4 * hw * top * top + 2 * 2 * hw * hw * top
+  res(top, top)
+  local cin = top
+  for i = cfg.levels - 1, 0, -1 do
+    for _ = 0, nrb do res(cin, ch * mult[i + 1]); cin = ch * mult[i + 1] end
+    if i ~= 0 then hw = hw * 4; total = total + 2 * cin * cin * 9 * hw end
+  end
+  return total + 2 * cfg.out_ch * cin * 9 * hw
+end
+
+local function clip_flops(cfg, B, L)
+  local W, F = cfg.width, cfg.mlp
+  return B * cfg.layers * (2 * L * W * W * 4 + 2 * 2 * L * L * W + 2 * 2 * L * W * F)
+end
+
+-- ---------------------------------------------------------------- helpers
+
+local results = {} -- rows of the final table
+
+-- Best wall time of n runs, with the process CPU time (all threads) of that run: on
+-- a shared machine the CPU time says what the work cost, the wall time what it took.
+local function time_best(n, fn)
+  local best, cpu, out = math.huge, 0, nil
+  for _ = 1, n do
+    if out and out.free then out:free() end
+    collectgarbage(); collectgarbage()
+    local t0, c0 = kiln.time(), os.clock()
+    out = fn()
+    local dt, dc = kiln.time() - t0, os.clock() - c0
+    if dt < best then best, cpu = dt, dc end
+  end
+  return best, out, cpu
+end
+
+local function torch_run(path, what, args, out_path, repeat_n)
+  if opts.no_torch then return nil end
+  local cmd = fmt("%s tests/bench/torch_sd.py '%s' %s %s --repeat %d --threads 2 --out '%s' 2>&1", PY, path, what,
+    args, repeat_n or REPEAT, out_path)
+  local p = io.popen(cmd)
+  local text = p:read("a")
+  p:close()
+  local line = text:match("(%b{})%s*$")
+  if not line or not line:find('"sec"', 1, true) then
+    say("  torch: no result (%s)", (text:gsub("\n", " | ")):sub(-300))
+    return nil
+  end
+  local r = { out = out_path }
+  r.sec = tonumber(line:match('"sec": ([%d%.eE+-]+)'))
+  r.cpu = tonumber(line:match('"cpu": ([%d%.eE+-]+)'))
+  r.peak_rss = tonumber(line:match('"peak_rss": (%d+)'))
+  r.load_sec = tonumber(line:match('"load_sec": ([%d%.eE+-]+)'))
+  return r
+end
+
+local function rel_err(a, b)
+  local d = (a:to("cpu"):to("f32") - b:to("f32")):abs():max()
+  return d / math.max(1e-12, b:to("f32"):abs():max())
+end
+
+local function row(name, sec, cpu, flops, peak, torch, err)
+  results[#results + 1] = { name = name, sec = sec, cpu = cpu, flops = flops, peak = peak, torch = torch, err = err }
+  say("  %-36s %7.2f s (cpu %7.2f s) %7.1f GFLOP/s  peak %-10s%s%s", name, sec, cpu, flops and flops / sec / 1e9 or 0,
+    human(peak), torch and fmt("  torch %.2f s (cpu %.2f s): x%.3f (cpu x%.3f)", torch.sec, torch.cpu or 0,
+      sec / torch.sec, cpu / (torch.cpu or 1)) or "",
+    err and fmt("  rel.err %.1e", err) or "")
+end
+
+-- ---------------------------------------------------------------- main
+
+local tmpdir = os.getenv("TMPDIR") or "/tmp"
+local path = opts.weights ~= "" and opts.weights or (tmpdir .. "/kiln-bench-sd15-f16.safetensors")
+local out_path = tmpdir .. "/kiln-bench-sd15-torch-out.safetensors"
+
+say("# SD 1.5 architecture bench: kiln %s, %d threads, load average %s at start, %s",
+  kiln.version, kiln.threads and kiln.threads() or 0, loadavg(), os.date("%Y-%m-%d %H:%M"))
+say("# latent %dx%d (%dx%d images), batches %s, best of %d run(s)%s", SIZE, SIZE, SIZE * 8, SIZE * 8,
+  table.concat(BATCHES, ","), REPEAT, opts.no_torch and ", no torch" or ", torch 1.13 CPU f32 with 2 threads")
+
+if opts.fresh or not file_ok(path) then
+  local n, bytes, secs = make_weights(path)
+  say("weights: %d tensors, %s f16, generated in %.1f s -> %s", n, human(bytes), secs, path)
+else
+  say("weights: reusing %s", path)
+end
+
+local ck <close> = kiln.load_checkpoint(path)
+assert(ck.family == "sd1", "expected an SD 1.x layout, got " .. tostring(ck.family))
+local ucfg = ck.unet.config
+local wbytes = { unet = 0, vae = 0, clip = 0 }
+for _, part in ipairs({ "unet", "vae", "clip" }) do wbytes[part] = ck[part].model:stats().file_bytes end
+say("parts: unet %s, vae %s, clip %s (f16 in the file)", human(wbytes.unet), human(wbytes.vae), human(wbytes.clip))
+
+local function inputs(B, S)
+  return kiln.randn({ B, 4, S, S }, { seed = 11 }), kiln.full({ B }, 500), kiln.randn({ B, 77, 768 }, { seed = 12 })
+end
+
+local IDS = { 49406, 320, 1125, 539, 320, 2368, 49407 }
+while #IDS < 77 do IDS[#IDS + 1] = 49407 end
+
+-- 1. compute on the cpu (memory mode normal): the weights as the file holds them (f16,
+-- mapped; the kernels cast at use) and loaded to f32 first
+if only.unet then
+  say("\nUNet evaluation, cpu")
+  for _, B in ipairs(BATCHES) do
+    local x, t, ctx = inputs(B, SIZE)
+    local flops = unet_flops(ucfg, B, SIZE, SIZE, 77)
+    local tr = torch_run(path, "unet", fmt("--batch %d --size %d", B, SIZE), out_path)
+    for _, variant in ipairs(B == 1 and { "f16", "f32" } or { "f16" }) do
+      if variant == "f32" then ck.unet:load("cpu", { dtype = "f32" }) end
+      kiln.mem.reset_peak("cpu")
+      local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
+      local peak = kiln.mem.stats("cpu").peak
+      local err = tr and rel_err(out, kiln.load_safetensors(tr.out).out) or nil
+      row(fmt("unet b%d %dx%d, %s weights", B, SIZE, SIZE, variant == "f16" and "f16 mapped" or "f32 loaded"), sec, cpu,
+        flops, peak, tr, err)
+      out:free()
+      if variant == "f32" then ck.unet:unload() end
+    end
+    if tr then say("  torch peak RSS %s (weights %s f32 + forward), load %.1f s", human(tr.peak_rss),
+      human(2 * wbytes.unet), tr.load_sec) end
+  end
+end
+
+if only.vae then
+  say("\nVAE decode, cpu")
+  local z = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 13 })
+  local flops = vae_decode_flops(ck.vae.config, SIZE, SIZE)
+  local tr = torch_run(path, "vae", fmt("--size %d", SIZE), out_path)
+  kiln.mem.reset_peak("cpu")
+  local sec, img, cpu = time_best(REPEAT, function() return ck.vae:decode(z) end)
+  local peak = kiln.mem.stats("cpu").peak
+  local err
+  if tr then
+    local raw = kiln.load_safetensors(tr.out).out
+    err = rel_err(img, ((raw + 1) * 0.5):clamp(0, 1))
+  end
+  row(fmt("vae decode %dx%d -> %dx%d", SIZE, SIZE, 8 * SIZE, 8 * SIZE), sec, cpu, flops, peak, tr, err)
+  if tr then say("  torch peak RSS %s", human(tr.peak_rss)) end
+  img:free()
+end
+
+if only.clip then
+  say("\nCLIP-L encode (77 tokens), cpu")
+  local enc = ck.clip.encoders[1].enc
+  local flops = clip_flops(enc.config, 1, 77)
+  local tr = torch_run(path, "clip", "--batch 1", out_path, math.max(REPEAT, 3))
+  kiln.mem.reset_peak("cpu")
+  local sec, h, cpu = time_best(math.max(REPEAT, 3), function() return enc:forward(IDS) end)
+  local peak = kiln.mem.stats("cpu").peak
+  local err = tr and rel_err(h, kiln.load_safetensors(tr.out).out) or nil
+  row("clip-l encode b1", sec, cpu, flops, peak, tr, err)
+  h:free()
+end
+say("process peak RSS so far %s", human(vm_hwm()))
+
+-- 2. low vs high mode for one UNet step on sim
+local has_sim = false
+for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
+local mode_rows = {}
+if only.modes and has_sim then
+  say("\nOne UNet step on sim (batch 1, %dx%d), low vs high memory mode", SIZE, SIZE)
+  local x, t, ctx = inputs(1, SIZE)
+  local flops = unet_flops(ucfg, 1, SIZE, SIZE, 77)
+  for _, mode in ipairs({ "high", "low" }) do
+    kiln.memory_mode(mode)
+    collectgarbage(); collectgarbage()
+    kiln.mem.empty_cache("sim")
+    kiln.mem.reset_peak("sim")
+    local base = kiln.mem.stats("sim").allocated
+    local t0 = kiln.time()
+    ck.unet:load("sim")
+    local load_sec = kiln.time() - t0
+    local before = ck.unet:stats()
+    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
+    out:free()
+    local st = ck.unet:stats()
+    local peak = kiln.mem.stats("sim").peak - base
+    mode_rows[mode] = { sec = sec, cpu = cpu, peak = peak }
+    row(fmt("unet step, mode %s", mode), sec, cpu, flops, peak, nil, nil)
+    if mode == "low" then
+      say("  streamed: %d fetched, %d prefetched (%d hits, %d waits), device bytes after %d, load %.2f s",
+        st.fetches - before.fetches, st.prefetches - before.prefetches, st.prefetch_hits - before.prefetch_hits,
+        st.prefetch_waits - before.prefetch_waits, ck.unet:bytes("sim"), load_sec)
+    else
+      say("  load to sim %.2f s", load_sec)
+    end
+    ck.unet:unload()
+  end
+  kiln.memory_mode("normal")
+  say("  low / high time x%.3f (cpu x%.3f; target <= 1.3), peak %s vs %s", mode_rows.low.sec / mode_rows.high.sec,
+    mode_rows.low.cpu / mode_rows.high.cpu, human(mode_rows.low.peak), human(mode_rows.high.peak))
+end
+
+-- 3. text encode + one UNet step with CFG + VAE decode, low mode, 512 MiB sim budget
+local pipe
+if only.pipeline and has_sim then
+  local pipeline = require "kiln.pipeline"
+  local budget = math.floor(opts.budget * MiB)
+  say("\nPipeline piece on sim, mode low, budget %s: encode 2 prompts, 1 UNet step with CFG, VAE decode %dx%d " ..
+    "tiled (%s)", human(budget), 8 * SIZE, 8 * SIZE, kiln.tile and "kiln.tile present" or "vae.lua's tiles, no kiln.tile")
+  local tok_dir = SHARED .. "/clip-tokenizer"
+  local tf = io.open(tok_dir .. "/vocab.json")
+  if tf then
+    tf:close()
+    ck.clip.tokenizer = kiln.tokenizer(tok_dir)
+  end
+  kiln.memory_mode("low")
+  collectgarbage(); collectgarbage()
+  kiln.mem.empty_cache("sim")
+  local old_budget = kiln.mem.stats("sim").budget
+  kiln.mem.set_budget("sim", budget)
+  kiln.mem.reset_peak("sim")
+  local stages = {}
+  local ok, err = pcall(function()
+    local t0 = kiln.time()
+    ck.clip:load("sim")
+    local cond, uncond
+    if ck.clip.tokenizer then
+      cond, uncond = pipeline.encode_prompts(ck, "a photograph of an astronaut riding a horse", "blurry")
+    else
+      local enc = ck.clip.encoders[1].enc
+      cond, uncond = enc:forward(IDS), enc:forward(IDS)
+    end
+    ck.clip:unload()
+    stages[#stages + 1] = fmt("encode %.1f s", kiln.time() - t0)
+    t0 = kiln.time()
+    ck.unet:load("sim")
+    local den = pipeline.denoiser(ck, cond, uncond, 7.5, {})
+    local x = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 14 }) * 14.6
+    local lat = den(x, 14.6)
+    ck.unet:unload()
+    cond:free(); uncond:free(); x:free()
+    stages[#stages + 1] = fmt("UNet step with CFG (2 evaluations) %.1f s", kiln.time() - t0)
+    t0 = kiln.time()
+    ck.vae:load("sim")
+    local tile = math.min(SIZE, 32)
+    local img = ck.vae:decode(lat, { tile = tile, overlap = 8 })
+    ck.vae:unload()
+    assert(img.shape[3] == 8 * SIZE)
+    stages[#stages + 1] = fmt("VAE decode, tiles of %d latents, %.1f s", tile, kiln.time() - t0)
+    img:free(); lat:free()
+  end)
+  local peak = kiln.mem.stats("sim").peak_reserved
+  local peak_alloc = kiln.mem.stats("sim").peak
+  kiln.mem.set_budget("sim", old_budget)
+  kiln.memory_mode("normal")
+  pipe = { ok = ok, peak = peak, budget = budget }
+  if ok then
+    say("  %s", table.concat(stages, "; "))
+    say("  peak sim: %s allocated, %s reserved, budget %s: %s", human(peak_alloc), human(peak), human(budget),
+      peak <= budget and "inside" or "EXCEEDED")
+  else
+    say("  FAILED: %s (peak reserved %s)", tostring(err), human(peak))
+  end
+end
+
+-- ---------------------------------------------------------------- summary
+
+say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak | torch s (cpu s) | kiln/torch wall (cpu) | rel.err |")
+say("|---|---|---|---|---|---|---|")
+for _, r in ipairs(results) do
+  local tr = r.torch
+  say("| %s | %.2f (%.2f) | %.1f | %s | %s | %s | %s |", r.name, r.sec, r.cpu, r.flops and r.flops / r.sec / 1e9 or 0,
+    human(r.peak), tr and fmt("%.2f (%.2f)", tr.sec, tr.cpu or 0) or "-",
+    tr and fmt("%.3f (%.3f)", r.sec / tr.sec, r.cpu / (tr.cpu or 1)) or "-", r.err and fmt("%.1e", r.err) or "-")
+end
+say("\nFLOP per evaluation: unet b1 %.3f TFLOP, vae decode %.3f TFLOP, clip-l %.1f GFLOP",
+  unet_flops(ucfg, 1, SIZE, SIZE, 77) / 1e12, vae_decode_flops(ck.vae.config, SIZE, SIZE) / 1e12,
+  clip_flops(ck.clip.encoders[1].enc.config, 1, 77) / 1e9)
+say("targets: unet <= 0.25x torch; low <= 1.3x high; pipeline piece within %d MiB", opts.budget)
+if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
+if pipe then say("  512 MiB budget: %s", pipe.ok and (pipe.peak <= pipe.budget and "respected" or "exceeded") or "failed") end
+say("# load average at end %s; process peak RSS %s", loadavg(), human(vm_hwm()))
+os.remove(out_path)
+ck:close()
+if opts.clean and opts.weights == "" then os.remove(path) end
