@@ -419,6 +419,28 @@ AVX512 static void ukr_wide(int64_t kc, const float *restrict ap, const float *r
     }
 }
 
+/* Two packed A slivers (24 rows) times one vector of columns (n <= 16): for products
+ * only 16 columns wide (Winograd on 16x16 images), where the 12 x 32 tile would waste
+ * half its FMAs. */
+AVX512 static void ukr_narrow(int64_t kc, const float *restrict a0, const float *restrict a1, const float *restrict bp,
+                              const tile_out *o0, const tile_out *o1)
+{
+    __m512 acc[2 * MR];
+#pragma GCC unroll 24
+    for (int r = 0; r < 2 * MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 x = _mm512_load_ps(bp + k * NR);
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a0[k * MR + r]), x, acc[r]);
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) acc[MR + r] = _mm512_fmadd_ps(_mm512_set1_ps(a1[k * MR + r]), x, acc[MR + r]);
+    }
+    __m512 z[MR];
+    for (int r = 0; r < MR; r++) z[r] = _mm512_setzero_ps();
+    store_tile(o0, acc, z);
+    store_tile(o1, acc + MR, z);
+}
+
 /* Same as ukr_packed, reading MR full rows of a row-major f32 A (stride lda) in place:
  * no packing. */
 AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, const float *restrict bp,
@@ -448,6 +470,24 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
         int64_t kc = g->K - k0 < KC ? g->K - k0 : KC;
         int last = k0 + kc == g->K;
         if (!g->b_packed) pack_b(bpanel, g, j0, n, k0, kc);
+        if (g->a_packed && n <= 16) { /* one vector of columns: two slivers of A per call */
+            const float *bp = g->b_packed ? (const float *)g->B + (j0 / NR) * g->K * NR + k0 * NR : bpanel;
+            for (int64_t i = i0; i < i1; i += 2 * MR) {
+                int m0 = i1 - i < MR ? (int)(i1 - i) : MR, m1 = i1 - i - MR < MR ? (int)(i1 - i - MR) : MR;
+                if (m1 < 0) m1 = 0;
+                tile_out o0 = {g->C + i * g->ldc + j0, g->ldc, m0, (int)n, g->alpha, g->beta, k0 > 0,
+                               last && g->bias_row ? g->bias_row + i : NULL, last && g->bias_col ? g->bias_col + j0 : NULL};
+                tile_out o1 = o0;
+                o1.c += MR * g->ldc;
+                o1.m = m1;
+                if (o1.bias_row) o1.bias_row += MR;
+                const float *a0 = (const float *)g->A + (i / MR) * g->K * MR + k0 * MR;
+                /* past the last sliver: reuse the first (its rows are not stored) */
+                const float *a1 = m1 > 0 ? a0 + g->K * MR : a0;
+                ukr_narrow(kc, a0, a1, bp, &o0, &o1);
+            }
+            continue;
+        }
         for (int64_t i = i0; i < i1; i += MR) {
             int m = i1 - i < MR ? (int)(i1 - i) : MR;
             /* full slivers of a row-major f32 A are read in place; the rest is packed */

@@ -26,6 +26,7 @@ static int n_threads;               /* including the caller */
 static int started;
 static int stopping;
 static uint64_t generation;
+static uint64_t base_generation; /* generation when the workers were created */
 static job_t *current;
 static _Thread_local int tl_index = 0;
 static _Thread_local int tl_in_job = 0;
@@ -52,7 +53,9 @@ static void *worker_main(void *arg)
 {
     tl_index = (int)(intptr_t)arg;
     tl_in_job = 1; /* nested parallel_for from a worker runs serially */
-    uint64_t seen = 0;
+    /* jobs before this worker existed are not its own: start from the generation
+     * at creation (written before pthread_create, so visible here) */
+    uint64_t seen = base_generation;
     pthread_mutex_lock(&lock);
     for (;;) {
         while (!stopping && generation == seen) pthread_cond_wait(&wake, &lock);
@@ -72,6 +75,7 @@ static void start_pool(int n)
 {
     n_threads = n < 1 ? 1 : n;
     stopping = 0;
+    base_generation = generation;
     workers = n_threads > 1 ? calloc((size_t)n_threads - 1, sizeof *workers) : NULL;
     int made = 1;
     for (int i = 1; i < n_threads && workers; i++) {

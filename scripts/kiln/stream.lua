@@ -18,9 +18,10 @@
 -- frees the tensor handles the block was given and releases its device copies.
 -- Closing the pass (also on error) releases whatever it still holds, so after a
 -- forward the model has no bytes on the device. In every other mode the weights are
--- wherever the pipeline loaded them and pass:run is fn(...). In all modes the model
--- is pinned while a pass is open (its own weights are not evicted under it), and with
--- a trace running each block is a span named "<net> <block>".
+-- wherever the pipeline loaded them and pass:run only frees the block's handles
+-- after fn. In all modes the model is pinned while a pass is open (its own weights are
+-- not evicted under it), and with a trace running each block is a span named
+-- "<net> <block>".
 local kiln = require "kiln"
 
 local M = {}
@@ -126,16 +127,16 @@ function Streamer:keys()
   return r
 end
 
--- Bytes of each block's tensors as stored in the model: a list of {key, bytes}
--- (nil when the weights are not a kiln.Model).
+-- Bytes of each block's tensors as stored in the model: a list of {key, bytes}, and
+-- the prefetch window (nil when the weights are not a kiln.Model).
 function Streamer:block_bytes()
   local w = self.weights
   local m = type(w) == "table" and w.model and w:model()
   if not m then return nil end
-  local sizes = self:_sizes(m)
+  local sizes, window = self:_sizes(m)
   local r = {}
   for i, b in ipairs(self.blocks) do r[i] = { key = b.key, bytes = sizes[i] } end
-  return r
+  return r, window
 end
 
 local Pass = {}
@@ -147,17 +148,13 @@ local INACTIVE = setmetatable({ run = inactive_run, streaming = false }, { __clo
 -- A forward pass over the blocks named in order (default: every block). Returns an
 -- object to close when the forward ends (a to-be-closed variable). The model is pinned
 -- while the pass is open: a network's own weights are never evicted under it (mode
--- "normal" would otherwise pick the model in use when its activations need room).
+-- "normal" would otherwise pick the model in use when its activations need room). In
+-- every mode the tensor handles a block was given are freed when it ends, so an
+-- :unload() after the forward gives the memory back at once, not at the next GC.
 function Streamer:pass(order)
   local w = self.weights
   local m = type(w) == "table" and w.model and w:model()
   if not m then return INACTIVE end
-  local trace = kiln.trace and kiln.trace.active and kiln.trace.active() or false
-  local streaming = w:streaming()
-  if not streaming then
-    m:pin()
-    return setmetatable({ s = self, model = m, streaming = false, active = true, trace = trace, pinned = true }, Pass)
-  end
   if w.pass then
     error(fmt("%s: a forward pass is already running on these weights (nested passes are not supported)",
       self.label), 2)
@@ -170,8 +167,10 @@ function Streamer:pass(order)
   end
   m:pin()
   local p = setmetatable({
-    s = self, model = m, seq = seq, pos = 0, streaming = true, active = true, trace = trace, pinned = true,
-    held = {},       -- block index -> true while fetched or prefetched
+    s = self, model = m, seq = seq, pos = 0, active = true, pinned = true,
+    streaming = w:streaming(),
+    trace = kiln.trace and kiln.trace.active and kiln.trace.active() or false,
+    held = {},       -- block index -> true while fetched or prefetched (streaming)
     handles = {},    -- block index -> tensor handles given out while it ran
     loose = {},      -- handles given out outside any block
     current = nil,
@@ -247,10 +246,6 @@ end
 -- Runs fn(...) as block `key`: its weights are on the device while fn runs and the
 -- next block's are on their way.
 function Pass:run(key, fn, ...)
-  if not self.streaming then
-    if self.trace then return kiln.trace.span(self.s.label .. " " .. key, fn, ...) end
-    return fn(...)
-  end
   local b = self.s.index[key]
   if not b then error(fmt("%s: no block '%s' in the streaming plan", self.s.label, tostring(key)), 2) end
   -- position in the order: the next entry naming b at or after the current position
@@ -260,11 +255,13 @@ function Pass:run(key, fn, ...)
     error(fmt("%s: block '%s' runs out of the pass's order", self.s.label, key), 2)
   end
   self.pos = pos
-  -- queue what follows first, so the copy thread works while this block is fetched
-  -- (it waits for its own prefetch, or copies on this thread for the first block)
-  self.held[b] = true
-  self:_prefetch_after(pos)
-  self.model:fetch(self.s.blocks[b].real)
+  if self.streaming then
+    -- queue what follows first, so the copy thread works while this block is fetched
+    -- (it waits for its own prefetch, or copies on this thread for the first block)
+    self.held[b] = true
+    self:_prefetch_after(pos)
+    self.model:fetch(self.s.blocks[b].real)
+  end
   self.current = b
   self.handles[b] = self.handles[b] or {}
   local function finish(...)
@@ -282,14 +279,12 @@ end
 function Pass:close()
   if not self.active then return end
   self.active = false
-  if self.streaming then
-    for b in pairs(self.held) do self:_drop(b) end
-    for b in pairs(self.handles) do free_all(self.handles[b]) end
-    free_all(self.loose)
-    self.handles = {}
-    local w = self.s.weights
-    if w.pass == self then w.pass = nil end
-  end
+  for b in pairs(self.held) do self:_drop(b) end
+  for b in pairs(self.handles) do free_all(self.handles[b]) end
+  free_all(self.loose)
+  self.handles = {}
+  local w = self.s.weights
+  if w.pass == self then w.pass = nil end
   -- the model may have been closed by the network's caller meanwhile
   if self.pinned and not self.model.closed then pcall(self.model.unpin, self.model) end
 end

@@ -237,13 +237,21 @@ end
 -- CompVis timestep_embedding: [cos(t f), sin(t f)] with f_i = exp(-ln(10000) i / half).
 function M.timestep_embedding(t, dim, device)
   local half = dim // 2
-  local r = kiln.arange(half):to("f32")
-  if device and device ~= r.device then r = r:to(device) end
-  local freqs = (r * -math.log(10000) / half):exp()
+  -- the same f32 arithmetic as the reference; every temporary is freed at once
+  local tmp = {}
+  local function k(v) tmp[#tmp + 1] = v; return v end
+  local r = k(kiln.arange(half):to("f32"))
+  if device and device ~= r.device then r = k(r:to(device)) end
+  local freqs = k(k(k(r * -math.log(10000)) / half):exp())
   local n = t.shape[1]
-  local args = t:to("f32"):reshape({ n, 1 }) * freqs:reshape({ 1, half })
-  local emb = kiln.cat({ args:cos(), args:sin() }, 2)
-  if dim % 2 == 1 then emb = kiln.cat({ emb, kiln.zeros({ n, 1 }):to(emb.device) }, 2) end
+  local tf = t.dtype == "f32" and t or k(t:to("f32"))
+  local args = k(k(tf:reshape({ n, 1 })) * k(freqs:reshape({ 1, half })))
+  local emb = kiln.cat({ k(args:cos()), k(args:sin()) }, 2)
+  if dim % 2 == 1 then
+    k(emb)
+    emb = kiln.cat({ emb, k(k(kiln.zeros({ n, 1 })):to(emb.device)) }, 2)
+  end
+  for i = #tmp, 1, -1 do tmp[i]:free() end
   return emb
 end
 
@@ -432,7 +440,9 @@ function UNet:forward(x, t, context, y)
   if x.device ~= dev then x = own(x:to(dev)) end
   if context.device ~= dev then context = own(context:to(dev)) end
   if context.dtype ~= dt then context = own(context:to(dt)) end
+  local t0 = t
   t = as_timesteps(t, B, dev)
+  if t ~= t0 then own(t) end
 
   local emb_silu = pass:run("time_embed.", self._embed, self, t, y, dev, dt)
   local hs = {}

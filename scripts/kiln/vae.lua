@@ -176,18 +176,13 @@ function VAE:_device(probe)
   return t.device
 end
 
--- Bytes the streamed weights need on the device at once (the two largest adjacent
--- blocks of a pass), 0 when the weights are not streamed.
-function VAE:stream_bytes(order)
+-- Bytes the streamed weights take on the device at most during a pass (kiln.stream's
+-- prefetch window: the two largest adjacent blocks), 0 when they are not streamed.
+function VAE:stream_bytes()
   local w = self.weights
   if not (w.streaming and w:streaming()) then return 0 end
-  local sizes = {}
-  for _, b in ipairs(self.streamer:block_bytes() or {}) do sizes[b.key] = b.bytes end
-  local worst = 0
-  for i = 1, #order do
-    worst = math.max(worst, (sizes[order[i]] or 0) + (sizes[order[i + 1]] or 0))
-  end
-  return worst
+  local _, window = self.streamer:_sizes(w:model())
+  return window
 end
 
 local function conv(self, p, x, opts)
@@ -370,12 +365,12 @@ end
 -- Largest tile (latent units) whose decode fits the free budget of the device, from a
 -- measured estimate of the decoder's peak per latent pixel; streamed weights (mode
 -- "low") take their two largest adjacent blocks off the budget first.
-local function auto_tile(self, device, order)
+local function auto_tile(self, device)
   local free = math.huge
   local ok, s = pcall(kiln.mem.stats, device)
   if ok and s and s.budget and s.budget > 0 then free = s.budget - (s.allocated or 0) end
   if free == math.huge then return 64 end
-  free = free - self:stream_bytes(order or {})
+  free = free - self:stream_bytes()
   -- bytes per latent pixel at the decoder's widest point: at level i (scale 2^i of the
   -- latent) a ResBlock holds its input (the upsampled output of level i+1), a norm and
   -- a conv output, the shortcut and the sum: about 3 tensors of each width, in f32
@@ -521,7 +516,7 @@ function VAE:decode(z, opts)
   local function run(part) return self:_decode_unscaled(part) end
   local img
   if topt then
-    local tile = topt.tile == "auto" and auto_tile(self, dev, self.decode_order) or topt.tile
+    local tile = topt.tile == "auto" and auto_tile(self, dev) or topt.tile
     img = tiled(zs, tile, topt.overlap, cfg.factor, cfg.out_ch, run)
   else
     local ok, r = pcall(run, zs)
@@ -530,7 +525,7 @@ function VAE:decode(z, opts)
     elseif is_oom(r) then
       -- out of memory untiled: retry in tiles sized from what is free now
       collectgarbage()
-      local tile = auto_tile(self, dev, self.decode_order)
+      local tile = auto_tile(self, dev)
       if tile >= math.max(zs.shape[3], zs.shape[4]) then tile = math.max(8, (math.max(zs.shape[3], zs.shape[4]) // 2) // 8 * 8) end
       img = tiled(zs, tile, math.min(8, tile // 4), cfg.factor, cfg.out_ch, run)
     else
@@ -607,7 +602,7 @@ function VAE:encode(img, opts)
     return r
   end
   if topt then
-    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev, self.encode_order) or topt.tile, topt.overlap)
+    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev) or topt.tile, topt.overlap)
   else
     local ok, r = pcall(run, x)
     if ok then
@@ -615,7 +610,7 @@ function VAE:encode(img, opts)
     elseif is_oom(r) then
       collectgarbage()
       local n = math.max(x.shape[3], x.shape[4]) // f
-      local tile = math.min(auto_tile(self, dev, self.encode_order), math.max(8, (n // 2) // 8 * 8))
+      local tile = math.min(auto_tile(self, dev), math.max(8, (n // 2) // 8 * 8))
       z = encode_tiled(tile, math.min(8, tile // 4))
     else
       error(r, 0)

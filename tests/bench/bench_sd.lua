@@ -52,6 +52,13 @@ local function loadavg()
   return s:match("^(%S+ %S+ %S+)") or "?"
 end
 
+-- Resets the peak resident set of this process (Linux: clear_refs 5); vm_hwm() reads
+-- it. Mapped weight pages the forward touched count, as PyTorch's tensors do.
+local function rss_reset()
+  local f = io.open("/proc/self/clear_refs", "w")
+  if f then f:write("5"); f:close() end
+end
+
 local function vm_hwm() -- peak resident set of this process (bytes), from /proc
   local f = io.open("/proc/self/status")
   if not f then return nil end
@@ -217,6 +224,8 @@ local function time_best(n, fn)
   for _ = 1, n do
     if out and out.free then out:free() end
     collectgarbage(); collectgarbage()
+    kiln.mem.reset_peak("cpu")
+    rss_reset()
     local t0, c0 = kiln.time(), os.clock()
     out = fn()
     local dt, dc = kiln.time() - t0, os.clock() - c0
@@ -250,15 +259,23 @@ local function rel_err(a, b)
   return d / math.max(1e-12, b:to("f32"):abs():max())
 end
 
-local function row(name, sec, cpu, flops, peak, torch, err)
-  results[#results + 1] = { name = name, sec = sec, cpu = cpu, flops = flops, peak = peak, torch = torch, err = err }
-  say("  %-36s %7.2f s (cpu %7.2f s) %7.1f GFLOP/s  peak %-10s%s%s", name, sec, cpu, flops and flops / sec / 1e9 or 0,
-    human(peak), torch and fmt("  torch %.2f s (cpu %.2f s): x%.3f (cpu x%.3f)", torch.sec, torch.cpu or 0,
-      sec / torch.sec, cpu / (torch.cpu or 1)) or "",
+-- peak: the device allocator's peak; rss: the process's peak resident set (cpu rows)
+local function row(name, sec, cpu, flops, peak, torch, err, rss)
+  results[#results + 1] = { name = name, sec = sec, cpu = cpu, flops = flops, peak = peak, torch = torch, err = err,
+    rss = rss }
+  say("  %-36s %7.2f s (cpu %7.2f s) %7.1f GFLOP/s  peak %s%s%s%s", name, sec, cpu, flops and flops / sec / 1e9 or 0,
+    human(peak), rss and fmt(", RSS %s", human(rss)) or "",
+    torch and fmt("  torch %.2f s (cpu %.2f s, RSS %s): x%.3f (cpu x%.3f)", torch.sec, torch.cpu or 0,
+      human(torch.peak_rss), sec / torch.sec, cpu / (torch.cpu or 1)) or "",
     err and fmt("  rel.err %.1e", err) or "")
 end
 
 -- ---------------------------------------------------------------- main
+
+if not opts.no_torch and not os.execute(PY .. " -c 'import torch' >/dev/null 2>&1") then
+  say("# note: %s cannot import torch: no PyTorch columns", PY)
+  opts.no_torch = true
+end
 
 local tmpdir = os.getenv("TMPDIR") or "/tmp"
 local path = opts.weights ~= "" and opts.weights or (tmpdir .. "/kiln-bench-sd15-f16.safetensors")
@@ -300,17 +317,15 @@ if only.unet then
     local tr = torch_run(path, "unet", fmt("--batch %d --size %d", B, SIZE), out_path)
     for _, variant in ipairs(B == 1 and { "f16", "f32" } or { "f16" }) do
       if variant == "f32" then ck.unet:load("cpu", { dtype = "f32" }) end
-      kiln.mem.reset_peak("cpu")
       local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
-      local peak = kiln.mem.stats("cpu").peak
+      local peak, rss = kiln.mem.stats("cpu").peak, vm_hwm()
       local err = tr and rel_err(out, kiln.load_safetensors(tr.out).out) or nil
       row(fmt("unet b%d %dx%d, %s weights", B, SIZE, SIZE, variant == "f16" and "f16 mapped" or "f32 loaded"), sec, cpu,
-        flops, peak, tr, err)
+        flops, peak, tr, err, rss)
       out:free()
       if variant == "f32" then ck.unet:unload() end
     end
-    if tr then say("  torch peak RSS %s (weights %s f32 + forward), load %.1f s", human(tr.peak_rss),
-      human(2 * wbytes.unet), tr.load_sec) end
+    if tr then say("  torch: weights %s in f32, loaded in %.1f s", human(2 * wbytes.unet), tr.load_sec) end
   end
 end
 
@@ -319,16 +334,14 @@ if only.vae then
   local z = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 13 })
   local flops = vae_decode_flops(ck.vae.config, SIZE, SIZE)
   local tr = torch_run(path, "vae", fmt("--size %d", SIZE), out_path)
-  kiln.mem.reset_peak("cpu")
   local sec, img, cpu = time_best(REPEAT, function() return ck.vae:decode(z) end)
-  local peak = kiln.mem.stats("cpu").peak
+  local peak, rss = kiln.mem.stats("cpu").peak, vm_hwm()
   local err
   if tr then
     local raw = kiln.load_safetensors(tr.out).out
     err = rel_err(img, ((raw + 1) * 0.5):clamp(0, 1))
   end
-  row(fmt("vae decode %dx%d -> %dx%d", SIZE, SIZE, 8 * SIZE, 8 * SIZE), sec, cpu, flops, peak, tr, err)
-  if tr then say("  torch peak RSS %s", human(tr.peak_rss)) end
+  row(fmt("vae decode %dx%d -> %dx%d", SIZE, SIZE, 8 * SIZE, 8 * SIZE), sec, cpu, flops, peak, tr, err, rss)
   img:free()
 end
 
@@ -337,14 +350,12 @@ if only.clip then
   local enc = ck.clip.encoders[1].enc
   local flops = clip_flops(enc.config, 1, 77)
   local tr = torch_run(path, "clip", "--batch 1", out_path, math.max(REPEAT, 3))
-  kiln.mem.reset_peak("cpu")
   local sec, h, cpu = time_best(math.max(REPEAT, 3), function() return enc:forward(IDS) end)
-  local peak = kiln.mem.stats("cpu").peak
+  local peak, rss = kiln.mem.stats("cpu").peak, vm_hwm()
   local err = tr and rel_err(h, kiln.load_safetensors(tr.out).out) or nil
-  row("clip-l encode b1", sec, cpu, flops, peak, tr, err)
+  row("clip-l encode b1", sec, cpu, flops, peak, tr, err, rss)
   h:free()
 end
-say("process peak RSS so far %s", human(vm_hwm()))
 
 -- 2. low vs high mode for one UNet step on sim
 local has_sim = false
@@ -358,16 +369,16 @@ if only.modes and has_sim then
     kiln.memory_mode(mode)
     collectgarbage(); collectgarbage()
     kiln.mem.empty_cache("sim")
-    kiln.mem.reset_peak("sim")
     local base = kiln.mem.stats("sim").allocated
     local t0 = kiln.time()
     ck.unet:load("sim")
     local load_sec = kiln.time() - t0
     local before = ck.unet:stats()
+    kiln.mem.reset_peak("sim")
     local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
     out:free()
     local st = ck.unet:stats()
-    local peak = kiln.mem.stats("sim").peak - base
+    local peak = kiln.mem.stats("sim").peak - base -- weights (high) or streamed blocks (low) + activations
     mode_rows[mode] = { sec = sec, cpu = cpu, peak = peak }
     row(fmt("unet step, mode %s", mode), sec, cpu, flops, peak, nil, nil)
     if mode == "low" then
@@ -449,13 +460,14 @@ end
 
 -- ---------------------------------------------------------------- summary
 
-say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak | torch s (cpu s) | kiln/torch wall (cpu) | rel.err |")
-say("|---|---|---|---|---|---|---|")
+say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak alloc / RSS | torch s (cpu s) | torch RSS | kiln/torch wall (cpu) | rel.err |")
+say("|---|---|---|---|---|---|---|---|")
 for _, r in ipairs(results) do
   local tr = r.torch
-  say("| %s | %.2f (%.2f) | %.1f | %s | %s | %s | %s |", r.name, r.sec, r.cpu, r.flops and r.flops / r.sec / 1e9 or 0,
-    human(r.peak), tr and fmt("%.2f (%.2f)", tr.sec, tr.cpu or 0) or "-",
-    tr and fmt("%.3f (%.3f)", r.sec / tr.sec, r.cpu / (tr.cpu or 1)) or "-", r.err and fmt("%.1e", r.err) or "-")
+  say("| %s | %.2f (%.2f) | %.1f | %s / %s | %s | %s | %s | %s |", r.name, r.sec, r.cpu,
+    r.flops and r.flops / r.sec / 1e9 or 0, human(r.peak), human(r.rss), tr and fmt("%.2f (%.2f)", tr.sec, tr.cpu or 0) or "-",
+    tr and human(tr.peak_rss) or "-", tr and fmt("%.3f (%.3f)", r.sec / tr.sec, r.cpu / (tr.cpu or 1)) or "-",
+    r.err and fmt("%.1e", r.err) or "-")
 end
 say("\nFLOP per evaluation: unet b1 %.3f TFLOP, vae decode %.3f TFLOP, clip-l %.1f GFLOP",
   unet_flops(ucfg, 1, SIZE, SIZE, 77) / 1e12, vae_decode_flops(ck.vae.config, SIZE, SIZE) / 1e12,
@@ -463,7 +475,7 @@ say("\nFLOP per evaluation: unet b1 %.3f TFLOP, vae decode %.3f TFLOP, clip-l %.
 say("targets: unet <= 0.25x torch; low <= 1.3x high; pipeline piece within %d MiB", opts.budget)
 if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
 if pipe then say("  512 MiB budget: %s", pipe.ok and (pipe.peak <= pipe.budget and "respected" or "exceeded") or "failed") end
-say("# load average at end %s; process peak RSS %s", loadavg(), human(vm_hwm()))
+say("# load average at end %s", loadavg())
 os.remove(out_path)
 ck:close()
 if opts.clean and opts.weights == "" then os.remove(path) end
