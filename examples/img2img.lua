@@ -9,12 +9,14 @@ if o.out == "" then o.out = "img2img.png" end
 if o.denoise == 1.0 then o.denoise = 0.6 end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)
-local image <close> = kiln.load_png(o.input)
-if o.width and o.height then                            -- optional resize to the requested size
+local function load_input()
+  local image = kiln.load_png(o.input)
+  if not (o.width and o.height) then return image end
   local resized = kiln.nn.interpolate(image, { size = { o.height, o.width }, mode = "bilinear" })
-  image:free()
-  image = resized
+  image:free()                                          -- optional resize to the requested size
+  return resized
 end
+local image <close> = load_input()
 o.width, o.height = image.shape[4], image.shape[3]
 
 local img <close> = pipeline.img2img(ckpt, image, o)

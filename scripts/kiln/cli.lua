@@ -49,7 +49,8 @@ function cli.parse(args, extra)
   for _, k in ipairs({ "width", "height", "tile", "overlap" }) do
     if o[k] == 0 then o[k] = nil end
   end
-  if o.tile == nil then o.overlap = nil end
+  if o.tile == nil then o.overlap = nil
+  elseif o.overlap == nil then o.overlap = o.tile // 4 end
   o.device = kiln.default_device()
   return o
 end
