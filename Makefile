@@ -5,7 +5,13 @@
 CC      ?= cc
 PREFIX  ?= /usr/local
 SAN     ?= 0
-CUDA    ?= 0
+# CUDA backend (kernels/cuda): built when nvcc is found; CUDA=0 turns it off. SAN=1
+# builds leave it off unless CUDA=1 is given (the CUDA runtime under ASan needs
+# ASAN_OPTIONS=protect_shadow_gap=0).
+CUDA_HOME  ?= /usr/local/cuda
+NVCC       ?= $(or $(wildcard $(CUDA_HOME)/bin/nvcc),$(shell command -v nvcc 2>/dev/null))
+CUDA       ?= $(if $(filter 1,$(SAN)),0,$(if $(NVCC),1,0))
+CUDA_ARCHS ?= 80 86 89 90
 PYTHON  ?= /usr/bin/python3
 
 KILN_VERSION := $(shell sed -n 's/^\#define KILN_VERSION "\(.*\)"/\1/p' bindings/l_kiln.c)
@@ -43,11 +49,21 @@ endif
 
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 KERNEL_SRC   := $(wildcard kernels/cpu/*.c) kernels/cuda/cuda_none.c
+ifeq ($(CUDA),1)
+KERNEL_SRC   := $(wildcard kernels/cpu/*.c) kernels/cuda/cuda_backend.c
+CU_OBJ       := $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard kernels/cuda/*.cu))
+NVCCFLAGS    := -std=c++17 -O2 -g -Xcompiler -Wall,-Wextra,-fPIC,-fvisibility=hidden \
+                $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+                -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+CUDA_LIBS    := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lstdc++
+CORE_LIBS    += $(CUDA_LIBS)
+LIBS         += $(CUDA_LIBS)
+endif
 BINDING_SRC  := $(filter-out bindings/kiln_main.c,$(wildcard bindings/*.c))
 SCRIPTS      := $(shell find scripts -name '*.lua' | sort)
 GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
 
-LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(CU_OBJ)
 C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 DEPS_OK := build/.deps-ok
 
@@ -71,6 +87,14 @@ $(DEPS_OK):
 $(BUILD)/obj/%.o: %.c $(DEPS_OK) $(wildcard runtime/*.h kernels/cpu/*.h bindings/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+# CUDA sources: nvcc for the .cu files; the C registration file needs the CUDA headers
+$(BUILD)/obj/%.o: %.cu $(DEPS_OK) $(wildcard runtime/*.h kernels/cuda/*.h)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
+$(BUILD)/obj/kernels/cuda/cuda_backend.o: $(wildcard kernels/cuda/*.h)
 
 $(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
 	@mkdir -p $(dir $@)
@@ -124,7 +148,7 @@ install: all
 	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.a
 	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(LIBDIR)/libkiln.so
 	install -m 644 bindings/kiln.h $(DESTDIR)$(INCDIR)/kiln.h
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' bindings/kiln.pc.in \
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' bindings/kiln.pc.in \
 	  > $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
 	chmod 644 $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
 	install -m 755 $(BUILD)/lua/kiln.so $(DESTDIR)$(LUA_CMOD)/kiln.so

@@ -70,7 +70,7 @@ kiln_status kiln_cpu_copy(kiln_tensor *dst, const kiln_tensor *src)
 }
 
 /* ---- fill ---- */
-typedef struct { kiln_dtype dt; char bytes[8]; } fill_ctx;
+typedef struct { kiln_dtype dt; _Alignas(8) char bytes[8]; } fill_ctx;
 
 static void fill_run(void *p, int64_t n, char **ptr, const int64_t *st)
 {

@@ -6,7 +6,6 @@
 #define _GNU_SOURCE
 #include "cuda_backend.h"
 
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

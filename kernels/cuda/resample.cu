@@ -6,19 +6,26 @@
  * the chosen pixels and the bilinear blend are bit-for-bit those of the CPU. */
 #include "cuda_dev.h"
 
-/* area_pixel_compute_source_index (align_corners=false) + linear weights */
-__device__ __forceinline__ void linear_index(int64_t i, int64_t in, float scale, int64_t *i0, int64_t *i1, float *l0, float *l1)
+/* compute_source_index_and_lambda (align_corners=false): identity when the size is
+ * unchanged, else the source index in double from the float scale, clamped at 0;
+ * lambda1 rounded to float, lambda0 = 1 - lambda1 in float (as the CPU kernel) */
+__device__ __forceinline__ void linear_index(int64_t i, int64_t in, int64_t out, float scale, int64_t *i0, int64_t *i1,
+                                             float *l0, float *l1)
 {
-    float src = __fadd_rn(__fmul_rn(scale, __fadd_rn((float)i, 0.5f)), -0.5f);
+    if (in == out) {
+        *i0 = *i1 = i;
+        *l0 = 1.0f;
+        *l1 = 0.0f;
+        return;
+    }
+    double src = __dadd_rn(__dmul_rn((double)scale, __dadd_rn((double)i, 0.5)), -0.5);
     if (src < 0) src = 0;
     int64_t k = (int64_t)src;
     if (k > in - 1) k = in - 1;
     *i0 = k;
     *i1 = k < in - 1 ? k + 1 : k;
-    float lam = __fadd_rn(src, -(float)k);
-    lam = lam < 0 ? 0 : lam > 1 ? 1 : lam;
-    *l1 = lam;
-    *l0 = __fadd_rn(1.0f, -lam);
+    *l1 = (float)__dadd_rn(src, -(double)k);
+    *l0 = __fadd_rn(1.0f, -*l1);
 }
 
 __device__ __forceinline__ int64_t nearest_exact_index(int64_t i, int64_t in, float scale)
@@ -47,8 +54,8 @@ __global__ void resample_k(T *y, const T *x, int64_t nc, int64_t h, int64_t w, i
         if (mode == 0) {
             int64_t y0, y1, x0, x1;
             float h0, h1, w0, w1;
-            linear_index(oy, h, sh, &y0, &y1, &h0, &h1);
-            linear_index(ox, w, sw, &x0, &x1, &w0, &w1);
+            linear_index(oy, h, oh, sh, &y0, &y1, &h0, &h1);
+            linear_index(ox, w, ow, sw, &x0, &x1, &w0, &w1);
             /* ATen's Interpolate<2> association: inner W, then H */
             float t0 = __fadd_rn(__fmul_rn(kf_to<T>(src[y0 * w + x0]), w0), __fmul_rn(kf_to<T>(src[y0 * w + x1]), w1));
             float t1 = __fadd_rn(__fmul_rn(kf_to<T>(src[y1 * w + x0]), w0), __fmul_rn(kf_to<T>(src[y1 * w + x1]), w1));

@@ -96,8 +96,8 @@ if [ -n "$PARITY" ]; then
   SAN=$(command -v compute-sanitizer || ls "$CUDA_HOME"/bin/compute-sanitizer 2>/dev/null || true)
   if [ "$QUICK" = 0 ] && [ -n "$SAN" ]; then
     section "compute-sanitizer memcheck (custom kernels)"
-    timeout 240 "$SAN" --tool memcheck --leak-check no --error-exitcode 3 "$PARITY" \
-      t_copy t_fill t_binary t_unary t_reduce t_group_norm t_layer_norm t_softmax t_attention t_geglu t_resample t_pad2d \
+    timeout 150 "$SAN" --tool memcheck --leak-check no --error-exitcode 3 "$PARITY" \
+      t_copy t_binary t_reduce t_group_norm t_softmax t_attention t_resample t_pad2d \
       >"$OUT/memcheck.log" 2>&1
     rc=$?
     tail -5 "$OUT/memcheck.log"

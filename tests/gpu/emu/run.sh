@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# tests/gpu/emu/run.sh - runs the CUDA backend's parity test on the CPU, against an
+# emulation of CUDA (tests/gpu/emu/emu_runtime.cpp): the real cuda_backend.c and the
+# real kernels of kernels/cuda/*.cu, compiled as host C++ (g++) with threads as
+# coroutines. It catches indexing, launch-shape, barrier, shuffle, dtype and
+# cuBLAS/cuDNN-argument mistakes on a machine without a GPU (about a minute);
+# stream ordering, real numerics and speed need tests/gpu/run.sh on a GPU.
+# Usage: bash tests/gpu/emu/run.sh [test names...]      (x86-64, g++, CUDA headers)
+set -eu
+cd "$(dirname "$0")/../../.."
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+B=build/gpu-emu
+E=tests/gpu/emu
+mkdir -p "$B/obj"
+pids=()
+for f in runtime/*.c kernels/cpu/*.c; do
+  gcc -std=c11 -O1 -g -c "$f" -o "$B/obj/$(echo "$f" | tr / _).o" & pids+=($!)
+done
+gcc -std=c11 -Wall -Wextra -O1 -g -I"$CUDA_HOME/include" -c kernels/cuda/cuda_backend.c -o "$B/obj/cuda_backend.o" & pids+=($!)
+g++ -std=c++17 -O1 -g -ffp-contract=off -I"$CUDA_HOME/include" -c "$E/emu_runtime.cpp" -o "$B/obj/emu_runtime.o" & pids+=($!)
+for f in kernels/cuda/*.cu; do
+  b=$(basename "$f" .cu)
+  lua5.4 "$E/translate.lua" "$f" "$B/$b.cpp"
+  g++ -std=c++17 -O1 -g -ffp-contract=off -w -I"$CUDA_HOME/include" -Ikernels/cuda -include "$E/emu_prelude.h" \
+    -c "$B/$b.cpp" -o "$B/obj/$b.cu.o" & pids+=($!)
+done
+gcc -std=c11 -Wall -Wextra -O1 -g -Iruntime -Ikernels/cpu -c tests/test_cuda_parity.c -o "$B/obj/test_cuda_parity.o" & pids+=($!)
+for p in "${pids[@]}"; do wait "$p"; done
+g++ -o "$B/test_cuda_parity_emu" "$B"/obj/*.o -lopenblas -lpng -lz -lm -lpthread
+"$B/test_cuda_parity_emu" "$@"
