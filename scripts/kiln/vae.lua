@@ -7,6 +7,7 @@
 -- tensors with their shapes.
 local kiln = require "kiln"
 local stream = require "kiln.stream"
+local tiling = require "kiln.tiling"
 local nn = kiln.nn
 
 local M = {}
@@ -338,110 +339,30 @@ end
 
 -- ---------------------------------------------------------------- tiling options
 
--- Parses {tile = T | "auto", overlap = O} (latent units). Returns nil for untiled.
+-- Checks {tile = T | "auto", overlap = O} (latent units) before the work starts; the
+-- tiling itself (feathered tiles, tile = "auto" from the measured cost, the tiled
+-- retry of an untiled call that runs out of memory) is kiln.tiling's.
 function M.tile_options(opts, what)
-  if opts == nil then return nil end
+  if opts == nil then return {} end
   if type(opts) ~= "table" then error(fmt("%s: options must be a table, got %s", what, type(opts)), 3) end
   for k in pairs(opts) do
-    if k ~= "tile" and k ~= "overlap" then
-      error(fmt("%s: unknown option '%s' (known: tile, overlap)", what, tostring(k)), 3)
+    if k ~= "tile" and k ~= "overlap" and k ~= "blend" and k ~= "min_tile" and k ~= "retry" then
+      error(fmt("%s: unknown option '%s' (known: tile, overlap, blend, min_tile, retry)", what, tostring(k)), 3)
     end
   end
   local tile, overlap = opts.tile, opts.overlap
-  if tile == nil then
-    if overlap ~= nil then error(what .. ": overlap given without tile", 3) end
-    return nil
-  end
-  if tile ~= "auto" and (math.type(tile) ~= "integer" or tile < 8) then
+  if tile == nil and overlap ~= nil then error(what .. ": overlap given without tile", 3) end
+  if tile ~= nil and tile ~= "auto" and (math.type(tile) ~= "integer" or tile < 8) then
     error(fmt("%s: tile must be an integer >= 8 (latent units) or \"auto\", got %s", what, tostring(tile)), 3)
   end
-  overlap = overlap or 8
-  if math.type(overlap) ~= "integer" or overlap < 0 or (tile ~= "auto" and overlap * 2 >= tile) then
+  if overlap ~= nil and (math.type(overlap) ~= "integer" or overlap < 0 or (tile ~= "auto" and overlap * 2 >= tile)) then
     error(fmt("%s: overlap must be an integer in [0, tile/2), got %s", what, tostring(overlap)), 3)
   end
-  return { tile = tile, overlap = overlap }
-end
-
--- Largest tile (latent units) whose decode fits the free budget of the device, from a
--- measured estimate of the decoder's peak per latent pixel; streamed weights (mode
--- "low") take their two largest adjacent blocks off the budget first.
-local function auto_tile(self, device)
-  local free = math.huge
-  local ok, s = pcall(kiln.mem.stats, device)
-  if ok and s and s.budget and s.budget > 0 then free = s.budget - (s.allocated or 0) end
-  if free == math.huge then return 64 end
-  free = free - self:stream_bytes()
-  -- bytes per latent pixel at the decoder's widest point: at level i (scale 2^i of the
-  -- latent) a ResBlock holds its input (the upsampled output of level i+1), a norm and
-  -- a conv output, the shortcut and the sum: about 3 tensors of each width, in f32
-  local cfg = self.config
-  local per_latent_px = 0
-  for i = 0, cfg.levels - 1 do
-    local scale = 2 ^ (cfg.levels - 1 - i)
-    local c_in = cfg.ch * cfg.ch_mult[math.min(i + 2, cfg.levels)]
-    local c = cfg.ch * cfg.ch_mult[i + 1]
-    per_latent_px = math.max(per_latent_px, 4 * scale * scale * (3 * c_in + 3 * c))
-  end
-  local t = math.floor(math.sqrt(free * 0.7 / per_latent_px))
-  return math.max(8, math.min(t - t % 8, 128))
-end
-
--- Runs fn over overlapping tiles of x (spatial scale factor f: out = f * in) and blends
--- with linear feathering over the overlap. tile/overlap are in units of x.
-local function tiled(x, tile, overlap, f, out_c, fn)
-  local B, H, W = x.shape[1], x.shape[3], x.shape[4]
-  local out = kiln.zeros({ B, out_c, H * f, W * f }):to(x.device)
-  local wsum = kiln.zeros({ 1, 1, H * f, W * f }):to(x.device)
-  local stride = tile - overlap
-  local function starts(n)
-    local s = {}
-    if n <= tile then return { 1 } end
-    local p = 1
-    while true do
-      if p + tile - 1 >= n then s[#s + 1] = n - tile + 1; break end
-      s[#s + 1] = p
-      p = p + stride
-    end
-    return s
-  end
-  local function ramp(n, lo_edge, hi_edge)
-    -- weights along one axis of an output tile of n pixels: 1 inside, linear over
-    -- the overlap (f*overlap pixels) at sides that touch another tile
-    local v = {}
-    local o = overlap * f
-    for i = 1, n do
-      local w = 1
-      if not lo_edge and o > 0 then w = math.min(w, i / (o + 1)) end
-      if not hi_edge and o > 0 then w = math.min(w, (n - i + 1) / (o + 1)) end
-      v[i] = w
-    end
-    return kiln.tensor(v)
-  end
-  local ys, xs = starts(H), starts(W)
-  for _, y0 in ipairs(ys) do
-    for _, x0 in ipairs(xs) do
-      local th, tw = math.min(tile, H), math.min(tile, W)
-      local part = x:narrow(3, y0, th):narrow(4, x0, tw)
-      local r = fn(part)
-      local wy = ramp(th * f, y0 == 1, y0 + th - 1 == H):reshape({ 1, 1, th * f, 1 }):to(x.device)
-      local wx = ramp(tw * f, x0 == 1, x0 + tw - 1 == W):reshape({ 1, 1, 1, tw * f }):to(x.device)
-      local wt = wy * wx
-      local o = out:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f)
-      local ws = wsum:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f)
-      local rw = r * wt
-      o:copy(o + rw)
-      ws:copy(ws + wt)
-      rw:free(); r:free(); wt:free()
-    end
-  end
-  local res = out / wsum
-  out:free(); wsum:free()
-  return res
+  return opts
 end
 
 -- ---------------------------------------------------------------- public API
 
-local function is_oom(e) return type(e) == "table" and e.kind == "oom" end
 
 -- unscaled latents -> images in [0, 1]
 function VAE:_decode_unscaled(z)
@@ -497,43 +418,15 @@ function VAE:_encode_untiled(img)
 end
 
 -- z: latents times the scale factor [B, z, h, w] -> images [B, 3, f h, f w] in [0, 1].
+-- opts: {tile = T | "auto", overlap = O} in latent units (kiln.tiling); untiled calls
+-- that run out of memory retry tiled by themselves.
 function VAE:decode(z, opts)
   local cfg = self.config
   local topt = M.tile_options(opts, "vae:decode")
   if #z.shape ~= 4 or z.shape[2] ~= cfg.embed_dim then
     error(fmt("vae:decode: z must be [B, %d, h, w], got [%s]", cfg.embed_dim or -1, table.concat(z.shape, ", ")), 2)
   end
-  local dev = self:_device("post_quant_conv.weight")
-  local zd = z.device ~= dev and z:to(dev) or nil
-  if zd then z = zd end
-  local zs = z / cfg.scale_factor
-  if zd then zd:free() end
-  if cfg.shift_factor ~= 0 then
-    local s = zs + cfg.shift_factor
-    zs:free()
-    zs = s
-  end
-  local function run(part) return self:_decode_unscaled(part) end
-  local img
-  if topt then
-    local tile = topt.tile == "auto" and auto_tile(self, dev) or topt.tile
-    img = tiled(zs, tile, topt.overlap, cfg.factor, cfg.out_ch, run)
-  else
-    local ok, r = pcall(run, zs)
-    if ok then
-      img = r
-    elseif is_oom(r) then
-      -- out of memory untiled: retry in tiles sized from what is free now
-      collectgarbage()
-      local tile = auto_tile(self, dev)
-      if tile >= math.max(zs.shape[3], zs.shape[4]) then tile = math.max(8, (math.max(zs.shape[3], zs.shape[4]) // 2) // 8 * 8) end
-      img = tiled(zs, tile, math.min(8, tile // 4), cfg.factor, cfg.out_ch, run)
-    else
-      error(r, 0)
-    end
-  end
-  zs:free()
-  return img
+  return (tiling.decode(self, z, topt))
 end
 
 -- img [B, 3, H, W] in [0, 1] (H, W multiples of the factor) -> latents times the scale factor.
@@ -547,77 +440,7 @@ function VAE:encode(img, opts)
   if img.shape[3] % f ~= 0 or img.shape[4] % f ~= 0 then
     error(fmt("vae:encode: image size %dx%d must be a multiple of %d", img.shape[3], img.shape[4], f), 2)
   end
-  local dev = self:_device("quant_conv.weight")
-  local imgd = img.device ~= dev and img:to(dev) or nil
-  if imgd then img = imgd end
-  local x = img * 2 - 1
-  if imgd then imgd:free() end
-  local function run(part)
-    local m = self:encode_raw(part)
-    local r = cfg.shift_factor ~= 0 and (m - cfg.shift_factor) * cfg.scale_factor or m * cfg.scale_factor
-    m:free()
-    return r
-  end
-  local z
-  local function encode_tiled(tile, o)
-    -- tile and overlap are in latent units; each tile is f times larger in the image
-    local H, W = x.shape[3] // f, x.shape[4] // f
-    local lat = kiln.zeros({ x.shape[1], cfg.embed_dim, H, W }):to(dev)
-    local wsum = kiln.zeros({ 1, 1, H, W }):to(dev)
-    local stride = tile - o
-    local function starts(n)
-      if n <= tile then return { 1 } end
-      local s, p = {}, 1
-      while p + tile - 1 < n do s[#s + 1] = p; p = p + stride end
-      s[#s + 1] = n - tile + 1
-      return s
-    end
-    local function ramp(n, lo, hi)
-      local v = {}
-      for i = 1, n do
-        local w = 1
-        if not lo and o > 0 then w = math.min(w, i / (o + 1)) end
-        if not hi and o > 0 then w = math.min(w, (n - i + 1) / (o + 1)) end
-        v[i] = w
-      end
-      return kiln.tensor(v):to(dev)
-    end
-    for _, y0 in ipairs(starts(H)) do
-      for _, x0 in ipairs(starts(W)) do
-        local th, tw = math.min(tile, H), math.min(tile, W)
-        local part = x:narrow(3, (y0 - 1) * f + 1, th * f):narrow(4, (x0 - 1) * f + 1, tw * f):contiguous()
-        local r = run(part)
-        part:free()
-        local wt = ramp(th, y0 == 1, y0 + th - 1 == H):reshape({ 1, 1, th, 1 }) *
-            ramp(tw, x0 == 1, x0 + tw - 1 == W):reshape({ 1, 1, 1, tw })
-        local ov = lat:narrow(3, y0, th):narrow(4, x0, tw)
-        local ws = wsum:narrow(3, y0, th):narrow(4, x0, tw)
-        ov:copy(ov + r * wt)
-        ws:copy(ws + wt)
-        r:free(); wt:free()
-      end
-    end
-    local r = lat / wsum
-    lat:free(); wsum:free()
-    return r
-  end
-  if topt then
-    z = encode_tiled(topt.tile == "auto" and auto_tile(self, dev) or topt.tile, topt.overlap)
-  else
-    local ok, r = pcall(run, x)
-    if ok then
-      z = r
-    elseif is_oom(r) then
-      collectgarbage()
-      local n = math.max(x.shape[3], x.shape[4]) // f
-      local tile = math.min(auto_tile(self, dev), math.max(8, (n // 2) // 8 * 8))
-      z = encode_tiled(tile, math.min(8, tile // 4))
-    else
-      error(r, 0)
-    end
-  end
-  x:free()
-  return z
+  return (tiling.encode(self, img, topt))
 end
 
 return M
