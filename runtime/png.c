@@ -3,6 +3,7 @@
  * tEXt/iTXt chunks. Every libpng call runs under a setjmp kept inside the function
  * that made it, so errors come back as kiln_status values. */
 #define _POSIX_C_SOURCE 200809L
+#include "atomic_file.h"
 #include "png_io.h"
 
 #include <errno.h>
@@ -358,38 +359,6 @@ static int is_plain_text(const char *v)
     return 1;
 }
 
-/* Creates "<path>.<pid>.<n>.tmp" next to path. Not mkstemp: it creates files with
- * mode 0600, and the umask that a normal file should get cannot be read without
- * changing it (not thread-safe); O_EXCL gives the same no-clobber guarantee. */
-static int open_temp(const char *path, char **tmp_out)
-{
-    static unsigned counter;
-    size_t n = strlen(path) + 48;
-    char *tmp = malloc(n);
-    if (!tmp) { errno = ENOMEM; return -1; }
-    for (int tries = 0; tries < 100; tries++) {
-        unsigned k = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        snprintf(tmp, n, "%s.%ld.%u.tmp", path, (long)getpid(), k);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        if (fd >= 0) { *tmp_out = tmp; return fd; }
-        if (errno != EEXIST) break;
-    }
-    int e = errno;
-    free(tmp);
-    errno = e;
-    return -1;
-}
-
-/* Best effort: makes the rename itself durable. */
-static void fsync_dir_of(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return;
-    int fd = open(dir, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) { fsync(fd); close(fd); }
-    free(dir);
-}
 
 kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w, int n_text,
                            const char *const *keys, const char *const *values)
@@ -410,7 +379,7 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
     }
 
     char *tmp = NULL;
-    int fd = open_temp(path, &tmp);
+    int fd = kiln_file_open_temp(path, &tmp);
     if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot create a temporary file next to it: %s", path, strerror(errno));
     FILE *fp = fdopen(fd, "wb");
     if (!fp) {
@@ -481,7 +450,7 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
     if (!st && rename(tmp, path) != 0)
         st = kiln_error(KILN_ERR_IO, "%s: cannot rename the temporary file over it: %s", path, strerror(errno));
     if (st) unlink(tmp);
-    else fsync_dir_of(path);
+    else kiln_file_sync_dir(path);
     free(tmp);
     return st;
 }

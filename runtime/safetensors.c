@@ -3,6 +3,7 @@
  * into the mapping, kept alive by an atomic refcount); kiln_st_save writes a file
  * the reference implementation accepts, atomically (temp file, fsync, rename). */
 #define _POSIX_C_SOURCE 200809L
+#include "atomic_file.h"
 #include "safetensors.h"
 #include "json.h"
 
@@ -475,38 +476,6 @@ static kiln_status write_all(int fd, const void *buf, size_t n, const char *path
     return KILN_OK;
 }
 
-/* Creates "<path>.<pid>.<n>.tmp" next to path. Not mkstemp: it creates files with
- * mode 0600, and the umask that a normal file should get cannot be read without
- * changing it (not thread-safe); O_EXCL gives the same no-clobber guarantee. */
-static int open_temp(const char *path, char **tmp_out)
-{
-    static unsigned counter;
-    size_t n = strlen(path) + 48;
-    char *tmp = malloc(n);
-    if (!tmp) { errno = ENOMEM; return -1; }
-    for (int tries = 0; tries < 100; tries++) {
-        unsigned k = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        snprintf(tmp, n, "%s.%ld.%u.tmp", path, (long)getpid(), k);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        if (fd >= 0) { *tmp_out = tmp; return fd; }
-        if (errno != EEXIST) break;
-    }
-    int e = errno;
-    free(tmp);
-    errno = e;
-    return -1;
-}
-
-/* Best effort: makes the rename itself durable. */
-static void fsync_dir_of(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return;
-    int fd = open(dir, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) { fsync(fd); close(fd); }
-    free(dir);
-}
 
 kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int n_meta,
                          const char *const *meta_keys, const char *const *meta_values)
@@ -624,7 +593,7 @@ kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int
     while (hb.n % 8) sb_puts(&hb, " ");
     if (hb.oom) { st = kiln_error(KILN_ERR_OOM, "%s: out of memory for the header", path); goto done; }
 
-    fd = open_temp(path, &tmp);
+    fd = kiln_file_open_temp(path, &tmp);
     if (fd < 0) {
         st = kiln_error(KILN_ERR_IO, "%s: cannot create a temporary file next to it: %s", path, strerror(errno));
         goto done;
@@ -644,7 +613,7 @@ kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int
     }
     free(tmp);
     tmp = NULL;
-    fsync_dir_of(path);
+    kiln_file_sync_dir(path);
 
 done:
     if (fd >= 0) close(fd);

@@ -2,6 +2,7 @@
  * Each op has AVX-512 and AVX2 paths (chosen at run time; own exp with ~1e-7 relative
  * error) and a portable path over libm. They stream over 10M+ elements in the VAE, so the
  * loop runs on the thread pool in cache-sized chunks; y may equal x. */
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -21,26 +22,6 @@
 
 enum { OP_SILU, OP_GELU, OP_GELU_TANH, OP_QUICK_GELU, OP_SIGMOID };
 
-enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
-
-/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
-static int cpu_isa(void)
-{
-    static atomic_int cached = -1;
-    int c = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (c < 0) {
-        c = ISA_GENERIC;
-#ifdef ACT_X86
-        const char *e = getenv("KILN_CPU_ISA");
-        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
-        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
-        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
-        if (c > cap) c = cap;
-#endif
-        atomic_store_explicit(&cached, c, memory_order_relaxed);
-    }
-    return c;
-}
 
 /* ---- portable path ---- */
 
@@ -297,7 +278,7 @@ AVX2 static void geglu_row_avx2(float *y, const float *h, const float *g, int64_
 static void run_op(int op, float *y, const float *x, int64_t n)
 {
 #ifdef ACT_X86
-    int isa = cpu_isa();
+    int isa = kiln_cpu_isa();
     if (isa == ISA_AVX512) { op_avx512(op, y, x, n); return; }
     if (isa == ISA_AVX2) { op_avx2(op, y, x, n); return; }
 #endif
@@ -333,8 +314,8 @@ static void geglu_rows(void *p, int64_t b, int64_t e)
         const float *h = c->x + r * 2 * c->d, *g = h + c->d;
         float *y = c->y + r * c->d;
 #ifdef ACT_X86
-        if (cpu_isa() == ISA_AVX512) { geglu_row_avx512(y, h, g, c->d); continue; }
-        if (cpu_isa() == ISA_AVX2) { geglu_row_avx2(y, h, g, c->d); continue; }
+        if (kiln_cpu_isa() == ISA_AVX512) { geglu_row_avx512(y, h, g, c->d); continue; }
+        if (kiln_cpu_isa() == ISA_AVX2) { geglu_row_avx2(y, h, g, c->d); continue; }
 #endif
         for (int64_t j = 0; j < c->d; j++) y[j] = h[j] * gelu_f(g[j]);
     }

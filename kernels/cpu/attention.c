@@ -4,6 +4,7 @@
  * (about 120 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block
  * products are our own register-tiled kernels, AVX-512 or AVX2+FMA chosen at run
  * time, portable C otherwise (OpenBLAS would start its own threads inside ours). */
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -25,26 +26,6 @@
 #define TR 8   /* rows of a micro-tile */
 #define LOG2E 1.44269504088896341f
 
-enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
-
-/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
-static int cpu_isa(void)
-{
-    static atomic_int cached = -1;
-    int c = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (c < 0) {
-        c = ISA_GENERIC;
-#ifdef ATT_X86
-        const char *e = getenv("KILN_CPU_ISA");
-        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
-        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
-        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
-        if (c > cap) c = cap;
-#endif
-        atomic_store_explicit(&cached, c, memory_order_relaxed);
-    }
-    return c;
-}
 
 typedef struct {
     float *out;
@@ -598,7 +579,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     c.nqb = (Lq + QT - 1) / QT;
     c.scale2 = scale * LOG2E;
     c.causal = causal != 0;
-    c.isa = cpu_isa();
+    c.isa = kiln_cpu_isa();
     c.scratch = scratch; c.slot = slot; c.nslots = nslots;
     atomic_init(&c.oom, 0);
     kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);

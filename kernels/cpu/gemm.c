@@ -5,6 +5,7 @@
  * conv2d (conv2d.c) through kiln_cpu_gemm_ex, which takes f16/bf16 A and a callback
  * that packs B straight from the image (implicit im2col). */
 #define _GNU_SOURCE
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -183,21 +184,9 @@ static int blas_gemm(const gemm_args *g)
 /* ---------- packed AVX-512 kernel ---------- */
 #ifdef GEMM_X86
 
-static int have_avx512(void)
-{
-    static atomic_int cached = -1;
-    int c = atomic_load(&cached);
-    if (c < 0) {
-        __builtin_cpu_init();
-        c = __builtin_cpu_supports("avx512f") ? 1 : 0;
-        /* KILN_CPU_ISA=generic|avx2 caps the kernel set (as in activation.c): tests and
-         * benches run the OpenBLAS fallback that way */
-        const char *e = getenv("KILN_CPU_ISA");
-        if (e && (!strcmp(e, "generic") || !strcmp(e, "avx2"))) c = 0;
-        atomic_store(&cached, c);
-    }
-    return c;
-}
+/* KILN_CPU_ISA=generic|avx2 caps the kernel set (cpu_isa.h): tests and benches run
+ * the OpenBLAS fallback that way */
+static int have_avx512(void) { return kiln_cpu_isa() == ISA_AVX512; }
 
 static inline float elem_f32(const void *base, kiln_dtype dt, int64_t idx)
 {

@@ -2,6 +2,7 @@
  * Statistics are accumulated in short float runs folded into doubles, around a
  * shift near the mean, so a 512x512 VAE group (1M elements) keeps ~1e-7 accuracy.
  * AVX-512 / AVX2 paths chosen at run time, portable path otherwise. */
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -17,28 +18,8 @@
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))
 #endif
 
-enum { ISA_GENERIC, ISA_AVX2, ISA_AVX512 };
 
-/* Best kernel set of this CPU; KILN_CPU_ISA=generic|avx2 caps it (tests run all). */
-static int cpu_isa(void)
-{
-    static atomic_int cached = -1;
-    int c = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (c < 0) {
-        c = ISA_GENERIC;
-#ifdef NORM_X86
-        const char *e = getenv("KILN_CPU_ISA");
-        int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
-        if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
-        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
-        if (c > cap) c = cap;
-#endif
-        atomic_store_explicit(&cached, c, memory_order_relaxed);
-    }
-    return c;
-}
-
-static int use_avx512(void) { return cpu_isa() == ISA_AVX512; }
+static int use_avx512(void) { return kiln_cpu_isa() == ISA_AVX512; }
 
 static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
@@ -204,7 +185,7 @@ static void moments(const float *x, int64_t n, float s, double *sum, double *sq)
 {
 #ifdef NORM_X86
     if (use_avx512()) { moments_avx512(x, n, s, sum, sq); return; }
-    if (cpu_isa() == ISA_AVX2) { moments_avx2(x, n, s, sum, sq); return; }
+    if (kiln_cpu_isa() == ISA_AVX2) { moments_avx2(x, n, s, sum, sq); return; }
 #endif
     double a = 0, q = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -220,7 +201,7 @@ static void affine(float *y, const float *x, int64_t n, const float *mean, float
 {
 #ifdef NORM_X86
     if (use_avx512()) { affine_avx512(y, x, n, mean, a, b, silu); return; }
-    if (cpu_isa() == ISA_AVX2) { affine_avx2(y, x, n, mean, a, b, silu); return; }
+    if (kiln_cpu_isa() == ISA_AVX2) { affine_avx2(y, x, n, mean, a, b, silu); return; }
 #endif
     for (int64_t i = 0; i < n; i++) {
         float v = ((x[i] - mean[0]) - mean[1]) * a + b;
