@@ -20,6 +20,8 @@ for b in bench_gemm_conv bench_nn; do
   echo; echo "== $b"
   "$BUILD/bench/$b" || status=1
 done
+echo; echo "== bench_modes (demo workflow: memory modes and tiling on sim)"
+"$BUILD/kiln" tests/bench/bench_modes.lua || status=1
 echo; echo "== bench_sd (SD 1.5 architecture, random f16 weights)"
 "$BUILD/kiln" tests/bench/bench_sd.lua ${BENCH_QUICK:+--quick} || status=1
 exit $status
