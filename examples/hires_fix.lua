@@ -1,12 +1,15 @@
 -- examples/hires_fix.lua - sample small, upscale, sample again at a partial denoise.
 --   kiln examples/hires_fix.lua --prompt "..." [--scale 2] [--upscale latent-bilinear|latent-nearest|image]
---     [--hires-denoise 0.5] [--hires-steps N] [options of txt2img]
+--     [--hires-denoise 0.5] [--hires-steps N] [--hires-tile T] [options of txt2img]
+-- --hires-tile T samples the upscaled pass in overlapping latent tiles of T
+-- (MultiDiffusion), so a pass larger than the budget allows still fits.
 local cli = require "kiln.cli"
 local pipeline = require "kiln.pipeline"
 
-local o = cli.parse(arg, { scale = 2, upscale = "latent-bilinear", hires_denoise = 0.5, hires_steps = 0 })
+local o = cli.parse(arg, { scale = 2, upscale = "latent-bilinear", hires_denoise = 0.5, hires_steps = 0, hires_tile = 0 })
 if o.out == "" then o.out = "hires_fix.png" end
 if o.hires_steps == 0 then o.hires_steps = nil end
+if o.hires_tile == 0 then o.hires_tile = nil end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)
 o.width, o.height = o.width or pipeline.image_size(ckpt), o.height or pipeline.image_size(ckpt)

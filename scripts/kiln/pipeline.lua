@@ -169,6 +169,9 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
   noise:free()
   local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, o)
+  if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
+    den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4 })
+  end
   local bar = progress.start("sample", #s - 1)
   local t0 = kiln.time()
   local out = sample.run(o.sampler, den, x, sigmas, {
@@ -278,6 +281,7 @@ function pipeline.hires_fix(ckpt, opts)
   second.denoise = o.hires_denoise or 0.5
   second.steps = o.hires_steps or o.steps
   second.seed = o.seed + 1
+  second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
   local lat2 = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
   up:free(); cond:free(); uncond:free()
   ckpt.unet:unload()
