@@ -190,11 +190,52 @@ local function conv(self, p, x, opts)
   return nn.conv2d(x, self:w(p .. ".weight"), self:w(p .. ".bias"), opts)
 end
 
+-- GroupNorm (32 groups, eps 1e-6). A tile of a tiled decode must not normalize with
+-- its own statistics (a dark tile would be brightened: seams): the decode first runs
+-- on the whole latent scaled down to one tile ("record"), keeping every GroupNorm's
+-- per-group mean and variance, and the tiles then normalize with those ("apply").
+local GN_OPTS_SILU = { silu = true }
+function VAE:_gn(x, p, silu)
+  local w, b = self:w(p .. ".weight"), self:w(p .. ".bias")
+  local st = self._gn_stats
+  if not st or st.mode == "off" then
+    return nn.group_norm(x, 32, w, b, 1e-6, silu and GN_OPTS_SILU or nil)
+  end
+  local B, C = x.shape[1], x.shape[2]
+  local g = x:reshape({ B, 32, -1 })
+  if st.mode == "record" then
+    st[#st + 1] = { mean = g:mean(3, true), var = g:var(3, true, false) }
+    g:free()
+    return nn.group_norm(x, 32, w, b, 1e-6, silu and GN_OPTS_SILU or nil)
+  end
+  st.i = st.i + 1
+  local s = st[st.i]
+  if not s then error("vae: tiled decode: GroupNorm statistics out of step", 2) end
+  local c = g - s.mean
+  g:free()
+  local sd = (s.var + 1e-6):sqrt()
+  local n = c / sd
+  c:free(); sd:free()
+  local n4 = n:reshape(x.shape)
+  n:free()
+  local wr, br = w:reshape({ C, 1, 1 }), b:reshape({ C, 1, 1 })
+  local y1 = n4 * wr
+  n4:free(); wr:free()
+  local y = y1 + br
+  y1:free(); br:free()
+  if silu then
+    local a = nn.silu(y)
+    y:free()
+    y = a
+  end
+  return y
+end
+
 function VAE:_resblock(p, x)
-  local h = nn.group_norm(x, 32, self:w(p .. ".norm1.weight"), self:w(p .. ".norm1.bias"), 1e-6, { silu = true })
+  local h = self:_gn(x, p .. ".norm1", true)
   local h2 = conv(self, p .. ".conv1", h, { padding = 1 })
   h:free()
-  h = nn.group_norm(h2, 32, self:w(p .. ".norm2.weight"), self:w(p .. ".norm2.bias"), 1e-6, { silu = true })
+  h = self:_gn(h2, p .. ".norm2", true)
   h2:free()
   h2 = conv(self, p .. ".conv2", h, { padding = 1 })
   h:free()
@@ -227,7 +268,7 @@ end
 -- freed as soon as it is dead (a view keeps its storage alive until then).
 function VAE:_attn(p, x)
   local B, C, H, W = x.shape[1], x.shape[2], x.shape[3], x.shape[4]
-  local n = nn.group_norm(x, 32, self:w(p .. ".norm.weight"), self:w(p .. ".norm.bias"), 1e-6)
+  local n = self:_gn(x, p .. ".norm", false)
   local n3 = n:reshape({ B, C, H * W })
   local nt = n3:transpose(2, 3)
   local seq = nt:contiguous() -- [B, HW, C]
@@ -283,7 +324,7 @@ function VAE:_dec_up(i, h)
 end
 
 function VAE:_dec_out(h)
-  h = step(h, nil, nn.group_norm(h, 32, self:w("decoder.norm_out.weight"), self:w("decoder.norm_out.bias"), 1e-6, { silu = true }))
+  h = step(h, nil, self:_gn(h, "decoder.norm_out", true))
   return step(h, nil, conv(self, "decoder.conv_out", h, { padding = 1 }))
 end
 
@@ -315,7 +356,7 @@ end
 
 function VAE:_enc_out(h)
   local cfg = self.config
-  h = step(h, nil, nn.group_norm(h, 32, self:w("encoder.norm_out.weight"), self:w("encoder.norm_out.bias"), 1e-6, { silu = true }))
+  h = step(h, nil, self:_gn(h, "encoder.norm_out", true))
   h = step(h, nil, conv(self, "encoder.conv_out", h, { padding = 1 }))
   local moments = conv(self, "quant_conv", h)
   h:free()
@@ -381,6 +422,15 @@ end
 -- weights' device.
 function VAE:_decode_untiled(z)
   local cfg = self.config
+  local full = self._tiling_full
+  local st
+  if full and (z.shape[3] < full.shape[3] or z.shape[4] < full.shape[4]) then
+    -- a tile of a tiled decode: normalize with the whole image's statistics
+    if not self._gn_fixed then self._gn_fixed = self:_record_gn(full) end
+    st = self._gn_fixed
+    st.mode, st.i = "apply", 0
+    self._gn_stats = st
+  end
   local dev = self:_device("post_quant_conv.weight")
   local zd = z.device ~= dev and z:to(dev) or nil
   local zs = (zd or z) / cfg.scale_factor
@@ -390,9 +440,31 @@ function VAE:_decode_untiled(z)
     zs:free()
     zs = s
   end
-  local img = self:_decode_unscaled(zs)
+  local ok, img = pcall(self._decode_unscaled, self, zs)
   zs:free()
+  if st then st.mode = "off"; self._gn_stats = nil end
+  if not ok then error(img, 0) end
   return img
+end
+
+-- GroupNorm statistics of a decode of the whole latent z, run on z scaled down so
+-- its longer side is at most 32 (the size of one small tile): per-group means and
+-- variances of a smaller picture of the same content.
+function VAE:_record_gn(z)
+  local H, W = z.shape[3], z.shape[4]
+  local s = math.min(1, 32 / math.max(H, W))
+  local small = s < 1 and nn.interpolate(z, { size = { math.max(1, math.floor(H * s + 0.5)),
+    math.max(1, math.floor(W * s + 0.5)) }, mode = "bilinear" }) or z
+  local st = { mode = "record" }
+  local full = self._tiling_full
+  self._gn_stats, self._tiling_full = st, nil
+  local ok, img = pcall(self._decode_untiled, self, small)
+  self._gn_stats, self._tiling_full = nil, full
+  if small ~= z then small:free() end
+  if not ok then error(img, 0) end
+  img:free()
+  st.mode = "off"
+  return st
 end
 
 function VAE:_encode_untiled(img)
@@ -426,7 +498,13 @@ function VAE:decode(z, opts)
   if #z.shape ~= 4 or z.shape[2] ~= cfg.embed_dim then
     error(fmt("vae:decode: z must be [B, %d, h, w], got [%s]", cfg.embed_dim or -1, table.concat(z.shape, ", ")), 2)
   end
-  return (tiling.decode(self, z, topt))
+  -- tiles (chosen up front or by an out-of-memory retry) normalize with the whole
+  -- image's GroupNorm statistics, recorded on first need (see VAE:_gn)
+  self._tiling_full, self._gn_fixed = z, nil
+  local ok, img = pcall(tiling.decode, self, z, topt)
+  self._tiling_full, self._gn_fixed = nil, nil
+  if not ok then error(img, 0) end
+  return img
 end
 
 -- img [B, 3, H, W] in [0, 1] (H, W multiples of the factor) -> latents times the scale factor.
