@@ -426,7 +426,18 @@ function VAE:_decode_untiled(z)
   local st
   if full and (z.shape[3] < full.shape[3] or z.shape[4] < full.shape[4]) then
     -- a tile of a tiled decode: normalize with the whole image's statistics
-    if not self._gn_fixed then self._gn_fixed = self:_record_gn(full) end
+    if not self._gn_fixed then
+      -- record on a picture of at least 32 latent pixels (a better estimate), or the
+      -- tile's size when that does not fit the budget
+      local side = math.max(z.shape[3], z.shape[4])
+      local ok, rec = pcall(self._record_gn, self, full, math.max(side, 32))
+      if not ok then
+        if not (type(rec) == "table" and rec.kind == "oom") or side >= 32 then error(rec, 0) end
+        collectgarbage()
+        rec = self:_record_gn(full, side)
+      end
+      self._gn_fixed = rec
+    end
     st = self._gn_fixed
     st.mode, st.i = "apply", 0
     self._gn_stats = st
@@ -448,11 +459,11 @@ function VAE:_decode_untiled(z)
 end
 
 -- GroupNorm statistics of a decode of the whole latent z, run on z scaled down so
--- its longer side is at most 32 (the size of one small tile): per-group means and
--- variances of a smaller picture of the same content.
-function VAE:_record_gn(z)
+-- its longer side is at most `side` (the tile's, so recording costs what one tile
+-- costs): per-group means and variances of a smaller picture of the same content.
+function VAE:_record_gn(z, side)
   local H, W = z.shape[3], z.shape[4]
-  local s = math.min(1, 32 / math.max(H, W))
+  local s = math.min(1, side / math.max(H, W))
   local small = s < 1 and nn.interpolate(z, { size = { math.max(1, math.floor(H * s + 0.5)),
     math.max(1, math.floor(W * s + 0.5)) }, mode = "bilinear" }) or z
   local st = { mode = "record" }
