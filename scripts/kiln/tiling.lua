@@ -351,7 +351,7 @@ function M.with_oom_retry(run, opts)
     end
     if not is_oom(r) then error(r, 0) end
     info.attempts[#info.attempts + 1] = { tile = tile, error = r }
-    local from = tile or opts.size
+    local from = (math.type(tile) == "integer" and tile) or opts.size
     if not from then error(r, 0) end
     if from <= min_tile then
       log_event(fmt("%s: out of memory on %s with tile %d (requested %s, free %s); the minimum tile is %d: giving up",
