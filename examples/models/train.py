@@ -36,11 +36,17 @@ Settings (a full run takes about 40 minutes on 2 busy CPU cores):
              Safety cap: the UNet loop stops after 55 minutes in all (logged,
              and recorded in kiln.train.unet_steps)
   --vae-from F  skips the VAE stage and takes first_stage_model.* from F.
-             The shipped model was made in two runs: the VAE by a full run,
-             then `--vae-from` that file for the UNet and text encoder (its
-             VAE is bit-identical to the shipped one, so
-             `--vae-from examples/models/kiln-shapes.safetensors` redoes the
-             second run).
+  --finetune F  loads every weight and the scale factor from F and trains
+             the UNet and text encoder 500 more steps (FINETUNE: lr 2e-4 /
+             3e-4, 20 warm-up steps, offset noise 0.15: eps gets a random
+             per-image, per-channel constant added, so the text decides the
+             background colour, see FINETUNE).
+  The shipped model was made in three runs (CPU time was short):
+    1. train.py                              (VAE 850 steps + UNet, discarded)
+    2. train.py --vae-from <1>               (UNet + text 2000 steps)
+    3. train.py --finetune <2>               (500 steps with offset noise)
+  Each run keeps the VAE bit-for-bit, and a run is deterministic, so run 3
+  can be redone from run 2's file; the MODEL.md lists the losses.
   output     one .safetensors, SD 1.x names, f16 weights (schedule buffers
              f32, position_ids int64), hyper-parameters in __metadata__
 """
@@ -80,7 +86,13 @@ FULL = dict(vae_steps=850, vae_crop_steps=750, vae_batch=16, vae_lr=1e-3,
             vae_logvar_init=-4.0, kl_weight=1e-4,
             unet_images=8192, unet_steps=2000, unet_batch=32,
             unet_lr=6e-4, clip_lr=1e-3, warmup=100, ema=0.998, uncond_p=0.1,
-            high_t_p=0.5, high_t_from=600, max_minutes=55)
+            high_t_p=0.5, high_t_from=600, offset_noise=0.0, max_minutes=55)
+# --finetune: continue from a checkpoint with offset noise, so that the text,
+# not the low-frequency residue of the image left in x_t at t ~ 999, decides
+# the background colour (SD's schedule never reaches zero SNR; sampling
+# starts from pure noise, whose random mean then picked the background).
+FINETUNE = dict(FULL, unet_steps=500, unet_lr=2e-4, clip_lr=3e-4, warmup=20,
+                offset_noise=0.15)
 QUICK = dict(FULL, vae_steps=20, vae_crop_steps=10, unet_images=256,
              unet_steps=30)
 
@@ -191,6 +203,9 @@ def train_unet(sd, tok, lat_mean, lat_std, caps, s, gen):
         hi = torch.rand(b, generator=gen) < s["high_t_p"]
         t[hi] = torch.randint(s["high_t_from"], 1000, (int(hi.sum()),), generator=gen)
         eps = torch.randn(z0.shape, generator=gen)
+        if s["offset_noise"]:
+            eps = eps + s["offset_noise"] * torch.randn(
+                (b, eps.shape[1], 1, 1), generator=gen)
         a = ac[t].view(b, 1, 1, 1)
         zt = a.sqrt() * z0 + (1 - a).sqrt() * eps
         pred = unet(zt, t, clip(ids))
@@ -255,10 +270,25 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "kiln-shapes.safetensors"))
     ap.add_argument("--quick", action="store_true", help="1-minute smoke run")
     ap.add_argument("--tokenizer-dir", default=HERE)
+    ap.add_argument("--finetune", metavar="F",
+                    help="load all weights and scale_factor from F, skip the "
+                    "VAE, train the UNet and text encoder with FINETUNE")
     ap.add_argument("--vae-from", help="take the VAE from this checkpoint "
                     "instead of training it (the data stream then differs)")
+    ap.add_argument("--offset-noise", type=float, default=None,
+                    help="offset noise for the whole UNet run (default: the "
+                    "settings' value); see FINETUNE for why")
+    ap.add_argument("--unet-steps", type=int, default=None)
+    ap.add_argument("--max-minutes", type=float, default=None)
     args = ap.parse_args()
     s = QUICK if args.quick else FULL
+    if args.finetune:
+        s = (dict(FINETUNE, unet_steps=30, unet_images=256) if args.quick
+             else FINETUNE)
+        args.vae_from = args.finetune
+    for key in ("offset_noise", "unet_steps", "max_minutes"):
+        if getattr(args, key) is not None:
+            s = dict(s, **{key: getattr(args, key)})
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
     rng = np.random.default_rng(SEED)
@@ -294,6 +324,14 @@ def main():
     else:
         train_vae(vae, s, rng)
     t_vae = time.time() - t_start
+    if args.finetune:
+        ref, ref_meta = safetensors_io.load(args.finetune)
+        for name, mod in (("model.", sd.model),
+                          ("cond_stage_model.", sd.cond_stage_model)):
+            mod.load_state_dict({k[len(name):]: v.to(torch.float32)
+                                 if v.is_floating_point() else v
+                                 for k, v in ref.items() if k.startswith(name)})
+        log("fine-tuning UNet and text encoder from %s" % args.finetune)
     vae.eval()
     for p in vae.parameters():
         p.requires_grad_(False)
@@ -302,6 +340,8 @@ def main():
     lat_mean, lat_std, caps = encode_dataset(vae, s["unet_images"], rng)
     n_sf = min(2048, lat_mean.shape[0])
     sd.scale_factor = float(1.0 / lat_mean[:n_sf].std())
+    if args.finetune:                         # keep the model's own scale
+        sd.scale_factor = float(ref_meta["kiln.scale_factor"])
     log("latent mean %.3f std %.3f, posterior std mean %.4f -> scale_factor %.5f"
         % (lat_mean.mean(), lat_mean.std(), lat_std.mean(), sd.scale_factor))
 
@@ -322,7 +362,10 @@ def main():
         "kiln.train.vae_steps": str(s["vae_steps"]) + (
             " (VAE from %s)" % os.path.basename(args.vae_from)
             if args.vae_from else ""),
-        "kiln.train.unet_steps": str(unet_steps),
+        "kiln.train.unet_steps": str(unet_steps) + (
+            " (fine-tune of %s, offset noise %g)" % (
+                os.path.basename(args.finetune), s["offset_noise"])
+            if args.finetune else ""),
         "kiln.train.final_loss": "%.4f" % final_loss,
         "kiln.train.vae_rec_l1": "%.4f" % rec_l1,
     })
