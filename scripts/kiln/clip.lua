@@ -10,6 +10,7 @@
 --   Text (the `clip` part of a checkpoint): one encoder (SD 1.x/2.x) or two (SDXL),
 --     with clip:tokenize(text) and clip:encode(text) -> cond [1, 77k, dim] (, pooled).
 local kiln = require "kiln"
+local util = require "kiln.util"
 local stream = require "kiln.stream"
 local nn = kiln.nn
 
@@ -20,14 +21,7 @@ M.Encoder = Encoder
 
 local fmt = string.format
 
-local function count_indices(shapes, pattern)
-  local n = -1
-  for name in pairs(shapes) do
-    local i = name:match(pattern)
-    if i then n = math.max(n, tonumber(i)) end
-  end
-  return n + 1
-end
+local count_indices = util.count_indices
 
 -- Standard heads by width (CLIP-L 12, OpenCLIP-H 16, bigG 20: all head size 64).
 local function default_heads(width)

@@ -7,6 +7,7 @@
 --                                          -- the UNet root ("input_blocks.1.0.in_layers.0.weight")
 --   local eps = u:forward(x, t, context [, y])
 local kiln = require "kiln"
+local util = require "kiln.util"
 local stream = require "kiln.stream"
 local nn = kiln.nn
 
@@ -19,20 +20,9 @@ local fmt = string.format
 
 -- ---------------------------------------------------------------- configuration
 
-local function count_indices(shapes, pattern)
-  local n = -1
-  for name in pairs(shapes) do
-    local i = name:match(pattern)
-    if i then n = math.max(n, tonumber(i)) end
-  end
-  return n + 1
-end
+local count_indices = util.count_indices
 
-local function need(shapes, name, what)
-  local s = shapes[name]
-  if not s then error(fmt("UNet: tensor '%s' not found (needed to read %s)", name, what), 0) end
-  return s
-end
+local function need(shapes, name, what) return util.need_shape(shapes, name, what, "UNet") end
 
 -- Reads the architecture from a table of name -> shape (names relative to the UNet
 -- root). opts: heads = n (every transformer) or head_dim = d (heads = channels / d).

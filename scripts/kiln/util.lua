@@ -34,4 +34,23 @@ function util.parse_args(args, defaults)
   return opts
 end
 
+-- Number of distinct indices matched by pattern's capture in a name -> shape table
+-- (max index + 1): how many input_blocks, layers, levels a checkpoint has.
+function util.count_indices(shapes, pattern)
+  local n = -1
+  for name in pairs(shapes) do
+    local i = name:match(pattern)
+    if i then n = math.max(n, tonumber(i)) end
+  end
+  return n + 1
+end
+
+-- The shape of a tensor a network's configuration is read from; a clear error
+-- naming the network, the tensor and what it was needed for when absent.
+function util.need_shape(shapes, name, what, net)
+  local s = shapes[name]
+  if not s then error(("%s: tensor '%s' not found (needed to read %s)"):format(net, name, what), 0) end
+  return s
+end
+
 return util

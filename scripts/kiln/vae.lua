@@ -6,6 +6,7 @@
 -- The architecture is read from the tensors (vae.config); vae.expected(cfg) lists the
 -- tensors with their shapes.
 local kiln = require "kiln"
+local util = require "kiln.util"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
 local nn = kiln.nn
@@ -17,20 +18,9 @@ M.VAE = VAE
 
 local fmt = string.format
 
-local function count_indices(shapes, pattern)
-  local n = -1
-  for name in pairs(shapes) do
-    local i = name:match(pattern)
-    if i then n = math.max(n, tonumber(i)) end
-  end
-  return n + 1
-end
+local count_indices = util.count_indices
 
-local function need(shapes, name, what)
-  local s = shapes[name]
-  if not s then error(fmt("VAE: tensor '%s' not found (needed to read %s)", name, what), 0) end
-  return s
-end
+local function need(shapes, name, what) return util.need_shape(shapes, name, what, "VAE") end
 
 -- name -> shape (relative to the VAE root: "encoder.conv_in.weight") -> architecture.
 -- opts: scale_factor, shift_factor.
