@@ -733,6 +733,22 @@ kiln.util = {}
 ---@return table
 function kiln.util.parse_args(args, defaults) end
 
+--- Number of distinct indices matched by `pattern`'s capture in a name -> shape table
+--- (max index + 1): how many blocks, layers or levels a checkpoint has.
+---@param shapes table<string, integer[]>
+---@param pattern string
+---@return integer
+function kiln.util.count_indices(shapes, pattern) end
+
+--- The shape of tensor `name`; raises naming the network, the tensor and `what` it was
+--- needed for when it is absent.
+---@param shapes table<string, integer[]>
+---@param name string
+---@param what string
+---@param net string
+---@return integer[]
+function kiln.util.need_shape(shapes, name, what, net) end
+
 ---The options the example workflows share (--device, --mode, --vram, --quiet, ...).
 ---@class kiln.cli
 kiln.cli = {}
