@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))
+#include "simd_exp.h"
 #endif
 
 
@@ -24,25 +25,6 @@ static int use_avx512(void) { return kiln_cpu_isa() == ISA_AVX512; }
 static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
 #ifdef NORM_X86
-/* exp(x) as in activation.c (Cody-Waite + degree-6 fit, ~1e-7 relative). A shared
- * private header would avoid the copy; kernels/cpu has none yet. */
-AVX512_INLINE __m512 exp_avx512(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(0.0013836842263117433f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.008374815806746483f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.04166822507977486f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16666419804096222f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.49999991059303284f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 AVX512_INLINE __m512 silu_avx512(__m512 v)
 {
@@ -105,31 +87,6 @@ AVX512 static void affine_avx512(float *y, const float *x, int64_t n, const floa
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
 
-/* exp as in activation.c's exp_avx2 (2^n in two normal halves, 0 / inf outside) */
-AVX2_INLINE __m256 exp_avx2(__m256 x)
-{
-    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
-    __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
-    xc = _mm256_max_ps(_mm256_set1_ps(-87.3f), xc);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(0.0013836842263117433f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.008374815806746483f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.04166822507977486f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666419804096222f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.49999991059303284f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);
-    __m256i h1 = _mm256_srai_epi32(ni, 1);
-    __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h1, _mm256_set1_epi32(127)), 23));
-    __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h1), _mm256_set1_epi32(127)), 23));
-    __m256 y = _mm256_andnot_ps(lo, _mm256_mul_ps(_mm256_mul_ps(p, f1), f2));
-    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi);
-}
 
 AVX2 static void moments_avx2(const float *x, int64_t n, float s, double *sum, double *sq)
 {
