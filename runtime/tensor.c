@@ -40,6 +40,39 @@ int kiln_shape_equal(const kiln_tensor *a, const kiln_tensor *b)
     return 1;
 }
 
+int kiln_tensor_coalesce(int nops, const kiln_tensor *const *ops, int64_t *shape,
+                         int64_t (*stride)[KILN_MAX_DIMS])
+{
+    const kiln_tensor *o = ops[0];
+    int n = 0;
+    for (int d = 0; d < o->ndim; d++) {
+        if (o->shape[d] == 1) continue;
+        shape[n] = o->shape[d];
+        for (int k = 0; k < nops; k++) stride[k][n] = ops[k]->stride[d];
+        n++;
+    }
+    if (n == 0) {
+        shape[0] = 1;
+        for (int k = 0; k < nops; k++) stride[k][0] = 1;
+        return 1;
+    }
+    int m = 0;
+    for (int d = 1; d < n; d++) {
+        int mergeable = 1;
+        for (int k = 0; k < nops; k++)
+            if (stride[k][m] != stride[k][d] * shape[d]) { mergeable = 0; break; }
+        if (mergeable) {
+            shape[m] *= shape[d];
+            for (int k = 0; k < nops; k++) stride[k][m] = stride[k][d];
+        } else {
+            m++;
+            shape[m] = shape[d];
+            for (int k = 0; k < nops; k++) stride[k][m] = stride[k][d];
+        }
+    }
+    return m + 1;
+}
+
 const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n)
 {
     size_t used = 0;

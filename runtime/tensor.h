@@ -30,6 +30,13 @@ KILN_API int kiln_shape_equal(const kiln_tensor *a, const kiln_tensor *b);
 /* "[1,4,64,64]" into buf */
 KILN_API const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n);
 
+/* Merges the dimensions of nops operands of one shape (ops[0] gives it): drops
+ * size-1 dims and fuses neighbours contiguous in every operand, so elementwise
+ * loops (CPU and CUDA) run over as few, as long dims as possible. Returns the
+ * number of dims (>= 1) and fills shape[d] and stride[k][d] (elements). */
+KILN_API int kiln_tensor_coalesce(int nops, const kiln_tensor *const *ops, int64_t *shape,
+                                  int64_t (*stride)[KILN_MAX_DIMS]);
+
 /* New contiguous tensor, contents undefined. */
 KILN_API kiln_status kiln_tensor_new(kiln_device *dev, kiln_dtype dt, int ndim,
                                      const int64_t *shape, kiln_tensor **out);

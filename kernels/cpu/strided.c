@@ -8,39 +8,11 @@ void kiln_iter_init(kiln_iter *it, int nops, const kiln_tensor *const *ops)
 {
     memset(it, 0, sizeof *it);
     it->nops = nops;
-    const kiln_tensor *o = ops[0];
     for (int k = 0; k < nops; k++) {
         it->base[k] = kiln_tensor_data(ops[k]);
         it->esize[k] = kiln_dtype_size(ops[k]->dtype);
     }
-    /* drop size-1 dims, then merge dim d into d+1 when every operand is contiguous across them */
-    int n = 0;
-    for (int d = 0; d < o->ndim; d++) {
-        if (o->shape[d] == 1) continue;
-        it->shape[n] = o->shape[d];
-        for (int k = 0; k < nops; k++) it->stride[k][n] = ops[k]->stride[d];
-        n++;
-    }
-    if (n == 0) {
-        it->shape[0] = 1;
-        for (int k = 0; k < nops; k++) it->stride[k][0] = 1;
-        n = 1;
-    }
-    int m = 0;
-    for (int d = 1; d < n; d++) {
-        int mergeable = 1;
-        for (int k = 0; k < nops; k++)
-            if (it->stride[k][m] != it->stride[k][d] * it->shape[d]) { mergeable = 0; break; }
-        if (mergeable) {
-            it->shape[m] *= it->shape[d];
-            for (int k = 0; k < nops; k++) it->stride[k][m] = it->stride[k][d];
-        } else {
-            m++;
-            it->shape[m] = it->shape[d];
-            for (int k = 0; k < nops; k++) it->stride[k][m] = it->stride[k][d];
-        }
-    }
-    it->ndim = m + 1;
+    it->ndim = kiln_tensor_coalesce(nops, ops, it->shape, it->stride);
 }
 
 typedef struct {

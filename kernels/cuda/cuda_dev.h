@@ -108,34 +108,7 @@ __device__ __forceinline__ void kiln_iter_offsets(const kiln_cuda_iter &it, int6
  * operand is contiguous in the same order (one flat run). */
 static inline int kiln_cuda_iter_init(kiln_cuda_iter *it, int nops, const kiln_tensor *const *ops)
 {
-    const kiln_tensor *o = ops[0];
-    int n = 0;
-    for (int d = 0; d < o->ndim; d++) {
-        if (o->shape[d] == 1) continue;
-        it->shape[n] = o->shape[d];
-        for (int k = 0; k < nops; k++) it->stride[k][n] = ops[k]->stride[d];
-        n++;
-    }
-    if (n == 0) {
-        it->shape[0] = 1;
-        for (int k = 0; k < nops; k++) it->stride[k][0] = 1;
-        n = 1;
-    }
-    int m = 0;
-    for (int d = 1; d < n; d++) {
-        int mergeable = 1;
-        for (int k = 0; k < nops; k++)
-            if (it->stride[k][m] != it->stride[k][d] * it->shape[d]) { mergeable = 0; break; }
-        if (mergeable) {
-            it->shape[m] *= it->shape[d];
-            for (int k = 0; k < nops; k++) it->stride[k][m] = it->stride[k][d];
-        } else {
-            m++;
-            it->shape[m] = it->shape[d];
-            for (int k = 0; k < nops; k++) it->stride[k][m] = it->stride[k][d];
-        }
-    }
-    it->ndim = m + 1;
+    it->ndim = kiln_tensor_coalesce(nops, ops, it->shape, it->stride);
     int flat = it->ndim == 1;
     for (int k = 0; k < nops && flat; k++) flat = it->stride[k][0] == 1 || it->shape[0] == 1;
     return flat;
