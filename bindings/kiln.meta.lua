@@ -502,9 +502,10 @@ function kiln.mem.estimate(fn, inputs, opts) end
 kiln.tile = {}
 
 ---Runs fn over overlapping tiles of x (its last two dimensions) and blends the outputs,
----scaled by opts.scale, into one result. fn gets a contiguous copy of each tile.
+---scaled by opts.scale, into one result. fn gets a contiguous copy of each tile and
+---its 1-based index in kiln.tile.plan's list (tiles run in that order).
 ---@param x kiln.Tensor
----@param fn fun(tile: kiln.Tensor): kiln.Tensor
+---@param fn fun(tile: kiln.Tensor, index: integer): kiln.Tensor
 ---@param opts? kiln.TileOptions
 ---@return kiln.Tensor
 function kiln.tile.map(x, fn, opts) end
@@ -899,6 +900,12 @@ function Tensor:fill(value) end
 ---@return kiln.Tensor
 function Tensor:to(a, b) end
 
+---Moves the data to another device in place (the same object, over a contiguous
+---copy there; the old storage is released); returns self.
+---@param device kiln.DeviceName
+---@return kiln.Tensor
+function Tensor:move(device) end
+
 ---@param other kiln.Tensor|number
 ---@return kiln.Tensor
 function Tensor:add(other) end
@@ -1161,8 +1168,10 @@ function UNet:forward(x, t, context, y) end
 local VAE = {}
 
 ---Latents (already times the scale factor) -> images [B, 3, 8h, 8w] in [0, 1].
+---Tiled decodes match the untiled one (image-wide GroupNorm statistics); mid =
+---"tiled" also tiles the mid block so the device peak does not grow with the image.
 ---@param z kiln.Tensor
----@param opts? {tile?: integer|"auto", overlap?: integer}
+---@param opts? {tile?: integer|"auto", overlap?: integer, blend?: "cosine"|"linear", mid?: "untiled"|"tiled", min_tile?: integer, retry?: boolean}
 ---@return kiln.Tensor
 function VAE:decode(z, opts) end
 

@@ -695,6 +695,29 @@ static int t_to(lua_State *L)
     return 1;
 }
 
+/* t:move(device) -> t: moves t's data to another device in place - the same Lua
+ * object, now over a contiguous copy on `device` (its old storage is released, and
+ * freed when no other view holds it). For parking a live activation on the host
+ * while other work uses the device (the tiled VAE's lockstep tiles). */
+static int t_move(lua_State *L)
+{
+    kiln_tensor *t = l_check_tensor(L, 1), *r;
+    const char *name = luaL_checkstring(L, 2);
+    kiln_device *dev = kiln_device_get(name);
+    if (!dev) return luaL_argerror(L, 2, lua_pushfstring(L, "'%s' is not a device: %s", name, kiln_last_error()));
+    if (dev != t->storage->device) {
+        L_TRY(L, kiln_tensor_to(t, dev, t->dtype, &r));
+        kiln_storage *old = t->storage;
+        t->storage = r->storage;
+        t->offset = r->offset;
+        memcpy(t->stride, r->stride, sizeof t->stride);
+        r->storage = old;
+        kiln_tensor_free(r);
+    }
+    lua_settop(L, 1);
+    return 1;
+}
+
 /* ---------- arithmetic ---------- */
 
 static int binary(lua_State *L, kiln_binop op)
@@ -836,7 +859,7 @@ static const luaL_Reg tensor_methods[] = {
     {"reshape", t_reshape}, {"view", t_reshape}, {"permute", t_permute}, {"transpose", t_transpose},
     {"narrow", t_narrow}, {"select", t_select}, {"squeeze", t_squeeze}, {"unsqueeze", t_unsqueeze},
     {"expand", t_expand}, {"contiguous", t_contiguous}, {"clone", t_clone}, {"copy", t_copy},
-    {"fill", t_fill}, {"to", t_to},
+    {"fill", t_fill}, {"to", t_to}, {"move", t_move},
     {"add", t_add}, {"sub", t_sub}, {"mul", t_mul}, {"div", t_div}, {"pow", t_pow},
     {"minimum", t_minimum}, {"maximum", t_maximum},
     {"neg", t_neg}, {"exp", t_exp}, {"log", t_log}, {"sqrt", t_sqrt}, {"abs", t_abs}, {"tanh", t_tanh},

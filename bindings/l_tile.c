@@ -103,7 +103,7 @@ static void mark_freed(l_tensor *u, const char *why)
 }
 
 /* [-4, +0, e] protected: (ctx, tile, fn, holder) -> calls fn(tile) and takes its
- * output */
+ * output; fn gets the tile and its 1-based index in the plan */
 static int pcall_fn(lua_State *L)
 {
     map_ctx *c = lua_touserdata(L, 1);
@@ -113,7 +113,8 @@ static int pcall_fn(lua_State *L)
     lua_rawseti(L, 4, 1); /* found and freed by the caller even when fn raises */
     lua_pushvalue(L, 3);
     lua_pushvalue(L, -2);
-    lua_call(L, 1, 1);
+    lua_pushinteger(L, c->index + 1); /* the tile's index in kiln.tile.plan's list */
+    lua_call(L, 2, 1);
     l_tensor *u = luaL_testudata(L, -1, KILN_TENSOR_MT);
     if (!u)
         return luaL_error(L, "kiln.tile.map: fn must return a kiln.Tensor for tile %d of %d, got %s", c->index + 1,

@@ -626,12 +626,34 @@ class AutoencoderKL(nn.Module):
 
 # ---------------------------------------------------------------- whole model
 
-def make_schedule(n=1000, start=0.00085, end=0.012):
-    """ldm ddpm.register_schedule, 'linear' (really scaled-linear) betas."""
+def rescale_zero_terminal_snr(ac):
+    """Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are
+    Flawed", Algorithm 1: shift and scale sqrt(alphas_cumprod) so that the
+    first value is kept and the last is exactly 0 (x_T is pure noise)."""
+    s = ac.sqrt()
+    s0, sT = s[0].clone(), s[-1].clone()
+    s = (s - sT) * (s0 / (s0 - sT))
+    return s ** 2
+
+
+# what the saved buffers and samplers use for alphas_cumprod[T] when it is 0
+# (ComfyUI's value: sigma_max ~ 4519 instead of infinity)
+ZSNR_LAST = 4.8973451890853435e-08
+
+
+def make_schedule(n=1000, start=0.00085, end=0.012, zsnr=False):
+    """ldm ddpm.register_schedule, 'linear' (really scaled-linear) betas;
+    zsnr rescales them to zero terminal SNR (alphas_cumprod[T] stored as
+    ZSNR_LAST so that no buffer is infinite)."""
     betas = torch.linspace(start ** 0.5, end ** 0.5, n,
                            dtype=torch.float64) ** 2
     alphas = 1.0 - betas
     ac = torch.cumprod(alphas, dim=0)
+    if zsnr:
+        ac = rescale_zero_terminal_snr(ac)
+        ac[-1] = ZSNR_LAST
+        alphas = ac / torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]])
+        betas = 1.0 - alphas
     ac_prev = torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]])
     post_var = betas * (1.0 - ac_prev) / (1.0 - ac)
     return {
@@ -655,9 +677,10 @@ class LatentDiffusion(nn.Module):
     """Top level of an SD 1.x checkpoint: schedule buffers, then model.*,
     first_stage_model.*, cond_stage_model.* (state_dict order as sd15.txt)."""
 
-    def __init__(self, unet_cfg, vae_cfg, clip_cfg, scale_factor=0.18215):
+    def __init__(self, unet_cfg, vae_cfg, clip_cfg, scale_factor=0.18215,
+                 zsnr=False):
         super().__init__()
-        for name, buf in make_schedule().items():
+        for name, buf in make_schedule(zsnr=zsnr).items():
             self.register_buffer(name, buf.float())
         self.model = DiffusionWrapper(unet_cfg)
         self.first_stage_model = AutoencoderKL(vae_cfg)

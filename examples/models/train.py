@@ -86,7 +86,8 @@ FULL = dict(vae_steps=850, vae_crop_steps=750, vae_batch=16, vae_lr=1e-3,
             vae_logvar_init=-4.0, kl_weight=1e-4,
             unet_images=8192, unet_steps=2000, unet_batch=32,
             unet_lr=6e-4, clip_lr=1e-3, warmup=100, ema=0.998, uncond_p=0.1,
-            high_t_p=0.5, high_t_from=600, offset_noise=0.0, max_minutes=55)
+            high_t_p=0.5, high_t_from=600, offset_noise=0.0, max_minutes=55,
+            prediction="v", zsnr=True)
 # --finetune: continue from a checkpoint with offset noise, so that the text,
 # not the low-frequency residue of the image left in x_t at t ~ 999, decides
 # the background colour (SD's schedule never reaches zero SNR; sampling
@@ -209,7 +210,11 @@ def train_unet(sd, tok, lat_mean, lat_std, caps, s, gen):
         a = ac[t].view(b, 1, 1, 1)
         zt = a.sqrt() * z0 + (1 - a).sqrt() * eps
         pred = unet(zt, t, clip(ids))
-        loss = F.mse_loss(pred, eps)
+        if s["prediction"] == "v":            # v = sqrt(a) eps - sqrt(1-a) x0
+            target = a.sqrt() * eps - (1 - a).sqrt() * z0
+        else:
+            target = eps
+        loss = F.mse_loss(pred, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -230,12 +235,12 @@ def train_unet(sd, tok, lat_mean, lat_std, caps, s, gen):
     return run_loss, done
 
 
-def metadata(sd, extra):
+def metadata(sd, s, extra):
     m = {
         "kiln.model": "kiln-shapes",
         "kiln.family": "sd1",
         "kiln.scale_factor": "%.6f" % sd.scale_factor,
-        "kiln.prediction": "eps",
+        "kiln.prediction": s["prediction"],
         "kiln.image_size": "64",
         "kiln.vae.downsample": "4",
         "kiln.context_length": "77",
@@ -244,7 +249,9 @@ def metadata(sd, extra):
         "kiln.clip.activation": "quick_gelu",
         "kiln.clip.output": "last_hidden_state+final_layer_norm",
         "kiln.tokenizer": "vocab.json and merges.txt beside this file",
-        "kiln.schedule": "scaled_linear 0.00085 0.012 1000",
+        "kiln.schedule": "scaled_linear 0.00085 0.012 1000"
+                         + (" zsnr" if s["zsnr"] else ""),
+        "kiln.zsnr": "true" if s["zsnr"] else "false",
         "kiln.license": "same as kiln (our own work, trained only on procedural data)",
     }
     m.update(extra)
@@ -286,6 +293,10 @@ def main():
         s = (dict(FINETUNE, unet_steps=30, unet_images=256) if args.quick
              else FINETUNE)
         args.vae_from = args.finetune
+    if args.finetune:                         # the model's own objective
+        _, fmeta = safetensors_io.load(args.finetune)
+        s = dict(s, prediction=fmeta.get("kiln.prediction", "eps"),
+                 zsnr=fmeta.get("kiln.zsnr", "false") == "true")
     for key in ("offset_noise", "unet_steps", "max_minutes"):
         if getattr(args, key) is not None:
             s = dict(s, **{key: getattr(args, key)})
@@ -302,7 +313,8 @@ def main():
     log("tokenizer: %d tokens -> %s" % (nvocab, vocab))
 
     sd = LatentDiffusion(UNetConfig(**UNET_CFG), VAEConfig(**VAE_CFG),
-                         CLIPTextConfig(vocab_size=nvocab, **CLIP_CFG))
+                         CLIPTextConfig(vocab_size=nvocab, **CLIP_CFG),
+                         zsnr=s["zsnr"])
     # transformers' CLIP init for the embeddings (std 0.02, not nn.Embedding's
     # N(0, 1), which the optimizer can hardly move in a short run)
     emb = sd.cond_stage_model.transformer.text_model.embeddings
@@ -357,7 +369,7 @@ def main():
         rec_l1 = ((rec - x).abs().mean() / 2).item()      # in [0,1] units
     log("vae reconstruction L1 on 64 fresh images: %.4f (0..1 scale)" % rec_l1)
 
-    meta = metadata(sd, {
+    meta = metadata(sd, s, {
         "kiln.train.seconds": "%.0f" % total,
         "kiln.train.vae_steps": str(s["vae_steps"]) + (
             " (VAE from %s)" % os.path.basename(args.vae_from)

@@ -741,12 +741,15 @@ local function check_opts(opts)
   if opts == nil then return {} end
   if type(opts) ~= "table" then error("kiln.load_checkpoint: options must be a table", 3) end
   local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, prediction = true,
-    family = true, scale_factor = true }
+    family = true, scale_factor = true, zsnr = true }
   for k in pairs(opts) do
     if not known[k] then
       error(fmt("kiln.load_checkpoint: unknown option '%s' (known: %s)", tostring(k),
         table.concat(sorted_keys(known), ", ")), 3)
     end
+  end
+  if opts.zsnr ~= nil and type(opts.zsnr) ~= "boolean" then
+    error(fmt("kiln.load_checkpoint: zsnr must be a boolean, got %s", type(opts.zsnr)), 3)
   end
   if opts.prediction and opts.prediction ~= "eps" and opts.prediction ~= "v" then
     error(fmt("kiln.load_checkpoint: prediction must be \"eps\" or \"v\", got %q", tostring(opts.prediction)), 3)
@@ -835,6 +838,7 @@ local function load_single(path, opts)
   ckpt.scale_factor = scale
   ckpt.prediction = opts.prediction or src.meta["kiln.prediction"] or
       (family == "sd2" and guess_v(src, L.unet) and "v") or "eps"
+  if opts.zsnr ~= nil then ckpt.zsnr = opts.zsnr else ckpt.zsnr = src.meta["kiln.zsnr"] == "true" end
   return finish(ckpt)
 end
 
@@ -951,6 +955,7 @@ local function load_diffusers(dir, opts)
     end
   end
   ckpt.prediction = pred or "eps"
+  ckpt.zsnr = opts.zsnr or false
   return finish(ckpt)
 end
 
@@ -958,7 +963,9 @@ end
 -- scale_factor, metadata, path, config}; opts: tokenizer (folder with vocab.json +
 -- merges.txt, or bpe_simple_vocab_16e6.txt.gz, or an open kiln.tokenizer), vae (a VAE
 -- file), clip / clip_l / clip_g (text encoder files), prediction ("eps" | "v"),
--- family (force "sd1" | "sd2" | "sdxl"), scale_factor.
+-- zsnr (boolean: the model was trained with a zero-terminal-SNR schedule; read
+-- from the kiln.zsnr metadata otherwise), family (force "sd1" | "sd2" | "sdxl"),
+-- scale_factor.
 function M.load_checkpoint(path, opts)
   if type(path) ~= "string" then error("kiln.load_checkpoint: path must be a string, got " .. type(path), 2) end
   opts = check_opts(opts)

@@ -60,9 +60,10 @@ end
 --- The device stages run on: opts.device, else kiln's default device.
 local function device_of(o) return o.device or kiln.default_device() end
 
---- Model sampling of a checkpoint: SD's discrete schedule with its prediction type.
+--- Model sampling of a checkpoint: SD's discrete schedule with its prediction type
+-- (and zero terminal SNR where the checkpoint was trained so).
 function pipeline.model_sampling(ckpt)
-  ckpt._ms = ckpt._ms or sample.discrete_schedule({ prediction = ckpt.prediction or "eps" })
+  ckpt._ms = ckpt._ms or sample.discrete_schedule({ prediction = ckpt.prediction or "eps", zsnr = ckpt.zsnr })
   return ckpt._ms
 end
 

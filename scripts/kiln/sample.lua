@@ -322,21 +322,39 @@ end
 -- Stable Diffusion's discrete schedule: scaled-linear betas 0.00085..0.012 over
 -- 1000 steps; sigmas[t+1] = sqrt((1 - abar_t) / abar_t), computed in double and
 -- rounded to f32 as PyTorch front ends store them.
+--
+-- opts.zsnr rescales it to zero terminal SNR (Lin et al. 2024, "Common Diffusion
+-- Noise Schedules and Sample Steps are Flawed", Algorithm 1: sqrt(abar) shifted
+-- and scaled so that abar_0 is kept and abar_T = 0), for v-prediction models
+-- trained that way (the bundled demo model; ComfyUI's ModelSamplingDiscrete
+-- zsnr). abar_T = 0 would make sigma_max infinite, so it is replaced by
+-- 4.8973451890853435e-08 (sigma_max ~ 4519), the value ComfyUI uses.
 local function f32(v) return string.unpack("f", string.pack("f", v)) end
+
+local ZSNR_LAST = 4.8973451890853435e-08
 
 function sample.discrete_schedule(opts)
   opts = opts or {}
   local n = opts.timesteps or 1000
   local b0, b1 = math.sqrt(opts.linear_start or 0.00085), math.sqrt(opts.linear_end or 0.012)
-  local sig, log_sig, abar = {}, {}, 1
+  local abars, abar = {}, 1
   for t = 0, n - 1 do
     local beta = (b0 + (b1 - b0) * t / (n - 1)) ^ 2
     abar = abar * (1 - beta)
-    sig[t + 1] = f32(math.sqrt((1 - abar) / abar))
-    log_sig[t + 1] = math.log(sig[t + 1])
+    abars[t + 1] = abar
+  end
+  if opts.zsnr then
+    local s0, sT = math.sqrt(abars[1]), math.sqrt(abars[n])
+    for i = 1, n do abars[i] = ((math.sqrt(abars[i]) - sT) * s0 / (s0 - sT)) ^ 2 end
+    abars[n] = ZSNR_LAST
+  end
+  local sig, log_sig = {}, {}
+  for i = 1, n do
+    sig[i] = f32(math.sqrt((1 - abars[i]) / abars[i]))
+    log_sig[i] = math.log(sig[i])
   end
   local ms = { sigmas = sig, log_sigmas = log_sig, sigma_min = sig[1], sigma_max = sig[n],
-    prediction = opts.prediction or "eps" }
+    prediction = opts.prediction or "eps", zsnr = opts.zsnr and true or false }
   -- nearest discrete timestep of sigma (ComfyUI's ModelSamplingDiscrete.timestep)
   function ms.timestep(sigma)
     local ls, best, bi = math.log(sigma), math.huge, 0

@@ -231,6 +231,13 @@ sched = {
     "ddim_uniform": ddim_uniform(10), "karras_custom": karras(7, 0.1, 10.0, 5.0),
 }
 for k, v in sched.items(): out["sched_" + k] = np.array(v, dtype=np.float32)
+# zero terminal SNR (Lin et al. 2024, Algorithm 1 on sqrt(abar)); abar_T = 0
+# replaced by ComfyUI's 4.8973451890853435e-08 so that sigma_max is finite
+sq = abar ** 0.5
+sq = (sq - sq[-1]) * sq[0] / (sq[0] - sq[-1])
+abar_z = sq ** 2
+abar_z[-1] = 4.8973451890853435e-08
+out["zsnr_sigmas"] = (((1 - abar_z) / abar_z) ** 0.5).astype(np.float32)
 s = [float(v) for v in np.array(sched["karras"], dtype=np.float32)]
 for name, fn in [("euler", euler), ("euler_ancestral", euler_ancestral), ("heun", heun), ("dpm_2", dpm_2),
                  ("dpm_2_ancestral", dpm_2_ancestral), ("lms", lms), ("dpmpp_2s_ancestral", dpmpp_2s_ancestral),

@@ -55,6 +55,18 @@ for _, c in ipairs(cases) do
   end)
 end
 
+H.test("zero-terminal-SNR schedule matches Lin et al. (NumPy)", function()
+  local z = sample.discrete_schedule({ zsnr = true })
+  local want = G.zsnr_sigmas:table()
+  H.eq(#z.sigmas, #want, "length")
+  local d = 0
+  for i = 1, #want do d = math.max(d, math.abs(z.sigmas[i] - want[i]) / (want[i] + 1e-3)) end
+  if d > 2e-6 then error(("max relative difference %g"):format(d)) end
+  H.near(z.sigma_min, ms.sigma_min, 1e-9, "abar_0 is kept")
+  H.truthy(z.sigma_max > 4000, "sigma_max is (nearly) infinite")
+  H.truthy(z.zsnr and not ms.zsnr)
+end)
+
 H.test("karras with explicit rho", function()
   local s = sample.sigmas("karras", 7, { sigma_min = 0.1, sigma_max = 10, rho = 5 })
   H.truthy(maxdiff(s, G.sched_karras_custom) < 1e-5)
