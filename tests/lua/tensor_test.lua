@@ -125,6 +125,32 @@ test("devices: to sim and back; mixing devices is an error", function()
   raises(function() return t:to("gpu7") end, "gpu7")
 end)
 
+test("move: in place to another device, views and accounting", function()
+  local has_sim = false
+  for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
+  if not has_sim then H.skip("no sim device") end
+  collectgarbage()
+  local base = kiln.mem.stats("sim").allocated
+  local t = kiln.arange(0, 12):reshape({ 3, 4 })
+  local same = t:move("cpu")
+  H.truthy(rawequal(same, t), "returns self")
+  t:move("sim")
+  eq(t.device, "sim")
+  H.truthy(kiln.mem.stats("sim").allocated > base, "bytes on sim")
+  local v = t:transpose(1, 2) -- a strided view: moves as a contiguous copy
+  v:move("cpu")
+  eq(v.device, "cpu")
+  H.truthy(v:is_contiguous())
+  eq(v:table()[4][3], 11)
+  eq(t.device, "sim", "the base tensor stays")
+  t:free()
+  collectgarbage()
+  eq(kiln.mem.stats("sim").allocated, base, "the sim storage went back with the last holder")
+  raises(function() v:move("nowhere") end, "not a device")
+  v:free()
+  raises(function() v:move("cpu") end, "freed")
+end)
+
 test("free, use after free names the line, <close>", function()
   local t = kiln.zeros({ 4 })
   t:free()

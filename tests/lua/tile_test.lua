@@ -107,6 +107,22 @@ test("fn output checks and errors", function()
   eq(r.shape[4], 16)
 end)
 
+test("fn gets each tile's index in the plan, in order", function()
+  local x = kiln.randn({ 1, 2, 20, 28 }, { seed = 3 })
+  local opts = { tile = 12, overlap = 4 }
+  local plan = kiln.tile.plan(20, 28, opts)
+  local seen = {}
+  local y = kiln.tile.map(x, function(t, i)
+    seen[#seen + 1] = i
+    local r = plan[i].input
+    eq(t.shape[3] .. "x" .. t.shape[4], r.h .. "x" .. r.w, "tile " .. i .. " shape")
+    return t:clone()
+  end, opts)
+  eq(#seen, plan.count)
+  for k, i in ipairs(seen) do eq(i, k) end
+  truthy(maxdiff(y, x) < 1e-6, "identity tiles blend back to x")
+end)
+
 test("cancel stops between tiles", function()
   local x = kiln.randn({ 1, 1, 32, 32 }, { seed = 4 })
   local calls = 0
