@@ -2,7 +2,7 @@
 --   kiln examples/txt2img.lua --prompt "a red circle on a blue background" [--seed N]
 --     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
 --     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
---     [--mode high|normal|low|none] [--vram 6G] [--tile T] [--quiet]
+--     [--mode high|normal|low|none|auto] [--vram 6G] [--tile T] [--quiet]
 local cli = require "kiln.cli"
 local pipeline = require "kiln.pipeline"
 

@@ -43,7 +43,8 @@ function cli.parse(args, extra)
   local o = util.parse_args(args, defaults)
   if o.quiet then kiln.set_quiet(true) end
   if o.device ~= "" then kiln.set_default_device(o.device) end
-  if o.mode ~= "" then kiln.memory_mode(o.mode) end
+  -- "auto" is decided per run by kiln.planner (the pipelines call it), the others now
+  if o.mode ~= "" and o.mode ~= "auto" then kiln.memory_mode(o.mode) end
   if o.vram ~= "" then kiln.mem.set_budget(kiln.default_device(), cli.parse_size(o.vram)) end
   if o.model == "" then o.model = cli.default_model() end
   for _, k in ipairs({ "width", "height", "tile", "overlap" }) do

@@ -187,6 +187,15 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   return out
 end
 
+--- opts.mode = "auto" (--mode auto): kiln.planner picks the memory mode and the
+-- VAE tiling for this run's size from the device's budget, and prints why.
+local function plan_memory(ckpt, o, W, H)
+  if o.mode ~= "auto" then return end
+  o.width, o.height = o.width or W, o.height or H
+  o.device = device_of(o)
+  require("kiln.planner").apply(ckpt, o)
+end
+
 --- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
   local o = opts_with_defaults(opts)
@@ -194,6 +203,7 @@ function pipeline.txt2img(ckpt, opts)
   local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
+  plan_memory(ckpt, o, W, H)
 
   ckpt.clip:load(dev)
   local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
@@ -217,6 +227,7 @@ function pipeline.img2img(ckpt, image, opts)
   local dev = device_of(o)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
+  plan_memory(ckpt, o, W, H)
 
   ckpt.vae:load(dev)
   local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
@@ -249,6 +260,7 @@ function pipeline.hires_fix(ckpt, opts)
   local lw, lh = latent_size(ckpt, W, H)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
+  plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
 
   ckpt.clip:load(dev)
   local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)

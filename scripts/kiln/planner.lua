@@ -1,0 +1,164 @@
+-- kiln.planner: `--mode auto`. Before a pipeline runs, it sizes each stage against
+-- the device's budget and picks the memory mode and the VAE tiling:
+--
+--   weights   the bytes each part (text encoder, UNet, VAE) takes on the device,
+--             from its tensors (stored dtype), and the streaming window of "low"
+--             mode (the two largest adjacent blocks, kiln.stream);
+--   work      the activation peak of the stage at this run's size, from
+--             kiln.mem.estimate: the stage runs on small probes of its real inputs
+--             on the device, with its weights streamed, and the peak is fitted and
+--             extrapolated (tiling.lua says how; measured, not computed from shapes).
+--
+-- Then: "high" when every part's weights plus the largest stage's work fit (models
+-- stay resident across stages), else "normal" when each stage fits with its own
+-- weights (a part is evicted when the next needs room), else "low" (weights
+-- streamed block by block); a stage whose work could not be measured (its probe ran
+-- out of memory) counts as not fitting. The VAE's work does not enter the choice:
+-- whatever the mode, the VAE decodes tiled ("auto") when its untiled work does not
+-- fit beside its weights (or its streaming window in low mode). The plan is printed, so the
+-- user sees why. The runtime's mode is one for the whole run, so "per model" means:
+-- this table says, for each model, where its bytes will be in the chosen mode.
+--
+--   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, ...}
+--   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode and o.tile, prints
+local kiln = require "kiln"
+
+local M = {}
+local fmt = string.format
+local SAFETY = 0.9 -- plan with 90% of the budget (fragmentation)
+local GRAIN = 2 * 1024 * 1024
+
+local function human(b)
+  if b >= 1024 ^ 3 then return fmt("%.2f GiB", b / 1024 ^ 3) end
+  if b >= 1024 ^ 2 then return fmt("%.1f MiB", b / 1024 ^ 2) end
+  return fmt("%.1f KiB", b / 1024)
+end
+
+-- Stored weight bytes of a network part and its streaming window (a text model
+-- with several encoders, SDXL's: their sum, and the largest window).
+function M.part_bytes(part)
+  if part.encoders then
+    local total, window = 0, 0
+    for _, e in ipairs(part.encoders) do
+      local b, w = M.part_bytes(e.enc)
+      total, window = total + b, math.max(window, w)
+    end
+    return total, window
+  end
+  local m = part.weights and part.weights.model and part.weights:model()
+  if not m or not part.streamer then return 0, 0 end
+  local sizes, window = part.streamer:_sizes(m)
+  local total = 0
+  for _, n in ipairs(sizes) do total = total + n end
+  return total, window
+end
+
+-- Activation peak of fn(inputs...) on dev with the weights streamed (low mode), so
+-- that only a window of weights is on the device while it is measured; returns the
+-- peak minus that window (the work), or nil and the reason when it cannot run.
+local function work_of(part, dev, fn, inputs)
+  local prev = kiln.memory_mode()
+  kiln.memory_mode("low")
+  part:load(dev)
+  local ok, bytes = pcall(kiln.mem.estimate, fn, inputs, { device = dev })
+  part:unload()
+  kiln.memory_mode(prev)
+  if not ok then return nil, tostring(type(bytes) == "table" and bytes.message or bytes) end
+  local _, window = M.part_bytes(part)
+  local streamed = (dev ~= "cpu") and window or 0
+  return math.max(0, bytes - streamed)
+end
+
+function M.choose(ckpt, o)
+  local dev = o.device or kiln.default_device()
+  local st = kiln.mem.stats(dev)
+  local budget = st.budget or 0
+  local plan = { device = dev, budget = budget, lines = {} }
+  local function line(...) plan.lines[#plan.lines + 1] = fmt(...) end
+  if budget == 0 then
+    plan.mode = "high"
+    line("--mode auto: no budget on %s (set one with --vram): high", dev)
+    return plan
+  end
+  -- 90% of what is free, less one 2 MiB grain of the caching allocators (blocks over
+  -- 1 MiB are carved from 2 MiB grains; the small probes do not show that rounding)
+  local avail = (budget - st.allocated) * SAFETY - GRAIN
+  local f = ckpt.vae.factor or 8
+  local W, H = o.width, o.height
+  local lw, lh = W // f, H // f
+  local parts = {}
+  for _, name in ipairs({ "clip", "unet", "vae" }) do
+    local p = ckpt[name]
+    if p then
+      local bytes, window = M.part_bytes(p)
+      parts[#parts + 1] = { name = name, part = p, bytes = bytes, window = window }
+    end
+  end
+  local by = {}
+  for _, p in ipairs(parts) do by[p.name] = p end
+  -- the work of each stage at this run's size
+  local ucfg = ckpt.unet.config
+  if by.unet then
+    local B = (o.cfg or 1) ~= 1 and 2 or 1
+    local x = kiln.zeros({ B, ucfg.in_channels, lh, lw }):to(dev)
+    local t = kiln.full({ B }, 999)
+    local ctx = kiln.zeros({ B, 77, ucfg.context_dim or 768 }):to(dev)
+    local y = ucfg.adm_in_channels and kiln.zeros({ B, ucfg.adm_in_channels }):to(dev) or nil
+    by.unet.work, by.unet.why = work_of(ckpt.unet, dev, function(xx)
+      local r = ckpt.unet:forward(xx, t, ctx, y)
+      r:free()
+    end, { x })
+    x:free(); t:free(); ctx:free()
+    if y then y:free() end
+  end
+  if by.vae then
+    local z = kiln.zeros({ 1, ckpt.vae.config.embed_dim or 4, lh, lw }):to(dev)
+    by.vae.work, by.vae.why = work_of(ckpt.vae, dev, function(zz)
+      local r = ckpt.vae:decode(zz, { retry = false })
+      r:free()
+    end, { z })
+    z:free()
+  end
+  if by.clip then by.clip.work = 0 end -- 77 tokens: negligible next to its weights
+  -- the choice
+  local all, worst_stage, worst_work, worst_low = 0, 0, 0, 0
+  for _, p in ipairs(parts) do
+    -- the VAE's work does not decide the mode: when it does not fit, it tiles
+    local w = p.name ~= "vae" and (p.work or math.huge) or 0
+    all = all + p.bytes
+    worst_work = math.max(worst_work, w)
+    worst_stage = math.max(worst_stage, p.bytes + w)
+    worst_low = math.max(worst_low, p.window + w)
+  end
+  if all + worst_work <= avail then plan.mode = "high"
+  elseif worst_stage <= avail then plan.mode = "normal"
+  else plan.mode = "low" end
+  -- the VAE tiles when its untiled work does not fit beside its weights (or window)
+  if by.vae and by.vae.work then
+    local beside = plan.mode == "low" and by.vae.window or by.vae.bytes
+    if by.vae.work + beside > avail then plan.vae_tile = "auto" end
+  end
+  line("--mode auto on %s: budget %s, %s to plan with (90%% of the free bytes less 2 MiB)", dev, human(budget),
+    human(avail))
+  line("  %-5s %12s %12s %12s", "model", "weights", "low window", "work")
+  for _, p in ipairs(parts) do
+    line("  %-5s %12s %12s %12s", p.name, human(p.bytes), human(p.window),
+      p.work and human(p.work) or ("? (" .. tostring(p.why) .. ")"))
+  end
+  line("  all weights + largest work %s; largest stage (weights + work) %s; low mode needs %s",
+    human(all + worst_work), human(worst_stage), human(worst_low))
+  line("  -> mode %s%s", plan.mode, plan.vae_tile and ", VAE tiled (tile auto)" or "")
+  return plan
+end
+
+function M.apply(ckpt, o)
+  local plan = M.choose(ckpt, o)
+  kiln.memory_mode(plan.mode)
+  if plan.vae_tile and not o.tile then o.tile = plan.vae_tile end
+  if not kiln.quiet() then
+    for _, l in ipairs(plan.lines) do io.stderr:write("kiln: ", l, "\n") end
+  end
+  return plan
+end
+
+return M

@@ -1,0 +1,67 @@
+-- --mode auto (kiln.planner) on the demo model and the sim device: the chosen mode
+-- follows the budget (none / large -> high, medium -> normal, small -> low with the
+-- VAE tiled), every run stays inside its budget, and the pictures agree.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local pipeline = require "kiln.pipeline"
+local imgcmp = require "imgcmp"
+
+local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+local f = io.open(MODEL, "rb")
+if not f then
+  H.test("--mode auto", function() H.skip(MODEL .. " is missing") end)
+  H.done()
+end
+f:close()
+
+kiln.set_quiet(true)
+local MiB = 1024 * 1024
+local ckpt <close> = kiln.load_checkpoint(MODEL)
+local report = {}
+
+local function run(budget)
+  kiln.mem.set_budget("sim", budget)
+  kiln.mem.reset_peak("sim")
+  local o = { prompt = "a red circle on a blue background", seed = 3, steps = 4, width = 128, height = 128,
+    device = "sim", mode = "auto" }
+  local ok, img = pcall(pipeline.txt2img, ckpt, o)
+  local peak = kiln.mem.stats("sim").peak
+  local mode = kiln.memory_mode()
+  kiln.mem.set_budget("sim", 0)
+  kiln.memory_mode("normal")
+  if not ok then error(img, 0) end
+  report[#report + 1] = ("budget %s: mode %s, peak %.2f MiB"):format(
+    budget == 0 and "none" or ("%.1f MiB"):format(budget / MiB), mode, peak / MiB)
+  return img, mode, peak
+end
+
+local ref
+H.test("the mode follows the budget; every run stays inside it", function()
+  local cases = { { 0, "high" }, { 64 * MiB, "high" }, { math.floor(10.5 * MiB), "normal" }, { 5 * MiB, "low" } }
+  for _, c in ipairs(cases) do
+    local img, mode, peak = run(c[1])
+    H.eq(mode, c[2], ("budget %d"):format(c[1]))
+    if c[1] > 0 then H.truthy(peak <= c[1], ("peak %d over the budget %d"):format(peak, c[1])) end
+    if not ref then ref = img
+    else
+      local p = imgcmp.psnr(img, ref)
+      H.truthy(p >= 30, ("mode %s: PSNR %.1f dB against the unbudgeted picture"):format(mode, p))
+      report[#report] = report[#report] .. (", PSNR %.1f dB vs unbudgeted"):format(p)
+      img:free()
+    end
+  end
+end)
+
+H.test("the plan names every model with its bytes", function()
+  kiln.mem.set_budget("sim", 5 * MiB)
+  local plan = require("kiln.planner").choose(ckpt, { device = "sim", width = 64, height = 64, cfg = 6 })
+  kiln.mem.set_budget("sim", 0)
+  local text = table.concat(plan.lines, "\n")
+  for _, name in ipairs({ "clip", "unet", "vae", "-> mode low" }) do
+    H.truthy(text:find(name, 1, true), name .. " missing from:\n" .. text)
+  end
+end)
+
+for _, l in ipairs(report) do print("  " .. l) end
+H.done()
