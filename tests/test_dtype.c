@@ -153,6 +153,18 @@ static void t_half_to_f32_all(void)
     kiln_to_f32(tmp, all, KILN_F16, 65536);
     for (uint32_t i = 0; i < 65536; i++) bulk[i] = canon_f32(f2u(tmp[i]));
     CHECK(memcmp(bulk, h2f, sizeof bulk) == 0, "kiln_to_f32(f16) differs from kiln_f16_to_f32");
+    /* bit for bit, NaN payloads included (the SIMD path must not quiet them), also at
+     * odd offsets and lengths (vector bodies and scalar tails) */
+    int raw_bad = 0;
+    for (uint32_t i = 0; i < 65536; i++) raw_bad += f2u(tmp[i]) != f2u(kiln_f16_to_f32(all[i]));
+    CHECK(raw_bad == 0, "kiln_to_f32(f16): %d results differ in their bits from kiln_f16_to_f32", raw_bad);
+    for (size_t off = 0; off < 3; off++) {
+        size_t n = 65536 - off - 5;
+        kiln_to_f32(tmp, all + off, KILN_F16, n);
+        raw_bad = 0;
+        for (size_t i = 0; i < n; i++) raw_bad += f2u(tmp[i]) != f2u(kiln_f16_to_f32(all[off + i]));
+        CHECK(raw_bad == 0, "kiln_to_f32(f16) at offset %zu: %d results differ", off, raw_bad);
+    }
     kiln_convert(tmp, KILN_F32, all, KILN_BF16, 65536);
     for (uint32_t i = 0; i < 65536; i++) bulk[i] = canon_f32(f2u(tmp[i]));
     CHECK(memcmp(bulk, b2f, sizeof bulk) == 0, "kiln_convert(bf16 -> f32) differs from kiln_bf16_to_f32");

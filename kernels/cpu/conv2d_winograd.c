@@ -578,13 +578,14 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
         }
     } else {
         c->U = j.U;
-        for (int64_t n = 0; n < p->n; n++) {
-            c->x = x + n * C * p->h * p->w;
-            c->y = y + n * K * p->oh * p->ow;
-            for (int64_t bk = 0; bk < nkb; bk++) {
-                set_block(c, bk, kb);
-                /* one block: U serves every image */
-                if (nkb > 1 || n == 0) kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
+        /* blocks outside images: each block's U is transformed once for the batch (a
+         * CFG step is a batch of 2) */
+        for (int64_t bk = 0; bk < nkb; bk++) {
+            set_block(c, bk, kb);
+            kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
+            for (int64_t n = 0; n < p->n; n++) {
+                c->x = x + n * C * p->h * p->w;
+                c->y = y + n * K * p->oh * p->ow;
                 kiln_parallel_for(nstrip, 1, strip_task, &j);
             }
         }
