@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Reference text-to-image sampling with a kiln-shapes (or any SD 1.x-layout)
-checkpoint in PyTorch: DDIM (eta 0) with classifier-free guidance.
+checkpoint in PyTorch: DDIM (eta 0) with classifier-free guidance, eps- or
+v-prediction as the file's kiln.prediction says.
 
     /usr/bin/python3 examples/models/sample.py [--ckpt F] [--steps 25]
         [--cfg 6] [--seed 0] [--outdir /tmp/samples] "prompt" ["prompt" ...]
@@ -35,17 +36,25 @@ def generate(model, tok, prompts, steps=25, cfg=6.0, seed=0, size=64):
     ctx = model.cond_stage_model(ids)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((b, 4, size // down, size // down), generator=g)
+    # the file's schedule buffers (zero terminal SNR for a zsnr model) and its
+    # prediction type (kiln.prediction: eps or v)
     ac = model.alphas_cumprod.double()
+    v_pred = getattr(model, "meta", {}).get("kiln.prediction", "eps") == "v"
     ts = torch.linspace(999, 0, steps).round().long()
     unet = model.model.diffusion_model
     for i, t in enumerate(ts):
         tt = torch.full((2 * b,), int(t), dtype=torch.long)
         e = unet(torch.cat([x, x]), tt, ctx)
         e_c, e_u = e[:b], e[b:]
-        eps = e_u + cfg * (e_c - e_u)
+        out = e_u + cfg * (e_c - e_u)
         a = ac[t]
         a_prev = ac[ts[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64)
-        x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
+        if v_pred:   # v = sqrt(a) eps - sqrt(1-a) x0
+            x0 = a.sqrt() * x - (1 - a).sqrt() * out
+            eps = (1 - a).sqrt() * x + a.sqrt() * out
+        else:
+            eps = out
+            x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
         x = (a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps).float()
     img = model.first_stage_model.decode(x / model.scale_factor)
     return ((img + 1) / 2).clamp(0, 1)

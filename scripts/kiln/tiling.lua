@@ -15,8 +15,9 @@
 --
 -- The VAE interface. `vae` is any object with
 --   vae:_decode_untiled(z)   latents [B, c, h, w] -> images [B, C, f*h, f*w]
---   vae:_decode_tiles(z, map_opts)  (optional) a tiled decode done its own way
---                            (kiln.vae's: image-wide GroupNorm statistics, kiln.lockstep)
+--   vae:_decode_tiles(z, map_opts), vae:_encode_tiles(img, map_opts)  (optional) a
+--                            tiled run done its own way (kiln.vae's: image-wide
+--                            GroupNorm statistics, kiln.lockstep)
 --   vae:_encode_untiled(img) images [B, C, H, W] (H, W multiples of f) -> latents
 --                            [B, c, H/f, W/f]
 --   vae.factor or vae.config.factor   f, the spatial factor (default 8)
@@ -440,6 +441,7 @@ function M.encode(vae, img, opts)
   for k, v in pairs(opts) do o[k] = v end
   o.scale, o.unit, o.what, o.cache, o.key = 1 / f, f, opts.what or "vae:encode", vae, "encode"
   o.blend = opts.blend or "cosine"
+  if vae._encode_tiles then o.tiled = function(mo) return vae:_encode_tiles(img, mo) end end
   return M.apply(function(t) return vae:_encode_untiled(t) end, img, o)
 end
 

@@ -154,9 +154,11 @@ function M.new(weights, cfg)
   if cfg.has_encoder then
     local o = { "encoder.in" }
     for i = 0, cfg.levels - 1 do o[#o + 1] = fmt("encoder.down.%d.", i) end
+    local head = {}
+    for i, k in ipairs(o) do head[i] = k end
     o[#o + 1] = "encoder.mid."
     o[#o + 1] = "encoder.out"
-    self.encode_order = o
+    self.encode_order, self.encode_head_order, self.encode_tail_order = o, head, { "encoder.mid.", "encoder.out" }
   end
   return self
 end
@@ -491,8 +493,28 @@ function VAE:_decode_tiles(z, mo, mid)
     if not is_oom(err) then error(err, 0) end
     return self:_decode_tiles_estimated(z, mo, "no host memory to park the tiles")
   end
+  local fns = {
+    ["decoder.in"] = function(x) return self:_dec_in(x) end,
+    ["decoder.mid."] = function(x) return self:_mid("decoder", x) end,
+    ["decoder.out"] = function(x) return self:_dec_out(x) end,
+  }
+  local raw, why = self:_lockstep(src, mo, dev, order, fns, "vae:decode")
+  src:free()
+  if not raw then return self:_decode_tiles_estimated(z, mo, why) end
+  -- map to [0, 1] after the blend (clamped tiles blended can round to 1 + 1 ulp)
+  local img = to_image(raw)
+  img:move(dev)
+  return img
+end
+
+-- Runs the blocks `order` (keys of the streaming plan) over the tiles of src (on the
+-- host) in lockstep (kiln.lockstep) and blends the outputs with the map options mo:
+-- the result, on the host. fns[key](x) runs a block on one tile; keys not in fns are
+-- "decoder.up.N." / "encoder.down.N.". Returns nil and the reason when the parked
+-- tiles do not fit the host (and the device is another one).
+function VAE:_lockstep(src, mo, dev, order, fns, label)
   local plan = kiln.tile.plan(src.shape[3], src.shape[4], mo)
-  local ctx = { device = dev, cores = lockstep.cores(plan), label = "vae:decode", mode = "sync" }
+  local ctx = { device = dev, cores = lockstep.cores(plan), label = label, mode = "sync" }
   local states = {}
   for i = 1, plan.count do
     local r = plan[i].input
@@ -501,20 +523,16 @@ function VAE:_decode_tiles(z, mo, mid)
     states[i] = b:contiguous()
     b:free(); a:free()
   end
-  local fns = {
-    ["decoder.in"] = function(x) return self:_dec_in(x) end,
-    ["decoder.mid."] = function(x) return self:_mid("decoder", x) end,
-    ["decoder.out"] = function(x) return self:_dec_out(x) end,
-  }
   self._gn_stats = ctx
-  local outs
-  ok, outs = pcall(function()
+  local ok, outs = pcall(function()
     local pass <close> = self.streamer:pass(order)
     for _, key in ipairs(order) do
       local fn = fns[key]
       if not fn then
-        local lvl = tonumber(key:match("^decoder%.up%.(%d+)%.$"))
-        fn = function(x) return self:_dec_up(lvl, x) end
+        local up = tonumber(key:match("^decoder%.up%.(%d+)%.$"))
+        local down = tonumber(key:match("^encoder%.down%.(%d+)%.$"))
+        if up then fn = function(x) return self:_dec_up(up, x) end
+        else fn = function(x) return self:_enc_down(down, x) end end
       end
       states = pass:run(key, lockstep.stage, states, fn, ctx)
     end
@@ -523,23 +541,56 @@ function VAE:_decode_tiles(z, mo, mid)
   self._gn_stats = nil
   if not ok then
     for _, t in pairs(states) do t:free() end
-    src:free()
-    if is_oom(outs) and outs.device == HOST and dev ~= HOST then
-      return self:_decode_tiles_estimated(z, mo, "no host memory to park the tiles")
-    end
+    if is_oom(outs) and outs.device == HOST and dev ~= HOST then return nil, "no host memory to park the tiles" end
     error(outs, 0)
   end
-  -- blend the decoder's outputs on the host, then map to [0, 1] (clamping after the
-  -- blend: a blend of clamped tiles can round to 1 + 1 ulp)
-  local raw = kiln.tile.map(src, function(_, i)
+  return kiln.tile.map(src, function(_, i)
     local o = outs[i]
     outs[i] = nil
     return o
   end, mo)
-  src:free()
-  local img = to_image(raw)
-  img:move(dev)
-  return img
+end
+
+-- A tiled encode with image-wide GroupNorm statistics (kiln.tiling's hook; mo in
+-- pixels, scale 1/f): conv_in and the down blocks run over the image's tiles in
+-- lockstep, their latent-resolution outputs are blended, and the mid block (its
+-- attention sees every position) and the output convolutions run untiled.
+function VAE:_encode_tiles(img, mo)
+  local cfg = self.config
+  local dev = self:_device("quant_conv.weight")
+  local x2 = img * 2
+  local x = x2 - 1
+  x2:free()
+  x:move(HOST)
+  local fns = { ["encoder.in"] = function(t)
+    local w, b = self:w("encoder.conv_in.weight"), self:w("encoder.conv_in.bias")
+    local r = nn.conv2d(t, w, b, { padding = 1 })
+    t:free()
+    return r
+  end }
+  local h, why = self:_lockstep(x, mo, dev, self.encode_head_order, fns, "vae:encode")
+  x:free()
+  if not h then
+    tiling.log_event("vae:encode: " .. why .. "; tiles normalize with their own statistics (less exact)")
+    return kiln.tile.map(img, function(t) return self:_encode_untiled(t) end, mo)
+  end
+  h:move(dev)
+  local m
+  do
+    local pass <close> = self.streamer:pass(self.encode_tail_order)
+    h = pass:run("encoder.mid.", self._mid, self, "encoder", h)
+    m = pass:run("encoder.out", self._enc_out, self, h)
+  end
+  local r
+  if cfg.shift_factor ~= 0 then
+    local d = m - cfg.shift_factor
+    r = d * cfg.scale_factor
+    d:free()
+  else
+    r = m * cfg.scale_factor
+  end
+  m:free()
+  return r
 end
 
 -- The fallback: every tile runs the whole decoder, normalizing with statistics
