@@ -23,6 +23,11 @@ Q="--quiet --steps 3"
 check txt2img "$tmp/t.png" "$KILN" examples/txt2img.lua $Q --prompt "a red circle on a blue background" --out "$tmp/t.png"
 check "txt2img on sim, low mode, small budget, tiled VAE" "$tmp/s.png" "$KILN" examples/txt2img.lua $Q \
   --prompt "a green star" --device sim --mode low --vram 64M --tile 8 --out "$tmp/s.png"
+check "txt2img --mode auto on sim with a 6M budget" "$tmp/a.png" "$KILN" examples/txt2img.lua $Q \
+  --prompt "a red star" --device sim --mode auto --vram 6M --out "$tmp/a.png"
+if "$KILN" examples/txt2img.lua --help >"$tmp/help" 2>&1 && grep -q "^usage: kiln examples/txt2img.lua" "$tmp/help" \
+  && grep -q -- "--mode" "$tmp/help"; then echo "PASS txt2img --help"
+else echo "FAIL txt2img --help"; sed 's/^/    /' "$tmp/help"; fi
 check "txt2img dpmpp_2m karras" "$tmp/k.png" "$KILN" examples/txt2img.lua $Q --sampler dpmpp_2m --scheduler karras \
   --prompt "a white ring on a black background" --out "$tmp/k.png"
 check img2img "$tmp/i.png" "$KILN" examples/img2img.lua $Q --input "$tmp/t.png" --prompt "a green circle" --out "$tmp/i.png"

@@ -34,12 +34,45 @@ function cli.default_model()
   return "examples/models/kiln-shapes.safetensors"
 end
 
+local HELP = {
+  prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
+  cfg = "classifier-free guidance scale", sampler = "euler, euler_ancestral, heun, dpm_2, dpmpp_2m, lms, ddim, ...",
+  scheduler = "normal, karras, exponential, simple, sgm_uniform, ddim_uniform",
+  width = "image width (default: the model's size)", height = "image height (default: the model's size)",
+  denoise = "strength below 1 keeps part of the input", out = "PNG to write",
+  model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",
+  device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
+  vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
+  tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
+}
+
+--- The usage text of a script: its header comment's first lines and the options.
+function cli.usage(defaults)
+  local lines = { ("usage: kiln %s [options]"):format(arg and arg[0] or "script.lua"), "options:" }
+  local keys = {}
+  for k in pairs(defaults) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local v = defaults[k]
+    local d = (v == "" or v == 0 or v == false) and "" or (" (default %s)"):format(tostring(v))
+    lines[#lines + 1] = ("  --%-10s %s%s"):format(k, HELP[k] or "", d)
+  end
+  return table.concat(lines, "\n")
+end
+
 --- Parses args with the common options plus `extra` defaults; applies --device,
--- --mode, --vram and --quiet to the runtime. Returns the options table.
+-- --mode, --vram and --quiet to the runtime. Returns the options table. --help (or
+-- -h) prints the usage and exits.
 function cli.parse(args, extra)
   local defaults = {}
   for k, v in pairs(COMMON) do defaults[k] = v end
   for k, v in pairs(extra or {}) do defaults[k] = v end
+  for _, a in ipairs(args or {}) do
+    if a == "--help" or a == "-h" then
+      print(cli.usage(defaults))
+      os.exit(0)
+    end
+  end
   local o = util.parse_args(args, defaults)
   if o.quiet then kiln.set_quiet(true) end
   if o.device ~= "" then kiln.set_default_device(o.device) end
