@@ -664,6 +664,11 @@ function kiln.pipeline.model_sampling(ckpt) end
 ---@return integer
 function kiln.pipeline.image_size(ckpt) end
 
+---The guidance scale used when the caller gives none: the metadata's kiln.cfg, else 7.
+---@param ckpt kiln.Checkpoint
+---@return number
+function kiln.pipeline.default_cfg(ckpt) end
+
 ---A1111's model hash (10 hex digits of the file's SHA-256), computed once; files over
 ---512 MiB are skipped unless force.
 ---@param ckpt kiln.Checkpoint

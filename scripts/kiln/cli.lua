@@ -5,7 +5,7 @@ local util = require "kiln.util"
 local cli = {}
 
 local COMMON = {
-  prompt = "", negative = "", seed = 0, steps = 20, cfg = 7.0, sampler = "euler",
+  prompt = "", negative = "", seed = 0, steps = 20, cfg = 0.0, sampler = "euler", -- cfg 0: the model's
   scheduler = "normal", width = 0, height = 0, denoise = 1.0, out = "", model = "",
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
 }
@@ -36,7 +36,7 @@ end
 
 local HELP = {
   prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
-  cfg = "classifier-free guidance scale", sampler = "euler, euler_ancestral, heun, dpm_2, dpmpp_2m, lms, ddim, ...",
+  cfg = "classifier-free guidance scale (default: the model's kiln.cfg, else 7)", sampler = "euler, euler_ancestral, heun, dpm_2, dpmpp_2m, lms, ddim, ...",
   scheduler = "normal, karras, exponential, simple, sgm_uniform, ddim_uniform",
   width = "image width (default: the model's size)", height = "image height (default: the model's size)",
   denoise = "strength below 1 keeps part of the input", out = "PNG to write",
@@ -80,7 +80,7 @@ function cli.parse(args, extra)
   if o.mode ~= "" and o.mode ~= "auto" then kiln.memory_mode(o.mode) end
   if o.vram ~= "" then kiln.mem.set_budget(kiln.default_device(), cli.parse_size(o.vram)) end
   if o.model == "" then o.model = cli.default_model() end
-  for _, k in ipairs({ "width", "height", "tile", "overlap" }) do
+  for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg" }) do
     if o[k] == 0 then o[k] = nil end
   end
   if o.tile == nil then o.overlap = nil

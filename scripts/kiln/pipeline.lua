@@ -18,15 +18,23 @@ local A1111_NAMES = {
 }
 
 local DEFAULTS = {
-  prompt = "", negative = "", seed = 0, steps = 20, cfg = 7.0, sampler = "euler",
+  prompt = "", negative = "", seed = 0, steps = 20, cfg = nil, sampler = "euler", -- cfg: default_cfg
   scheduler = "normal", width = nil, height = nil, denoise = 1.0, device = nil,
   batch_cfg = nil, -- nil: one batched UNet call for cond+uncond unless mode is "low"
 }
 
-local function opts_with_defaults(opts)
+--- The guidance scale a checkpoint is sampled with when the caller gives none: its
+-- metadata's kiln.cfg (the demo model: 3), else 7 (A1111's and ComfyUI's usual).
+function pipeline.default_cfg(ckpt)
+  local m = ckpt and ckpt.metadata and tonumber(ckpt.metadata["kiln.cfg"])
+  return m or 7.0
+end
+
+local function opts_with_defaults(opts, ckpt)
   local o = {}
   for k, v in pairs(DEFAULTS) do o[k] = v end
   for k, v in pairs(opts or {}) do o[k] = v end
+  if o.cfg == nil then o.cfg = pipeline.default_cfg(ckpt) end
   return o
 end
 
@@ -198,7 +206,7 @@ end
 
 --- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
-  local o = opts_with_defaults(opts)
+  local o = opts_with_defaults(opts, ckpt)
   local W = o.width or pipeline.image_size(ckpt)
   local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
@@ -222,7 +230,7 @@ end
 
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise.
 function pipeline.img2img(ckpt, image, opts)
-  local o = opts_with_defaults(opts)
+  local o = opts_with_defaults(opts, ckpt)
   if (opts or {}).denoise == nil then o.denoise = 0.6 end
   local dev = device_of(o)
   local H, W = image.shape[3], image.shape[4]
@@ -251,7 +259,7 @@ end
 --- hires fix: sample small, upscale (latent nearest/bilinear or the decoded
 -- image), then sample again at a partial denoise.
 function pipeline.hires_fix(ckpt, opts)
-  local o = opts_with_defaults(opts)
+  local o = opts_with_defaults(opts, ckpt)
   local scale = o.scale or 2
   local upscale = o.upscale or "latent-bilinear"
   local dev = device_of(o)
@@ -267,7 +275,7 @@ function pipeline.hires_fix(ckpt, opts)
   ckpt.clip:unload()
 
   ckpt.unet:load(dev)
-  local first = opts_with_defaults(opts)
+  local first = opts_with_defaults(opts, ckpt)
   first.denoise = 1
   local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
 
@@ -290,7 +298,7 @@ function pipeline.hires_fix(ckpt, opts)
   end
   lat:free()
 
-  local second = opts_with_defaults(opts)
+  local second = opts_with_defaults(opts, ckpt)
   second.denoise = o.hires_denoise or 0.5
   second.steps = o.hires_steps or o.steps
   second.seed = o.seed + 1
@@ -310,6 +318,7 @@ function pipeline.parameters(opts, ckpt, extra)
   local o = setmetatable({}, { __index = function(_, k)
     local v = opts[k]
     if v == nil then v = DEFAULTS[k] end
+    if v == nil and k == "cfg" then v = pipeline.default_cfg(ckpt) end
     return v
   end })
   local lines = { o.prompt or "" }

@@ -28,7 +28,8 @@ unet.safetensors
   x              f32 [2, 4, 16, 16]  torch.manual_seed(1234); torch.randn
   t              int64 [2]           timesteps [10, 500]
   context        f32 [2, 77, 64]     clip out of prompts 0 and 1
-  out            f32 [2, 4, 16, 16]  UNet output (epsilon prediction)
+  out            f32 [2, 4, 16, 16]  UNet output (the model's prediction: v for the
+                                     shipped model, kiln.prediction)
 
 vae.safetensors
   image          f32 [1, 3, 64, 64]  a data.py picture in [0, 1] (uint8/255)
