@@ -765,6 +765,11 @@ kiln.cli = {}
 ---@return table
 function kiln.cli.parse(args, extra) end
 
+---The --help text of an example script: its options with what they do and their defaults.
+---@param defaults table<string, any>
+---@return string
+function kiln.cli.usage(defaults) end
+
 ---"6G", "512M", "1.5GiB", "300000000" -> bytes.
 ---@param s string
 ---@return integer
