@@ -49,6 +49,8 @@ struct kiln_allocator {
     char name[32];
     kiln_raw_memory raw;
     int caching;
+    size_t grain;             /* large segments are rounded to this (LARGE_GRAIN) */
+    uint64_t cache_limit;     /* 0: cache without limit (below the budget) */
     kiln_evict_fn evict;
     void *evict_ctx;
     kiln_pressure_fn pressure;
@@ -382,7 +384,7 @@ static int try_alloc(kiln_allocator *a, size_t size, void **out, uint64_t *short
         if (b) pool_remove(a, b);
     }
     if (!b) {
-        size_t seg = !a->caching ? size : small ? SMALL_SEGMENT : round_up(size, LARGE_GRAIN);
+        size_t seg = !a->caching ? size : small ? SMALL_SEGMENT : round_up(size, a->grain);
         int r = segment_new(a, seg, small, &b, shortfall);
         if (r != SEG_OK) return r;
     }
@@ -506,8 +508,9 @@ void kiln_allocator_release(kiln_allocator *a, void *ptr)
         if (n->next) n->next->prev = b;
         block_put(a, n);
     }
-    if (!s->n_live && a->st.budget && a->st.reserved > a->st.budget) {
-        segment_release(a, s); /* over a lowered budget: give it back at once */
+    if (!s->n_live && ((a->st.budget && a->st.reserved > a->st.budget) ||
+                       (a->cache_limit && a->free_bytes + b->size > a->cache_limit))) {
+        segment_release(a, s); /* over a lowered budget or the cache limit: give it back */
     } else {
         pool_insert(a, b);
     }
@@ -546,10 +549,27 @@ kiln_allocator *kiln_allocator_new(const char *device_name, kiln_raw_memory raw,
     snprintf(a->name, sizeof a->name, "%s", device_name ? device_name : "?");
     a->raw = raw;
     a->caching = caching;
+    a->grain = LARGE_GRAIN;
     a->st.budget = budget;
     a->fail_after = -1;
     a->rng = 0x9E3779B9u;
     return a;
+}
+
+void kiln_allocator_set_cache_limit(kiln_allocator *a, uint64_t bytes)
+{
+    if (!a) return;
+    pthread_mutex_lock(&a->mu);
+    a->cache_limit = bytes;
+    pthread_mutex_unlock(&a->mu);
+}
+
+void kiln_allocator_set_grain(kiln_allocator *a, size_t grain)
+{
+    if (!a || grain < ROUND) return;
+    pthread_mutex_lock(&a->mu);
+    a->grain = round_up(grain, ROUND);
+    pthread_mutex_unlock(&a->mu);
 }
 
 uint64_t kiln_allocator_free(kiln_allocator *a)

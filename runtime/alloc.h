@@ -55,6 +55,14 @@ KILN_API void kiln_allocator_release(kiln_allocator *a, void *ptr);
 KILN_API size_t kiln_allocator_block_size(kiln_allocator *a, void *ptr);
 
 KILN_API void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget);
+/* Rounding of new large segments of a caching allocator (default 2 MiB, as
+ * PyTorch's CUDA allocator; the host uses 4 KiB pages: its segments come from malloc,
+ * so a fine grain wastes nothing and keeps the statistics close to what was asked). */
+KILN_API void kiln_allocator_set_grain(kiln_allocator *a, size_t grain);
+/* Most bytes kept in cached free blocks: a segment that becomes wholly free while
+ * the cache holds more is given back at once (0: no limit; the budget still
+ * applies). The host uses 2 GiB: without a budget nothing else would bound it. */
+KILN_API void kiln_allocator_set_cache_limit(kiln_allocator *a, uint64_t bytes);
 KILN_API kiln_mem_stats kiln_allocator_stats(kiln_allocator *a);
 KILN_API void kiln_allocator_reset_peak(kiln_allocator *a);
 /* Returns every unused cached segment to the device. */

@@ -267,6 +267,37 @@ static void t_empty_cache(void)
     finish(a, &m);
 }
 
+/* A cache limit gives wholly free segments back once the cache would exceed it;
+ * a fine grain sizes new large segments to the request. */
+static void t_cache_limit_and_grain(void)
+{
+    mock_mem m;
+    mock_init(&m, 0);
+    kiln_allocator *a = new_alloc(&m, 0, 1);
+    kiln_allocator_set_cache_limit(a, 10 * MiB);
+    kiln_allocator_set_grain(a, 4 * KiB);
+    void *p[6];
+    for (int i = 0; i < 6; i++) kiln_allocator_alloc(a, 4 * MiB + 4 * KiB * (uint64_t)i + 1, &p[i]);
+    kiln_mem_stats st = kiln_allocator_stats(a);
+    /* grain 4 KiB: each segment is the request rounded up to 4 KiB, not to 2 MiB */
+    CHECK(st.reserved == 6 * 4 * MiB + 4 * KiB * (0 + 1 + 2 + 3 + 4 + 5) + 6 * 4 * KiB,
+          "reserved %llu", (unsigned long long)st.reserved);
+    for (int i = 0; i < 6; i++) {
+        kiln_allocator_release(a, p[i]);
+        st = kiln_allocator_stats(a);
+        CHECK(st.reserved - st.allocated <= 10 * MiB, "cached %llu after %d frees",
+              (unsigned long long)(st.reserved - st.allocated), i + 1);
+    }
+    CHECK(st.allocated == 0 && st.reserved <= 10 * MiB && st.reserved > 0, "reserved %llu at the end",
+          (unsigned long long)st.reserved);
+    /* cached blocks are still reused */
+    uint64_t n_seg = st.n_segments;
+    kiln_allocator_alloc(a, 4 * MiB, &p[0]);
+    CHECK(kiln_allocator_stats(a).n_segments == n_seg, "reused a cached segment");
+    kiln_allocator_release(a, p[0]);
+    finish(a, &m);
+}
+
 /* ---- out of memory ---- */
 
 static void t_oom_fields(void)
@@ -710,6 +741,7 @@ int main(void)
     RUN(t_reuse);
     RUN(t_split_coalesce);
     RUN(t_empty_cache);
+    RUN(t_cache_limit_and_grain);
     RUN(t_oom_fields);
     RUN(t_evict_hook);
     RUN(t_cache_before_evict);

@@ -148,7 +148,10 @@ expect repl_after_script '[ $rc -eq 0 ] && [ "$out" = 42 ]' "-i enters the REPL 
 
 # --- Ctrl-C: the running script stops with "interrupted!"
 printf 'local f = io.open(arg[1], "w") f:close()\nwhile true do end\n' >"$TMP/loop.lua"
-timeout 20 "$KILN" loop.lua "$TMP/started" </dev/null >"$TMP/out" 2>"$TMP/err" &
+# --foreground: timeout then passes the SIGINT to kiln once; without it, it also
+# signals its whole process group, kiln gets a second SIGINT, and a second Ctrl-C
+# kills at once (as lua5.4 does) - before the message, when the two arrive together
+timeout --foreground 20 "$KILN" loop.lua "$TMP/started" </dev/null >"$TMP/out" 2>"$TMP/err" &
 pid=$!
 for _ in $(seq 1 100); do [ -e "$TMP/started" ] && break; sleep 0.1; done
 sleep 0.2
