@@ -221,6 +221,10 @@ local results = {} -- rows of the final table
 -- a shared machine the CPU time says what the work cost, the wall time what it took.
 local function time_best(n, fn)
   local best, cpu, out = math.huge, 0, nil
+  -- each stage starts from an empty host cache, as PyTorch's runs start in a fresh
+  -- process (what the previous stage cached has other sizes)
+  collectgarbage(); collectgarbage()
+  kiln.mem.empty_cache("cpu")
   for _ = 1, n do
     if out and out.free then out:free() end
     collectgarbage(); collectgarbage()

@@ -363,5 +363,32 @@ test("the CLI's --trace writes a trace", function()
   truthy(found, "span from the CLI run")
 end)
 
+test("host cache: reused between operations, given back by unload and empty_cache", function()
+  local MODEL = "examples/models/kiln-shapes.safetensors"
+  local f = io.open(MODEL, "rb")
+  if not f then H.skip(MODEL .. " is missing") end
+  f:close()
+  collectgarbage(); collectgarbage()
+  kiln.mem.empty_cache("cpu")
+  local base = kiln.mem.stats("cpu").reserved
+  -- a freed activation stays cached: the next one of its size reuses it
+  local a = kiln.zeros({ 1024, 1024 })
+  a:free()
+  local cached = kiln.mem.stats("cpu")
+  truthy(cached.reserved >= base + 4 * 1024 * 1024, "freed block kept")
+  local segs = cached.segments
+  truthy(segs and segs > 0, "segments counted")
+  local b = kiln.zeros({ 1024, 1024 })
+  eq(kiln.mem.stats("cpu").segments, segs, "no new segment for the same size")
+  b:free()
+  -- weights loaded as f32 on the host, then unloaded: the memory goes back
+  local ck <close> = kiln.load_checkpoint(MODEL)
+  ck.unet:load("cpu", { dtype = "f32" })
+  truthy(kiln.mem.stats("cpu").allocated > base + 5 * 1024 * 1024, "f32 copy on the host")
+  ck.unet:unload() -- gives the host cache back by itself
+  truthy(kiln.mem.stats("cpu").reserved <= base + 64 * 1024, ("reserved %d after unload, %d before"):format(
+    kiln.mem.stats("cpu").reserved, base))
+end)
+
 os.execute("rm -rf '" .. dir .. "'")
 H.done()
