@@ -438,6 +438,21 @@ function VAE:_decode_unscaled(z)
   return to_image(self:decode_raw(z))
 end
 
+-- posterior mean (freed) -> latents as samplers use them: (m - shift) * scale
+function VAE:_scale_latent(m)
+  local cfg = self.config
+  local r
+  if cfg.shift_factor ~= 0 then
+    local d = m - cfg.shift_factor
+    r = d * cfg.scale_factor
+    d:free()
+  else
+    r = m * cfg.scale_factor
+  end
+  m:free()
+  return r
+end
+
 -- latents as samplers produce them -> unscaled latents on the weights' device (new)
 function VAE:_unscale(z)
   local cfg = self.config
@@ -556,7 +571,6 @@ end
 -- lockstep, their latent-resolution outputs are blended, and the mid block (its
 -- attention sees every position) and the output convolutions run untiled.
 function VAE:_encode_tiles(img, mo)
-  local cfg = self.config
   local dev = self:_device("quant_conv.weight")
   local x2 = img * 2
   local x = x2 - 1
@@ -581,16 +595,7 @@ function VAE:_encode_tiles(img, mo)
     h = pass:run("encoder.mid.", self._mid, self, "encoder", h)
     m = pass:run("encoder.out", self._enc_out, self, h)
   end
-  local r
-  if cfg.shift_factor ~= 0 then
-    local d = m - cfg.shift_factor
-    r = d * cfg.scale_factor
-    d:free()
-  else
-    r = m * cfg.scale_factor
-  end
-  m:free()
-  return r
+  return self:_scale_latent(m)
 end
 
 -- The fallback: every tile runs the whole decoder, normalizing with statistics
@@ -655,7 +660,6 @@ function VAE:_record_gn(z, side)
 end
 
 function VAE:_encode_untiled(img)
-  local cfg = self.config
   local dev = self:_device("quant_conv.weight")
   local imgd = img.device ~= dev and img:to(dev) or nil
   local x2 = (imgd or img) * 2
@@ -664,16 +668,7 @@ function VAE:_encode_untiled(img)
   x2:free()
   local m = self:encode_raw(x)
   x:free()
-  local r
-  if cfg.shift_factor ~= 0 then
-    local d = m - cfg.shift_factor
-    r = d * cfg.scale_factor
-    d:free()
-  else
-    r = m * cfg.scale_factor
-  end
-  m:free()
-  return r
+  return self:_scale_latent(m)
 end
 
 -- z: latents times the scale factor [B, z, h, w] -> images [B, 3, f h, f w] in [0, 1].

@@ -7,14 +7,8 @@ package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
 
-local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+local MODEL = H.demo_model("demo model goldens")
 local DIR = "tests/golden/model/"
-local f = io.open(MODEL, "rb")
-if not f then
-  H.test("demo model goldens", function() H.skip(MODEL .. " is missing") end)
-  H.done()
-end
-f:close()
 
 local ckpt <close> = kiln.load_checkpoint(MODEL)
 local notes = {}

@@ -7,7 +7,7 @@ local H = require "harness"
 local kiln = require "kiln"
 local pipeline = require "kiln.pipeline"
 
-local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+local MODEL = H.demo_model("demo model present")
 
 -- the palette of examples/models/data.py (RGB in [0, 1])
 local PALETTE = {
@@ -57,13 +57,6 @@ local function classify(img)
   for i = 1, 3 do fg[i] = fg[i] / m end
   return nearest(bg), nearest(fg)
 end
-
-local f = io.open(MODEL, "rb")
-if not f then
-  H.test("demo model present", function() H.skip(MODEL .. " is missing") end)
-  H.done()
-end
-f:close()
 
 local ckpt = kiln.load_checkpoint(MODEL)
 kiln.set_quiet(true)

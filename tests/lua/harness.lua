@@ -65,4 +65,17 @@ function H.done()
   os.exit(failed == 0 and 0 or 1)
 end
 
+-- The bundled demo model's path ($KILN_DEMO_MODEL overrides it). When the file is
+-- missing, the whole test file is one SKIP line named `what` and ends here.
+function H.demo_model(what)
+  local path = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+  local f = io.open(path, "rb")
+  if f then
+    f:close()
+    return path
+  end
+  H.test(what, function() H.skip(path .. " is missing") end)
+  H.done()
+end
+
 return H

@@ -7,13 +7,7 @@ local H = require "harness"
 local kiln = require "kiln"
 local pipeline = require "kiln.pipeline"
 
-local MODEL = "examples/models/kiln-shapes.safetensors"
-local f = io.open(MODEL, "rb")
-if not f then
-  H.test("hires fix inside a budget", function() H.skip(MODEL .. " is missing") end)
-  H.done()
-end
-f:close()
+local MODEL = H.demo_model("hires fix inside a budget")
 
 kiln.set_quiet(true)
 kiln.set_default_device("sim")

@@ -7,13 +7,7 @@ local kiln = require "kiln"
 local pipeline = require "kiln.pipeline"
 local imgcmp = require "imgcmp"
 
-local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
-local f = io.open(MODEL, "rb")
-if not f then
-  H.test("--mode auto", function() H.skip(MODEL .. " is missing") end)
-  H.done()
-end
-f:close()
+local MODEL = H.demo_model("--mode auto")
 
 kiln.set_quiet(true)
 local MiB = 1024 * 1024

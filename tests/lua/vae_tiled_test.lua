@@ -9,13 +9,7 @@ local H = require "harness"
 local kiln = require "kiln"
 local imgcmp = require "imgcmp"
 
-local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
-local f = io.open(MODEL, "rb")
-if not f then
-  H.test("tiled VAE on the demo model", function() H.skip(MODEL .. " is missing") end)
-  H.done()
-end
-f:close()
+local MODEL = H.demo_model("tiled VAE on the demo model")
 
 kiln.set_quiet(true)
 local MiB = 1024 * 1024
