@@ -13,6 +13,8 @@ local MODEL = H.demo_model("tiled VAE on the demo model")
 
 kiln.set_quiet(true)
 local MiB = 1024 * 1024
+-- the device the VAE runs on: sim here, cuda:0 in tests/gpu/run.sh
+local DEV = os.getenv("KILN_TEST_DEVICE") or "sim"
 local report = {}
 local function note(fmt, ...) report[#report + 1] = fmt:format(...) end
 
@@ -47,8 +49,8 @@ local function picture(S, n)
   return kiln.tensor({ t })
 end
 
-vae:load("sim")
-local img = picture(256, 40):to("sim")
+vae:load(DEV)
+local img = picture(256, 40):to(DEV)
 local z = vae:encode(img) -- [1, 4, 64, 64]
 img:free()
 local full = vae:decode(z)
@@ -70,7 +72,7 @@ H.test("tiled decode matches the untiled one: PSNR >= 40 dB, no seam", function(
 end)
 
 H.test("tiled encode matches the untiled one: PSNR >= 40 dB", function()
-  local pic = picture(256, 40):to("sim")
+  local pic = picture(256, 40):to(DEV)
   for _, c in ipairs({ { 32, 8 }, { 24, 8 } }) do
     local t = vae:encode(pic, { tile = c[1], overlap = c[2] })
     local p = imgcmp.psnr(t, z)
@@ -95,14 +97,14 @@ end)
 H.test("device peak for three sizes: flat with the mid block tiled", function()
   local peaks, lines = {}, {}
   for _, S in ipairs({ 192, 256, 320 }) do
-    local zz = kiln.randn({ 1, 4, S // factor, S // factor }, { seed = S }):to("sim")
+    local zz = kiln.randn({ 1, 4, S // factor, S // factor }, { seed = S }):to(DEV)
     local row = {}
     for _, mid in ipairs({ "tiled", "untiled" }) do
       collectgarbage()
-      local base = kiln.mem.stats("sim").allocated
-      kiln.mem.reset_peak("sim")
+      local base = kiln.mem.stats(DEV).allocated
+      kiln.mem.reset_peak(DEV)
       local out = vae:decode(zz, { tile = 16, overlap = 4, mid = mid })
-      local peak = kiln.mem.stats("sim").peak - base
+      local peak = kiln.mem.stats(DEV).peak - base
       local extra = peak - out:nbytes()
       out:free()
       row[mid] = extra
@@ -115,7 +117,9 @@ H.test("device peak for three sizes: flat with the mid block tiled", function()
   -- with the mid block tiled, only the output grows (allocator rounding aside)
   local lo, hi = math.huge, 0
   for _, r in ipairs(peaks) do lo, hi = math.min(lo, r.tiled), math.max(hi, r.tiled) end
-  H.truthy(hi - lo <= 2 * MiB, ("tiled-mid peaks vary by %.2f MiB"):format((hi - lo) / MiB))
+  -- (2 MiB: one grain of the caching allocators; cuDNN workspaces may add another)
+  local tol = DEV == "sim" and 2 * MiB or 4 * MiB
+  H.truthy(hi - lo <= tol, ("tiled-mid peaks vary by %.2f MiB"):format((hi - lo) / MiB))
 end)
 
 H.test("the less exact variants (reported)", function()
@@ -130,7 +134,7 @@ H.test("the less exact variants (reported)", function()
   local p_est = imgcmp.psnr(est, full)
   est:free()
   -- encode with each tile normalizing with its own statistics (the fallback)
-  local pic = picture(256, 40):to("sim")
+  local pic = picture(256, 40):to(DEV)
   local own = kiln.tile.map(pic, function(t) return vae:_encode_untiled(t) end,
     { tile = 32 * factor, overlap = 8 * factor, scale = 1 / factor, multiple = factor, blend = "cosine" })
   local p_own = imgcmp.psnr(own, z)
