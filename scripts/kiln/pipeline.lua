@@ -204,6 +204,28 @@ local function plan_memory(ckpt, o, W, H)
   require("kiln.planner").apply(ckpt, o)
 end
 
+--- The conditioning of a run: cond and uncond, and for a UNet with vector
+-- conditioning (SDXL) y = pooled text + the size embeddings of a W x H picture
+-- (uncropped, original = target size, as ComfyUI's default) in o.y_cond / o.y_uncond.
+local function conditioning(ckpt, o, W, H)
+  local cond, uncond, pooled, upooled = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  if ckpt.unet.config.adm_in_channels then
+    if not (pooled and upooled) then
+      error("this UNet needs a pooled text vector (SDXL), but the text encoder gave none", 3)
+    end
+    local size = { width = W, height = H }
+    o.y_cond, o.y_uncond = ckpt.unet:sdxl_vector(pooled, size), ckpt.unet:sdxl_vector(upooled, size)
+  end
+  if pooled then pooled:free() end
+  if upooled then upooled:free() end
+  return cond, uncond
+end
+
+local function free_y(o)
+  if o.y_cond then o.y_cond:free(); o.y_uncond:free() end
+  o.y_cond, o.y_uncond = nil, nil
+end
+
 --- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
   local o = opts_with_defaults(opts, ckpt)
@@ -214,12 +236,12 @@ function pipeline.txt2img(ckpt, opts)
   plan_memory(ckpt, o, W, H)
 
   ckpt.clip:load(dev)
-  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  local cond, uncond = conditioning(ckpt, o, W, H)
   ckpt.clip:unload()                       -- the text encoder is not needed again
 
   ckpt.unet:load(dev)
   local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
-  cond:free(); uncond:free()
+  cond:free(); uncond:free(); free_y(o)
   ckpt.unet:unload()                       -- make room for the decoder
 
   ckpt.vae:load(dev)
@@ -242,12 +264,12 @@ function pipeline.img2img(ckpt, image, opts)
   ckpt.vae:offload()                       -- needed again for the decode; keep it on the host
 
   ckpt.clip:load(dev)
-  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  local cond, uncond = conditioning(ckpt, o, W, H)
   ckpt.clip:unload()
 
   ckpt.unet:load(dev)
   local lat = pipeline.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
-  x0:free(); cond:free(); uncond:free()
+  x0:free(); cond:free(); uncond:free(); free_y(o)
   ckpt.unet:unload()
 
   ckpt.vae:load(dev)
@@ -271,12 +293,13 @@ function pipeline.hires_fix(ckpt, opts)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
 
   ckpt.clip:load(dev)
-  local cond, uncond = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  local cond, uncond = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size
   ckpt.clip:unload()
 
   ckpt.unet:load(dev)
   local first = opts_with_defaults(opts, ckpt)
   first.denoise = 1
+  first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
   local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
 
   local up
@@ -303,8 +326,9 @@ function pipeline.hires_fix(ckpt, opts)
   second.steps = o.hires_steps or o.steps
   second.seed = o.seed + 1
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
+  second.y_cond, second.y_uncond = o.y_cond, o.y_uncond
   local lat2 = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
-  up:free(); cond:free(); uncond:free()
+  up:free(); cond:free(); uncond:free(); free_y(o)
   ckpt.unet:unload()
 
   ckpt.vae:load(dev)

@@ -336,6 +336,29 @@ test("sim device: weights loaded there, inputs follow", function()
   H.truthy(img:min() >= 0 and img:max() <= 1, "in [0, 1]")
 end)
 
+test("SDXL end to end: txt2img and hires fix build the pooled + size conditioning", function()
+  local pipeline = require "kiln.pipeline"
+  local ck <close> = kiln.load_checkpoint(ckpt_file("sdxl"))
+  ck.clip.tokenizer = fake_tok
+  local f = math.tointeger(ck.vae.factor)
+  local o = { prompt = "a photo of a cat", steps = 2, width = 16 * f, height = 16 * f, seed = 1, cfg = 5 }
+  local img = pipeline.txt2img(ck, o)
+  eq(shape_of(img), ("1,3,%d,%d"):format(16 * f, 16 * f))
+  H.truthy(img:min() >= 0 and img:max() <= 1, "in [0, 1]")
+  -- the size vector reaches the UNet: the same run conditioned on another size differs
+  local unet_forward, seen = ck.unet.forward, nil
+  ck.unet.forward = function(self, x, t, ctx, y)
+    seen = y and y.shape[2]
+    return unet_forward(self, x, t, ctx, y)
+  end
+  local hi = pipeline.hires_fix(ck, { prompt = "a photo of a cat", steps = 1, hires_steps = 1, width = 16 * f,
+    height = 16 * f, scale = 1.5, seed = 1, cfg = 5 })
+  ck.unet.forward = nil
+  eq(seen, ck.unet.config.adm_in_channels, "y given to the UNet")
+  eq(shape_of(hi), ("1,3,%d,%d"):format(24 * f, 24 * f))
+  img:free(); hi:free()
+end)
+
 -- ---------------------------------------------------------------- diffusers folders
 
 local function write_file(path, text)
