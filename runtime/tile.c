@@ -63,12 +63,25 @@ static kiln_status plan_axis(kiln_tile_axis *ax, int64_t n, int64_t T, int64_t O
     ax->n = (int)k;
     ax->span = calloc((size_t)k, sizeof *ax->span);
     if (!ax->span) return kiln_error_oom("cpu", (uint64_t)k * sizeof *ax->span, 0, 0, "tile: out of host memory planning %lld tiles", (long long)k);
+    /* The k tiles are as short as the overlap allows: a multiple of the tile multiple,
+     * at most T, with consecutive starts (spread evenly, at most ceil((N-L)/(k-1))
+     * apart) still overlapping by Ou. Tiles of T where k*T is well over N would
+     * overlap by far more than asked (128 px, tile 64, overlap 8: 3 tiles of 64
+     * overlapping by 32; here 3 tiles of 48 overlapping by 8) - work for nothing. */
+    int64_t Lu = N < Tu ? N : Tu;
+    if (k > 1) {
+        int64_t mu = o->multiple / den > 0 ? o->multiple / den : 1;
+        int64_t L = (N + (k - 1) * Ou + k - 1) / k;
+        L = (L + mu - 1) / mu * mu;
+        while (L < Tu && L - Ou < (N - L + k - 2) / (k - 1)) L += mu;
+        Lu = L < Tu ? L : Tu;
+    }
     int64_t total = 0;
     for (int64_t i = 0; i < k; i++) {
         kiln_tile_span *s = &ax->span[i];
-        int64_t len = n > T ? T : n;
-        /* even spread: consecutive starts differ by at most ceil((N-Tu)/(k-1)) <= Tu-Ou */
-        int64_t start = k == 1 ? 0 : i * (N - Tu) / (k - 1) * den;
+        int64_t len = n > T ? Lu * den : n;
+        /* even spread: consecutive starts differ by at most ceil((N-Lu)/(k-1)) <= Lu-Ou */
+        int64_t start = k == 1 ? 0 : i * (N - Lu) / (k - 1) * den;
         s->in_start = start;
         s->in_len = len;
         s->out_start = start / den * num;

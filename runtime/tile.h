@@ -20,7 +20,8 @@ KILN_API const char *kiln_blend_name(kiln_blend b);
 KILN_API int kiln_blend_from_name(const char *name); /* -1 when unknown */
 
 typedef struct {
-    int64_t tile;              /* tile edge in input units (> 0) */
+    int64_t tile;              /* largest tile edge in input units (> 0); the tiles of an
+                                * axis are shortened to what covers it with the overlap */
     int64_t overlap;           /* minimum overlap of neighbours, input units (0 <= overlap < tile) */
     int64_t scale_num;         /* out = in * scale_num / scale_den (both > 0) */
     int64_t scale_den;

@@ -15,6 +15,34 @@ typedef struct {
     int64_t outer, dim, inner;
 } red_ctx;
 
+/* Sum of n contiguous floats, and of their squared distances to m, in doubles with
+ * eight partial sums (a fixed order: the same result on every run and thread count;
+ * two passes instead of Welford's division per element). */
+static double sum_contig(const float *x, int64_t n)
+{
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int j = 0; j < 8; j++) s[j] += x[k + j];
+    double acc = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; k < n; k++) acc += x[k];
+    return acc;
+}
+
+static double sqdev_contig(const float *x, int64_t n, double m)
+{
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int j = 0; j < 8; j++) {
+            double d = x[k + j] - m;
+            s[j] += d * d;
+        }
+    double acc = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; k < n; k++) acc += (x[k] - m) * (x[k] - m);
+    return acc;
+}
+
 static void red_range(void *p, int64_t begin, int64_t end)
 {
     const red_ctx *c = p;
@@ -22,6 +50,14 @@ static void red_range(void *p, int64_t begin, int64_t end)
         int64_t o = idx / c->inner, i = idx % c->inner;
         const float *x = c->x + o * c->dim * c->inner + i;
         double acc = 0, mean = 0, m2 = 0;
+        if (c->inner == 1 && (c->op == KILN_RED_SUM || c->op == KILN_RED_MEAN || c->op == KILN_RED_VAR)) {
+            acc = sum_contig(x, c->dim);
+            if (c->op != KILN_RED_SUM) acc = c->dim ? acc / (double)c->dim : NAN;
+            if (c->op == KILN_RED_VAR)
+                acc = c->dim - c->unbiased > 0 ? sqdev_contig(x, c->dim, acc) / (double)(c->dim - c->unbiased) : NAN;
+            c->y[idx] = (float)acc;
+            continue;
+        }
         switch (c->op) {
         case KILN_RED_SUM:
         case KILN_RED_MEAN:

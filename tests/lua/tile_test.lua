@@ -52,8 +52,9 @@ end
 test("plan: grid, 1-based rectangles, scale", function()
   local p = kiln.tile.plan(100, 37, { tile = 32, overlap = 8 })
   eq(p.rows, 4); eq(p.cols, 2); eq(p.count, 8)
-  eq(p[1].input.y, 1); eq(p[3].input.y, 23); eq(p[8].input.y, 69); eq(p[8].input.x, 6)
-  eq(p[8].input.h, 32); eq(p.out_h, 100)
+  -- rows: 4 tiles shortened to 31 (starts 0 23 46 69); columns: 2 tiles of 23 (0, 14)
+  eq(p[1].input.y, 1); eq(p[3].input.y, 24); eq(p[8].input.y, 70); eq(p[8].input.x, 15)
+  eq(p[8].input.h, 31); eq(p[8].input.w, 23); eq(p.out_h, 100)
   local d = kiln.tile.plan(256, 192, { tile = 64, overlap = 16, scale = 0.125 })
   eq(d.scale_num, 1); eq(d.scale_den, 8); eq(d.out_h, 32); eq(d.out_w, 24)
   eq(d[2].output.x, d[2].input.x // 8 + 1)
@@ -84,14 +85,14 @@ test("fn output checks and errors", function()
   raises(function() kiln.tile.map(x, function() return 1 end, { tile = 16, overlap = 4 }) end,
     "fn must return a kiln.Tensor for tile 1 of 9, got number")
   raises(function() kiln.tile.map(x, function(t) return kiln.nn.upsample_nearest(t, 2) end, { tile = 16, overlap = 4, scale = 8 }) end,
-    "fn returned [1,3,32,32] for tile 1 of 9 (input rows 1-16, cols 1-16 of [1,3,32,32]); expected [1,C,128,128] (scale 8/1)")
+    "fn returned [1,3,28,28] for tile 1 of 9 (input rows 1-14, cols 1-14 of [1,3,32,32]); expected [1,C,112,112] (scale 8/1)")
   local n = 0
   raises(function()
     kiln.tile.map(x, function(t)
       n = n + 1
       return n == 2 and t:narrow(2, 1, 2):contiguous() or t:clone()
     end, { tile = 16, overlap = 4 })
-  end, "fn returned [1,2,16,16] for tile 2 of 9", "expected [1,3,16,16]")
+  end, "fn returned [1,2,14,14] for tile 2 of 9", "expected [1,3,14,14]")
   -- fn's own error value comes back unchanged (tables too: typed OOM errors)
   local e = { kind = "oom", device = "sim", requested = 1, free = 0, budget = 1 }
   local ok, got = pcall(kiln.tile.map, x, function() error(e) end, { tile = 16, overlap = 4 })
@@ -228,8 +229,9 @@ test("peak of a tiled map on sim does not grow with the image", function()
       tiling.human(peak - rb), tiling.human(upeak))
   end
   note("peak over the input on sim, tile 64 overlap 16: %s", table.concat(line, "; "))
-  eq(extra[1], extra[2], "tile overhead 96 vs 160")
-  eq(extra[2], extra[3], "tile overhead 160 vs 224")
+  -- 160 px takes 3 full tiles of 64; 96 px (2 tiles of 56) and 224 px (5 of 58) take
+  -- shortened ones: the overhead is one tile's, never more than a full tile's
+  truthy(extra[1] <= extra[2] and extra[3] <= extra[2], ("tile overhead %d, %d, %d"):format(extra[1], extra[2], extra[3]))
 end)
 
 test("OOM recovery: a sim budget forces exactly two halvings; same result as tiled up front", function()
