@@ -480,8 +480,8 @@ function kiln.mem.estimate(fn, inputs, opts) end
 -- ---------------------------------------------------------------- kiln.tile
 
 ---@class kiln.TileOptions
----@field tile? integer tile side in the input's units (default 64)
----@field overlap? integer default tile/4
+---@field tile? integer largest tile side in the input's units (default 64); the tiles of an axis are shortened to what covers it with the overlap
+---@field overlap? integer minimum overlap of neighbouring tiles (default tile/4)
 ---@field scale? number|string output size / input size: 8 (VAE decode), 0.125 or "1/8" (encode), 4, 1
 ---@field blend? string "linear" feathering of the overlaps
 ---@field multiple? integer tile sides rounded to a multiple of this
