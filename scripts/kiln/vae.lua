@@ -205,9 +205,9 @@ function VAE:_gn(x, p, silu, live)
   if st.mode == "sync" then
     s = st.sync(x, live)
   end
-  local B, C = x.shape[1], x.shape[2]
-  local g = x:reshape({ B, 32, -1 })
+  local B = x.shape[1]
   if st.mode == "record" then
+    local g = x:reshape({ B, 32, -1 })
     st[#st + 1] = { mean = g:mean(3, true), var = g:var(3, true, false) }
     g:free()
     return nn.group_norm(x, 32, w, b, 1e-6, silu and GN_OPTS_SILU or nil)
@@ -217,27 +217,16 @@ function VAE:_gn(x, p, silu, live)
     s = st[st.i]
   end
   if not s then error("vae: tiled decode: GroupNorm statistics out of step", 2) end
-  if B == 1 then
-    g:free()
-    return self:_gn_affine(x, s, w, b, silu)
+  if B == 1 then return self:_gn_affine(x, s, w, b, silu) end
+  -- a batch: each picture with its own statistics
+  local parts = {}
+  for i = 1, B do
+    local xi, mi, vi = x:narrow(1, i, 1), s.mean:narrow(1, i, 1), s.var:narrow(1, i, 1)
+    parts[i] = self:_gn_affine(xi, { mean = mi, var = vi }, w, b, silu)
+    xi:free(); mi:free(); vi:free()
   end
-  local c = g - s.mean
-  g:free()
-  local sd = (s.var + 1e-6):sqrt()
-  local n = c / sd
-  c:free(); sd:free()
-  local n4 = n:reshape(x.shape)
-  n:free()
-  local wr, br = w:reshape({ C, 1, 1 }), b:reshape({ C, 1, 1 })
-  local y1 = n4 * wr
-  n4:free(); wr:free()
-  local y = y1 + br
-  y1:free(); br:free()
-  if silu then
-    local a = nn.silu(y)
-    y:free()
-    y = a
-  end
+  local y = kiln.cat(parts, 1)
+  for _, t in ipairs(parts) do t:free() end
   return y
 end
 
