@@ -87,14 +87,14 @@ end
 
 -- Merges partial statistics: Chan, Golub & LeVeque's pairwise update, in doubles.
 local function merge(acc, s)
-  if not acc then return { n = s.n, mean = s.mean, m2 = (function()
-    local r = {}
+  if not acc then
+    local m2 = {}
     for b = 1, #s.var do
-      r[b] = {}
-      for g = 1, #s.var[b] do r[b][g] = s.var[b][g] * s.n end
+      m2[b] = {}
+      for g = 1, #s.var[b] do m2[b][g] = s.var[b][g] * s.n end
     end
-    return r
-  end)() } end
+    return { n = s.n, mean = s.mean, m2 = m2 }
+  end
   local n = acc.n + s.n
   for b = 1, #s.mean do
     for g = 1, #s.mean[b] do
@@ -149,7 +149,8 @@ function M.stage(states, fn, ctx)
     cos[i] = coroutine.create(function(x) return fn(x) end)
   end
   local stats, round = nil, 0
-  while true do
+  -- one round: every unfinished tile runs to its next GroupNorm (or its end)
+  local function run_round()
     local acc, live, dead = nil, 0, 0
     round = round + 1
     for i = 1, n do
@@ -166,30 +167,33 @@ function M.stage(states, fn, ctx)
           parked[i] = nil
           ok, a, b = coroutine.resume(cos[i], stats)
         end
-        if not ok then
-          if stats then stats.mean:free(); stats.var:free() end
-          cleanup()
-          error(a, 0)
-        end
+        if not ok then error(a, 0) end
         if coroutine.status(cos[i]) == "dead" then
           a:move(HOST)
           outs[i] = a
           dead = dead + 1
         else
           acc = merge(acc, a)
-          park(b, HOST)
           parked[i] = b
+          park(b, HOST)
           live = live + 1
         end
       end
     end
     if stats then stats.mean:free(); stats.var:free(); stats = nil end
-    if live == 0 then break end
-    if dead > 0 then
-      cleanup()
+    if live > 0 and dead > 0 then
       error(fmt("%s: tiles reached different numbers of GroupNorms (lockstep broken)", ctx.label or "lockstep"), 0)
     end
-    stats = finish(acc, dev)
+    if live > 0 then stats = finish(acc, dev) end
+    return live > 0
+  end
+  -- on any error (a tile's, or no memory to park or to bring a tile back) free what
+  -- is held here before raising it again
+  local ok, err = pcall(function() while run_round() do end end)
+  if not ok then
+    if stats then stats.mean:free(); stats.var:free() end
+    cleanup()
+    error(err, 0)
   end
   return outs
 end
