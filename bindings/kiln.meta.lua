@@ -588,12 +588,20 @@ kiln.sample = {}
 function kiln.sample.run(name, denoise, x, sigmas, opts) end
 
 ---steps + 1 sigmas ending in 0: "karras" / "exponential" (sigma_min, sigma_max, rho),
----"normal", "simple", "sgm_uniform", "ddim_uniform" (opts.model_sampling).
+---"normal", "simple", "sgm_uniform", "ddim_uniform", "beta" (alpha, beta; default
+---0.6, 0.6; fewer steps when timesteps repeat, as ComfyUI) (opts.model_sampling).
 ---@param name string
 ---@param steps integer
----@param opts? {sigma_min?: number, sigma_max?: number, rho?: number, model_sampling?: table}
+---@param opts? {sigma_min?: number, sigma_max?: number, rho?: number, model_sampling?: table, alpha?: number, beta?: number}
 ---@return kiln.Tensor
 function kiln.sample.sigmas(name, steps, opts) end
+
+---The quantile function (inverse CDF) of the Beta(a, b) distribution.
+---@param q number in [0, 1]
+---@param a number
+---@param b number
+---@return number
+function kiln.sample.beta_ppf(q, a, b) end
 
 ---The sampler names, sorted.
 ---@return string[]

@@ -37,7 +37,7 @@ end
 local HELP = {
   prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
   cfg = "classifier-free guidance scale (default: the model's kiln.cfg, else 7)", sampler = "euler, euler_ancestral, heun, dpm_2, dpmpp_2m, lms, ddim, ...",
-  scheduler = "normal, karras, exponential, simple, sgm_uniform, ddim_uniform",
+  scheduler = "normal, karras, exponential, simple, sgm_uniform, ddim_uniform, beta",
   width = "image width (default: the model's size)", height = "image height (default: the model's size)",
   denoise = "strength below 1 keeps part of the input", out = "PNG to write",
   model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",

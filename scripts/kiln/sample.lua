@@ -447,6 +447,91 @@ sample.schedules = schedules
 --- sigmas(name, steps, opts) -> 1-D f32 tensor of steps + 1 values ending in 0.
 -- karras / exponential take sigma_min, sigma_max (and rho); normal, simple,
 -- sgm_uniform and ddim_uniform take opts.model_sampling (defaults: SD's schedule).
+-- The beta distribution's quantile function for the "beta" schedule: the regularized
+-- incomplete beta function I_x(a, b) by its continued fraction (modified Lentz), log
+-- Gamma by Lanczos' approximation (g = 7, 9 terms), and the inverse by bisection to
+-- double precision (60 halvings of [0, 1]).
+local LANCZOS = { 0.99999999999980993, 676.5203681218851, -1259.1392167224028, 771.32342877765313,
+  -176.61502916214059, 12.507343278686905, -0.13857109526572012, 9.9843695780195716e-6,
+  1.5056327351493116e-7 }
+
+local function lgamma(x)
+  if x < 0.5 then return math.log(math.pi / math.abs(math.sin(math.pi * x))) - lgamma(1 - x) end
+  x = x - 1
+  local a, t = LANCZOS[1], x + 7.5
+  for i = 2, 9 do a = a + LANCZOS[i] / (x + i - 1) end
+  return 0.5 * math.log(2 * math.pi) + (x + 0.5) * math.log(t) - t + math.log(a)
+end
+
+local function beta_cf(a, b, x)
+  local tiny = 1e-300
+  local qab, qap, qam = a + b, a + 1, a - 1
+  local c, d = 1, 1 - qab * x / qap
+  if math.abs(d) < tiny then d = tiny end
+  d = 1 / d
+  local h = d
+  for m = 1, 300 do
+    local m2 = 2 * m
+    local aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+    d = 1 + aa * d; if math.abs(d) < tiny then d = tiny end
+    c = 1 + aa / c; if math.abs(c) < tiny then c = tiny end
+    d = 1 / d
+    h = h * d * c
+    aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+    d = 1 + aa * d; if math.abs(d) < tiny then d = tiny end
+    c = 1 + aa / c; if math.abs(c) < tiny then c = tiny end
+    d = 1 / d
+    local del = d * c
+    h = h * del
+    if math.abs(del - 1) < 1e-16 then break end
+  end
+  return h
+end
+
+local function beta_cdf(x, a, b)
+  if x <= 0 then return 0 end
+  if x >= 1 then return 1 end
+  local lbt = lgamma(a + b) - lgamma(a) - lgamma(b) + a * math.log(x) + b * math.log(1 - x)
+  if x < (a + 1) / (a + b + 2) then return math.exp(lbt) * beta_cf(a, b, x) / a end
+  return 1 - math.exp(lbt) * beta_cf(b, a, 1 - x) / b
+end
+
+local function beta_ppf(q, a, b)
+  if q <= 0 then return 0 end
+  if q >= 1 then return 1 end
+  local lo, hi = 0, 1
+  for _ = 1, 60 do
+    local mid = 0.5 * (lo + hi)
+    if beta_cdf(mid, a, b) < q then lo = mid else hi = mid end
+  end
+  return 0.5 * (lo + hi)
+end
+sample.beta_ppf = beta_ppf
+
+-- numpy.rint: to the nearest integer, halves to even
+local function rint(x)
+  local f = math.floor(x)
+  local d = x - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
+  return f
+end
+
+-- ComfyUI's "beta" schedule (after Lee et al. 2024, arXiv:2407.12173): the model's
+-- discrete sigmas at the timesteps rint(ppf_Beta(alpha, beta)(1 - i/steps) * 999),
+-- i = 0 .. steps-1, repeated timesteps dropped; alpha = beta = 0.6 unless opts say.
+function schedules.beta(steps, o)
+  local s = need_model(o, "beta").sigmas
+  local a, b = o.alpha or 0.6, o.beta or 0.6
+  local total = #s - 1
+  local out, last = {}, -1
+  for i = 0, steps - 1 do
+    local t = rint(beta_ppf(1 - i / steps, a, b) * total)
+    if t ~= last then out[#out + 1] = s[t + 1] end
+    last = t
+  end
+  return with_zero(out)
+end
+
 function sample.sigmas(name, steps, opts)
   opts = opts or {}
   local fn = schedules[name]

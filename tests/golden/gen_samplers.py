@@ -211,6 +211,18 @@ def ddim_uniform(n):
     return out[::-1] + [0.0]
 
 
+def beta_sched(n, alpha=0.6, beta=0.6):
+    # ComfyUI's beta_scheduler (arXiv:2407.12173) with scipy's beta quantiles
+    import scipy.stats
+    ts = np.rint(scipy.stats.beta.ppf(1 - np.linspace(0, 1, n, endpoint=False), alpha, beta) * (len(SIGMAS) - 1))
+    out, last = [], -1
+    for t in ts:
+        if t != last:
+            out.append(float(SIGMAS[int(t)]))
+        last = t
+    return out + [0.0]
+
+
 def save(path, tensors):
     header, blobs, off = {}, [], 0
     for name, t in tensors.items():
@@ -229,6 +241,7 @@ sched = {
     "karras": karras(10, smin, smax), "exponential": exponential(10, smin, smax),
     "normal": normal(10), "sgm_uniform": normal(10, True), "simple": simple(10),
     "ddim_uniform": ddim_uniform(10), "karras_custom": karras(7, 0.1, 10.0, 5.0),
+    "beta": beta_sched(10), "beta_40": beta_sched(40), "beta_custom": beta_sched(25, 0.5, 0.7),
 }
 for k, v in sched.items(): out["sched_" + k] = np.array(v, dtype=np.float32)
 # zero terminal SNR (Lin et al. 2024, Algorithm 1 on sqrt(abar)); abar_T = 0

@@ -43,11 +43,12 @@ local cases = {
   { "karras", { sigma_min = ms.sigma_min, sigma_max = ms.sigma_max }, 10 },
   { "exponential", { sigma_min = ms.sigma_min, sigma_max = ms.sigma_max }, 10 },
   { "normal", {}, 10 }, { "sgm_uniform", {}, 10 }, { "simple", {}, 10 }, { "ddim_uniform", {}, 10 },
+  { "beta", {}, 10 }, { "beta", {}, 40, "beta_40" }, { "beta", { alpha = 0.5, beta = 0.7 }, 25, "beta_custom" },
 }
 for _, c in ipairs(cases) do
-  H.test("schedule " .. c[1] .. " matches ComfyUI (NumPy)", function()
+  H.test("schedule " .. (c[4] or c[1]) .. " matches ComfyUI (NumPy, SciPy)", function()
     local s = sample.sigmas(c[1], c[3], c[2])
-    local want = G["sched_" .. c[1]]
+    local want = G["sched_" .. (c[4] or c[1])]
     H.eq(s:numel(), want:numel(), "length")
     local d = ((s - want):abs() / (want:abs() + 1e-3)):max()
     if d > 2e-5 then error(("max relative difference %g"):format(d)) end
