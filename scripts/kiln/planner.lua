@@ -19,6 +19,9 @@
 -- user sees why. The runtime's mode is one for the whole run, so "per model" means:
 -- this table says, for each model, where its bytes will be in the chosen mode.
 --
+-- Measuring loads each part (streamed) and unloads it afterwards: run it before a
+-- pipeline, as the pipelines do, not while you hold parts loaded yourself.
+--
 --   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, ...}
 --   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode and o.tile, prints
 local kiln = require "kiln"
