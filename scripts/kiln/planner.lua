@@ -22,7 +22,8 @@
 -- Measuring loads each part (streamed) and unloads it afterwards: run it before a
 -- pipeline, as the pipelines do, not while you hold parts loaded yourself.
 --
---   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, ...}
+--   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, need = {high =,
+--                                    normal =, low =, avail =} (bytes), ...}
 --   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode and o.tile, prints
 local kiln = require "kiln"
 
@@ -133,6 +134,8 @@ function M.choose(ckpt, o)
     worst_stage = math.max(worst_stage, p.bytes + w)
     worst_low = math.max(worst_low, p.window + w)
   end
+  -- what each mode needs, for callers that size budgets from it (tests, tools)
+  plan.need = { high = all + worst_work, normal = worst_stage, low = worst_low, avail = avail }
   if all + worst_work <= avail then plan.mode = "high"
   elseif worst_stage <= avail then plan.mode = "normal"
   else plan.mode = "low" end
