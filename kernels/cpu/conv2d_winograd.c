@@ -20,6 +20,7 @@ void kiln_cpu_scratch_put(void *p);
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include "simd_transpose.h"
 #define AVX512 __attribute__((target("avx512f")))
 
 /* Lanes of a 16-tile block that lie in one tile row: [l0, l1), row ty, first column tx. */
@@ -72,29 +73,6 @@ typedef struct wino_ctx {
         o[5] = g2;                                                                                              \
     } while (0)
 
-/* In-register transpose of a 16 x 16 block: r[i][j] becomes r[j][i] (as in gemm.c). */
-AVX512 static inline void transpose16(__m512 *r)
-{
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int g4 = 0; g4 < 16; g4 += 4) {
-        u[g4 + 0] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0x44);
-        u[g4 + 1] = _mm512_shuffle_ps(t[g4], t[g4 + 2], 0xEE);
-        u[g4 + 2] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0x44);
-        u[g4 + 3] = _mm512_shuffle_ps(t[g4 + 1], t[g4 + 3], 0xEE);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-        __m512 v2 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-        r[c] = _mm512_shuffle_f32x4(v, w, 0x88);
-        r[8 + c] = _mm512_shuffle_f32x4(v, w, 0xDD);
-        r[4 + c] = _mm512_shuffle_f32x4(v2, w2, 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
-    }
-}
 
 /* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input
  * channels from c0. The 12 weight rows (16 channels x 9 taps each) are transposed so a
