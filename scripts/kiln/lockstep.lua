@@ -145,9 +145,7 @@ function M.stage(states, fn, ctx)
       if outs[i] then outs[i]:free() end
     end
   end
-  for i = 1, n do
-    cos[i] = coroutine.create(function(x) return fn(x) end)
-  end
+  for i = 1, n do cos[i] = coroutine.create(fn) end
   local stats, round = nil, 0
   -- one round: every unfinished tile runs to its next GroupNorm (or its end)
   local function run_round()

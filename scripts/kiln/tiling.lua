@@ -423,26 +423,29 @@ function M.apply(fn, x, opts)
   return M.with_oom_retry(run, { tile = tile, size = size, min_tile = opts.min_tile, what = what })
 end
 
-function M.decode(vae, z, opts)
-  opts = opts or {}
-  local f = factor_of(vae)
+-- M.apply's options for a VAE stage: the caller's, with the stage's scale and tile
+-- unit, the VAE as the owner of the measured fit, cosine blending by default, and
+-- the VAE's own tiled run when it has one (tiled(map_opts)).
+local function vae_opts(vae, opts, key, scale, unit, tiled)
   local o = {}
-  for k, v in pairs(opts) do o[k] = v end
-  o.scale, o.unit, o.what, o.cache, o.key = f, 1, opts.what or "vae:decode", vae, "decode"
-  o.blend = opts.blend or "cosine"
-  if vae._decode_tiles then o.tiled = function(mo) return vae:_decode_tiles(z, mo, opts.mid) end end
-  return M.apply(function(t) return vae:_decode_untiled(t) end, z, o)
+  for k, v in pairs(opts or {}) do o[k] = v end
+  o.scale, o.unit, o.cache, o.key = scale, unit, vae, key
+  o.what = o.what or ("vae:" .. key)
+  o.blend = o.blend or "cosine"
+  o.tiled = tiled
+  return o
+end
+
+function M.decode(vae, z, opts)
+  local f = factor_of(vae)
+  local tiled = vae._decode_tiles and function(mo) return vae:_decode_tiles(z, mo, (opts or {}).mid) end
+  return M.apply(function(t) return vae:_decode_untiled(t) end, z, vae_opts(vae, opts, "decode", f, 1, tiled))
 end
 
 function M.encode(vae, img, opts)
-  opts = opts or {}
   local f = factor_of(vae)
-  local o = {}
-  for k, v in pairs(opts) do o[k] = v end
-  o.scale, o.unit, o.what, o.cache, o.key = 1 / f, f, opts.what or "vae:encode", vae, "encode"
-  o.blend = opts.blend or "cosine"
-  if vae._encode_tiles then o.tiled = function(mo) return vae:_encode_tiles(img, mo) end end
-  return M.apply(function(t) return vae:_encode_untiled(t) end, img, o)
+  local tiled = vae._encode_tiles and function(mo) return vae:_encode_tiles(img, mo) end
+  return M.apply(function(t) return vae:_encode_untiled(t) end, img, vae_opts(vae, opts, "encode", 1 / f, f, tiled))
 end
 
 -- ---------------------------------------------------------------- MultiDiffusion
