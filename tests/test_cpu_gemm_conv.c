@@ -1,8 +1,8 @@
 /* test_cpu_gemm_conv.c - gemm, batched gemm, linear and conv2d (kernels/cpu/gemm.c,
- * conv2d.c, conv2d_winograd.c) against torch 1.13 goldens (tests/golden/gen_gemm_conv.py
+ * conv2d.c, conv2d_winograd.c, conv2d_winograd_few.c) against torch 1.13 goldens (tests/golden/gen_gemm_conv.py
  * -> tests/golden/ops/{gemm,conv}_cases.safetensors) and against naive double references.
  * Every conv golden runs through each path (KILN_CONV_PATH = auto, gemm, winograd,
- * im2col, direct - depthwise or few outputs - where it applies); a child process reruns the program with
+ * winograd-few, im2col, direct - depthwise or few outputs - where it applies); a child process reruns the program with
  * KILN_CPU_ISA=generic, which takes the OpenBLAS fallback everywhere.
  * Tolerances, as max |got - expected| / max |expected| (the goldens are float64 results
  * of the same f16-rounded inputs, so this is our error alone):
@@ -403,7 +403,8 @@ static void t_gemm_nested(void)
 
 /* ---- conv2d ---- */
 
-static const char *const PATHS[] = {"auto", "gemm", "winograd", "im2col", "direct"};
+static const char *const PATHS[] = {"auto", "gemm", "winograd", "winograd-few", "im2col", "direct"};
+enum { N_PATHS = sizeof PATHS / sizeof PATHS[0] };
 
 static void set_path(const char *path)
 {
@@ -414,6 +415,11 @@ static void set_path(const char *path)
 /* whether a forced path really runs this case (else it falls back to another) */
 static int path_applies(const char *path, const kiln_conv2d_params *p)
 {
+    if (!strcmp(path, "winograd-few")) { /* at most 64 tiles of 4 x 4 over the batch */
+        int64_t tiles = p->n * ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
+        return p->r == 3 && p->s == 3 && p->stride_h == 1 && p->stride_w == 1 && p->dil_h == 1 && p->dil_w == 1 &&
+               p->groups == 1 && p->pad_h <= 2 && p->pad_w <= 2 && tiles <= 64;
+    }
     if (!strcmp(path, "winograd"))
         return p->r == 3 && p->s == 3 && p->stride_h == 1 && p->stride_w == 1 && p->dil_h == 1 && p->dil_w == 1 &&
                p->groups == 1 && p->pad_h <= 4 && p->pad_w <= 4;
@@ -424,7 +430,7 @@ static int path_applies(const char *path, const kiln_conv2d_params *p)
 
 static double conv_tol(const char *path, const kiln_conv2d_params *p)
 {
-    int wino = !strcmp(path, "winograd") && path_applies(path, p);
+    int wino = !strncmp(path, "winograd", 8) && path_applies(path, p);
     return wino ? 1e-4 : 1e-5;
 }
 
@@ -476,6 +482,7 @@ static void conv_golden(const char *path)
 static void t_conv_golden_auto(void) { conv_golden("auto"); }
 static void t_conv_golden_gemm(void) { conv_golden("gemm"); }
 static void t_conv_golden_winograd(void) { conv_golden("winograd"); }
+static void t_conv_golden_winograd_few(void) { conv_golden("winograd-few"); }
 static void t_conv_golden_im2col(void) { conv_golden("im2col"); }
 static void t_conv_golden_direct(void) { conv_golden("direct"); }
 
@@ -506,7 +513,7 @@ static void t_conv_random(void)
         float *y = guarded(ny);
         if (!x || !w || !R || !y) { CHECK(0, "out of memory"); return; }
         ref_conv(R, x, w, b, &p);
-        for (int pi = 0; pi < 5; pi++) {
+        for (int pi = 0; pi < N_PATHS; pi++) {
             if (pi > 0 && !path_applies(PATHS[pi], &p)) continue;
             set_path(PATHS[pi]);
             kiln_status st = kiln_cpu_conv2d(y, x, w, KILN_F32, b, &p);
@@ -546,6 +553,49 @@ static void t_conv_winograd_blocks(void)
               (long long)p.h, (long long)p.w, e);
         CHECK(guards_ok(y1, ny) && guards_ok(y2, ny), "wrote outside y");
         free(x); free(w); free(b); guarded_free(y1); guarded_free(y2); free(R);
+    }
+}
+
+/* Winograd with output channels in the lanes (conv2d_winograd_few.c) against the GEMM
+ * path on the same data: channel counts off the 16-lane and 96-channel blocks and the
+ * 128-channel chunks, batches, odd sizes, pads 0 and 2, f32 / f16 / bf16 weights. */
+static void t_conv_winograd_few(void)
+{
+    if (child_mode) { SKIP("covered by the parent"); return; }
+    static const int64_t cfg[][6] = { /* n, c, h, w, k, pad */
+        {1, 1280, 8, 8, 1280, 1}, {2, 300, 16, 16, 200, 1}, {1, 70, 13, 9, 33, 1},
+        {3, 64, 7, 7, 97, 0}, {1, 130, 10, 11, 16, 2}, {2, 48, 24, 20, 100, 1}};
+    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
+    for (int ci = 0; ci < 6; ci++) {
+        const int64_t *q = cfg[ci];
+        kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0};
+        kiln_conv2d_out_size(&p);
+        int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
+        float *x = rand_buf(nx), *w = rand_buf(nw), *b = ci % 2 ? NULL : rand_buf(p.k);
+        float *y1 = guarded(ny), *y2 = guarded(ny);
+        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
+        double *R = malloc((size_t)ny * sizeof *R);
+        if (!x || !w || (!b && ci % 2 == 0) || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
+        for (int d = 0; d < 3; d++) {
+            const void *wp = w;
+            if (dts[d] != KILN_F32) {
+                for (int64_t i = 0; i < nw; i++)
+                    wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
+                wp = wh;
+            }
+            set_path("gemm");
+            CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
+            set_path("winograd-few");
+            CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd-few: %s", kiln_last_error());
+            set_path("auto");
+            for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
+            double e = rel_err(y2, R, ny);
+            CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s: winograd-few vs gemm rel err %.3g",
+                  (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k, (long long)p.pad_h,
+                  kiln_dtype_name(dts[d]), e);
+            CHECK(guards_ok(y1, ny) && guards_ok(y2, ny), "wrote outside y");
+        }
+        free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
     }
 }
 
@@ -670,10 +720,12 @@ int main(int argc, char **argv)
     RUN(t_conv_golden_auto);
     RUN(t_conv_golden_gemm);
     RUN(t_conv_golden_winograd);
+    RUN(t_conv_golden_winograd_few);
     RUN(t_conv_golden_im2col);
     RUN(t_conv_golden_direct);
     RUN(t_conv_random);
     RUN(t_conv_winograd_blocks);
+    RUN(t_conv_winograd_few);
     RUN(t_conv_concurrent);
     RUN(t_conv_errors);
     if (!child_mode) RUN(t_blas_fallback);

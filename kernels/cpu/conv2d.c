@@ -11,7 +11,7 @@
  *   - without AVX-512: im2col over strips of output rows (column buffer bounded by
  *     COL_MAX_FLOATS) and OpenBLAS sgemm. */
 #define _GNU_SOURCE
-#include "cpu_kernels.h"
+#include "cpu_internal.h"
 #include "threadpool.h"
 
 #include <stdlib.h>
@@ -23,14 +23,6 @@
 #define AVX512 __attribute__((target("avx512f")))
 #endif
 
-/* gemm.c (no private header in this tree: keep these declarations in sync) */
-typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc);
-int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
-                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
-int kiln_cpu_gemm_have_simd(void);
-/* conv2d_winograd.c: 0 done, 1 not applicable / declined, -1 out of memory */
-int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p);
 
 /* Column buffer bound of the fallback path: 4 Mi floats = 16 MiB. */
 enum { COL_MAX_FLOATS = 4 << 20, WBLOCK_ROWS = 64 };
@@ -438,9 +430,9 @@ static kiln_status conv_im2col_blas(float *y, const float *x, const void *w, kil
 
 /* ---------- entry ---------- */
 
-/* Which path runs; KILN_CONV_PATH=gemm|winograd|im2col|direct forces one where it
+/* Which path runs; KILN_CONV_PATH=gemm|winograd|winograd-few|im2col|direct forces one where it
  * applies (benchmarks and tests compare them). */
-typedef enum { PATH_AUTO = 0, PATH_GEMM, PATH_WINOGRAD, PATH_IM2COL, PATH_DIRECT } conv_path;
+typedef enum { PATH_AUTO = 0, PATH_GEMM, PATH_WINOGRAD, PATH_WINOGRAD_FEW, PATH_IM2COL, PATH_DIRECT } conv_path;
 
 static conv_path forced_path(void)
 {
@@ -448,6 +440,7 @@ static conv_path forced_path(void)
     if (!e) return PATH_AUTO;
     if (!strcmp(e, "gemm")) return PATH_GEMM;
     if (!strcmp(e, "winograd")) return PATH_WINOGRAD;
+    if (!strcmp(e, "winograd-few")) return PATH_WINOGRAD_FEW;
     if (!strcmp(e, "im2col")) return PATH_IM2COL;
     if (!strcmp(e, "direct")) return PATH_DIRECT;
     return PATH_AUTO;
@@ -481,6 +474,11 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
         }
     }
     if ((path == PATH_AUTO || path == PATH_DIRECT) && conv_smallk(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
+    /* few tiles (8x8, 16x16 images) and many channels: output channels in the lanes */
+    if ((path == PATH_AUTO && p->c >= 64 && p->k >= 64) || path == PATH_WINOGRAD_FEW) {
+        int r = kiln_cpu_conv2d_winograd_few(y, x, w, w_dtype, bias, p);
+        if (r == 0) return KILN_OK; /* out of scratch (-1): the paths below need less */
+    }
     if (path == PATH_AUTO || path == PATH_WINOGRAD) {
         int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p);
         if (r == 0) return KILN_OK;

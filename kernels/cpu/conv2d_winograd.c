@@ -4,23 +4,17 @@
  * 4x fewer multiply-adds than the direct convolution. Scratch is bounded (about
  * 32 MB): output channels go in blocks and tiles in strips (see plan()). */
 #define _GNU_SOURCE
-#include "cpu_kernels.h"
+#include "cpu_internal.h"
 #include "threadpool.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p);
-int kiln_cpu_gemm_have_simd(void);
-int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-void *kiln_cpu_scratch_get(size_t bytes);
-void kiln_cpu_scratch_put(void *p);
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include "simd_transpose.h"
+#include "winograd_f43.h"
 #define AVX512 __attribute__((target("avx512f")))
 
 /* Lanes of a 16-tile block that lie in one tile row: [l0, l1), row ty, first column tx. */
@@ -59,19 +53,6 @@ typedef struct wino_ctx {
 
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
 
-/* G (6x3) applied to the 3 values of one column, for 16 lanes. */
-#define G_APPLY(g0, g1, g2, o)                                                                                  \
-    do {                                                                                                        \
-        __m512 s02_ = _mm512_add_ps(g0, g2);                                                                     \
-        o[0] = _mm512_mul_ps(g0, _mm512_set1_ps(0.25f));                                                        \
-        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        __m512 e_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(1.0f / 24), _mm512_mul_ps(g2, _mm512_set1_ps(1.0f / 6))); \
-        __m512 f_ = _mm512_mul_ps(g1, _mm512_set1_ps(1.0f / 12));                                                \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
-        o[5] = g2;                                                                                              \
-    } while (0)
 
 
 /* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input
@@ -150,21 +131,6 @@ AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
 
 /* ---- input transform: V[xi][c][t] = (B^T d B)[xi] ---- */
 
-/* B^T (6x6) applied to 6 values, for 16 lanes. */
-#define BT_APPLY(d, o)                                                                                          \
-    do {                                                                                                        \
-        __m512 four_ = _mm512_set1_ps(4.0f), five_ = _mm512_set1_ps(5.0f), two_ = _mm512_set1_ps(2.0f);             \
-        o[0] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[2], _mm512_mul_ps(four_, d[0])), d[4]);                    \
-        __m512 a_ = _mm512_fnmadd_ps(four_, d[2], d[4]);   /* d4 - 4 d2 */                                        \
-        __m512 b_ = _mm512_fnmadd_ps(four_, d[1], d[3]);   /* d3 - 4 d1 */                                        \
-        o[1] = _mm512_add_ps(a_, b_);                                                                             \
-        o[2] = _mm512_sub_ps(a_, b_);                                                                             \
-        __m512 e_ = _mm512_sub_ps(d[4], d[2]);                                                                   \
-        __m512 f_ = _mm512_mul_ps(two_, _mm512_sub_ps(d[3], d[1]));                                               \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
-        o[5] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[3], _mm512_mul_ps(four_, d[1])), d[5]);                    \
-    } while (0)
 
 static void tile_runs_init(const struct wino_ctx *c, int64_t tb, tile_runs *r)
 {
@@ -298,16 +264,6 @@ AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
 
 /* ---- output transform: y = A^T m A (+ bias) ---- */
 
-/* A^T (4x6) applied to 6 values, for 16 lanes. */
-#define AT_APPLY(m, o)                                                                                          \
-    do {                                                                                                        \
-        __m512 s12_ = _mm512_add_ps(m[1], m[2]), d12_ = _mm512_sub_ps(m[1], m[2]);                                \
-        __m512 s34_ = _mm512_add_ps(m[3], m[4]), d34_ = _mm512_sub_ps(m[3], m[4]);                                \
-        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12_), s34_);                                                    \
-        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_);                                                 \
-        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_);                                                 \
-        o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_), m[5]);                            \
-    } while (0)
 
 /* Interleaves o[b] (lane l = tile l) into r[q]: floats 4l+b of 64, i.e. the 4 outputs
  * of each tile side by side, as they lie in an output row. */

@@ -6,7 +6,7 @@
  * that packs B straight from the image (implicit im2col). */
 #define _GNU_SOURCE
 #include "cpu_isa.h"
-#include "cpu_kernels.h"
+#include "cpu_internal.h"
 #include "threadpool.h"
 
 #include <cblas.h>
@@ -27,19 +27,6 @@
  * panel of B (<= 480 KB: L2 is 1 MB on Zen 4, and larger panels measured 15% slower) is reused from L2 by every sliver. */
 enum { MR = 12, NR = 32, KC = 384, NB_MAX = 320 };
 
-/* Packs columns [j0, j0+n) x depth [k0, k0+kc) of B into ceil(n/32) slivers of kc x 32
- * floats each (column-major within a sliver row: dst[s][k][0..31]), zero past n. */
-typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc);
-
-/* Declared again in conv2d.c (no private header in this tree): keep both in sync. */
-int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
-                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
-int kiln_cpu_gemm_have_simd(void);
-int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-void *kiln_cpu_scratch_get(size_t bytes);
-void kiln_cpu_scratch_put(void *p);
-void kiln_cpu_scratch_trim(void);
 
 /* ---------- scratch cache ---------- */
 
@@ -117,6 +104,7 @@ typedef struct {
     float *C; int64_t ldc;
     const float *bias_row, *bias_col;   /* C[i][j] += bias_row[i] + bias_col[j]; may be NULL */
     int a_packed, b_packed;             /* A / B already in sliver layout for all of K (see _prepacked) */
+    int64_t b_sliver;                   /* packed B: floats from one sliver to the next (0: K*NR) */
 } gemm_args;
 
 /* ---------- OpenBLAS fallback ---------- */
@@ -448,7 +436,7 @@ AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, co
 AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1, int64_t j0,
                              int64_t j1)
 {
-    int64_t n = j1 - j0;
+    int64_t n = j1 - j0, bsl = g->b_sliver ? g->b_sliver : g->K * NR;
     /* panels of equal depth (K = 1280: 4 x 320, not 3 x 384 + 128): C is read and
      * written once per panel, which a shallow last panel would pay for few products */
     int64_t npan = (g->K + KC - 1) / KC, step = ((g->K + npan - 1) / npan + 15) / 16 * 16;
@@ -458,7 +446,7 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
         int last = k0 + kc == g->K;
         if (!g->b_packed) pack_b(bpanel, g, j0, n, k0, kc);
         if (g->a_packed && n <= 16) { /* one vector of columns: two slivers of A per call */
-            const float *bp = g->b_packed ? (const float *)g->B + (j0 / NR) * g->K * NR + k0 * NR : bpanel;
+            const float *bp = g->b_packed ? (const float *)g->B + (j0 / NR) * bsl + k0 * NR : bpanel;
             for (int64_t i = i0; i < i1; i += 2 * MR) {
                 int m0 = i1 - i < MR ? (int)(i1 - i) : MR, m1 = i1 - i - MR < MR ? (int)(i1 - i - MR) : MR;
                 if (m1 < 0) m1 = 0;
@@ -490,11 +478,19 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
                               g->alpha, g->beta, k0 > 0,
                               last && g->bias_row ? g->bias_row + i : NULL,
                               last && g->bias_col ? g->bias_col + j0 + js : NULL};
-                const float *bp = g->b_packed ? (const float *)g->B + ((j0 + js) / NR) * g->K * NR + k0 * NR
+                const float *bp = g->b_packed ? (const float *)g->B + ((j0 + js) / NR) * bsl + k0 * NR
                                               : bpanel + (js / NR) * kc * NR;
-                if (m <= 4 && n - js >= 3 * NR) {
+                if (m <= 8 && n - js >= 3 * NR) { /* up to 8 rows: the 4 x 96 kernel, once or twice */
+                    int64_t bs = g->b_packed ? bsl : kc * NR;
                     o.n = 3 * NR;
-                    ukr_wide(kc, ap, bp, g->b_packed ? g->K * NR : kc * NR, &o);
+                    o.m = m < 4 ? m : 4;
+                    ukr_wide(kc, ap, bp, bs, &o);
+                    if (m > 4) {
+                        o.c += 4 * g->ldc;
+                        o.m = m - 4;
+                        if (o.bias_row) o.bias_row += 4;
+                        ukr_wide(kc, ap + 4, bp, bs, &o);
+                    }
                     js += 3 * NR;
                     continue;
                 }
@@ -726,6 +722,29 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
  * ceil(M/12) slivers of K x 12 floats (row r of sliver s is row 12s+r, zero past M),
  * B as ceil(N/32) slivers of K x 32 floats (zero past N). Winograd writes its
  * transforms this way and skips packing. -1 without the SIMD kernel. */
+/* One product on the calling thread (no pool, no blocking of its own), for kernels that
+ * block their work themselves (conv2d_winograd_few.c): C (M x N, row stride ldc) = A B,
+ * or C += A B when accumulate; A row-major f32 (row stride lda); B prepacked in slivers of
+ * NR columns, [ceil(N/NR)][K][NR], b_sliver floats apart. scratch: KILN_CPU_GEMM_SERIAL_SCRATCH
+ * floats, 64-byte aligned (the A slivers that are packed). -1 without AVX-512. */
+int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
+                         int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch)
+{
+#ifdef GEMM_X86
+    if (!have_avx512()) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .beta = accumulate ? 1.0f : 0.0f, .A = A, .lda = lda,
+                   .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32, .C = C, .ldc = ldc, .b_packed = 1,
+                   .b_sliver = b_sliver};
+    run_block(&g, NULL, scratch, 0, M, 0, N);
+    return 0;
+#else
+    (void)M; (void)N; (void)K; (void)A; (void)lda; (void)Bp; (void)b_sliver; (void)C; (void)ldc;
+    (void)accumulate; (void)scratch;
+    return -1;
+#endif
+}
+
 int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c)
 {

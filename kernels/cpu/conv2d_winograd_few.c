@@ -1,0 +1,295 @@
+/* conv2d_winograd_few.c - Winograd F(4x4, 3x3) for images of few tiles (AVX-512): the
+ * 8x8, 16x16 and 32x32 levels of SD's UNet (4, 16, 64 tiles an image), where the
+ * weights are large (1280-2560 channels) and the images small.
+ *
+ * The other path (conv2d_winograd.c) puts tiles in the vector lanes and transforms each
+ * block's weights into a U that goes through memory: U is 4x the weights in f32, 236 MB
+ * for one 1280 -> 1280 layer, written and read back for only 4 or 16 tiles, so those
+ * layers were memory-bound, and at 4 tiles 3/4 of every vector was empty. Here output
+ * channels are the lanes. With V[xi] (tiles x C) and U[xi] (C x K) for the 36 points xi,
+ *     M[xi] (tiles x K) = V[xi] U[xi],    y = A^T M A (per tile, 16 channels at once).
+ * A task owns a block of KB output channels: it transforms their weights a chunk of
+ * input channels at a time straight into the GEMM's B layout (a U chunk of KB x CC x 36
+ * floats, 1.7 MB: L2 and the near L3), runs the 36 products of that chunk (gemm.c,
+ * serially: the tiles are the rows, so 4 tiles use the 4 x 96 kernel fully), and when
+ * all chunks are summed,
+ * the output transform. The weights are read once, from wherever they are mapped.
+ *
+ * Input: a channels-last copy of x (16 channels = one vector), then V = B^T d B per
+ * tile, stored [36][tiles][Cp] (row-major A for the GEMM). Same transforms as the other
+ * path (winograd_f43.h), so the same rounding behaviour. */
+#define _GNU_SOURCE
+#include "cpu_internal.h"
+#include "threadpool.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#include "simd_transpose.h"
+#include "winograd_f43.h"
+#define AVX512 __attribute__((target("avx512f")))
+
+/* Measured on SD's shapes (2 Zen 4 cores, f16 weights; the other path in brackets):
+ * 1280 -> 1280 at 8x8 10.5 ms (GEMM 11.1), at 16x16 18.5 (24.7), at 32x32 51 (65);
+ * 2560 -> 1280 at 16x16 36 (64); 640 -> 640 at 32x32 14.3 (13.5). So: up to 16 tiles,
+ * or up to 64 when the weights are large (>= 1 Mi per tap); chunks of 128 input
+ * channels (96 to 256 measured within 5%). */
+enum { KB = 96, CC = 128, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 20 };
+
+typedef struct {
+    const kiln_conv2d_params *p;
+    int64_t su, sm;                  /* floats from one xi to the next in U and M (see slot_floats) */
+    const float *x;
+    float *y;
+    const void *w;
+    kiln_dtype w_dt;
+    const float *bias;
+    int64_t C, Cp, K, TH, TW, T, NT; /* Cp = C rounded up to 16; T tiles an image, NT all */
+    int64_t cc;                      /* input channels per chunk (multiple of 16) */
+    int64_t kb;                      /* output channels per task: KB (3 B slivers: the 4 x 96 kernel) */
+    int64_t nkb;                     /* blocks of kb output channels */
+    float *xt;                       /* [N][H][W][Cp] */
+    float *V;                        /* [36][NT][Cp] */
+    float *slots;                    /* per thread: slot floats */
+    size_t slot;
+} few_ctx;
+
+/* Per-thread slot: U chunk [36][KB/32][cc][32], M [36][NT][KB], transposed taps
+ * [2][cc*9][16], A sliver scratch. The 36 matrices of U and of M lie one 64-byte line
+ * further apart than their size: 36 streams a multiple of 4 KB apart would share one L1
+ * set (the weight transform writes all 36 at once; 3x slower without). */
+static size_t slot_floats(int64_t su, int64_t sm, int64_t cc)
+{
+    size_t r = (size_t)36 * (size_t)(su + sm) + (size_t)32 * (size_t)cc * 9 + KILN_CPU_GEMM_SERIAL_SCRATCH;
+    return (r + 15) / 16 * 16 + 16;
+}
+
+/* ---- x [N][C][H][W] -> xt [N][H][W][Cp] (padding channels zero) ---- */
+AVX512 static void to_channels_last(void *vctx, int64_t begin, int64_t end)
+{
+    const few_ctx *c = vctx;
+    const int64_t HW = c->p->h * c->p->w, nhb = (HW + 15) / 16;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t n = task / nhb, hw0 = (task % nhb) * 16, hn = HW - hw0 < 16 ? HW - hw0 : 16;
+        __mmask16 hm = (__mmask16)((1u << hn) - 1);
+        for (int64_t c0 = 0; c0 < c->Cp; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = c0 + i < c->C ? _mm512_maskz_loadu_ps(hm, c->x + (n * c->C + c0 + i) * HW + hw0)
+                                     : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t j = 0; j < hn; j++) _mm512_storeu_ps(c->xt + ((n * HW) + hw0 + j) * c->Cp + c0, r[j]);
+        }
+    }
+}
+
+/* ---- V[xi][t][c] = (B^T d B)[xi], one tile per task, 16 channels per vector ---- */
+AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const few_ctx *c = vctx;
+    const kiln_conv2d_params *p = c->p;
+    const int64_t H = p->h, W = p->w, Cp = c->Cp;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t n = t / c->T, ti = t % c->T, y0 = 4 * (ti / c->TW) - p->pad_h, x0 = 4 * (ti % c->TW) - p->pad_w;
+        const float *img = c->xt + n * H * W * Cp;
+        for (int64_t c0 = 0; c0 < Cp; c0 += 16) {
+            __m512 tmp[6][6]; /* tmp[i][j] = (B^T d)[i][j] */
+            for (int j = 0; j < 6; j++) {
+                __m512 d[6];
+                int64_t ix = x0 + j;
+                for (int i = 0; i < 6; i++) {
+                    int64_t iy = y0 + i;
+                    d[i] = iy >= 0 && iy < H && ix >= 0 && ix < W ? _mm512_loadu_ps(img + (iy * W + ix) * Cp + c0)
+                                                                   : _mm512_setzero_ps();
+                }
+                __m512 o[6];
+                BT_APPLY(d, o);
+                for (int i = 0; i < 6; i++) tmp[i][j] = o[i];
+            }
+            for (int i = 0; i < 6; i++) {
+                __m512 o[6];
+                BT_APPLY(tmp[i], o);
+                for (int j = 0; j < 6; j++)
+                    _mm512_storeu_ps(c->V + ((int64_t)(i * 6 + j) * c->NT + t) * Cp + c0, o[j]);
+            }
+        }
+    }
+}
+
+/* n <= 16 weights as f32 (zero past n), converted in registers */
+AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
+{
+    if (dt == KILN_F32) return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+    __m256i h;
+    if (n == 16) h = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    else {
+        uint16_t tmp[16] = {0};
+        memcpy(tmp, p, (size_t)n * 2);
+        h = _mm256_loadu_si256((const __m256i *)(const void *)tmp);
+    }
+    if (dt == KILN_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16 */
+}
+
+/* U chunk for output channels [k0, k0 + KB) and input channels [c0, c0 + cn):
+ * U[xi][k/32][c - c0][k % 32] = (G g G^T)[xi] of weight (k, c); zero for k >= K. */
+AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t k0, int64_t c0,
+                                int64_t cn)
+{
+    const int64_t C = c->C, K = c->K, run = cn * 9, cc = c->cc;
+    const size_t esz = kiln_dtype_size(c->w_dt), rstride = (size_t)C * 9 * esz;
+    /* one B sliver (32 output channels, two groups of 16) at a time, so that each row
+     * of 32 floats of U is written whole, right away */
+    for (int64_t ks = 0; ks < c->kb / 32; ks++) {
+        for (int h = 0; h < 2; h++) {
+            int64_t kbase = k0 + 32 * ks + 16 * h, kn = K - kbase < 16 ? K - kbase : 16;
+            float *tp = taps + (size_t)h * run * 16;
+            if (kn <= 0) {
+                memset(tp, 0, (size_t)run * 16 * sizeof(float));
+                continue;
+            }
+            /* tp[e][lane k] for e in [0, run): a vector per (channel, tap) over 16
+             * outputs; the rows (taps of channels c0.. of one output) are contiguous in w */
+            const char *src = (const char *)c->w + (size_t)(kbase * C + c0) * 9 * esz;
+            if (kn == 16 && kbase + 16 < K) { /* the next group's rows: 16 short runs the hardware does not foresee */
+                int64_t kn2 = K - kbase - 16 < 16 ? K - kbase - 16 : 16;
+                for (int64_t k = 0; k < kn2; k++)
+                    for (size_t off = 0; off < (size_t)run * esz; off += 64)
+                        _mm_prefetch(src + (16 + k) * rstride + off, _MM_HINT_T0);
+            }
+            for (int64_t b = 0; b < run; b += 16) {
+                int64_t cols = run - b < 16 ? run - b : 16;
+                __m512 r[16];
+                for (int k = 0; k < 16; k++)
+                    r[k] = k < kn ? load_taps(src + k * rstride + (size_t)b * esz, c->w_dt, (int)cols)
+                                  : _mm512_setzero_ps();
+                transpose16(r);
+                if (cols == 16)
+                    for (int m = 0; m < 16; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
+                else
+                    for (int64_t m = 0; m < cols; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
+            }
+        }
+        for (int64_t ci = 0; ci < cn; ci++) {
+            float *dst = U + (ks * cc + ci) * 32;
+            for (int h = 0; h < 2; h++) {
+                const float *tp = taps + (size_t)h * run * 16 + ci * 9 * 16;
+                __m512 gv[9], t[3][6];
+                for (int e = 0; e < 9; e++) gv[e] = _mm512_load_ps(tp + e * 16);
+                for (int s3 = 0; s3 < 3; s3++) G_APPLY(gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
+                for (int i = 0; i < 6; i++) {
+                    __m512 o[6];
+                    G_APPLY(t[0][i], t[1][i], t[2][i], o);
+                    for (int j = 0; j < 6; j++) _mm512_storeu_ps(dst + (i * 6 + j) * c->su + 16 * h, o[j]);
+                }
+            }
+        }
+    }
+}
+
+/* y for output channels [k0, k0 + kn) from M[xi][t][KB] */
+AVX512 static void output_block(const few_ctx *c, const float *M, int64_t k0, int64_t kn)
+{
+    const kiln_conv2d_params *p = c->p;
+    const int64_t OH = p->oh, OW = p->ow, K = c->K;
+    for (int64_t t = 0; t < c->NT; t++) {
+        int64_t n = t / c->T, ti = t % c->T, oy0 = 4 * (ti / c->TW), ox0 = 4 * (ti % c->TW);
+        int64_t rows = OH - oy0 < 4 ? OH - oy0 : 4, cols = OW - ox0 < 4 ? OW - ox0 : 4;
+        for (int64_t kg = 0; kg < kn; kg += 16) {
+            int64_t kv = kn - kg < 16 ? kn - kg : 16;
+            __m512 s[6][4]; /* s[j][a] = (A^T m)[a][j] */
+            for (int j = 0; j < 6; j++) {
+                __m512 m[6];
+                for (int i = 0; i < 6; i++) m[i] = _mm512_loadu_ps(M + (i * 6 + j) * c->sm + t * c->kb + kg);
+                AT_APPLY(m, s[j]);
+            }
+            __m512 bv = c->bias ? _mm512_maskz_loadu_ps((__mmask16)((1u << kv) - 1), c->bias + k0 + kg)
+                                : _mm512_setzero_ps();
+            __m512 r[16]; /* r[4a + b]: output (a, b) of the tile, lane = channel */
+            for (int a = 0; a < 4; a++) {
+                __m512 m[6] = {s[0][a], s[1][a], s[2][a], s[3][a], s[4][a], s[5][a]}, o[4];
+                AT_APPLY(m, o);
+                for (int b = 0; b < 4; b++) r[4 * a + b] = _mm512_add_ps(o[b], bv);
+            }
+            transpose16(r); /* r[channel]: its 4 x 4 outputs, row by row */
+            for (int64_t ch = 0; ch < kv; ch++) {
+                float *plane = c->y + (n * K + k0 + kg + ch) * OH * OW;
+                float tmp[16];
+                _mm512_storeu_ps(tmp, r[ch]);
+                for (int64_t a = 0; a < rows; a++) memcpy(plane + (oy0 + a) * OW + ox0, tmp + 4 * a, (size_t)cols * 4);
+            }
+        }
+    }
+}
+
+/* One thread's share of the output-channel blocks (equal shares: the pool's chunking
+ * would hand 8 blocks to one thread and 6 to the other for 14). */
+AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
+{
+    const few_ctx *c = vctx;
+    int threads = kiln_threads();
+    float *slot = c->slots + (size_t)kiln_thread_index() * c->slot;
+    const int64_t cc = c->cc, NT = c->NT, C = c->C, Cp = c->Cp;
+    float *U = slot, *M = U + 36 * c->su, *taps = M + 36 * c->sm, *asl = taps + (size_t)32 * cc * 9;
+    asl = (float *)(((uintptr_t)asl + 63) & ~(uintptr_t)63);
+    for (int64_t share = begin; share < end; share++) {
+        int64_t b0 = share * c->nkb / threads, b1 = (share + 1) * c->nkb / threads;
+        for (int64_t b = b0; b < b1; b++) {
+            int64_t k0 = b * c->kb, kn = c->K - k0 < c->kb ? c->K - k0 : c->kb;
+            for (int64_t c0 = 0; c0 < C; c0 += cc) {
+                int64_t cn = C - c0 < cc ? C - c0 : cc;
+                weight_chunk(c, U, taps, k0, c0, cn);
+                for (int xi = 0; xi < 36; xi++)
+                    kiln_cpu_gemm_serial(NT, kn, cn, c->V + (int64_t)xi * NT * Cp + c0, Cp, U + xi * c->su, cc * 32,
+                                         M + xi * c->sm, c->kb, c0 > 0, asl);
+            }
+            output_block(c, M, k0, kn);
+        }
+    }
+}
+
+int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 const kiln_conv2d_params *p)
+{
+    if (!kiln_cpu_gemm_have_simd()) return 1;
+    if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
+        p->groups != 1 || p->pad_h > 2 || p->pad_w > 2)
+        return 1;
+    few_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = p; c.x = x; c.y = y; c.w = w; c.w_dt = w_dtype; c.bias = bias;
+    c.C = p->c; c.K = p->k; c.Cp = (p->c + 15) / 16 * 16;
+    c.TH = (p->oh + 3) / 4; c.TW = (p->ow + 3) / 4; c.T = c.TH * c.TW; c.NT = p->n * c.T;
+    const char *force = getenv("KILN_CONV_PATH");
+    int forced = force && !strcmp(force, "winograd-few");
+    if (c.NT > MAX_TILES || (!forced && c.NT > FEW_TILES && c.C * c.K < LARGE_WEIGHTS)) return 1;
+    c.kb = KB;
+    c.cc = CC < c.Cp ? CC : c.Cp;
+    c.nkb = (c.K + c.kb - 1) / c.kb;
+    int threads = kiln_threads();
+    c.su = (c.kb / 32) * c.cc * 32 + 16;
+    c.sm = c.NT * c.kb + 16;
+    c.slot = slot_floats(c.su, c.sm, c.cc);
+    size_t n_xt = (size_t)(p->n * p->h * p->w) * (size_t)c.Cp, n_v = (size_t)36 * (size_t)c.NT * (size_t)c.Cp;
+    float *buf = kiln_cpu_scratch_get((n_xt + n_v + (size_t)threads * c.slot + 32) * sizeof(float));
+    if (!buf) return -1;
+    c.xt = buf;
+    c.V = c.xt + (n_xt + 15) / 16 * 16;
+    c.slots = c.V + (n_v + 15) / 16 * 16;
+    kiln_parallel_for(p->n * ((p->h * p->w + 15) / 16), 1, to_channels_last, &c);
+    kiln_parallel_for(c.NT, 1, input_fn, &c);
+    kiln_parallel_for(threads, 1, block_range, &c);
+    kiln_cpu_scratch_put(buf);
+    return 0;
+}
+
+#else
+int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 const kiln_conv2d_params *p)
+{
+    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p;
+    return 1;
+}
+#endif

@@ -1,0 +1,48 @@
+/* cpu_internal.h - what the CPU kernel files share with each other and not with the
+ * runtime (cpu_kernels.h is the backend's API): the GEMM entry points of gemm.c that
+ * the convolutions build on, its scratch cache, and the convolution paths conv2d.c
+ * chooses between. */
+#ifndef KILN_CPU_INTERNAL_H
+#define KILN_CPU_INTERNAL_H
+
+#include "cpu_kernels.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- gemm.c ---- */
+
+/* Packs columns [j0, j0+n) x depth [k0, k0+kc) of B into ceil(n/32) slivers of kc x 32
+ * floats each (dst[s][k][0..31]), zero past n: a custom B source (implicit im2col). */
+typedef void (*pack_b_fn)(void *ctx, float *dst, int64_t j0, int64_t n, int64_t k0, int64_t kc);
+
+/* C (M x N, ldc) = A (f32/f16/bf16, row-major, lda) x B (from pack_b) (+ bias_row[i]),
+ * on the pool; -1 without AVX-512 or scratch. */
+int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype a_dt, int64_t lda,
+                     pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
+/* 1 when the packed AVX-512 kernels run on this CPU. */
+int kiln_cpu_gemm_have_simd(void);
+/* batch products of A and B both already in sliver layout (A [M/12][K][12], B
+ * [N/32][K][32]), each C row-major with row stride ldc. */
+int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
+/* One product on the calling thread (see gemm.c); scratch holds this many floats. */
+enum { KILN_CPU_GEMM_SERIAL_SCRATCH = 384 * 12 + 16 };
+int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
+                         int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch);
+
+/* Cached, 64-byte aligned scratch (uninitialized; NULL when out of memory). */
+void *kiln_cpu_scratch_get(size_t bytes);
+void kiln_cpu_scratch_put(void *p);
+void kiln_cpu_scratch_trim(void);
+
+/* ---- convolution paths: 0 done, 1 not applicable / declined, -1 out of memory ---- */
+
+/* Winograd F(4,3), tiles in vector lanes (conv2d_winograd.c): images of many tiles. */
+int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                             const kiln_conv2d_params *p);
+/* Winograd F(4,3), output channels in vector lanes (conv2d_winograd_few.c): few tiles. */
+int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 const kiln_conv2d_params *p);
+
+#endif

@@ -1,0 +1,53 @@
+/* winograd_f43.h - the transforms of Winograd F(4x4, 3x3) (Lavin & Gray, "Fast Algorithms
+ * for Convolutional Neural Networks", 2016) on 16 lanes of AVX-512: U = G g G^T (weights),
+ * V = B^T d B (6x6 input tiles), y = A^T m A (4x4 outputs), interpolation points
+ * 0, +-1, +-2 and infinity. Shared by the two Winograd paths (conv2d_winograd.c: tiles
+ * in lanes; conv2d_winograd_few.c: channels in lanes). Private to kernels/cpu; include
+ * inside an x86 GCC/Clang section. */
+#ifndef KILN_WINOGRAD_F43_H
+#define KILN_WINOGRAD_F43_H
+
+#include <immintrin.h>
+
+/* G (6x3) applied to the 3 values of one column, for 16 lanes. */
+#define G_APPLY(g0, g1, g2, o)                                                                                  \
+    do {                                                                                                        \
+        __m512 s02_ = _mm512_add_ps(g0, g2);                                                                     \
+        o[0] = _mm512_mul_ps(g0, _mm512_set1_ps(0.25f));                                                        \
+        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
+        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
+        __m512 e_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(1.0f / 24), _mm512_mul_ps(g2, _mm512_set1_ps(1.0f / 6))); \
+        __m512 f_ = _mm512_mul_ps(g1, _mm512_set1_ps(1.0f / 12));                                                \
+        o[3] = _mm512_add_ps(e_, f_);                                                                           \
+        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
+        o[5] = g2;                                                                                              \
+    } while (0)
+
+/* B^T (6x6) applied to 6 values, for 16 lanes. */
+#define BT_APPLY(d, o)                                                                                          \
+    do {                                                                                                        \
+        __m512 four_ = _mm512_set1_ps(4.0f), five_ = _mm512_set1_ps(5.0f), two_ = _mm512_set1_ps(2.0f);             \
+        o[0] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[2], _mm512_mul_ps(four_, d[0])), d[4]);                    \
+        __m512 a_ = _mm512_fnmadd_ps(four_, d[2], d[4]);   /* d4 - 4 d2 */                                        \
+        __m512 b_ = _mm512_fnmadd_ps(four_, d[1], d[3]);   /* d3 - 4 d1 */                                        \
+        o[1] = _mm512_add_ps(a_, b_);                                                                             \
+        o[2] = _mm512_sub_ps(a_, b_);                                                                             \
+        __m512 e_ = _mm512_sub_ps(d[4], d[2]);                                                                   \
+        __m512 f_ = _mm512_mul_ps(two_, _mm512_sub_ps(d[3], d[1]));                                               \
+        o[3] = _mm512_add_ps(e_, f_);                                                                           \
+        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
+        o[5] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[3], _mm512_mul_ps(four_, d[1])), d[5]);                    \
+    } while (0)
+
+/* A^T (4x6) applied to 6 values, for 16 lanes. */
+#define AT_APPLY(m, o)                                                                                          \
+    do {                                                                                                        \
+        __m512 s12_ = _mm512_add_ps(m[1], m[2]), d12_ = _mm512_sub_ps(m[1], m[2]);                                \
+        __m512 s34_ = _mm512_add_ps(m[3], m[4]), d34_ = _mm512_sub_ps(m[3], m[4]);                                \
+        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12_), s34_);                                                    \
+        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_);                                                 \
+        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_);                                                 \
+        o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_), m[5]);                            \
+    } while (0)
+
+#endif
