@@ -556,9 +556,10 @@ static void t_conv_winograd_blocks(void)
     }
 }
 
-/* Winograd with output channels in the lanes (conv2d_winograd_few.c) against the GEMM
- * path on the same data: channel counts off the 16-lane and 96-channel blocks and the
- * 128-channel chunks, batches, odd sizes, pads 0 and 2, f32 / f16 / bf16 weights. */
+/* Winograd with output channels in the lanes (conv2d_winograd_few.c), F(2,3) and F(4,3),
+ * against the GEMM path on the same data: channel counts off the 16-lane and 96-channel
+ * blocks and the 128-channel chunks, batches, odd sizes, pads 0 and 2, f32 / f16 / bf16
+ * weights. */
 static void t_conv_winograd_few(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
@@ -585,15 +586,20 @@ static void t_conv_winograd_few(void)
             }
             set_path("gemm");
             CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
-            set_path("winograd-few");
-            CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd-few: %s", kiln_last_error());
-            set_path("auto");
             for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
-            double e = rel_err(y2, R, ny);
-            CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s: winograd-few vs gemm rel err %.3g",
-                  (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k, (long long)p.pad_h,
-                  kiln_dtype_name(dts[d]), e);
-            CHECK(guards_ok(y1, ny) && guards_ok(y2, ny), "wrote outside y");
+            for (int tile = 2; tile <= 4; tile += 2) { /* F(2,3) and F(4,3) */
+                set_path("winograd-few");
+                setenv("KILN_WINOGRAD_FEW_TILE", tile == 2 ? "2" : "4", 1);
+                CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd-few: %s", kiln_last_error());
+                unsetenv("KILN_WINOGRAD_FEW_TILE");
+                set_path("auto");
+                double e = rel_err(y2, R, ny);
+                CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s F(%d,3): winograd-few vs gemm rel err %.3g",
+                      (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k,
+                      (long long)p.pad_h, kiln_dtype_name(dts[d]), tile, e);
+                CHECK(guards_ok(y2, ny), "wrote outside y");
+            }
+            CHECK(guards_ok(y1, ny), "wrote outside y");
         }
         free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
     }

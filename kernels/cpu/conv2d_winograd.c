@@ -14,7 +14,7 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #include "simd_transpose.h"
-#include "winograd_f43.h"
+#include "winograd_transforms.h"
 #define AVX512 __attribute__((target("avx512f")))
 
 /* Lanes of a 16-tile block that lie in one tile row: [l0, l1), row ty, first column tx. */

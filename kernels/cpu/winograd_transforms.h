@@ -1,11 +1,12 @@
-/* winograd_f43.h - the transforms of Winograd F(4x4, 3x3) (Lavin & Gray, "Fast Algorithms
- * for Convolutional Neural Networks", 2016) on 16 lanes of AVX-512: U = G g G^T (weights),
- * V = B^T d B (6x6 input tiles), y = A^T m A (4x4 outputs), interpolation points
- * 0, +-1, +-2 and infinity. Shared by the two Winograd paths (conv2d_winograd.c: tiles
- * in lanes; conv2d_winograd_few.c: channels in lanes). Private to kernels/cpu; include
- * inside an x86 GCC/Clang section. */
-#ifndef KILN_WINOGRAD_F43_H
-#define KILN_WINOGRAD_F43_H
+/* winograd_transforms.h - the transforms of Winograd F(4x4, 3x3) and F(2x2, 3x3) (Lavin &
+ * Gray, "Fast Algorithms for Convolutional Neural Networks", 2016) on 16 lanes of
+ * AVX-512: U = G g G^T (weights), V = B^T d B (input tiles of 6x6 / 4x4), y = A^T m A
+ * (outputs 4x4 / 2x2). F(4,3) interpolates at 0, +-1, +-2 and infinity, F(2,3) at 0, +-1
+ * and infinity. Shared by the two Winograd paths (conv2d_winograd.c: tiles in lanes,
+ * F(4,3); conv2d_winograd_few.c: channels in lanes, both). Private to kernels/cpu;
+ * include inside an x86 GCC/Clang section. */
+#ifndef KILN_WINOGRAD_TRANSFORMS_H
+#define KILN_WINOGRAD_TRANSFORMS_H
 
 #include <immintrin.h>
 
@@ -48,6 +49,30 @@
         o[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_);                                                 \
         o[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_);                                                 \
         o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_), m[5]);                            \
+    } while (0)
+
+/* F(2,3): G (4x3), B^T (4x4), A^T (2x4). */
+#define G2_APPLY(g0, g1, g2, o)                                                                                 \
+    do {                                                                                                        \
+        __m512 s02_ = _mm512_add_ps(g0, g2), h_ = _mm512_set1_ps(0.5f);                                         \
+        o[0] = g0;                                                                                              \
+        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), h_);                                                      \
+        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), h_);                                                      \
+        o[3] = g2;                                                                                              \
+    } while (0)
+
+#define BT2_APPLY(d, o)                                                                                         \
+    do {                                                                                                        \
+        o[0] = _mm512_sub_ps(d[0], d[2]);                                                                       \
+        o[1] = _mm512_add_ps(d[1], d[2]);                                                                       \
+        o[2] = _mm512_sub_ps(d[2], d[1]);                                                                       \
+        o[3] = _mm512_sub_ps(d[1], d[3]);                                                                       \
+    } while (0)
+
+#define AT2_APPLY(m, o)                                                                                         \
+    do {                                                                                                        \
+        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], m[1]), m[2]);                                                  \
+        o[1] = _mm512_sub_ps(_mm512_sub_ps(m[1], m[2]), m[3]);                                                  \
     } while (0)
 
 #endif
