@@ -24,7 +24,8 @@
 
 /* Microkernel tile: MR rows of A (broadcast) times NR = 2 vectors of 16 columns. KC is
  * the depth of one packed panel: an MR x KC sliver of A stays in L1 while the KC x NB
- * panel of B (<= 480 KB: L2 is 1 MB on Zen 4, and larger panels measured 15% slower) is reused from L2 by every sliver. */
+ * panel of B (<= 480 KB: L2 is 1 MB on Zen 4; 768 KB panels measured up to 15% slower)
+ * is reused from L2 by every sliver. */
 enum { MR = 12, NR = 32, KC = 384, NB_MAX = 320 };
 
 
@@ -531,14 +532,14 @@ static size_t per_thread_floats(int64_t nb) { return (size_t)KC * (size_t)nb + (
  * tasks run in rounds of `threads`, and the overheads of a split: every row block packs
  * its column block's B panels again (f16 conversion included, ~1 cycle per element) and
  * every column block reads its rows of A again (~1/4 cycle per element). Columns go in
- * blocks of 2 .. NB_MAX/NR slivers (3 when a few rows use the 4 x 96 kernel), rows in
+ * blocks of 2 .. NB_MAX/NR slivers (3 when <= 8 rows use the 4 x 96 kernel), rows in
  * halvings down to 4 slivers. Measured at SD's shapes: splitting columns rather than rows
  * where M is small (256 tokens) and keeping the B panel <= 480 KB (NB_MAX 320) took the
  * linear layers from 150-215 to 190-226 GFLOP/s on 2 Zen 4 cores. */
 static void choose_blocks(int64_t M, int64_t N, int64_t K, int threads, int64_t *mb, int64_t *nb)
 {
     int64_t ns = (N + NR - 1) / NR, sm = (M + MR - 1) / MR; /* slivers of columns, of rows */
-    int64_t min_s = M <= 4 ? 3 : 2, max_s = NB_MAX / NR;
+    int64_t min_s = M <= 8 ? 3 : 2, max_s = NB_MAX / NR;
     if (min_s > ns) min_s = ns;
     double best = -1;
     *nb = (min_s < 1 ? 1 : min_s) * NR;

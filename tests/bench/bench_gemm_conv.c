@@ -278,10 +278,10 @@ int main(void)
            "peak %.0f GFLOP/s\n", threads, peak);
     printf("%-26s %9s %7s %6s %9s %7s %9s %7s  %s\n", "case", "kiln ms", "GFLOP/s", "%peak", "torch ms", "/torch",
            "blas ms", "/blas", "what");
-    double path_ms[NCASES][4];
+    double path_ms[NCASES][5];
     for (size_t i = 0; i < NCASES; i++) {
         const bench_case *c = &cases[i];
-        for (int j = 0; j < 4; j++) path_ms[i][j] = -1;
+        for (int j = 0; j < 5; j++) path_ms[i][j] = -1;
         if (!full && !strcmp(c->name, "conv_128x128_k3_512x512")) continue;
         run_ctx r = {0};
         r.c = c;
@@ -327,9 +327,9 @@ int main(void)
             }
         }
         if (c->kind == 2) { /* the conv paths one by one */
-            static const char *const paths[3] = {"gemm", "winograd", "im2col"};
-            for (int j = 0; j < 3; j++) {
-                if (j == 1 && c->c != 3) continue;
+            static const char *const paths[4] = {"gemm", "winograd", "winograd-few", "im2col"};
+            for (int j = 0; j < 4; j++) {
+                if ((j == 1 || j == 2) && c->c != 3) continue;
                 setenv("KILN_CONV_PATH", paths[j], 1);
                 path_ms[i][j] = best_of(run_kiln, &r, 0.5, 2) * 1e3;
             }
@@ -338,7 +338,7 @@ int main(void)
             dnnl_ctx d = {0};
             if (dnnl_setup(&d, &r) == 0) {
                 dnnl_cur = &d;
-                path_ms[i][3] = best_of(run_dnnl, &r, 0.5, 2) * 1e3;
+                path_ms[i][4] = best_of(run_dnnl, &r, 0.5, 2) * 1e3;
                 dnnl_free(&d);
                 blas_quiet(); /* OpenMP threads spin too */
             }
@@ -349,21 +349,23 @@ int main(void)
     printf("/torch, /blas = kiln time / their time (lower is better); blas = raw OpenBLAS sgemm, for conv "
            "im2col in 16 MiB strips + sgemm\n\n");
     printf("conv2d paths, ms (auto picks per shape; * = fastest)\n");
-    printf("%-26s %9s %9s %9s %9s\n", "case", "gemm", "winograd", "im2col", "onednn");
+    printf("%-26s %9s %9s %12s %9s %9s\n", "case", "gemm", "winograd", "winograd-few", "im2col", "onednn");
     for (size_t i = 0; i < NCASES; i++) {
         if (cases[i].kind != 2 || path_ms[i][0] < 0) continue;
         int best = 0;
-        for (int j = 1; j < 4; j++)
+        for (int j = 1; j < 5; j++)
             if (path_ms[i][j] > 0 && path_ms[i][j] < path_ms[i][best]) best = j;
         printf("%-26s", cases[i].name);
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 5; j++) {
             char s[32] = "-";
             if (path_ms[i][j] > 0) snprintf(s, sizeof s, "%.2f%s", path_ms[i][j], j == best ? "*" : "");
-            printf(" %9s", s);
+            printf(j == 2 ? " %12s" : " %9s", s);
         }
         printf("\n");
     }
-    printf("gemm = implicit GEMM (our kernel packs the image directly), winograd = F(4x4,3x3), im2col = column "
-           "strips + our GEMM, onednn = oneDNN 2.6 direct incl. reorders (-DKILN_BENCH_DNNL)\n");
+    printf("gemm = implicit GEMM (our kernel packs the image directly), winograd = F(4x4,3x3) with tiles in the "
+           "lanes, winograd-few = F(4x4,3x3) / F(2x2,3x3) with channels in the lanes (declines more than 64 tiles: "
+           "the next path runs), im2col = column strips + our GEMM, onednn = oneDNN 2.6 direct incl. reorders "
+           "(-DKILN_BENCH_DNNL)\n");
     return 0;
 }
