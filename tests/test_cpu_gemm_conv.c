@@ -277,13 +277,15 @@ static void t_gemm_shapes(void)
 {
     static const int64_t sizes[] = {1, 5, 12, 13, 31, 32, 33, 100, 385};
     int n_sizes = (int)(sizeof sizes / sizeof *sizes);
-    /* fixed cases first: few rows (the 4 x 96 kernel), then random ones */
-    static const int64_t fixed[][5] = {{3, 200, 50, 0, 0}, {4, 97, 400, 0, 1}, {1, 500, 33, 1, 1}, {2, 96, 7, 1, 0}};
+    /* fixed cases first: few rows (the 4 x 96 kernel, twice for 5 to 8 rows), then random ones */
+    static const int64_t fixed[][5] = {{3, 200, 50, 0, 0}, {4, 97, 400, 0, 1}, {1, 500, 33, 1, 1}, {2, 96, 7, 1, 0},
+                                       {7, 200, 50, 0, 0}, {8, 300, 129, 1, 1}, {5, 96, 400, 0, 1}};
+    int n_fixed = (int)(sizeof fixed / sizeof *fixed);
     for (int it = 0; it < 64; it++) {
         int64_t M = sizes[irand(n_sizes)], N = sizes[irand(n_sizes)], K = sizes[irand(n_sizes)];
         if (M * N * K > 2000000) K = 7;
         int ta = irand(2), tb = irand(2), pad = irand(3);
-        if (it < 4) {
+        if (it < n_fixed) {
             M = fixed[it][0]; N = fixed[it][1]; K = fixed[it][2]; ta = (int)fixed[it][3]; tb = (int)fixed[it][4];
         }
         float alpha = it % 5 == 0 ? 0.5f : 1.0f, beta = it % 3 == 0 ? 0.0f : it % 3 == 1 ? 1.0f : -0.75f;
