@@ -481,7 +481,7 @@ void kiln_close(kiln_ctx *ctx)
         return;
     }
     lua_close(ctx->L); /* finalizers free every tensor and model */
-    for (int i = 0; i < kiln_device_count(); i++) kiln_allocator_empty_cache(kiln_device_at(i)->alloc);
+    for (int i = 0; i < kiln_device_count(); i++) kiln_device_empty_cache(kiln_device_at(i));
     free_ctx(ctx);
 }
 

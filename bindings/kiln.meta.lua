@@ -442,7 +442,8 @@ function kiln.mem.stats(device) end
 ---@param device? kiln.DeviceName
 function kiln.mem.reset_peak(device) end
 
----Returns the device's cached free blocks to it.
+---Returns the device's cached free blocks to it, and the scratch its kernels keep between
+---calls (CPU: Winograd / GEMM buffers, up to 4 x 64 MiB).
 ---@param device? kiln.DeviceName
 function kiln.mem.empty_cache(device) end
 

@@ -49,7 +49,7 @@ static int mem_reset_peak(lua_State *L)
 
 static int mem_empty_cache(lua_State *L)
 {
-    kiln_allocator_empty_cache(opt_device(L, 1)->alloc);
+    kiln_device_empty_cache(opt_device(L, 1));
     return 0;
 }
 

@@ -66,6 +66,9 @@ struct kiln_backend {
     kiln_status (*resample)(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x);
     /* pads = left, right, top, bottom; mode kiln_pad_mode */
     kiln_status (*pad2d)(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value);
+    /* Gives back the scratch memory the kernels keep between calls (the CPU's Winograd
+     * and GEMM buffers, up to 4 x 64 MiB of host memory); NULL when there is none. */
+    void (*release_scratch)(void);
     /* Transfers between this device and host memory (NULL for host-memory devices). */
     kiln_status (*to_device)(void *dst_dev, const void *src_host, size_t n);
     kiln_status (*to_host)(void *dst_host, const void *src_dev, size_t n);

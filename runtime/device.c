@@ -104,6 +104,13 @@ kiln_device *kiln_device_at(int i)
     return i >= 0 && i < n_devices ? devices[i] : NULL;
 }
 
+void kiln_device_empty_cache(kiln_device *dev)
+{
+    if (!dev) return;
+    kiln_allocator_empty_cache(dev->alloc);
+    if (dev->backend && dev->backend->release_scratch) dev->backend->release_scratch();
+}
+
 kiln_device *kiln_device_cpu(void)
 {
     init_devices();

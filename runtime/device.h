@@ -30,6 +30,9 @@ KILN_API kiln_device *kiln_device_get(const char *name);
 KILN_API kiln_device *kiln_device_cpu(void);
 KILN_API int kiln_device_count(void);
 KILN_API kiln_device *kiln_device_at(int i);
+/* Gives back what dev holds but does not use: its allocator's free cached blocks and
+ * its kernels' scratch (kiln.mem.empty_cache, unload, kiln_close). */
+KILN_API void kiln_device_empty_cache(kiln_device *dev);
 
 typedef struct kiln_storage kiln_storage;
 typedef void (*kiln_storage_release_fn)(kiln_storage *s);

@@ -863,8 +863,9 @@ void kiln_model_unload(kiln_model *m)
     m->dtype = -1;
     pthread_mutex_unlock(&reg_mu);
     /* an unload is a request for the memory: the host allocator caches what is freed,
-     * so give its wholly free segments (the dropped weights among them) back now */
-    kiln_allocator_empty_cache(kiln_device_cpu()->alloc);
+     * so give its wholly free segments (the dropped weights among them) and the
+     * kernels' idle scratch back now */
+    kiln_device_empty_cache(kiln_device_cpu());
     kiln_event_emit(KILN_EV_UNLOAD, dev, bytes, m->owner, "every copy dropped but the mapped file");
 }
 

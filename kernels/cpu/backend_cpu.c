@@ -3,7 +3,7 @@
  * computed in f32; weights stay in their stored dtype (f16/bf16 converted blockwise
  * inside the kernels). The sim device uses this table too. */
 #include "cpu_backend.h"
-#include "cpu_kernels.h"
+#include "cpu_internal.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -248,6 +248,7 @@ static const kiln_backend cpu_backend = {
     .geglu = cpu_geglu,
     .resample = cpu_resample,
     .pad2d = cpu_pad2d,
+    .release_scratch = kiln_cpu_scratch_trim,
 };
 
 const kiln_backend *kiln_cpu_backend(void) { return &cpu_backend; }

@@ -35,6 +35,8 @@ int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_
 void *kiln_cpu_scratch_get(size_t bytes);
 void kiln_cpu_scratch_put(void *p);
 void kiln_cpu_scratch_trim(void);
+/* Bytes the cache holds (busy or idle), for tests. */
+size_t kiln_cpu_scratch_cached(void);
 
 /* ---- convolution paths: 0 done, 1 not applicable / declined, -1 out of memory ---- */
 

@@ -34,8 +34,8 @@ enum { MR = 12, NR = 32, KC = 384, NB_MAX = 320 };
 /* Kernels that run again and again with the same shapes (every UNet step) reuse their
  * scratch instead of taking fresh pages from the OS on every call: the page faults on
  * a 40 MB Winograd buffer cost as much as the convolution itself. A few blocks of at
- * most SCRATCH_CACHE_MAX bytes stay cached until kiln_cpu_scratch_trim() (meant for the
- * runtime's memory-pressure hook) hands the idle ones back. */
+ * most SCRATCH_CACHE_MAX bytes stay cached until kiln_cpu_scratch_trim() (the CPU
+ * backend's release_scratch: kiln.mem.empty_cache, model unload) hands the idle ones back. */
 enum { SCRATCH_SLOTS = 4 };
 static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -81,6 +81,15 @@ void kiln_cpu_scratch_put(void *p)
         }
     pthread_mutex_unlock(&scratch_lock);
     free(p);
+}
+
+size_t kiln_cpu_scratch_cached(void)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&scratch_lock);
+    for (int i = 0; i < SCRATCH_SLOTS; i++) n += scratch_slots[i].cap;
+    pthread_mutex_unlock(&scratch_lock);
+    return n;
 }
 
 void kiln_cpu_scratch_trim(void)
@@ -544,6 +553,10 @@ static void choose_blocks(int64_t M, int64_t N, int64_t K, int threads, int64_t 
     double best = -1;
     *nb = (min_s < 1 ? 1 : min_s) * NR;
     *mb = sm * MR;
+    if (threads <= 1) { /* one task: the widest column blocks, all rows (what the model picks, without the search) */
+        *nb = (ns < max_s ? ns : max_s) * NR;
+        return;
+    }
     for (int64_t per = min_s; per <= max_s && per <= ns; per++) {
         int64_t ncb = (ns + per - 1) / per;
         for (int64_t rows = sm;;) {
@@ -681,7 +694,15 @@ static void batch_fn(void *vctx, int64_t begin, int64_t end)
         g.A = (const float *)g.A + i * b->stride_a;
         g.B = (const float *)g.B + i * b->stride_b;
         g.C += i * b->stride_c;
-        /* inside a pool job: runs serially on this thread, in its slot of the scratch */
+        /* inside a pool job: runs serially on this thread, in its slot of the scratch;
+         * prepacked operands (Winograd's 36 products a strip, thousands a layer) go
+         * straight to the kernel loop */
+#ifdef GEMM_X86
+        if (g.a_packed && g.b_packed) {
+            run_block(&g, NULL, NULL, 0, g.M, 0, g.N);
+            continue;
+        }
+#endif
         packed_gemm(&g, b->scratch, 1);
     }
 }
