@@ -476,7 +476,21 @@ end
 say("\nFLOP per evaluation: unet b1 %.3f TFLOP, vae decode %.3f TFLOP, clip-l %.1f GFLOP",
   unet_flops(ucfg, 1, SIZE, SIZE, 77) / 1e12, vae_decode_flops(ck.vae.config, SIZE, SIZE) / 1e12,
   clip_flops(ck.clip.encoders[1].enc.config, 1, 77) / 1e9)
-say("targets: unet <= 0.25x torch; low <= 1.3x high; pipeline piece within %d MiB", opts.budget)
+say("targets: unet and vae decode <= 0.25x torch, peak RSS below torch's; low <= 1.3x high; pipeline piece within %d MiB",
+  opts.budget)
+-- The verdict on each timed stage with a PyTorch run. RSS only for the UNet on mapped f16
+-- weights: this one process also keeps the pages of the stages before it (the mapped
+-- UNet under the VAE row, both weight copies under the f32 row), PyTorch runs each alone.
+for _, r in ipairs(results) do
+  local tr = r.torch
+  if tr and (r.name:find("^unet b") or r.name:find("^vae decode")) then
+    local x = r.sec / tr.sec
+    local rss = r.name:find("f16 mapped") and r.rss and tr.peak_rss
+    say("  %s: x%.3f %s%s", r.name, x, x <= 0.25 and "(met)" or "(NOT met)",
+      rss and fmt(", RSS %s vs %s %s", human(r.rss), human(tr.peak_rss),
+        r.rss < tr.peak_rss and "(met)" or "(NOT met)") or "")
+  end
+end
 if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
 if pipe then say("  512 MiB budget: %s", pipe.ok and (pipe.peak <= pipe.budget and "respected" or "exceeded") or "failed") end
 say("# load average at end %s", loadavg())
