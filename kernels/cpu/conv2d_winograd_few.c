@@ -32,11 +32,12 @@
 #define AVX512 __attribute__((target("avx512f")))
 
 /* Measured on SD's shapes (2 Zen 4 cores, f16 weights; the other path in brackets):
- * 1280 -> 1280 at 8x8 9.5 ms (GEMM 11.1), at 16x16 18.5 (24.7), at 32x32 51 (65);
- * 2560 -> 1280 at 16x16 36 (64); 640 -> 640 at 32x32 14.3 (13.5). So: up to 16 tiles,
- * or up to 64 when the weights are large (>= 1 Mi per tap); chunks of 128 input
- * channels (96 to 256 measured within 5%). */
-enum { KB = 96, CC = 128, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 20, TINY_TILES = 4 };
+ * 1280 -> 1280 at 8x8 9.5 ms (GEMM 11.1), at 16x16 18.5 (24.7), at 32x32 50 (67);
+ * 2560 -> 1280 at 16x16 36-39 (64); at 32x32 1280 -> 640 29.5 (34), 960 -> 640 20.9
+ * (26), 640 -> 640 14.7 (15.1); at 64x64 (256 tiles) 320 -> 320 18 (12.7): M and V
+ * outgrow the caches. So: up to 16 tiles, or up to 64 when the weights are large
+ * (>= 512 Ki per tap); chunks of 128 input channels (96 to 256 measured within 5%). */
+enum { KB = 96, CC = 128, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 19, TINY_TILES = 4 };
 
 typedef struct {
     const kiln_conv2d_params *p;
