@@ -6,18 +6,19 @@
  * block's weights into a U that goes through memory: U is 4x the weights in f32, 236 MB
  * for one 1280 -> 1280 layer, written and read back for only 4 or 16 tiles, so those
  * layers were memory-bound, and at 4 tiles 3/4 of every vector was empty. Here output
- * channels are the lanes. With V[xi] (tiles x C) and U[xi] (C x K) for the 36 points xi,
+ * channels are the lanes. With V[xi] (tiles x C) and U[xi] (C x K) for the P points xi
+ * (36 for F(4,3), 16 for F(2,3)),
  *     M[xi] (tiles x K) = V[xi] U[xi],    y = A^T M A (per tile, 16 channels at once).
- * A task owns a block of KB output channels: it transforms their weights a chunk of
- * input channels at a time straight into the GEMM's B layout (a U chunk of KB x CC x 36
- * floats, 1.7 MB: L2 and the near L3), runs the 36 products of that chunk (gemm.c,
- * serially: the tiles are the rows, so 4 tiles use the 4 x 96 kernel fully), and when
- * all chunks are summed,
- * the output transform. The weights are read once, from wherever they are mapped.
+ * A task owns a block of KB output channels: it transforms their weights a chunk of CC
+ * input channels at a time straight into the GEMM's B layout (a U chunk of KB x CC x P
+ * floats, 1.7 MB for F(4,3): L2 and the near L3), runs the P products of that chunk
+ * (gemm.c, serially: the tiles are the rows, so 4 tiles use the 4 x 96 kernel fully),
+ * and when all chunks are summed, the output transform. The weights are read once, from
+ * wherever they are mapped.
  *
  * Input: a channels-last copy of x (16 channels = one vector), then V = B^T d B per
- * tile, stored [36][tiles][Cp] (row-major A for the GEMM). Same transforms as the other
- * path (winograd_f43.h), so the same rounding behaviour. */
+ * tile, stored [P][tiles][Cp] (row-major A for the GEMM). The transforms are those of the
+ * other path (winograd_transforms.h), so F(4,3) rounds the same way. */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -61,7 +62,7 @@ typedef struct {
 
 /* Per-thread slot: U chunk [P][KB/32][cc][32], M [P][NT][KB], transposed taps
  * [2][cc*9][16], A sliver scratch. The P matrices of U and of M lie one 64-byte line
- * further apart than their size: 36 streams a multiple of 4 KB apart would share one L1
+ * further apart than their size: P streams a multiple of 4 KB apart would share one L1
  * set (the weight transform writes all of them at once; 3x slower without). */
 static size_t slot_floats(int P, int64_t su, int64_t sm, int64_t cc)
 {
