@@ -476,11 +476,11 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
     if ((path == PATH_AUTO || path == PATH_DIRECT) && conv_smallk(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
     /* few tiles (8x8, 16x16 images) and many channels: output channels in the lanes */
     if ((path == PATH_AUTO && p->c >= 64 && p->k >= 64) || path == PATH_WINOGRAD_FEW) {
-        int r = kiln_cpu_conv2d_winograd_few(y, x, w, w_dtype, bias, p);
+        int r = kiln_cpu_conv2d_winograd_few(y, x, w, w_dtype, bias, p, path == PATH_WINOGRAD_FEW);
         if (r == 0) return KILN_OK; /* out of scratch (-1): the paths below need less */
     }
     if (path == PATH_AUTO || path == PATH_WINOGRAD) {
-        int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p);
+        int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p, path == PATH_WINOGRAD);
         if (r == 0) return KILN_OK;
     }
     if (path != PATH_IM2COL && conv_implicit_gemm(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;

@@ -443,7 +443,7 @@ AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
 }
 
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p)
+                             const kiln_conv2d_params *p, int forced)
 {
     if (!kiln_cpu_gemm_have_simd()) return 1;
     if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
@@ -452,8 +452,6 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     /* lane offsets are int32 */
     if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
         return 1;
-    const char *force = getenv("KILN_CONV_PATH");
-    int forced = force && !strcmp(force, "winograd");
     int64_t C = p->c, K = p->k, TH = (p->oh + 3) / 4, TW = (p->ow + 3) / 4, T = TH * TW;
     /* Measured against the implicit GEMM on one core: Winograd wins from 16 tiles (a
      * 16x16 image: 1280 ch 42 vs 71 ms, 320 ch 2.3 vs 4.4 ms) and loses at 9 tiles
@@ -530,9 +528,9 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
 
 #else
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p)
+                             const kiln_conv2d_params *p, int forced)
 {
-    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p;
+    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p; (void)forced;
     return 1;
 }
 #endif

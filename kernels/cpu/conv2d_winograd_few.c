@@ -293,7 +293,7 @@ AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
 }
 
 int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                                 const kiln_conv2d_params *p)
+                                 const kiln_conv2d_params *p, int forced)
 {
     if (!kiln_cpu_gemm_have_simd()) return 1;
     if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
@@ -303,8 +303,6 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     memset(&c, 0, sizeof c);
     c.p = p; c.x = x; c.y = y; c.w = w; c.w_dt = w_dtype; c.bias = bias;
     c.C = p->c; c.K = p->k; c.Cp = (p->c + 15) / 16 * 16;
-    const char *force = getenv("KILN_CONV_PATH");
-    int forced = force && !strcmp(force, "winograd-few");
     /* F(2,3) where F(4,3) would have at most TINY_TILES tiles an image (8x8): 4x the rows
      * for the GEMM and a U of 16 points instead of 36, for 1.8x the multiply-adds (8x8,
      * 1280 -> 1280: 9.5 ms vs 10.3). KILN_WINOGRAD_FEW_TILE=2|4 forces one (tests). */
@@ -340,9 +338,9 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
 
 #else
 int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                                 const kiln_conv2d_params *p)
+                                 const kiln_conv2d_params *p, int forced)
 {
-    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p;
+    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p; (void)forced;
     return 1;
 }
 #endif

@@ -38,13 +38,15 @@ void kiln_cpu_scratch_trim(void);
 /* Bytes the cache holds (busy or idle), for tests. */
 size_t kiln_cpu_scratch_cached(void);
 
-/* ---- convolution paths: 0 done, 1 not applicable / declined, -1 out of memory ---- */
+/* ---- convolution paths: 0 done, 1 not applicable / declined, -1 out of memory;
+ * forced (KILN_CONV_PATH names the path): run wherever the shape allows, past the
+ * size heuristics ---- */
 
 /* Winograd F(4,3), tiles in vector lanes (conv2d_winograd.c): images of many tiles. */
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p);
+                             const kiln_conv2d_params *p, int forced);
 /* Winograd F(4,3), output channels in vector lanes (conv2d_winograd_few.c): few tiles. */
 int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                                 const kiln_conv2d_params *p);
+                                 const kiln_conv2d_params *p, int forced);
 
 #endif
