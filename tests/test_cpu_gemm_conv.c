@@ -484,7 +484,14 @@ static void conv_golden(const char *path)
 
 static void t_conv_golden_auto(void) { conv_golden("auto"); }
 static void t_conv_golden_gemm(void) { conv_golden("gemm"); }
-static void t_conv_golden_winograd(void) { conv_golden("winograd"); }
+static void t_conv_golden_winograd(void)
+{
+    for (int tile = 4; tile <= 6; tile += 2) { /* F(4,3) and F(6,3) */
+        setenv("KILN_WINOGRAD_TILE", tile == 4 ? "4" : "6", 1);
+        conv_golden("winograd");
+    }
+    unsetenv("KILN_WINOGRAD_TILE");
+}
 static void t_conv_golden_winograd_few(void) { conv_golden("winograd-few"); }
 static void t_conv_golden_im2col(void) { conv_golden("im2col"); }
 static void t_conv_golden_direct(void) { conv_golden("direct"); }
@@ -533,7 +540,7 @@ static void t_conv_random(void)
 }
 
 /* Winograd with several output-channel blocks and tile strips (both loop orders),
- * checked against the GEMM path on the same data. */
+ * F(4,3) and F(6,3), checked against the GEMM path on the same data. */
 static void t_conv_winograd_blocks(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
@@ -547,15 +554,69 @@ static void t_conv_winograd_blocks(void)
         if (!x || !w || !b || !y1 || !y2 || !R) { CHECK(0, "out of memory"); return; }
         set_path("gemm");
         CHECK(kiln_cpu_conv2d(y1, x, w, KILN_F32, b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
-        set_path("winograd");
-        CHECK(kiln_cpu_conv2d(y2, x, w, KILN_F32, b, &p) == KILN_OK, "winograd: %s", kiln_last_error());
-        set_path("auto");
         for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
-        double e = rel_err(y2, R, ny);
-        CHECK(e <= 1e-4, "c%lld k%lld %lldx%lld: winograd vs gemm rel err %.3g", (long long)p.c, (long long)p.k,
-              (long long)p.h, (long long)p.w, e);
+        for (int tile = 4; tile <= 6; tile += 2) {
+            set_path("winograd");
+            setenv("KILN_WINOGRAD_TILE", tile == 4 ? "4" : "6", 1);
+            CHECK(kiln_cpu_conv2d(y2, x, w, KILN_F32, b, &p) == KILN_OK, "winograd: %s", kiln_last_error());
+            unsetenv("KILN_WINOGRAD_TILE");
+            set_path("auto");
+            double e = rel_err(y2, R, ny);
+            CHECK(e <= 1e-4, "c%lld k%lld %lldx%lld F(%d,3): winograd vs gemm rel err %.3g", (long long)p.c,
+                  (long long)p.k, (long long)p.h, (long long)p.w, tile, e);
+        }
         CHECK(guards_ok(y1, ny) && guards_ok(y2, ny), "wrote outside y");
         free(x); free(w); free(b); guarded_free(y1); guarded_free(y2); free(R);
+    }
+}
+
+/* Winograd with tiles in the lanes (conv2d_winograd.c), F(4,3) and F(6,3), against the
+ * GEMM path on the same data: tile rows that end inside a 16-tile block (the gather
+ * patch), images whose sides 4 and 6 do not divide, pads 0 to 4, batches, channel counts
+ * off the 12-row slivers and the 48-channel blocks, several strips, f32 / f16 / bf16
+ * weights. */
+static void t_conv_winograd_tiles(void)
+{
+    if (child_mode) { SKIP("covered by the parent"); return; }
+    static const int64_t cfg[][6] = { /* n, c, h, w, k, pad */
+        {1, 40, 37, 23, 50, 1}, {2, 33, 20, 44, 36, 0}, {1, 96, 120, 100, 60, 1},
+        {1, 130, 31, 29, 61, 2}, {1, 48, 18, 18, 48, 4}, {1, 32, 97, 13, 32, 3}};
+    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
+    for (int ci = 0; ci < 6; ci++) {
+        const int64_t *q = cfg[ci];
+        kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0};
+        kiln_conv2d_out_size(&p);
+        int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
+        float *x = rand_buf(nx), *w = rand_buf(nw), *b = ci % 2 ? NULL : rand_buf(p.k);
+        float *y1 = guarded(ny), *y2 = guarded(ny);
+        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
+        double *R = malloc((size_t)ny * sizeof *R);
+        if (!x || !w || (!b && ci % 2 == 0) || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
+        for (int d = 0; d < 3; d++) {
+            const void *wp = w;
+            if (dts[d] != KILN_F32) {
+                for (int64_t i = 0; i < nw; i++)
+                    wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
+                wp = wh;
+            }
+            set_path("gemm");
+            CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
+            for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
+            for (int tile = 4; tile <= 6; tile += 2) {
+                set_path("winograd");
+                setenv("KILN_WINOGRAD_TILE", tile == 4 ? "4" : "6", 1);
+                for (int64_t i = 0; i < ny; i++) y2[i] = NAN; /* every output must be written */
+                CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd: %s", kiln_last_error());
+                unsetenv("KILN_WINOGRAD_TILE");
+                set_path("auto");
+                double e = rel_err(y2, R, ny);
+                CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s F(%d,3): winograd vs gemm rel err %.3g",
+                      (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k,
+                      (long long)p.pad_h, kiln_dtype_name(dts[d]), tile, e);
+                CHECK(guards_ok(y2, ny), "F(%d,3) wrote outside y", tile);
+            }
+        }
+        free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
     }
 }
 
@@ -739,6 +800,7 @@ int main(int argc, char **argv)
     RUN(t_conv_golden_direct);
     RUN(t_conv_random);
     RUN(t_conv_winograd_blocks);
+    RUN(t_conv_winograd_tiles);
     RUN(t_conv_winograd_few);
     RUN(t_conv_concurrent);
     RUN(t_conv_errors);

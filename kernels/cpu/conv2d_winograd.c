@@ -1,8 +1,12 @@
-/* conv2d_winograd.c - Winograd F(4x4, 3x3) for 3x3 stride-1 convolutions (AVX-512).
- * Y = A^T [ (G g G^T) . (B^T d B) ] A over 6x6 input tiles that give 4x4 outputs: the
- * channel sums become 36 independent GEMMs U[36][K][C] x V[36][C][tiles] (gemm.c) with
- * 4x fewer multiply-adds than the direct convolution. Scratch is bounded (about
- * 32 MB): output channels go in blocks and tiles in strips (see plan()). */
+/* conv2d_winograd.c - Winograd F(6x6, 3x3) and F(4x4, 3x3) for 3x3 stride-1
+ * convolutions, tiles in the vector lanes (AVX-512): the VAE and the UNet's 64x64 level.
+ * Y = A^T [ (G g G^T) . (B^T d B) ] A over a x a input tiles (a = m + 2) that give m x m
+ * outputs: the channel sums become P = a^2 independent GEMMs U[P][K][C] x V[P][C][tiles]
+ * (gemm.c). F(4,3): 36 products for 16 outputs, 4x fewer multiply-adds than the direct
+ * convolution; F(6,3): 64 for 36, 5.06x fewer (edges aside), at somewhat larger rounding
+ * error (f32, random 512-channel tiles: 2.9e-5 of the output range against 1.0e-5). F(6,3)
+ * runs where it saves multiply-adds (see pick_tile()). Scratch is bounded (about 32 MB
+ * for F(4,3)): output channels go in blocks and tiles in strips (see plan()). */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -24,13 +28,16 @@ typedef struct {
     int64_t ty[16], tx[16];
 } tile_runs;
 
-/* Where the input transform of one 16-tile block loads from (same for every channel). */
+enum { MAXA = 8, MAXP = 64, MAXNV = 7 }; /* input tile side, points, window vectors (F(6,3)) */
+
+/* Where the input transform of one 16-tile block loads from (same for every channel).
+ * An input row of the block is a window of 16 m + 2 floats (nv = 5 or 7 vectors). */
 typedef struct {
     tile_runs runs;
-    int64_t col0[16];             /* input column of float 4*l0 of each run's window */
-    __mmask16 wm[16][5], zm[16][5]; /* window floats inside the image / covered by the run */
-    __mmask16 fix, fcol4, fcol5;  /* lanes patched by a gather, and their valid columns 4, 5 */
-    int32_t foff[16], fiy[16];    /* patched lanes: offset of row 0 column 4, and input row */
+    int64_t col0[16];             /* input column of float m*l0 of each run's window */
+    __mmask16 wm[16][MAXNV], zm[16][MAXNV]; /* window floats inside the image / covered by the run */
+    __mmask16 fix, fcolA, fcolB;  /* lanes patched by a gather, and their valid columns m, m + 1 */
+    int32_t foff[16], fiy[16];    /* patched lanes: offset of row 0 column m, and input row */
 } blk_setup;
 
 typedef struct wino_ctx {
@@ -40,29 +47,46 @@ typedef struct wino_ctx {
     const void *w;
     kiln_dtype w_dt;
     const float *bias;
+    int m, a, P, nv;            /* F(m x m, 3x3): input tile a = m + 2, P = a * a points, nv window vectors */
     int64_t C, K, TW, TH;       /* tiles per row and column of one image */
     int64_t t0, nt, tp;         /* strip: first tile, tiles, padded to 32 (row length of M) */
     int64_t k0, kb, ns;         /* block of output channels; ns = ceil(kb/12) slivers */
     int64_t su, sv, sm;         /* floats from one xi to the next in U, V, M */
-    /* U[36][ns][C][12] and V[36][tp/32][C][32] in the GEMM's sliver layout (no packing
-     * there); M[36][kb][tp] row-major */
+    /* U[P][ns][C][12] and V[P][tp/32][C][32] in the GEMM's sliver layout (no packing
+     * there); M[P][kb][tp] row-major */
     float *U, *V, *M;
     float *wbuf;                /* kiln_threads() x 12*144 floats: converted weights */
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
 
+/* The transforms of F(6,3) (A = 8) or F(4,3) (A = 6); A is a constant where these are
+ * inlined, so each variant compiles to straight-line code. */
+#define WINO_INLINE static inline __attribute__((always_inline, target("avx512f")))
+WINO_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
+{
+    if (A == 8) G8_APPLY(g0, g1, g2, o);
+    else G_APPLY(g0, g1, g2, o);
+}
+WINO_INLINE void bt_apply(int A, const __m512 *d, __m512 *o)
+{
+    if (A == 8) BT8_APPLY(d, o);
+    else BT_APPLY(d, o);
+}
+WINO_INLINE void at_apply(int A, const __m512 *m, __m512 *o)
+{
+    if (A == 8) AT6_APPLY(m, o);
+    else AT_APPLY(m, o);
+}
+
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
-
-
 
 /* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input
  * channels from c0. The 12 weight rows (16 channels x 9 taps each) are transposed so a
  * vector holds one tap of the 12 outputs; vectors then pair 4 input channels x 12
  * outputs, so that for each xi three whole vectors fill U[xi][s][c0+cq .. +3][0..11]
  * (192 contiguous bytes): plain stores, no gathers, no partial lines. */
-AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
+WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
 {
-    const wino_ctx *c = vctx;
     const int64_t C = c->C, chunks = (C + 15) / 16;
     const size_t esz = kiln_dtype_size(c->w_dt), su = (size_t)c->su;
     /* f32 weights are read in place (rows C*9 floats apart); f16/bf16 rows are converted
@@ -89,7 +113,7 @@ AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
             for (int m = 0; m < 16; m++) tb[16 * b + m] = r[m];
         }
         for (int64_t cq = 0; cq < cn; cq += 4) {
-            __m512 u[3][36];
+            __m512 u[3][MAXP];
             for (int q = 0; q < 3; q++) {
                 __m512 gv[9];
                 for (int e = 0; e < 9; e++) {
@@ -105,28 +129,35 @@ AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
                         x = _mm512_mask_blend_epi32(0xFFF0, _mm512_alignr_epi32(t0, t0, 8), _mm512_alignr_epi32(t1, t1, 12));
                     gv[e] = _mm512_castsi512_ps(x);
                 }
-                __m512 t[3][6]; /* t[s][i] = (G g)[i][s] */
-                for (int s3 = 0; s3 < 3; s3++) G_APPLY(gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
-                for (int i = 0; i < 6; i++) {
-                    __m512 o[6];
-                    G_APPLY(t[0][i], t[1][i], t[2][i], o);
-                    for (int j = 0; j < 6; j++) u[q][i * 6 + j] = o[j];
+                __m512 t[3][MAXA]; /* t[s][i] = (G g)[i][s] */
+                for (int s3 = 0; s3 < 3; s3++) g_apply(A, gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
+                for (int i = 0; i < A; i++) {
+                    __m512 o[MAXA];
+                    g_apply(A, t[0][i], t[1][i], t[2][i], o);
+                    for (int j = 0; j < A; j++) u[q][i * A + j] = o[j];
                 }
             }
             float *dst = c->U + (sl * C + c0 + cq) * 12;
             if (cn - cq >= 4) {
-                for (int xi = 0; xi < 36; xi++)
+                for (int xi = 0; xi < A * A; xi++)
                     for (int q = 0; q < 3; q++) _mm512_storeu_ps(dst + xi * su + 16 * q, u[q][xi]);
             } else { /* channels past C: lanes whose element 16q + l belongs to channel >= cn - cq */
                 int64_t valid = 12 * (cn - cq);
                 for (int q = 0; q < 3; q++) {
                     int64_t v = valid - 16 * q;
                     __mmask16 mk = v >= 16 ? (__mmask16)0xffff : v <= 0 ? 0 : (__mmask16)((1u << v) - 1);
-                    for (int xi = 0; xi < 36; xi++) _mm512_mask_storeu_ps(dst + xi * su + 16 * q, mk, u[q][xi]);
+                    for (int xi = 0; xi < A * A; xi++) _mm512_mask_storeu_ps(dst + xi * su + 16 * q, mk, u[q][xi]);
                 }
             }
         }
     }
+}
+
+AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const wino_ctx *c = vctx;
+    if (c->a == 8) weight_tiles(c, begin, end, 8);
+    else weight_tiles(c, begin, end, 6);
 }
 
 /* ---- input transform: V[xi][c][t] = (B^T d B)[xi] ---- */
@@ -147,10 +178,10 @@ static void tile_runs_init(const struct wino_ctx *c, int64_t tb, tile_runs *r)
     }
 }
 
-/* Floats f in [lo, hi) of an 80-float (5-vector) window as 5 lane masks. */
-static inline void window_masks(int64_t lo, int64_t hi, __mmask16 *m)
+/* Floats f in [lo, hi) of a window of nv vectors as nv lane masks. */
+static inline void window_masks(int64_t lo, int64_t hi, __mmask16 *m, int nv)
 {
-    for (int q = 0; q < 5; q++) {
+    for (int q = 0; q < nv; q++) {
         int64_t a = lo - 16 * q, b = hi - 16 * q;
         if (a < 0) a = 0;
         if (b > 16) b = 16;
@@ -161,43 +192,70 @@ static inline void window_masks(int64_t lo, int64_t hi, __mmask16 *m)
 static void blk_setup_init(const wino_ctx *c, int64_t tb, blk_setup *bs)
 {
     const kiln_conv2d_params *p = c->p;
-    const int64_t W = p->w;
+    const int64_t W = p->w, m = c->m;
     tile_runs_init(c, tb, &bs->runs);
     const tile_runs *runs = &bs->runs;
-    bs->fix = bs->fcol4 = bs->fcol5 = 0;
+    bs->fix = bs->fcolA = bs->fcolB = 0;
     for (int l = 0; l < 16; l++) bs->foff[l] = 0, bs->fiy[l] = -1000000;
     for (int r = 0; r < runs->n; r++) {
         if (runs->l1[r] < 16) { /* the last tile of this run has no next tile in the window */
             int l = runs->l1[r] - 1;
-            int64_t iy = 4 * runs->ty[r] - p->pad_h, ix = 4 * (runs->tx[r] + l - runs->l0[r]) - p->pad_w + 4;
+            int64_t iy = m * runs->ty[r] - p->pad_h, ix = m * (runs->tx[r] + l - runs->l0[r]) - p->pad_w + m;
             bs->fix |= (__mmask16)(1u << l);
-            if (ix >= 0 && ix < W) bs->fcol4 |= (__mmask16)(1u << l);
-            if (ix + 1 >= 0 && ix + 1 < W) bs->fcol5 |= (__mmask16)(1u << l);
+            if (ix >= 0 && ix < W) bs->fcolA |= (__mmask16)(1u << l);
+            if (ix + 1 >= 0 && ix + 1 < W) bs->fcolB |= (__mmask16)(1u << l);
             bs->fiy[l] = (int32_t)iy;
             bs->foff[l] = (int32_t)(iy * W + ix);
         }
-        bs->col0[r] = 4 * runs->tx[r] - p->pad_w;
-        int64_t lo = 4 * runs->l0[r], hi = 4 * runs->l1[r] + 2;
-        window_masks(lo, hi, bs->zm[r]);
+        bs->col0[r] = m * runs->tx[r] - p->pad_w;
+        int64_t lo = m * runs->l0[r], hi = m * runs->l1[r] + 2;
+        window_masks(lo, hi, bs->zm[r], c->nv);
         if (bs->col0[r] < 0) lo -= bs->col0[r];
-        if (hi > 4 * runs->l0[r] + (W - bs->col0[r])) hi = 4 * runs->l0[r] + (W - bs->col0[r]);
-        window_masks(lo, hi, bs->wm[r]);
+        if (hi > m * runs->l0[r] + (W - bs->col0[r])) hi = m * runs->l0[r] + (W - bs->col0[r]);
+        window_masks(lo, hi, bs->wm[r], c->nv);
     }
 }
 
-/* Reads the 6x6 input tiles of 16 lanes with contiguous loads: one input row of the
- * whole block is an 80-float window where tile l starts at float 4l, so columns
- * j = 0..3 come out of a 4-way de-interleave and j = 4, 5 are columns 0, 1 of the next
- * tile; the last tile of a run that does not end the block has no next tile and
- * is patched by a gather. Channels outer: each plane is read front to back. */
-AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
+/* Lane l of a 6-way de-interleave: float 6l + b of the window (b < 6), from the pair
+ * of vectors (x[2p], x[2p+1]) that holds it; idx is taken mod 32 by vpermt2ps. */
+typedef struct {
+    __m512i idx[6];
+    __mmask16 k23[6], k45[6];  /* lanes from (x2, x3) and from (x4, x5) */
+} deint6_t;
+
+AVX512 static void deint6_init(deint6_t *d)
 {
-    const wino_ctx *c = vctx;
+    for (int b = 0; b < 6; b++) {
+        int32_t ix[16];
+        unsigned k23 = 0, k45 = 0;
+        for (int l = 0; l < 16; l++) {
+            int f = 6 * l + b;
+            ix[l] = f;
+            if (f >= 32 && f < 64) k23 |= 1u << l;
+            if (f >= 64) k45 |= 1u << l;
+        }
+        d->idx[b] = _mm512_loadu_si512(ix);
+        d->k23[b] = (__mmask16)k23;
+        d->k45[b] = (__mmask16)k45;
+    }
+}
+
+/* Reads the a x a input tiles of 16 lanes with contiguous loads: one input row of the
+ * whole block is a window of 16 m + 2 floats where tile l starts at float m l, so
+ * columns j < m come out of an m-way de-interleave (F(4,3): shuffles; F(6,3): vpermt2ps
+ * over vector pairs) and j = m, m + 1 are columns 0, 1 of the next tile; the last tile
+ * of a run that does not end the block has no next tile and is patched by a gather.
+ * Channels outer: each plane is read front to back. */
+WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
+{
     const kiln_conv2d_params *p = c->p;
+    const int m = A - 2, NV = A == 8 ? 7 : 5;
     const int64_t HW = p->h * p->w, W = p->w, H = p->h, C = c->C;
+    deint6_t d6;
+    if (A == 8) deint6_init(&d6);
     /* input rows this strip reads: short runs per channel that the hardware prefetcher
      * does not see coming, so the next channel's rows are prefetched by hand */
-    int64_t row0 = 4 * (c->t0 / c->TW) - p->pad_h, row1 = 4 * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + 6;
+    int64_t row0 = m * (c->t0 / c->TW) - p->pad_h, row1 = m * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + A;
     if (row0 < 0) row0 = 0;
     if (row1 > H) row1 = H;
     for (int64_t ch = begin; ch < end; ch++) {
@@ -209,57 +267,83 @@ AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
             const blk_setup *bs = &c->blk[tb / 16];
             const tile_runs *rn = &bs->runs;
-            __m512 tmp[6][6]; /* tmp[i][j'] = (d B)[i][j'] */
-            for (int i = 0; i < 6; i++) {
-                __m512 x[5];
-                for (int q = 0; q < 5; q++) x[q] = _mm512_setzero_ps();
+            __m512 tmp[MAXA][MAXA]; /* tmp[i][j'] = (d B)[i][j'] */
+            #pragma GCC unroll 8
+            for (int i = 0; i < A; i++) {
+                __m512 x[MAXNV];
+                #pragma GCC unroll 8
+                for (int q = 0; q < NV; q++) x[q] = _mm512_setzero_ps();
                 for (int r = 0; r < rn->n; r++) {
-                    int64_t iy = 4 * rn->ty[r] - p->pad_h + i;
+                    int64_t iy = m * rn->ty[r] - p->pad_h + i;
                     if (r > 0)
-                        for (int q = 0; q < 5; q++) x[q] = _mm512_mask_mov_ps(x[q], bs->zm[r][q], _mm512_setzero_ps());
+                        #pragma GCC unroll 8
+                        for (int q = 0; q < NV; q++) x[q] = _mm512_mask_mov_ps(x[q], bs->zm[r][q], _mm512_setzero_ps());
                     if (iy < 0 || iy >= H) continue;
-                    /* float f of the window is column col0 + f - 4 l0; masked-off lanes are never read */
-                    const float *base = plane + iy * W + bs->col0[r] - 4 * rn->l0[r];
-                    for (int q = 0; q < 5; q++)
+                    /* float f of the window is column col0 + f - m l0; masked-off lanes are never read */
+                    const float *base = plane + iy * W + bs->col0[r] - m * rn->l0[r];
+                    #pragma GCC unroll 8
+                    for (int q = 0; q < NV; q++)
                         if (bs->wm[r][q]) x[q] = _mm512_mask_loadu_ps(x[q], bs->wm[r][q], base + 16 * q);
                 }
-                /* de-interleave floats 4l + b of x[0..3] into e[b], lane l */
-                __m512 v = _mm512_shuffle_f32x4(x[0], x[1], 0x88), w = _mm512_shuffle_f32x4(x[2], x[3], 0x88);
-                __m512 v2 = _mm512_shuffle_f32x4(x[0], x[1], 0xDD), w2 = _mm512_shuffle_f32x4(x[2], x[3], 0xDD);
-                __m512 q0 = _mm512_shuffle_f32x4(v, w, 0x88), q2 = _mm512_shuffle_f32x4(v, w, 0xDD);
-                __m512 q1 = _mm512_shuffle_f32x4(v2, w2, 0x88), q3 = _mm512_shuffle_f32x4(v2, w2, 0xDD);
-                __m512 t0 = _mm512_unpacklo_ps(q0, q1), t1 = _mm512_unpackhi_ps(q0, q1);
-                __m512 t2 = _mm512_unpacklo_ps(q2, q3), t3 = _mm512_unpackhi_ps(q2, q3);
-                __m512 e[6];
-                e[0] = _mm512_shuffle_ps(t0, t2, 0x44);
-                e[1] = _mm512_shuffle_ps(t0, t2, 0xEE);
-                e[2] = _mm512_shuffle_ps(t1, t3, 0x44);
-                e[3] = _mm512_shuffle_ps(t1, t3, 0xEE);
-                __m512i x4 = _mm512_castps_si512(x[4]);
-                e[4] = _mm512_castsi512_ps(_mm512_alignr_epi32(x4, _mm512_castps_si512(e[0]), 1));
-                e[5] = _mm512_castsi512_ps(
-                    _mm512_alignr_epi32(_mm512_alignr_epi32(x4, x4, 1), _mm512_castps_si512(e[1]), 1));
+                __m512 e[MAXA];
+                if (A == 6) {
+                    /* de-interleave floats 4l + b of x[0..3] into e[b], lane l */
+                    __m512 v = _mm512_shuffle_f32x4(x[0], x[1], 0x88), w = _mm512_shuffle_f32x4(x[2], x[3], 0x88);
+                    __m512 v2 = _mm512_shuffle_f32x4(x[0], x[1], 0xDD), w2 = _mm512_shuffle_f32x4(x[2], x[3], 0xDD);
+                    __m512 q0 = _mm512_shuffle_f32x4(v, w, 0x88), q2 = _mm512_shuffle_f32x4(v, w, 0xDD);
+                    __m512 q1 = _mm512_shuffle_f32x4(v2, w2, 0x88), q3 = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+                    __m512 t0 = _mm512_unpacklo_ps(q0, q1), t1 = _mm512_unpackhi_ps(q0, q1);
+                    __m512 t2 = _mm512_unpacklo_ps(q2, q3), t3 = _mm512_unpackhi_ps(q2, q3);
+                    e[0] = _mm512_shuffle_ps(t0, t2, 0x44);
+                    e[1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+                    e[2] = _mm512_shuffle_ps(t1, t3, 0x44);
+                    e[3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+                } else {
+                    #pragma GCC unroll 8
+                    for (int b = 0; b < 6; b++) {
+                        __m512 v = _mm512_permutex2var_ps(x[0], d6.idx[b], x[1]);
+                        v = _mm512_mask_blend_ps(d6.k23[b], v, _mm512_permutex2var_ps(x[2], d6.idx[b], x[3]));
+                        e[b] = _mm512_mask_blend_ps(d6.k45[b], v, _mm512_permutex2var_ps(x[4], d6.idx[b], x[5]));
+                    }
+                }
+                /* columns m, m + 1: columns 0, 1 of the next lane; lane 15's are the
+                 * first two floats of the last window vector */
+                __m512i xl = _mm512_castps_si512(x[NV - 1]);
+                e[m] = _mm512_castsi512_ps(_mm512_alignr_epi32(xl, _mm512_castps_si512(e[0]), 1));
+                e[m + 1] = _mm512_castsi512_ps(
+                    _mm512_alignr_epi32(_mm512_alignr_epi32(xl, xl, 1), _mm512_castps_si512(e[1]), 1));
                 if (bs->fix) {
                     __m512i ri = _mm512_add_epi32(_mm512_loadu_si512(bs->fiy), _mm512_set1_epi32(i));
                     __mmask16 rv = _mm512_cmpge_epi32_mask(ri, _mm512_setzero_si512()) &
                                    _mm512_cmplt_epi32_mask(ri, _mm512_set1_epi32((int)H));
-                    __m512i o4 = _mm512_add_epi32(_mm512_loadu_si512(bs->foff), _mm512_set1_epi32((int)(i * W)));
-                    e[4] = _mm512_mask_mov_ps(e[4], bs->fix, _mm512_setzero_ps());
-                    e[5] = _mm512_mask_mov_ps(e[5], bs->fix, _mm512_setzero_ps());
-                    e[4] = _mm512_mask_i32gather_ps(e[4], bs->fcol4 & rv, o4, plane, 4);
-                    e[5] = _mm512_mask_i32gather_ps(e[5], bs->fcol5 & rv, _mm512_add_epi32(o4, _mm512_set1_epi32(1)),
-                                                    plane, 4);
+                    __m512i oA = _mm512_add_epi32(_mm512_loadu_si512(bs->foff), _mm512_set1_epi32((int)(i * W)));
+                    e[m] = _mm512_mask_mov_ps(e[m], bs->fix, _mm512_setzero_ps());
+                    e[m + 1] = _mm512_mask_mov_ps(e[m + 1], bs->fix, _mm512_setzero_ps());
+                    e[m] = _mm512_mask_i32gather_ps(e[m], bs->fcolA & rv, oA, plane, 4);
+                    e[m + 1] = _mm512_mask_i32gather_ps(e[m + 1], bs->fcolB & rv,
+                                                        _mm512_add_epi32(oA, _mm512_set1_epi32(1)), plane, 4);
                 }
-                BT_APPLY(e, tmp[i]);
+                bt_apply(A, e, tmp[i]);
             }
             float *dst = c->V + ((tb / 32) * C + ch) * 32 + tb % 32;
-            for (int j = 0; j < 6; j++) {
-                __m512 d[6] = {tmp[0][j], tmp[1][j], tmp[2][j], tmp[3][j], tmp[4][j], tmp[5][j]}, vv[6];
-                BT_APPLY(d, vv);
-                for (int i = 0; i < 6; i++) _mm512_store_ps(dst + (size_t)(i * 6 + j) * (size_t)c->sv, vv[i]);
+            #pragma GCC unroll 8
+            for (int j = 0; j < A; j++) {
+                __m512 d[MAXA], vv[MAXA];
+                #pragma GCC unroll 8
+                for (int i = 0; i < A; i++) d[i] = tmp[i][j];
+                bt_apply(A, d, vv);
+                #pragma GCC unroll 8
+                for (int i = 0; i < A; i++) _mm512_store_ps(dst + (size_t)(i * A + j) * (size_t)c->sv, vv[i]);
             }
         }
     }
+}
+
+AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const wino_ctx *c = vctx;
+    if (c->a == 8) input_tiles(c, begin, end, 8);
+    else input_tiles(c, begin, end, 6);
 }
 
 /* ---- output transform: y = A^T m A (+ bias) ---- */
@@ -282,13 +366,40 @@ AVX512 static inline void interleave4(const __m512 *o, __m512 *r)
     r[3] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
 }
 
-/* Output channels outer: each plane is written front to back. */
-AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
+/* The inverse for 6 outputs: r[q] float f is o[F % 6][F / 6] with F = 16 q + f, from
+ * the pair (o[2p], o[2p+1]) that holds it (index F / 6 + 16 (F % 2)). */
+typedef struct {
+    __m512i idx[6];
+    __mmask16 k23[6], k45[6];  /* floats from (o2, o3) and from (o4, o5) */
+} inter6_t;
+
+AVX512 static void inter6_init(inter6_t *d)
 {
-    const wino_ctx *c = vctx;
+    #pragma GCC unroll 8
+    for (int q = 0; q < 6; q++) {
+        int32_t ix[16];
+        unsigned k23 = 0, k45 = 0;
+        for (int f = 0; f < 16; f++) {
+            int F = 16 * q + f, b = F % 6;
+            ix[f] = F / 6 + 16 * (b & 1);
+            if (b == 2 || b == 3) k23 |= 1u << f;
+            if (b >= 4) k45 |= 1u << f;
+        }
+        d->idx[q] = _mm512_loadu_si512(ix);
+        d->k23[q] = (__mmask16)k23;
+        d->k45[q] = (__mmask16)k45;
+    }
+}
+
+/* Output channels outer: each plane is written front to back. */
+WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
+{
     const kiln_conv2d_params *p = c->p;
+    const int m = A - 2;
     const int64_t OHW = p->oh * p->ow, OW = p->ow;
-    int64_t row0 = 4 * (c->t0 / c->TW), row1 = 4 * ((c->t0 + c->nt - 1) / c->TW) + 4;
+    inter6_t i6;
+    if (A == 8) inter6_init(&i6);
+    int64_t row0 = m * (c->t0 / c->TW), row1 = m * ((c->t0 + c->nt - 1) / c->TW) + m;
     if (row1 > p->oh) row1 = p->oh;
     for (int64_t kk = begin; kk < end; kk++) {
         int64_t k = c->k0 + kk;
@@ -300,33 +411,57 @@ AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
         }
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
             const tile_runs *rn = &c->blk[tb / 16].runs;
-            __m512 s[6][4]; /* s[j][a] = (A^T m)[a][j] */
-            for (int j = 0; j < 6; j++) {
-                __m512 m[6];
-                for (int i = 0; i < 6; i++) m[i] = _mm512_load_ps(c->M + (i * 6 + j) * c->sm + kk * c->tp + tb);
-                AT_APPLY(m, s[j]);
+            __m512 s[MAXA][MAXA - 2]; /* s[j][a] = (A^T m)[a][j] */
+            #pragma GCC unroll 8
+            for (int j = 0; j < A; j++) {
+                __m512 mv[MAXA];
+                #pragma GCC unroll 8
+                for (int i = 0; i < A; i++) mv[i] = _mm512_load_ps(c->M + (i * A + j) * c->sm + kk * c->tp + tb);
+                at_apply(A, mv, s[j]);
             }
-            for (int a = 0; a < 4; a++) {
-                __m512 m[6] = {s[0][a], s[1][a], s[2][a], s[3][a], s[4][a], s[5][a]}, o[4], r[4];
-                AT_APPLY(m, o);
-                for (int bb = 0; bb < 4; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
-                interleave4(o, r);
+            #pragma GCC unroll 8
+            for (int a = 0; a < m; a++) {
+                __m512 mv[MAXA], o[MAXA - 2], r[MAXA - 2];
+                #pragma GCC unroll 8
+                for (int j = 0; j < A; j++) mv[j] = s[j][a];
+                at_apply(A, mv, o);
+                #pragma GCC unroll 8
+                for (int bb = 0; bb < m; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
+                if (A == 6) interleave4(o, r);
+                else
+                    #pragma GCC unroll 8
+                    for (int q = 0; q < 6; q++) {
+                        __m512 v = _mm512_permutex2var_ps(o[0], i6.idx[q], o[1]);
+                        v = _mm512_mask_blend_ps(i6.k23[q], v, _mm512_permutex2var_ps(o[2], i6.idx[q], o[3]));
+                        r[q] = _mm512_mask_blend_ps(i6.k45[q], v, _mm512_permutex2var_ps(o[4], i6.idx[q], o[5]));
+                    }
                 for (int t = 0; t < rn->n; t++) {
-                    int64_t oy = 4 * rn->ty[t] + a;
+                    int64_t oy = m * rn->ty[t] + a;
                     if (oy >= p->oh) continue;
-                    /* float f of r (f in [4 l0, 4 l1)) goes to column 4 tx + f - 4 l0, if < OW */
-                    int64_t f0 = 4 * rn->l0[t], f1 = 4 * rn->l1[t], lim = f0 + (OW - 4 * rn->tx[t]);
+                    /* float f of r (f in [m l0, m l1)) goes to column m tx + f - m l0, if < OW */
+                    int64_t f0 = m * rn->l0[t], f1 = m * rn->l1[t], lim = f0 + (OW - m * rn->tx[t]);
                     if (f1 > lim) f1 = lim;
-                    uint64_t bits = (f1 >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << f1) - 1)) & ~(((uint64_t)1 << f0) - 1);
-                    float *base = plane + oy * OW + 4 * rn->tx[t] - f0;
-                    for (int q = 0; q < 4; q++) {
-                        __mmask16 mk = (__mmask16)(bits >> (16 * q));
-                        if (mk) _mm512_mask_storeu_ps(base + 16 * q, mk, r[q]);
+                    float *base = plane + oy * OW + m * rn->tx[t] - f0;
+                    #pragma GCC unroll 8
+                    for (int q = 0; q < m; q++) {
+                        int64_t lo = f0 - 16 * q, hi = f1 - 16 * q;
+                        if (lo < 0) lo = 0;
+                        if (hi > 16) hi = 16;
+                        if (lo >= hi) continue;
+                        __mmask16 mk = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+                        _mm512_mask_storeu_ps(base + 16 * q, mk, r[q]);
                     }
                 }
             }
         }
     }
+}
+
+AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const wino_ctx *c = vctx;
+    if (c->a == 8) output_tiles(c, begin, end, 8);
+    else output_tiles(c, begin, end, 6);
 }
 
 /* Blocking, tuned on SD's shapes (tests/bench/bench_gemm_conv.c):
@@ -339,24 +474,24 @@ AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
  *    memory is used enough; all output channels at once while U <= U_MAX_BYTES. */
 static const size_t V_ONE_STRIP_BYTES = (size_t)8 << 20, U_SMALL_BYTES = (size_t)4 << 20;
 static const size_t U_MAX_BYTES = (size_t)24 << 20, STRIP_MAX_BYTES = (size_t)2 << 20;
-enum { MIN_STRIP = 64 };
+enum { MIN_STRIP = 32 };
 
-static int64_t channel_block(size_t bytes, int64_t C, int64_t K)
+static int64_t channel_block(double bytes, int64_t C, int64_t K, int P)
 {
-    int64_t k = (int64_t)((double)bytes / (36.0 * 4.0 * (double)C)) / 48 * 48;
+    int64_t k = (int64_t)(bytes / (P * 4.0 * (double)C)) / 48 * 48;
     return k >= K ? K : k < 48 ? (K < 48 ? K : 48) : k;
 }
 
-static void plan(int64_t C, int64_t K, int64_t T, int64_t *kb, int64_t *ts)
+static void plan(int64_t C, int64_t K, int64_t T, int P, int64_t *kb, int64_t *ts)
 {
-    const double unit = 36.0 * 4.0;
+    const double unit = P * 4.0;
     int64_t t32 = (T + 31) / 32 * 32;
     if (unit * (double)C * (double)t32 <= (double)V_ONE_STRIP_BYTES) {
         *ts = t32;
-        *kb = channel_block(U_SMALL_BYTES, C, K);
+        *kb = channel_block((double)U_SMALL_BYTES, C, K, P);
         return;
     }
-    *kb = channel_block(U_MAX_BYTES, C, K);
+    *kb = channel_block((double)U_MAX_BYTES, C, K, P);
     int64_t t = (int64_t)((double)STRIP_MAX_BYTES / (unit * (double)(C + *kb)));
     if (t < MIN_STRIP) t = MIN_STRIP;
     int64_t nstrip = (T + t - 1) / t;            /* strips of equal size */
@@ -384,16 +519,16 @@ static void set_strip(wino_ctx *c, int64_t st, int64_t ts)
 
 static void gemms(const wino_ctx *c)
 {
-    kiln_cpu_gemm_prepacked(36, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+    kiln_cpu_gemm_prepacked(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
 }
 
 /* Two ways to share the work, so that each thread runs a whole pipeline (transforms
  * and GEMMs) on data in its own cache, with one pool job per image instead of four per
  * step:
  *  - BLOCKS (one strip): V of the images is transformed once, in parallel; then each
- *    task takes a block of output channels: its U, its 36 GEMMs, its output transform;
+ *    task takes a block of output channels: its U, its P GEMMs, its output transform;
  *  - STRIPS: U of a block is transformed in parallel; then each task takes a strip of
- *    tiles: its V, its 36 GEMMs, its output transform. */
+ *    tiles: its V, its P GEMMs, its output transform. */
 typedef struct {
     wino_ctx base;            /* block (STRIPS) or strip (BLOCKS) already set */
     int64_t kb, ts;
@@ -442,6 +577,27 @@ AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
     }
 }
 
+/* F(6,3) where its 64 points per 6x6 tiles need clearly fewer multiply-adds than
+ * F(4,3)'s 36 per 4x4 (not where the tiles' overhang at the edges eats the gain: a
+ * 32x32 image needs the same either way) and the weights are small. Measured on the SD
+ * VAE's shapes (2 Zen 4 cores, f16 weights, the two tiles alternating in one process):
+ * 128 -> 128 at 512x512 103 ms vs 114 for F(4,3), at 1024x1024 418 vs 493, 256 -> 128
+ * at 512x512 208 vs 223, 256 -> 256 at 512x512 399 vs 419; with more channels or on
+ * smaller images F(6,3) gains nothing or loses (256 -> 256 at 256x256 109 vs 104,
+ * 512 -> 512 at 128x128 115 vs 109, 320 -> 320 at 64x64 13.1 vs 11.7): its GEMMs run at a lower rate than F(4,3)'s (a U 1.8x larger,
+ * streamed from L3 once per strip) and its input transform costs 2x as much per tile.
+ * KILN_WINOGRAD_TILE=4|6 forces one (tests, benchmarks). */
+static int pick_tile(const kiln_conv2d_params *p)
+{
+    const char *e = getenv("KILN_WINOGRAD_TILE");
+    if (e && (!strcmp(e, "4") || !strcmp(e, "6"))) return e[0] - '0';
+    double t4 = (double)((p->oh + 3) / 4) * (double)((p->ow + 3) / 4);
+    double t6 = (double)((p->oh + 5) / 6) * (double)((p->ow + 5) / 6);
+    int64_t ck = p->c * p->k;
+    int small_w = ck <= 128 * 256 || (ck <= 256 * 256 && p->oh * p->ow >= 512 * 512);
+    return 64.0 * t6 <= 0.9 * 36.0 * t4 && small_w ? 6 : 4;
+}
+
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p, int forced)
 {
@@ -452,14 +608,17 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     /* lane offsets are int32 */
     if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
         return 1;
-    int64_t C = p->c, K = p->k, TH = (p->oh + 3) / 4, TW = (p->ow + 3) / 4, T = TH * TW;
+    int64_t C = p->c, K = p->k, T4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
     /* Measured against the implicit GEMM on one core: Winograd wins from 16 tiles (a
      * 16x16 image: 1280 ch 42 vs 71 ms, 320 ch 2.3 vs 4.4 ms) and loses at 9 tiles
      * (10x10, 1280 ch: 43 vs 35 ms); few channels are left to the GEMM. */
-    if (!forced && (C < 32 || K < 32 || T < 16)) return 1;
+    if (!forced && (C < 32 || K < 32 || T4 < 16)) return 1;
+    const int m = pick_tile(p);
+    const int A = m + 2, P = A * A;
+    int64_t TH = (p->oh + m - 1) / m, TW = (p->ow + m - 1) / m, T = TH * TW;
     int threads = kiln_threads();
     int64_t kb, ts;
-    plan(C, K, T, &kb, &ts);
+    plan(C, K, T, P, &kb, &ts);
     int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;
     int blocks_mode = nstrip == 1 && nkb >= threads;
     if (!blocks_mode && nstrip % threads && T > 32) { /* strips in a multiple of the threads */
@@ -468,16 +627,16 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
         nstrip = (T + ts - 1) / ts;
     }
     /* images whose V is held at once (BLOCKS: every block task uses them all) */
-    size_t v_img = (size_t)36 * (size_t)(C * ts + 16);
+    size_t v_img = (size_t)P * (size_t)(C * ts + 16);
     int64_t n_img = 1;
     if (blocks_mode) {
         n_img = (int64_t)(V_ONE_STRIP_BYTES * 2 / (v_img * sizeof(float)));
         if (n_img < 1) n_img = 1;
         if (n_img > p->n) n_img = p->n;
     }
-    /* The 36 matrices of U, V and M sit one 64-byte line further apart than their size:
-     * sizes are multiples of 4 KB, and 36 streams 4 KB apart would share one L1 set. */
-    size_t nU = (size_t)36 * (size_t)((kb + 11) / 12 * 12 * C + 16), nM = (size_t)36 * (size_t)(kb * ts + 16);
+    /* The P matrices of U, V and M sit one 64-byte line further apart than their size:
+     * sizes are multiples of 4 KB, and P streams 4 KB apart would share one L1 set. */
+    size_t nU = (size_t)P * (size_t)((kb + 11) / 12 * 12 * C + 16), nM = (size_t)P * (size_t)(kb * ts + 16);
     size_t nW = (size_t)threads * 12 * 144;
     size_t nB = (size_t)(ts / 16), bsz = (sizeof(blk_setup) + 63) / 64 * 16; /* floats per entry, whole lines */
     size_t tot_U = blocks_mode ? (size_t)threads * nU : nU;
@@ -489,6 +648,7 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     memset(&j, 0, sizeof j);
     wino_ctx *c = &j.base;
     c->p = p; c->w = w; c->w_dt = w_dtype; c->bias = bias; c->C = C; c->K = K; c->TW = TW; c->TH = TH;
+    c->m = m; c->a = A; c->P = P; c->nv = (16 * m + 2 + 15) / 16;
     j.kb = kb; j.ts = ts; j.nU = nU; j.nV = v_img; j.nM = nM; j.nB = nB * bsz * sizeof(float) / sizeof(blk_setup);
     j.U = buf; j.V = j.U + tot_U; j.M = j.V + tot_V; c->wbuf = j.M + (size_t)threads * nM;
     j.blk = (blk_setup *)(void *)(c->wbuf + nW); /* every part a multiple of 16 floats */

@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define GEMM_X86 1
@@ -41,11 +42,26 @@ static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct { void *p; size_t cap; int busy; } scratch_slots[SCRATCH_SLOTS];
 
+/* Blocks of 2 MB and more are backed by transparent huge pages where the kernel offers
+ * them on request (enabled = madvise, Debian's default): the Winograd transforms write
+ * and read 36 or 64 streams a matrix apart, which with 4 KB pages miss the L1 TLB. */
+static void *scratch_alloc(size_t bytes)
+{
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge) return aligned_alloc(64, bytes);
+    size_t n = (bytes + huge - 1) / huge * huge;
+    void *p = aligned_alloc(huge, n);
+#ifdef MADV_HUGEPAGE
+    if (p) madvise(p, n, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
 /* 64-byte aligned, uninitialized; NULL when out of memory. Give back with _put. */
 void *kiln_cpu_scratch_get(size_t bytes)
 {
     bytes = bytes ? (bytes + 63) / 64 * 64 : 64;
-    if (bytes > SCRATCH_CACHE_MAX) return aligned_alloc(64, bytes);
+    if (bytes > SCRATCH_CACHE_MAX) return scratch_alloc(bytes);
     pthread_mutex_lock(&scratch_lock);
     int best = -1, victim = -1;
     for (int i = 0; i < SCRATCH_SLOTS; i++) {
@@ -61,12 +77,12 @@ void *kiln_cpu_scratch_get(size_t bytes)
         r = scratch_slots[best].p;
     } else if (victim >= 0) { /* replace the smallest free block by a bigger one */
         free(scratch_slots[victim].p);
-        scratch_slots[victim].p = r = aligned_alloc(64, bytes);
+        scratch_slots[victim].p = r = scratch_alloc(bytes);
         scratch_slots[victim].cap = r ? bytes : 0;
         scratch_slots[victim].busy = r != NULL;
     }
     pthread_mutex_unlock(&scratch_lock);
-    return best >= 0 || victim >= 0 ? r : aligned_alloc(64, bytes);
+    return best >= 0 || victim >= 0 ? r : scratch_alloc(bytes);
 }
 
 void kiln_cpu_scratch_put(void *p)

@@ -1,10 +1,11 @@
-/* winograd_transforms.h - the transforms of Winograd F(4x4, 3x3) and F(2x2, 3x3) (Lavin &
- * Gray, "Fast Algorithms for Convolutional Neural Networks", 2016) on 16 lanes of
- * AVX-512: U = G g G^T (weights), V = B^T d B (input tiles of 6x6 / 4x4), y = A^T m A
- * (outputs 4x4 / 2x2). F(4,3) interpolates at 0, +-1, +-2 and infinity, F(2,3) at 0, +-1
- * and infinity. Shared by the two Winograd paths (conv2d_winograd.c: tiles in lanes,
- * F(4,3); conv2d_winograd_few.c: channels in lanes, both). Private to kernels/cpu;
- * include inside an x86 GCC/Clang section. */
+/* winograd_transforms.h - the transforms of Winograd F(6x6, 3x3), F(4x4, 3x3) and
+ * F(2x2, 3x3) (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016)
+ * on 16 lanes of AVX-512: U = G g G^T (weights), V = B^T d B (input tiles of 8x8 / 6x6 /
+ * 4x4), y = A^T m A (outputs 6x6 / 4x4 / 2x2). F(6,3) interpolates at 0, +-1, +-2, +-1/2
+ * and infinity, F(4,3) at 0, +-1, +-2 and infinity, F(2,3) at 0, +-1 and infinity.
+ * Shared by the two Winograd paths (conv2d_winograd.c: tiles in lanes, F(6,3) and
+ * F(4,3); conv2d_winograd_few.c: channels in lanes, F(4,3) and F(2,3)). Private to
+ * kernels/cpu; include inside an x86 GCC/Clang section. */
 #ifndef KILN_WINOGRAD_TRANSFORMS_H
 #define KILN_WINOGRAD_TRANSFORMS_H
 
@@ -73,6 +74,59 @@
     do {                                                                                                        \
         o[0] = _mm512_add_ps(_mm512_add_ps(m[0], m[1]), m[2]);                                                  \
         o[1] = _mm512_sub_ps(_mm512_sub_ps(m[1], m[2]), m[3]);                                                  \
+    } while (0)
+
+/* F(6,3): G (8x3), B^T (8x8), A^T (6x8); the matrices of NNPACK and wincnn, checked
+ * against the direct convolution in float64 (error 4e-14). */
+#define G8_APPLY(g0, g1, g2, o)                                                                                 \
+    do {                                                                                                        \
+        __m512 s02_ = _mm512_add_ps(g0, g2);                                                                     \
+        o[0] = g0;                                                                                              \
+        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), _mm512_set1_ps(-2.0f / 9));                                \
+        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), _mm512_set1_ps(-2.0f / 9));                                \
+        __m512 p_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(1.0f / 90), _mm512_mul_ps(g2, _mm512_set1_ps(2.0f / 45)));  \
+        __m512 q_ = _mm512_mul_ps(g1, _mm512_set1_ps(1.0f / 45));                                                \
+        o[3] = _mm512_add_ps(p_, q_);                                                                           \
+        o[4] = _mm512_sub_ps(p_, q_);                                                                           \
+        __m512 r_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(32.0f / 45), _mm512_mul_ps(g2, _mm512_set1_ps(8.0f / 45))); \
+        __m512 t_ = _mm512_mul_ps(g1, _mm512_set1_ps(16.0f / 45));                                               \
+        o[5] = _mm512_add_ps(r_, t_);                                                                           \
+        o[6] = _mm512_sub_ps(r_, t_);                                                                           \
+        o[7] = g2;                                                                                              \
+    } while (0)
+
+#define BT8_APPLY(d, o)                                                                                         \
+    do {                                                                                                        \
+        o[0] = _mm512_fmadd_ps(_mm512_set1_ps(5.25f), _mm512_sub_ps(d[4], d[2]), _mm512_sub_ps(d[0], d[6]));     \
+        o[7] = _mm512_fmadd_ps(_mm512_set1_ps(5.25f), _mm512_sub_ps(d[3], d[5]), _mm512_sub_ps(d[7], d[1]));     \
+        __m512 a_ = _mm512_fmadd_ps(_mm512_set1_ps(-4.25f), d[4], _mm512_add_ps(d[2], d[6]));                    \
+        __m512 b_ = _mm512_fmadd_ps(_mm512_set1_ps(-4.25f), d[3], _mm512_add_ps(d[1], d[5]));                    \
+        o[1] = _mm512_add_ps(a_, b_);                                                                           \
+        o[2] = _mm512_sub_ps(a_, b_);                                                                           \
+        __m512 c_ = _mm512_fmadd_ps(_mm512_set1_ps(-1.25f), d[4], _mm512_fmadd_ps(_mm512_set1_ps(0.25f), d[2], d[6])); \
+        __m512 e_ = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d[5],                                                  \
+                                    _mm512_fmadd_ps(_mm512_set1_ps(-2.5f), d[3], _mm512_mul_ps(_mm512_set1_ps(0.5f), d[1]))); \
+        o[3] = _mm512_add_ps(c_, e_);                                                                           \
+        o[4] = _mm512_sub_ps(c_, e_);                                                                           \
+        __m512 f_ = _mm512_fmadd_ps(_mm512_set1_ps(-5.0f), d[4], _mm512_fmadd_ps(_mm512_set1_ps(4.0f), d[2], d[6])); \
+        __m512 h_ = _mm512_fmadd_ps(_mm512_set1_ps(0.5f), d[5],                                                  \
+                                    _mm512_fmadd_ps(_mm512_set1_ps(-2.5f), d[3], _mm512_mul_ps(_mm512_set1_ps(2.0f), d[1]))); \
+        o[5] = _mm512_add_ps(f_, h_);                                                                           \
+        o[6] = _mm512_sub_ps(f_, h_);                                                                           \
+    } while (0)
+
+#define AT6_APPLY(m, o)                                                                                         \
+    do {                                                                                                        \
+        __m512 s12_ = _mm512_add_ps(m[1], m[2]), d12_ = _mm512_sub_ps(m[1], m[2]);                                \
+        __m512 s34_ = _mm512_add_ps(m[3], m[4]), d34_ = _mm512_sub_ps(m[3], m[4]);                                \
+        __m512 s56_ = _mm512_add_ps(m[5], m[6]), d56_ = _mm512_sub_ps(m[5], m[6]);                                \
+        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12_), _mm512_add_ps(s34_, s56_));                               \
+        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(0.5f), d56_, _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_));    \
+        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(0.25f), s56_, _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_));   \
+        o[3] = _mm512_fmadd_ps(_mm512_set1_ps(0.125f), d56_, _mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_));  \
+        o[4] = _mm512_fmadd_ps(_mm512_set1_ps(0.0625f), s56_, _mm512_fmadd_ps(_mm512_set1_ps(16.0f), s34_, s12_)); \
+        o[5] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(0.03125f), d56_,                                     \
+                                             _mm512_fmadd_ps(_mm512_set1_ps(32.0f), d34_, d12_)), m[7]);         \
     } while (0)
 
 #endif
