@@ -620,6 +620,51 @@ static void t_conv_winograd_tiles(void)
     }
 }
 
+/* Nearest 2x upsampling fused with a 3x3 convolution (kiln_cpu_conv2d_up2: F(4,2) on the
+ * four parity kernels, or the two ops in a row where it declines) against upsampling
+ * then the GEMM path: odd sizes, tile rows ending inside a 16-tile block, batches,
+ * channel counts off the sliver and block sizes, several strips, f32 / f16 / bf16. */
+static void t_conv_up2(void)
+{
+    if (child_mode) { SKIP("covered by the parent"); return; }
+    static const int64_t cfg[][5] = { /* n, c, h, w, k */
+        {1, 32, 16, 16, 32}, {2, 40, 13, 9, 50}, {1, 64, 37, 23, 36}, {1, 96, 60, 50, 60},
+        {1, 130, 21, 19, 61}, {1, 8, 10, 10, 5}};
+    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
+    for (int ci = 0; ci < 6; ci++) {
+        const int64_t *q = cfg[ci];
+        int64_t N = q[0], C = q[1], H = q[2], W = q[3], K = q[4];
+        int64_t nx = N * C * H * W, nw = K * C * 9, ny = N * K * 4 * H * W;
+        float *x = rand_buf(nx), *w = rand_buf(nw), *b = ci % 2 ? NULL : rand_buf(K);
+        float *u = malloc((size_t)(4 * nx) * sizeof *u), *y1 = guarded(ny), *y2 = guarded(ny);
+        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
+        double *R = malloc((size_t)ny * sizeof *R);
+        if (!x || !w || (!b && ci % 2 == 0) || !u || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
+        kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
+        kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+        kiln_conv2d_out_size(&p);
+        for (int d = 0; d < 3; d++) {
+            const void *wp = w;
+            if (dts[d] != KILN_F32) {
+                for (int64_t i = 0; i < nw; i++)
+                    wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
+                wp = wh;
+            }
+            set_path("gemm");
+            CHECK(kiln_cpu_conv2d(y1, u, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
+            set_path("auto");
+            for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
+            for (int64_t i = 0; i < ny; i++) y2[i] = NAN; /* every output must be written */
+            CHECK(kiln_cpu_conv2d_up2(y2, x, wp, dts[d], b, N, C, H, W, K) == KILN_OK, "up2: %s", kiln_last_error());
+            double e = rel_err(y2, R, ny);
+            CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld %s: upsample+conv fused vs gemm rel err %.3g", (long long)N,
+                  (long long)C, (long long)H, (long long)W, (long long)K, kiln_dtype_name(dts[d]), e);
+            CHECK(guards_ok(y2, ny), "up2 wrote outside y");
+        }
+        free(x); free(w); free(b); free(u); free(wh); guarded_free(y1); guarded_free(y2); free(R);
+    }
+}
+
 /* Winograd with output channels in the lanes (conv2d_winograd_few.c), F(2,3) and F(4,3),
  * against the GEMM path on the same data: channel counts off the 16-lane and 96-channel
  * blocks and the 128-channel chunks, batches, odd sizes, pads 0 and 2, f32 / f16 / bf16
@@ -801,6 +846,7 @@ int main(int argc, char **argv)
     RUN(t_conv_random);
     RUN(t_conv_winograd_blocks);
     RUN(t_conv_winograd_tiles);
+    RUN(t_conv_up2);
     RUN(t_conv_winograd_few);
     RUN(t_conv_concurrent);
     RUN(t_conv_errors);

@@ -486,3 +486,29 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
     if (path != PATH_IM2COL && conv_implicit_gemm(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
     return conv_im2col_blas(y, x, w, w_dtype, bias, p);
 }
+
+kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
+{
+    if (!y || !x || !w) return kiln_error(KILN_ERR_ARG, "conv2d (upsample 2): NULL buffer");
+    if (N < 1 || C < 1 || H < 1 || W < 1 || K < 1)
+        return kiln_error(KILN_ERR_ARG, "conv2d (upsample 2): bad shape N=%lld C=%lld H=%lld W=%lld K=%lld",
+                          (long long)N, (long long)C, (long long)H, (long long)W, (long long)K);
+    if (w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "conv2d: weight dtype %s (expected f32, f16 or bf16)",
+                          kiln_dtype_name(w_dtype));
+    /* KILN_CONV_PATH names the 3x3 convolution's path: the unfused pair follows it */
+    if (forced_path() == PATH_AUTO) {
+        int r = kiln_cpu_conv2d_up2_winograd(y, x, w, w_dtype, bias, N, C, H, W, K);
+        if (r == 0) return KILN_OK;
+    }
+    /* the two ops in a row, the upsampled image in scratch */
+    size_t nu = (size_t)N * (size_t)C * (size_t)(4 * H * W);
+    float *u = kiln_cpu_scratch_get(nu * sizeof(float));
+    if (!u) return kiln_error_oom("cpu", nu * sizeof(float), 0, 0, "conv2d (upsample 2): no memory for the upsampled input");
+    kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
+    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W};
+    kiln_status st = kiln_cpu_conv2d(y, u, w, w_dtype, bias, &p);
+    kiln_cpu_scratch_put(u);
+    return st;
+}

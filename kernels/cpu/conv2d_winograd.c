@@ -31,23 +31,25 @@ typedef struct {
 enum { MAXA = 8, MAXP = 64, MAXNV = 7 }; /* input tile side, points, window vectors (F(6,3)) */
 
 /* Where the input transform of one 16-tile block loads from (same for every channel).
- * An input row of the block is a window of 16 m + 2 floats (nv = 5 or 7 vectors). */
+ * An input row of the block is a window of 16 m + r - 1 floats (nv = 5 or 7 vectors). */
 typedef struct {
     tile_runs runs;
     int64_t col0[16];             /* input column of float m*l0 of each run's window */
     __mmask16 wm[16][MAXNV], zm[16][MAXNV]; /* window floats inside the image / covered by the run */
-    __mmask16 fix, fcolA, fcolB;  /* lanes patched by a gather, and their valid columns m, m + 1 */
+    __mmask16 fix, fcolA, fcolB;  /* lanes patched by a gather, and their valid columns m, m + 1 (r = 3) */
     int32_t foff[16], fiy[16];    /* patched lanes: offset of row 0 column m, and input row */
 } blk_setup;
 
 typedef struct wino_ctx {
-    const kiln_conv2d_params *p;
+    const kiln_conv2d_params *p; /* r x r kernel (pads and oh, ow may be set for an upsampling parity) */
     const float *x;             /* image n: [C, H, W] */
-    float *y;                   /* image n: [K, OH, OW] */
-    const void *w;
+    float *y;                   /* image n: [K, yh, yw] */
+    const void *w;              /* [K][C][3][3] (r = 3), or [C][2][2][K] f32 (r = 2) */
     kiln_dtype w_dt;
     const float *bias;
-    int m, a, P, nv;            /* F(m x m, 3x3): input tile a = m + 2, P = a * a points, nv window vectors */
+    int m, r, a, P, nv;         /* F(m x m, r x r): input tile a = m + r - 1, P = a * a points, nv window vectors */
+    int up, py, px;             /* up: output (oy, ox) goes to (2 oy + py, 2 ox + px) of y */
+    int64_t yw, yhw;            /* row length and plane size of y */
     int64_t C, K, TW, TH;       /* tiles per row and column of one image */
     int64_t t0, nt, tp;         /* strip: first tile, tiles, padded to 32 (row length of M) */
     int64_t k0, kb, ns;         /* block of output channels; ns = ceil(kb/12) slivers */
@@ -59,8 +61,8 @@ typedef struct wino_ctx {
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
 
-/* The transforms of F(6,3) (A = 8) or F(4,3) (A = 6); A is a constant where these are
- * inlined, so each variant compiles to straight-line code. */
+/* The transforms of F(6,3) (A = 8), F(4,3) (A = 6) or F(4,2) (A = 5); A is a constant
+ * where these are inlined, so each variant compiles to straight-line code. */
 #define WINO_INLINE static inline __attribute__((always_inline, target("avx512f")))
 WINO_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
 {
@@ -70,11 +72,13 @@ WINO_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
 WINO_INLINE void bt_apply(int A, const __m512 *d, __m512 *o)
 {
     if (A == 8) BT8_APPLY(d, o);
+    else if (A == 5) BT5_APPLY(d, o);
     else BT_APPLY(d, o);
 }
 WINO_INLINE void at_apply(int A, const __m512 *m, __m512 *o)
 {
     if (A == 8) AT6_APPLY(m, o);
+    else if (A == 5) AT5_APPLY(m, o);
     else AT_APPLY(m, o);
 }
 
@@ -153,10 +157,51 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     }
 }
 
+/* F(4,2) (the parity kernels of an upsampling convolution, f32 [C][2][2][K]): task = one
+ * A sliver times 16 input channels, as above; 12 outputs side by side in the source
+ * rows, so plain loops over them vectorize. U (5x5) = G w G^T with G's rows scaled as
+ * winograd_transforms.h says. */
+static void weight2_tiles(const wino_ctx *c, int64_t begin, int64_t end)
+{
+    const int64_t C = c->C, K = c->K, chunks = (C + 15) / 16;
+    const float *w = c->w;
+    const size_t su = (size_t)c->su;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t sl = task / chunks, c0 = (task % chunks) * 16;
+        int64_t cn = C - c0 < 16 ? C - c0 : 16, kk0 = 12 * sl, kn = c->kb - kk0 < 12 ? c->kb - kk0 : 12;
+        for (int64_t ci = c0; ci < c0 + cn; ci++) {
+            float g[4][12], t[2][5][12], u[25][12];
+            for (int e = 0; e < 4; e++)
+                for (int kk = 0; kk < 12; kk++) g[e][kk] = kk < kn ? w[(ci * 4 + e) * K + c->k0 + kk0 + kk] : 0.0f;
+            for (int b = 0; b < 2; b++) /* t[b][i] = (G g)[i][b] */
+                for (int kk = 0; kk < 12; kk++) {
+                    float g0 = g[b][kk], g1 = g[2 + b][kk];
+                    t[b][0][kk] = g0;
+                    t[b][1][kk] = 0.5f * (g0 + g1);
+                    t[b][2][kk] = (g1 - g0) * (1.0f / 6);
+                    t[b][3][kk] = -(8.0f * g0 + 4.0f * g1) * (1.0f / 3);
+                    t[b][4][kk] = 0.5f * g1;
+                }
+            for (int i = 0; i < 5; i++)
+                for (int kk = 0; kk < 12; kk++) {
+                    float g0 = t[0][i][kk], g1 = t[1][i][kk];
+                    u[i * 5 + 0][kk] = g0;
+                    u[i * 5 + 1][kk] = 0.5f * (g0 + g1);
+                    u[i * 5 + 2][kk] = (g1 - g0) * (1.0f / 6);
+                    u[i * 5 + 3][kk] = -(8.0f * g0 + 4.0f * g1) * (1.0f / 3);
+                    u[i * 5 + 4][kk] = 0.5f * g1;
+                }
+            float *dst = c->U + (sl * C + ci) * 12;
+            for (int xi = 0; xi < 25; xi++) memcpy(dst + xi * su, u[xi], sizeof u[xi]);
+        }
+    }
+}
+
 AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
-    if (c->a == 8) weight_tiles(c, begin, end, 8);
+    if (c->r == 2) weight2_tiles(c, begin, end);
+    else if (c->a == 8) weight_tiles(c, begin, end, 8);
     else weight_tiles(c, begin, end, 6);
 }
 
@@ -203,12 +248,12 @@ static void blk_setup_init(const wino_ctx *c, int64_t tb, blk_setup *bs)
             int64_t iy = m * runs->ty[r] - p->pad_h, ix = m * (runs->tx[r] + l - runs->l0[r]) - p->pad_w + m;
             bs->fix |= (__mmask16)(1u << l);
             if (ix >= 0 && ix < W) bs->fcolA |= (__mmask16)(1u << l);
-            if (ix + 1 >= 0 && ix + 1 < W) bs->fcolB |= (__mmask16)(1u << l);
+            if (c->r == 3 && ix + 1 >= 0 && ix + 1 < W) bs->fcolB |= (__mmask16)(1u << l);
             bs->fiy[l] = (int32_t)iy;
             bs->foff[l] = (int32_t)(iy * W + ix);
         }
         bs->col0[r] = m * runs->tx[r] - p->pad_w;
-        int64_t lo = m * runs->l0[r], hi = m * runs->l1[r] + 2;
+        int64_t lo = m * runs->l0[r], hi = m * runs->l1[r] + c->r - 1;
         window_masks(lo, hi, bs->zm[r], c->nv);
         if (bs->col0[r] < 0) lo -= bs->col0[r];
         if (hi > m * runs->l0[r] + (W - bs->col0[r])) hi = m * runs->l0[r] + (W - bs->col0[r]);
@@ -249,7 +294,7 @@ AVX512 static void deint6_init(deint6_t *d)
 WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
 {
     const kiln_conv2d_params *p = c->p;
-    const int m = A - 2, NV = A == 8 ? 7 : 5;
+    const int m = A == 8 ? 6 : 4, NV = A == 8 ? 7 : 5;
     const int64_t HW = p->h * p->w, W = p->w, H = p->h, C = c->C;
     deint6_t d6;
     if (A == 8) deint6_init(&d6);
@@ -286,7 +331,7 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
                         if (bs->wm[r][q]) x[q] = _mm512_mask_loadu_ps(x[q], bs->wm[r][q], base + 16 * q);
                 }
                 __m512 e[MAXA];
-                if (A == 6) {
+                if (m == 4) {
                     /* de-interleave floats 4l + b of x[0..3] into e[b], lane l */
                     __m512 v = _mm512_shuffle_f32x4(x[0], x[1], 0x88), w = _mm512_shuffle_f32x4(x[2], x[3], 0x88);
                     __m512 v2 = _mm512_shuffle_f32x4(x[0], x[1], 0xDD), w2 = _mm512_shuffle_f32x4(x[2], x[3], 0xDD);
@@ -306,22 +351,25 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
                         e[b] = _mm512_mask_blend_ps(d6.k45[b], v, _mm512_permutex2var_ps(x[4], d6.idx[b], x[5]));
                     }
                 }
-                /* columns m, m + 1: columns 0, 1 of the next lane; lane 15's are the
-                 * first two floats of the last window vector */
+                /* columns m (and m + 1 for 3x3): columns 0 (and 1) of the next lane;
+                 * lane 15's are the first floats of the last window vector */
                 __m512i xl = _mm512_castps_si512(x[NV - 1]);
                 e[m] = _mm512_castsi512_ps(_mm512_alignr_epi32(xl, _mm512_castps_si512(e[0]), 1));
-                e[m + 1] = _mm512_castsi512_ps(
-                    _mm512_alignr_epi32(_mm512_alignr_epi32(xl, xl, 1), _mm512_castps_si512(e[1]), 1));
+                if (A > m + 1)
+                    e[m + 1] = _mm512_castsi512_ps(
+                        _mm512_alignr_epi32(_mm512_alignr_epi32(xl, xl, 1), _mm512_castps_si512(e[1]), 1));
                 if (bs->fix) {
                     __m512i ri = _mm512_add_epi32(_mm512_loadu_si512(bs->fiy), _mm512_set1_epi32(i));
                     __mmask16 rv = _mm512_cmpge_epi32_mask(ri, _mm512_setzero_si512()) &
                                    _mm512_cmplt_epi32_mask(ri, _mm512_set1_epi32((int)H));
                     __m512i oA = _mm512_add_epi32(_mm512_loadu_si512(bs->foff), _mm512_set1_epi32((int)(i * W)));
                     e[m] = _mm512_mask_mov_ps(e[m], bs->fix, _mm512_setzero_ps());
-                    e[m + 1] = _mm512_mask_mov_ps(e[m + 1], bs->fix, _mm512_setzero_ps());
                     e[m] = _mm512_mask_i32gather_ps(e[m], bs->fcolA & rv, oA, plane, 4);
-                    e[m + 1] = _mm512_mask_i32gather_ps(e[m + 1], bs->fcolB & rv,
-                                                        _mm512_add_epi32(oA, _mm512_set1_epi32(1)), plane, 4);
+                    if (A > m + 1) {
+                        e[m + 1] = _mm512_mask_mov_ps(e[m + 1], bs->fix, _mm512_setzero_ps());
+                        e[m + 1] = _mm512_mask_i32gather_ps(e[m + 1], bs->fcolB & rv,
+                                                            _mm512_add_epi32(oA, _mm512_set1_epi32(1)), plane, 4);
+                    }
                 }
                 bt_apply(A, e, tmp[i]);
             }
@@ -343,6 +391,7 @@ AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
     if (c->a == 8) input_tiles(c, begin, end, 8);
+    else if (c->a == 5) input_tiles(c, begin, end, 5);
     else input_tiles(c, begin, end, 6);
 }
 
@@ -391,22 +440,39 @@ AVX512 static void inter6_init(inter6_t *d)
     }
 }
 
-/* Output channels outer: each plane is written front to back. */
+/* Lane L of an expanded vector: bit L of the result is bit L / 2 of v (v < 256). */
+static inline __mmask16 double_bits(unsigned v)
+{
+    unsigned r = 0;
+    for (int i = 0; i < 8; i++)
+        if (v >> i & 1) r |= 3u << (2 * i);
+    return (__mmask16)r;
+}
+
+/* Output channels outer: each plane is written front to back. With c->up (a parity of
+ * an upsampling convolution), output (oy, ox) goes to (2 oy + py, 2 ox + px): each
+ * vector of 16 outputs is spread over 32 floats of the row (lane pairs), and masked
+ * stores write this parity's lanes only. */
 WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
 {
     const kiln_conv2d_params *p = c->p;
-    const int m = A - 2;
-    const int64_t OHW = p->oh * p->ow, OW = p->ow;
+    const int m = A == 8 ? 6 : 4;
+    const int64_t OW = p->ow, YW = c->yw, YHW = c->yhw, step = c->up ? 2 : 1;
     inter6_t i6;
     if (A == 8) inter6_init(&i6);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    const __mmask16 par = (__mmask16)(c->px ? 0xAAAA : 0x5555);
     int64_t row0 = m * (c->t0 / c->TW), row1 = m * ((c->t0 + c->nt - 1) / c->TW) + m;
     if (row1 > p->oh) row1 = p->oh;
+    row0 = step * row0 + c->py;
+    row1 = step * row1;
     for (int64_t kk = begin; kk < end; kk++) {
         int64_t k = c->k0 + kk;
-        float *plane = c->y + k * OHW;
+        float *plane = c->y + k * YHW;
         __m512 bv = _mm512_set1_ps(c->bias ? c->bias[k] : 0.0f);
         if (kk + 1 < end) { /* the next plane's rows, for writing */
-            const char *a = (const char *)(plane + OHW + row0 * OW), *b = (const char *)(plane + OHW + row1 * OW);
+            const char *a = (const char *)(plane + YHW + row0 * YW), *b = (const char *)(plane + YHW + row1 * YW);
             for (; a < b; a += 64) __builtin_prefetch(a, 1, 2);
         }
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
@@ -427,7 +493,7 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                 at_apply(A, mv, o);
                 #pragma GCC unroll 8
                 for (int bb = 0; bb < m; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
-                if (A == 6) interleave4(o, r);
+                if (m == 4) interleave4(o, r);
                 else
                     #pragma GCC unroll 8
                     for (int q = 0; q < 6; q++) {
@@ -438,18 +504,27 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                 for (int t = 0; t < rn->n; t++) {
                     int64_t oy = m * rn->ty[t] + a;
                     if (oy >= p->oh) continue;
-                    /* float f of r (f in [m l0, m l1)) goes to column m tx + f - m l0, if < OW */
+                    /* float f of r (f in [m l0, m l1)) is output column m tx + f - m l0, if < OW */
                     int64_t f0 = m * rn->l0[t], f1 = m * rn->l1[t], lim = f0 + (OW - m * rn->tx[t]);
                     if (f1 > lim) f1 = lim;
-                    float *base = plane + oy * OW + m * rn->tx[t] - f0;
+                    float *base = plane + (step * oy + c->py) * YW + step * (m * rn->tx[t] - f0) + c->px;
                     #pragma GCC unroll 8
                     for (int q = 0; q < m; q++) {
                         int64_t lo = f0 - 16 * q, hi = f1 - 16 * q;
                         if (lo < 0) lo = 0;
                         if (hi > 16) hi = 16;
                         if (lo >= hi) continue;
-                        __mmask16 mk = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-                        _mm512_mask_storeu_ps(base + 16 * q, mk, r[q]);
+                        unsigned mk = ((1u << hi) - 1) & ~((1u << lo) - 1);
+                        if (!c->up) {
+                            _mm512_mask_storeu_ps(base + 16 * q, (__mmask16)mk, r[q]);
+                            continue;
+                        }
+                        /* lane L of the expanded vectors is output float 2f + px (f = 16q + L/2
+                         * or 16q + 8 + L/2); base already adds px, so store from base - px */
+                        float *b2 = base - c->px + 32 * q;
+                        __mmask16 ml = double_bits(mk & 0xFF) & par, mh = double_bits(mk >> 8) & par;
+                        if (ml) _mm512_mask_storeu_ps(b2, ml, _mm512_permutexvar_ps(lo_idx, r[q]));
+                        if (mh) _mm512_mask_storeu_ps(b2 + 16, mh, _mm512_permutexvar_ps(hi_idx, r[q]));
                     }
                 }
             }
@@ -461,6 +536,7 @@ AVX512 static void output_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
     if (c->a == 8) output_tiles(c, begin, end, 8);
+    else if (c->a == 5) output_tiles(c, begin, end, 5);
     else output_tiles(c, begin, end, 6);
 }
 
@@ -553,7 +629,7 @@ AVX512 static void block_task(void *vctx, int64_t begin, int64_t end)
         weight_fn(&c, 0, c.ns * ((c.C + 15) / 16));
         for (int64_t i = 0; i < j->n_img; i++) {
             c.V = j->V + (size_t)i * j->nV;
-            c.y = j->y + i * c.K * c.p->oh * c.p->ow;
+            c.y = j->y + i * c.K * c.yhw;
             gemms(&c);
             output_fn(&c, 0, c.kb);
         }
@@ -598,23 +674,19 @@ static int pick_tile(const kiln_conv2d_params *p)
     return 64.0 * t6 <= 0.9 * 36.0 * t4 && small_w ? 6 : 4;
 }
 
-int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                             const kiln_conv2d_params *p, int forced)
+/* One convolution through this path: F(m x m, r x r) over the tiles of p's output (oh x
+ * ow), written to y as the output map says (up, py, px; rows of yw floats, planes of
+ * yhw). 0 done, -1 out of scratch. */
+typedef struct {
+    int m, r, up, py, px;
+    int64_t yw, yhw;
+} wino_map;
+
+static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                    const kiln_conv2d_params *p, const wino_map *mp)
 {
-    if (!kiln_cpu_gemm_have_simd()) return 1;
-    if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
-        p->groups != 1)
-        return 1;
-    /* lane offsets are int32 */
-    if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
-        return 1;
-    int64_t C = p->c, K = p->k, T4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
-    /* Measured against the implicit GEMM on one core: Winograd wins from 16 tiles (a
-     * 16x16 image: 1280 ch 42 vs 71 ms, 320 ch 2.3 vs 4.4 ms) and loses at 9 tiles
-     * (10x10, 1280 ch: 43 vs 35 ms); few channels are left to the GEMM. */
-    if (!forced && (C < 32 || K < 32 || T4 < 16)) return 1;
-    const int m = pick_tile(p);
-    const int A = m + 2, P = A * A;
+    const int m = mp->m, A = m + mp->r - 1, P = A * A;
+    int64_t C = p->c, K = p->k;
     int64_t TH = (p->oh + m - 1) / m, TW = (p->ow + m - 1) / m, T = TH * TW;
     int threads = kiln_threads();
     int64_t kb, ts;
@@ -648,18 +720,20 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     memset(&j, 0, sizeof j);
     wino_ctx *c = &j.base;
     c->p = p; c->w = w; c->w_dt = w_dtype; c->bias = bias; c->C = C; c->K = K; c->TW = TW; c->TH = TH;
-    c->m = m; c->a = A; c->P = P; c->nv = (16 * m + 2 + 15) / 16;
+    c->m = m; c->r = mp->r; c->a = A; c->P = P; c->nv = (int)((16 * m + mp->r - 1 + 15) / 16);
+    c->up = mp->up; c->py = mp->py; c->px = mp->px; c->yw = mp->yw; c->yhw = mp->yhw;
     j.kb = kb; j.ts = ts; j.nU = nU; j.nV = v_img; j.nM = nM; j.nB = nB * bsz * sizeof(float) / sizeof(blk_setup);
     j.U = buf; j.V = j.U + tot_U; j.M = j.V + tot_V; c->wbuf = j.M + (size_t)threads * nM;
     j.blk = (blk_setup *)(void *)(c->wbuf + nW); /* every part a multiple of 16 floats */
     c->blk = j.blk;
+    const int64_t yimg = K * mp->yhw;
     if (blocks_mode) {
         set_strip(c, 0, ts);
         for (int64_t tb = 0; tb < c->tp; tb += 16) blk_setup_init(c, tb, &c->blk[tb / 16]);
         for (int64_t n0 = 0; n0 < p->n; n0 += n_img) {
             j.n_img = p->n - n0 < n_img ? p->n - n0 : n_img;
             j.x = x + n0 * C * p->h * p->w;
-            j.y = y + n0 * K * p->oh * p->ow;
+            j.y = y + n0 * yimg;
             for (int64_t i = 0; i < j.n_img; i++) {
                 wino_ctx ci = *c;
                 ci.x = j.x + i * C * p->h * p->w;
@@ -677,7 +751,7 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
             kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
             for (int64_t n = 0; n < p->n; n++) {
                 c->x = x + n * C * p->h * p->w;
-                c->y = y + n * K * p->oh * p->ow;
+                c->y = y + n * yimg;
                 kiln_parallel_for(nstrip, 1, strip_task, &j);
             }
         }
@@ -686,11 +760,95 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     return 0;
 }
 
+int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                             const kiln_conv2d_params *p, int forced)
+{
+    if (!kiln_cpu_gemm_have_simd()) return 1;
+    if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
+        p->groups != 1)
+        return 1;
+    /* lane offsets are int32 */
+    if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
+        return 1;
+    int64_t T4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
+    /* Measured against the implicit GEMM on one core: Winograd wins from 16 tiles (a
+     * 16x16 image: 1280 ch 42 vs 71 ms, 320 ch 2.3 vs 4.4 ms) and loses at 9 tiles
+     * (10x10, 1280 ch: 43 vs 35 ms); few channels are left to the GEMM. */
+    if (!forced && (p->c < 32 || p->k < 32 || T4 < 16)) return 1;
+    wino_map mp = {pick_tile(p), 3, 0, 0, 0, p->ow, p->oh * p->ow};
+    return wino_run(y, x, w, w_dtype, bias, p, &mp);
+}
+
+/* ---- nearest 2x upsampling and a 3x3 convolution (pad 1), fused ---- */
+
+/* Output (2i + py, 2j + px) of the 3x3 kernel on the upsampled image reads input rows
+ * i - 1 + py + a and columns j - 1 + px + b (a, b in {0, 1}) of x: a 2x2 kernel per
+ * parity, whose taps sum those of the 3x3 kernel that land on the same input pixel
+ * (rows: py = 0 takes {0} and {1, 2}, py = 1 takes {0, 1} and {2}). Four 2x2
+ * convolutions of the small image with F(4x4, 2x2): 25 products per 16 outputs instead of
+ * F(4x4, 3x3)'s 36 on the upsampled image, which is never made (4x the input's memory). */
+typedef struct {
+    const void *w;
+    kiln_dtype w_dt;
+    float *wp;                  /* [4 parities][C][2][2][K] */
+    int64_t C, K;
+} parity_job;
+
+static void parity_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const parity_job *j = vctx;
+    static const int lo[2][2] = {{0, 1}, {0, 2}}, hi[2][2] = {{0, 2}, {1, 2}}; /* [parity][a]: rows lo..hi */
+    const size_t esz = kiln_dtype_size(j->w_dt);
+    for (int64_t ci = begin; ci < end; ci++)
+        for (int64_t k = 0; k < j->K; k++) {
+            float g[9];
+            kiln_to_f32(g, (const char *)j->w + (size_t)((k * j->C + ci) * 9) * esz, j->w_dt, 9);
+            for (int py = 0; py < 2; py++)
+                for (int px = 0; px < 2; px++)
+                    for (int a = 0; a < 2; a++)
+                        for (int b = 0; b < 2; b++) {
+                            float sum = 0;
+                            for (int rr = lo[py][a]; rr <= hi[py][a]; rr++)
+                                for (int ss = lo[px][b]; ss <= hi[px][b]; ss++) sum += g[rr * 3 + ss];
+                            j->wp[(((size_t)(py * 2 + px) * j->C + ci) * 4 + a * 2 + b) * j->K + k] = sum;
+                        }
+        }
+}
+
+int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
+{
+    if (!kiln_cpu_gemm_have_simd()) return 1;
+    /* as for the 3x3 path: few channels or few tiles go the plain way */
+    if (C < 32 || K < 32 || ((H + 3) / 4) * ((W + 3) / 4) < 16 || 4 * H * W >= ((int64_t)1 << 30)) return 1;
+    size_t nwp = (size_t)16 * (size_t)C * (size_t)K;
+    float *wp = kiln_cpu_scratch_get(nwp * sizeof(float));
+    if (!wp) return -1;
+    parity_job pj = {w, w_dtype, wp, C, K};
+    kiln_parallel_for(C, 1, parity_fn, &pj);
+    int rc = 0;
+    for (int par = 0; par < 4 && rc == 0; par++) {
+        int py = par / 2, px = par % 2;
+        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W};
+        wino_map mp = {4, 2, 1, py, px, 2 * W, 4 * H * W};
+        rc = wino_run(y, x, wp + (size_t)par * 4 * C * K, KILN_F32, bias, &q, &mp);
+    }
+    kiln_cpu_scratch_put(wp);
+    return rc;
+}
+
 #else
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p, int forced)
 {
     (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p; (void)forced;
+    return 1;
+}
+
+int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
+{
+    (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)N; (void)C; (void)H; (void)W; (void)K;
     return 1;
 }
 #endif

@@ -42,9 +42,12 @@ size_t kiln_cpu_scratch_cached(void);
  * forced (KILN_CONV_PATH names the path): run wherever the shape allows, past the
  * size heuristics ---- */
 
-/* Winograd F(4,3), tiles in vector lanes (conv2d_winograd.c): images of many tiles. */
+/* Winograd F(4,3) / F(6,3), tiles in vector lanes (conv2d_winograd.c): images of many tiles. */
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p, int forced);
+/* The same path for kiln_cpu_conv2d_up2: F(4,2) on the four parity kernels. */
+int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K);
 /* Winograd F(4,3), output channels in vector lanes (conv2d_winograd_few.c): few tiles. */
 int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                  const kiln_conv2d_params *p, int forced);

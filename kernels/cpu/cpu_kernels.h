@@ -37,6 +37,11 @@ kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p);
 /* y[N,K,OH,OW] = conv2d(x, w) + bias, as torch.nn.functional.conv2d. w is f32/f16/bf16. */
 kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, const kiln_conv2d_params *p);
+/* y[N,K,2H,2W] = conv2d(upsample_nearest(x[N,C,H,W], 2), w[K,C,3,3], padding 1) + bias
+ * without the upsampled image (the decoders' Upsample blocks); results as the two ops
+ * in a row, to rounding. */
+kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                int64_t N, int64_t C, int64_t H, int64_t W, int64_t K);
 
 /* Memory-efficient attention: out[B,Lq,Dv] = softmax(q k^T * scale) v for contiguous
  * q[B,Lq,D], k[B,Lk,D], v[B,Lk,Dv] (B = batch*heads). Streams over key blocks with an
