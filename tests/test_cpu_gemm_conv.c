@@ -621,15 +621,15 @@ static void t_conv_winograd_tiles(void)
 }
 
 /* Nearest 2x upsampling fused with a 3x3 convolution (kiln_cpu_conv2d_up2: F(4,2) on the
- * four parity kernels, or the two ops in a row where it declines) against upsampling
+ * four parity kernels from 64 tiles a parity, the two ops in a row below) against upsampling
  * then the GEMM path: odd sizes, tile rows ending inside a 16-tile block, batches,
  * channel counts off the sliver and block sizes, several strips, f32 / f16 / bf16. */
 static void t_conv_up2(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
     static const int64_t cfg[][5] = { /* n, c, h, w, k */
-        {1, 32, 16, 16, 32}, {2, 40, 13, 9, 50}, {1, 64, 37, 23, 36}, {1, 96, 60, 50, 60},
-        {1, 130, 21, 19, 61}, {1, 8, 10, 10, 5}};
+        {1, 32, 32, 32, 32}, {2, 40, 33, 30, 50}, {1, 64, 37, 29, 36}, {1, 96, 60, 50, 60},
+        {1, 130, 41, 39, 61}, {1, 8, 10, 10, 5}}; /* the last: the unfused pair */
     static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
     for (int ci = 0; ci < 6; ci++) {
         const int64_t *q = cfg[ci];

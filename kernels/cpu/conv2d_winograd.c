@@ -44,7 +44,7 @@ typedef struct wino_ctx {
     const kiln_conv2d_params *p; /* r x r kernel (pads and oh, ow may be set for an upsampling parity) */
     const float *x;             /* image n: [C, H, W] */
     float *y;                   /* image n: [K, yh, yw] */
-    const void *w;              /* [K][C][3][3] (r = 3), or [C][2][2][K] f32 (r = 2) */
+    const void *w;              /* [K][C][3][3] (for r = 2 too: weight_tiles makes the parity's 2x2 kernel) */
     kiln_dtype w_dt;
     const float *bias;
     int m, r, a, P, nv;         /* F(m x m, r x r): input tile a = m + r - 1, P = a * a points, nv window vectors */
@@ -133,12 +133,30 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                         x = _mm512_mask_blend_epi32(0xFFF0, _mm512_alignr_epi32(t0, t0, 8), _mm512_alignr_epi32(t1, t1, 12));
                     gv[e] = _mm512_castsi512_ps(x);
                 }
-                __m512 t[3][MAXA]; /* t[s][i] = (G g)[i][s] */
-                for (int s3 = 0; s3 < 3; s3++) g_apply(A, gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
-                for (int i = 0; i < A; i++) {
-                    __m512 o[MAXA];
-                    g_apply(A, t[0][i], t[1][i], t[2][i], o);
-                    for (int j = 0; j < A; j++) u[q][i * A + j] = o[j];
+                if (A == 5) { /* the 2x2 kernel of parity (py, px), then F(4,2)'s G */
+                    __m512 h[2][3], w2[2][2], t[2][5];
+                    for (int s3 = 0; s3 < 3; s3++) {
+                        h[0][s3] = c->py ? _mm512_add_ps(gv[s3], gv[3 + s3]) : gv[s3];
+                        h[1][s3] = c->py ? gv[6 + s3] : _mm512_add_ps(gv[3 + s3], gv[6 + s3]);
+                    }
+                    for (int a2 = 0; a2 < 2; a2++) {
+                        w2[a2][0] = c->px ? _mm512_add_ps(h[a2][0], h[a2][1]) : h[a2][0];
+                        w2[a2][1] = c->px ? h[a2][2] : _mm512_add_ps(h[a2][1], h[a2][2]);
+                    }
+                    for (int b2 = 0; b2 < 2; b2++) G5_APPLY(w2[0][b2], w2[1][b2], t[b2]);
+                    for (int i = 0; i < 5; i++) {
+                        __m512 o[5];
+                        G5_APPLY(t[0][i], t[1][i], o);
+                        for (int j = 0; j < 5; j++) u[q][i * 5 + j] = o[j];
+                    }
+                } else {
+                    __m512 t[3][MAXA]; /* t[s][i] = (G g)[i][s] */
+                    for (int s3 = 0; s3 < 3; s3++) g_apply(A, gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
+                    for (int i = 0; i < A; i++) {
+                        __m512 o[MAXA];
+                        g_apply(A, t[0][i], t[1][i], t[2][i], o);
+                        for (int j = 0; j < A; j++) u[q][i * A + j] = o[j];
+                    }
                 }
             }
             float *dst = c->U + (sl * C + c0 + cq) * 12;
@@ -157,50 +175,10 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     }
 }
 
-/* F(4,2) (the parity kernels of an upsampling convolution, f32 [C][2][2][K]): task = one
- * A sliver times 16 input channels, as above; 12 outputs side by side in the source
- * rows, so plain loops over them vectorize. U (5x5) = G w G^T with G's rows scaled as
- * winograd_transforms.h says. */
-static void weight2_tiles(const wino_ctx *c, int64_t begin, int64_t end)
-{
-    const int64_t C = c->C, K = c->K, chunks = (C + 15) / 16;
-    const float *w = c->w;
-    const size_t su = (size_t)c->su;
-    for (int64_t task = begin; task < end; task++) {
-        int64_t sl = task / chunks, c0 = (task % chunks) * 16;
-        int64_t cn = C - c0 < 16 ? C - c0 : 16, kk0 = 12 * sl, kn = c->kb - kk0 < 12 ? c->kb - kk0 : 12;
-        for (int64_t ci = c0; ci < c0 + cn; ci++) {
-            float g[4][12], t[2][5][12], u[25][12];
-            for (int e = 0; e < 4; e++)
-                for (int kk = 0; kk < 12; kk++) g[e][kk] = kk < kn ? w[(ci * 4 + e) * K + c->k0 + kk0 + kk] : 0.0f;
-            for (int b = 0; b < 2; b++) /* t[b][i] = (G g)[i][b] */
-                for (int kk = 0; kk < 12; kk++) {
-                    float g0 = g[b][kk], g1 = g[2 + b][kk];
-                    t[b][0][kk] = g0;
-                    t[b][1][kk] = 0.5f * (g0 + g1);
-                    t[b][2][kk] = (g1 - g0) * (1.0f / 6);
-                    t[b][3][kk] = -(8.0f * g0 + 4.0f * g1) * (1.0f / 3);
-                    t[b][4][kk] = 0.5f * g1;
-                }
-            for (int i = 0; i < 5; i++)
-                for (int kk = 0; kk < 12; kk++) {
-                    float g0 = t[0][i][kk], g1 = t[1][i][kk];
-                    u[i * 5 + 0][kk] = g0;
-                    u[i * 5 + 1][kk] = 0.5f * (g0 + g1);
-                    u[i * 5 + 2][kk] = (g1 - g0) * (1.0f / 6);
-                    u[i * 5 + 3][kk] = -(8.0f * g0 + 4.0f * g1) * (1.0f / 3);
-                    u[i * 5 + 4][kk] = 0.5f * g1;
-                }
-            float *dst = c->U + (sl * C + ci) * 12;
-            for (int xi = 0; xi < 25; xi++) memcpy(dst + xi * su, u[xi], sizeof u[xi]);
-        }
-    }
-}
-
 AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
-    if (c->r == 2) weight2_tiles(c, begin, end);
+    if (c->a == 5) weight_tiles(c, begin, end, 5);
     else if (c->a == 8) weight_tiles(c, begin, end, 8);
     else weight_tiles(c, begin, end, 6);
 }
@@ -568,6 +546,10 @@ static void plan(int64_t C, int64_t K, int64_t T, int P, int64_t *kb, int64_t *t
         return;
     }
     *kb = channel_block((double)U_MAX_BYTES, C, K, P);
+    if (*kb < K) { /* blocks of about equal size (each costs a pass of input transforms) */
+        int64_t nkb = (K + *kb - 1) / *kb, even = ((K + nkb - 1) / nkb + 47) / 48 * 48;
+        if (even < *kb) *kb = even;
+    }
     int64_t t = (int64_t)((double)STRIP_MAX_BYTES / (unit * (double)(C + *kb)));
     if (t < MIN_STRIP) t = MIN_STRIP;
     int64_t nstrip = (T + t - 1) / t;            /* strips of equal size */
@@ -784,56 +766,27 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
 /* Output (2i + py, 2j + px) of the 3x3 kernel on the upsampled image reads input rows
  * i - 1 + py + a and columns j - 1 + px + b (a, b in {0, 1}) of x: a 2x2 kernel per
  * parity, whose taps sum those of the 3x3 kernel that land on the same input pixel
- * (rows: py = 0 takes {0} and {1, 2}, py = 1 takes {0, 1} and {2}). Four 2x2
- * convolutions of the small image with F(4x4, 2x2): 25 products per 16 outputs instead of
- * F(4x4, 3x3)'s 36 on the upsampled image, which is never made (4x the input's memory). */
-typedef struct {
-    const void *w;
-    kiln_dtype w_dt;
-    float *wp;                  /* [4 parities][C][2][2][K] */
-    int64_t C, K;
-} parity_job;
-
-static void parity_fn(void *vctx, int64_t begin, int64_t end)
-{
-    const parity_job *j = vctx;
-    static const int lo[2][2] = {{0, 1}, {0, 2}}, hi[2][2] = {{0, 2}, {1, 2}}; /* [parity][a]: rows lo..hi */
-    const size_t esz = kiln_dtype_size(j->w_dt);
-    for (int64_t ci = begin; ci < end; ci++)
-        for (int64_t k = 0; k < j->K; k++) {
-            float g[9];
-            kiln_to_f32(g, (const char *)j->w + (size_t)((k * j->C + ci) * 9) * esz, j->w_dt, 9);
-            for (int py = 0; py < 2; py++)
-                for (int px = 0; px < 2; px++)
-                    for (int a = 0; a < 2; a++)
-                        for (int b = 0; b < 2; b++) {
-                            float sum = 0;
-                            for (int rr = lo[py][a]; rr <= hi[py][a]; rr++)
-                                for (int ss = lo[px][b]; ss <= hi[px][b]; ss++) sum += g[rr * 3 + ss];
-                            j->wp[(((size_t)(py * 2 + px) * j->C + ci) * 4 + a * 2 + b) * j->K + k] = sum;
-                        }
-        }
-}
-
+ * (rows: py = 0 takes {0} and {1, 2}, py = 1 takes {0, 1} and {2}; weight_tiles makes
+ * them on the fly). Four 2x2 convolutions of the small image with F(4x4, 2x2): 25
+ * products per 16 outputs instead of F(4x4, 3x3)'s 36 on the upsampled image, which is
+ * never made (4x the input's memory). */
 int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                  int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
 {
     if (!kiln_cpu_gemm_have_simd()) return 1;
-    /* as for the 3x3 path: few channels or few tiles go the plain way */
-    if (C < 32 || K < 32 || ((H + 3) / 4) * ((W + 3) / 4) < 16 || 4 * H * W >= ((int64_t)1 << 30)) return 1;
-    size_t nwp = (size_t)16 * (size_t)C * (size_t)K;
-    float *wp = kiln_cpu_scratch_get(nwp * sizeof(float));
-    if (!wp) return -1;
-    parity_job pj = {w, w_dtype, wp, C, K};
-    kiln_parallel_for(C, 1, parity_fn, &pj);
+    /* Few channels go the plain way, as for the 3x3 path, and so do small images: with
+     * fewer than 64 tiles a parity the unfused pair is faster (it runs on the few-tiles
+     * path; 2 Zen 4 cores, f16 weights, fused vs unfused: 16 -> 32, 1280 channels 69 vs
+     * 48 ms; 32 -> 64, 640 channels 40 vs 48; 64 -> 128, 512 channels 82 vs 108;
+     * 128 -> 256, 512 channels 295 vs 448; 256 -> 512, 256 channels 310 vs 420). */
+    if (C < 32 || K < 32 || ((H + 3) / 4) * ((W + 3) / 4) < 64 || 4 * H * W >= ((int64_t)1 << 30)) return 1;
     int rc = 0;
     for (int par = 0; par < 4 && rc == 0; par++) {
         int py = par / 2, px = par % 2;
         kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W};
         wino_map mp = {4, 2, 1, py, px, 2 * W, 4 * H * W};
-        rc = wino_run(y, x, wp + (size_t)par * 4 * C * K, KILN_F32, bias, &q, &mp);
+        rc = wino_run(y, x, w, w_dtype, bias, &q, &mp);
     }
-    kiln_cpu_scratch_put(wp);
     return rc;
 }
 

@@ -131,9 +131,17 @@
                                              _mm512_fmadd_ps(_mm512_set1_ps(32.0f), d34_, d12_)), m[7]);         \
     } while (0)
 
-/* F(4,2): B^T (5x5), A^T (4x5); G (5x2) is applied by the caller (g0, (g0+g1)/2,
- * (g1-g0)/6, -(8 g0 + 4 g1)/3, g1/2). The rows of B^T are scaled to small integers and
- * G's rows by the inverse factors (the products U . V are unchanged). */
+/* F(4,2): G (5x2), B^T (5x5), A^T (4x5). The rows of B^T are scaled to small integers
+ * and G's rows by the inverse factors (the products U . V are unchanged). */
+#define G5_APPLY(g0, g1, o)                                                                                     \
+    do {                                                                                                        \
+        o[0] = g0;                                                                                              \
+        o[1] = _mm512_mul_ps(_mm512_add_ps(g0, g1), _mm512_set1_ps(0.5f));                                       \
+        o[2] = _mm512_mul_ps(_mm512_sub_ps(g1, g0), _mm512_set1_ps(1.0f / 6));                                   \
+        o[3] = _mm512_fmadd_ps(g0, _mm512_set1_ps(-8.0f / 3), _mm512_mul_ps(g1, _mm512_set1_ps(-4.0f / 3)));      \
+        o[4] = _mm512_mul_ps(g1, _mm512_set1_ps(0.5f));                                                          \
+    } while (0)
+
 #define BT5_APPLY(d, o)                                                                                         \
     do {                                                                                                        \
         __m512 t_ = _mm512_sub_ps(d[3], d[1]), two_ = _mm512_set1_ps(2.0f);                                      \
