@@ -40,7 +40,7 @@ static void pair_field(lua_State *L, int idx, const char *key, int64_t *v, int64
     lua_pop(L, 1);
 }
 
-/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=}]) */
+/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=, upsample=}]) */
 static int nn_conv2d(lua_State *L)
 {
     kiln_tensor *x = l_check_tensor(L, 1), *w = l_check_tensor(L, 2), *b = NULL, *r;
@@ -53,6 +53,7 @@ static int nn_conv2d(lua_State *L)
     pair_field(L, opt, "padding", o.padding, 0);
     pair_field(L, opt, "dilation", o.dilation, 1);
     o.groups = l_opt_int_field(L, opt, "groups", 1);
+    o.upsample = l_opt_int_field(L, opt, "upsample", 1);
     return push(L, kiln_op_conv2d(x, w, b, &o, &r), &r);
 }
 

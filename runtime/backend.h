@@ -33,6 +33,7 @@ typedef enum { KILN_OP_COPY, KILN_OP_FILL, KILN_OP_BINARY, KILN_OP_UNARY, KILN_O
 
 typedef struct {
     int64_t stride[2], padding[2], dilation[2], groups;
+    int64_t upsample;  /* 2: the input is upsampled 2x (nearest) first; 0 or 1: not */
 } kiln_conv_opts;
 
 struct kiln_backend {
@@ -54,6 +55,11 @@ struct kiln_backend {
     kiln_status (*linear)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias);
     kiln_status (*conv2d)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                           const kiln_tensor *bias, const kiln_conv_opts *o);
+    /* out [N,K,2H,2W] = conv2d(upsample_nearest(x [N,C,H,W], 2), w [K,C,3,3], padding 1)
+     * + bias, without the upsampled image; optional (NULL, or KILN_ERR_UNSUPPORTED returned
+     * without touching out: the op upsamples first) */
+    kiln_status (*conv2d_up2)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                              const kiln_tensor *bias);
     kiln_status (*group_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                               const kiln_tensor *b, int64_t groups, double eps, int silu);
     kiln_status (*layer_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,

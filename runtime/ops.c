@@ -219,12 +219,52 @@ kiln_status kiln_op_linear(const kiln_tensor *x, const kiln_tensor *w, const kil
     return KILN_OK;
 }
 
+/* conv2d with opts.upsample = 2: fused where the backend has conv2d_up2 and the shape is
+ * the decoders' Upsample block (3x3, stride 1, padding 1, no dilation or groups); else
+ * the upsampled input is made, used and freed here. */
+static kiln_status conv2d_upsampled(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
+                                    const kiln_conv_opts *o, kiln_tensor **out)
+{
+    char b1[128];
+    kiln_status st;
+    if (x->ndim != 4) return kiln_error(KILN_ERR_ARG, "conv2d: input %s must be 4-d [N, C, H, W]", SHAPE(x, b1));
+    const kiln_backend *be = be_of(x);
+    int fused = be->conv2d_up2 && w->ndim == 4 && w->shape[2] == 3 && w->shape[3] == 3 && w->shape[1] == x->shape[1] &&
+                o->groups == 1 && o->stride[0] == 1 && o->stride[1] == 1 && o->padding[0] == 1 &&
+                o->padding[1] == 1 && o->dilation[0] == 1 && o->dilation[1] == 1 && x->shape[0] >= 1;
+    if (fused) {
+        if ((st = same_device("conv2d", x, w))) return st;
+        if ((st = check_vec("conv2d", "bias", b, w->shape[0], x))) return st;
+        int64_t shape[4] = {x->shape[0], w->shape[0], 2 * x->shape[2], 2 * x->shape[3]};
+        kiln_tensor *r;
+        if ((st = new_like(x, float_of(x->dtype), 4, shape, &r))) return st;
+        st = be->conv2d_up2(r, x, w, b);
+        if (st == KILN_OK) {
+            *out = r;
+            return KILN_OK;
+        }
+        kiln_tensor_free(r);
+        if (st != KILN_ERR_UNSUPPORTED) return st;
+    }
+    kiln_tensor *u;
+    if ((st = kiln_op_resample(KILN_RS_NEAREST, x, 2 * x->shape[2], 2 * x->shape[3], &u))) return st;
+    kiln_conv_opts plain = *o;
+    plain.upsample = 1;
+    st = kiln_op_conv2d(u, w, b, &plain, out);
+    kiln_tensor_free(u);
+    return st;
+}
+
 kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
                            const kiln_conv_opts *o, kiln_tensor **out)
 {
     *out = NULL;
     char b1[128], b2[128];
     kiln_status st;
+    if (o->upsample != 0 && o->upsample != 1 && o->upsample != 2)
+        return kiln_error(KILN_ERR_ARG, "conv2d: upsample=%lld (1 or 2: nearest 2x before the convolution)",
+                          (long long)o->upsample);
+    if (o->upsample == 2) return conv2d_upsampled(x, w, b, o, out);
     if ((st = same_device("conv2d", x, w))) return st;
     if (x->ndim != 4) return kiln_error(KILN_ERR_ARG, "conv2d: input %s must be 4-d [N, C, H, W]", SHAPE(x, b1));
     if (w->ndim != 4) return kiln_error(KILN_ERR_ARG, "conv2d: weight %s must be 4-d [out, in/groups, kh, kw]", SHAPE(w, b1));

@@ -111,6 +111,26 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
     return st;
 }
 
+static kiln_status cpu_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                  const kiln_tensor *bias)
+{
+    /* not fused: the op upsamples into a tensor of its own (counted, unlike scratch) */
+    if (!kiln_cpu_conv2d_up2_fuses(x->shape[1], x->shape[2], x->shape[3], w->shape[0])) return KILN_ERR_UNSUPPORTED;
+    kiln_status st;
+    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
+    kiln_dtype wdt;
+    const float *X = f32_data(x, &tx, &st);
+    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
+    const float *Bv = NULL;
+    if (W && bias) Bv = f32_data(bias, &tb, &st);
+    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
+    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    st = kiln_cpu_conv2d_up2(Y, X, W, wdt, Bv, x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0]);
+    finish_out(out, to);
+    FREE3(tx, tw, tb);
+    return st;
+}
+
 static kiln_status cpu_group_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                                   const kiln_tensor *b, int64_t groups, double eps, int silu)
 {
@@ -241,6 +261,7 @@ static const kiln_backend cpu_backend = {
     .matmul = cpu_matmul,
     .linear = cpu_linear,
     .conv2d = cpu_conv2d,
+    .conv2d_up2 = cpu_conv2d_up2,
     .group_norm = cpu_group_norm,
     .layer_norm = cpu_layer_norm,
     .softmax = cpu_softmax,

@@ -770,16 +770,21 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
  * them on the fly). Four 2x2 convolutions of the small image with F(4x4, 2x2): 25
  * products per 16 outputs instead of F(4x4, 3x3)'s 36 on the upsampled image, which is
  * never made (4x the input's memory). */
-int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
+int kiln_cpu_conv2d_up2_fuses(int64_t C, int64_t H, int64_t W, int64_t K)
 {
-    if (!kiln_cpu_gemm_have_simd()) return 1;
     /* Few channels go the plain way, as for the 3x3 path, and so do small images: with
      * fewer than 64 tiles a parity the unfused pair is faster (it runs on the few-tiles
      * path; 2 Zen 4 cores, f16 weights, fused vs unfused: 16 -> 32, 1280 channels 69 vs
      * 48 ms; 32 -> 64, 640 channels 40 vs 48; 64 -> 128, 512 channels 82 vs 108;
      * 128 -> 256, 512 channels 295 vs 448; 256 -> 512, 256 channels 310 vs 420). */
-    if (C < 32 || K < 32 || ((H + 3) / 4) * ((W + 3) / 4) < 64 || 4 * H * W >= ((int64_t)1 << 30)) return 1;
+    return kiln_cpu_gemm_have_simd() && C >= 32 && K >= 32 && ((H + 3) / 4) * ((W + 3) / 4) >= 64 &&
+           4 * H * W < ((int64_t)1 << 30);
+}
+
+int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K)
+{
+    if (!kiln_cpu_conv2d_up2_fuses(C, H, W, K)) return 1;
     int rc = 0;
     for (int par = 0; par < 4 && rc == 0; par++) {
         int py = par / 2, px = par % 2;
@@ -796,6 +801,12 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
 {
     (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p; (void)forced;
     return 1;
+}
+
+int kiln_cpu_conv2d_up2_fuses(int64_t C, int64_t H, int64_t W, int64_t K)
+{
+    (void)C; (void)H; (void)W; (void)K;
+    return 0;
 }
 
 int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,

@@ -42,6 +42,9 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
  * in a row, to rounding. */
 kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                 int64_t N, int64_t C, int64_t H, int64_t W, int64_t K);
+/* Whether kiln_cpu_conv2d_up2 fuses this shape (else it upsamples into scratch first:
+ * callers that track memory upsample into their own tensor instead). */
+int kiln_cpu_conv2d_up2_fuses(int64_t C, int64_t H, int64_t W, int64_t K);
 
 /* Memory-efficient attention: out[B,Lq,Dv] = softmax(q k^T * scale) v for contiguous
  * q[B,Lq,D], k[B,Lk,D], v[B,Lk,Dv] (B = batch*heads). Streams over key blocks with an

@@ -363,11 +363,8 @@ function UNet:_layer(ly, x, emb_silu, context)
   if ly.kind == "attn" then return self:_spatial_transformer(ly, x, context) end
   if ly.kind == "conv" then return nn.conv2d(x, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1 }) end
   if ly.kind == "down" then return nn.conv2d(x, self:w(p .. "op.weight"), self:w(p .. "op.bias"), { stride = 2, padding = 1 }) end
-  if ly.kind == "up" then
-    local u = nn.upsample_nearest(x, 2)
-    local r = nn.conv2d(u, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1 })
-    u:free()
-    return r
+  if ly.kind == "up" then -- nearest 2x then the conv, fused where that is faster
+    return nn.conv2d(x, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1, upsample = 2 })
   end
   error("UNet: unknown layer kind " .. tostring(ly.kind))
 end

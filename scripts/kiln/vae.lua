@@ -353,10 +353,8 @@ function VAE:_dec_up(i, h)
   for j = 0, cfg.num_res_blocks do
     h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h))
   end
-  if i ~= 0 then
-    local u = nn.upsample_nearest(h, 2)
-    h:free()
-    h = step(u, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), u, { padding = 1 }))
+  if i ~= 0 then -- nearest 2x then the conv, fused: the upsampled image is never made
+    h = step(h, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), h, { padding = 1, upsample = 2 }))
   end
   return h
 end

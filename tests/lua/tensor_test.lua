@@ -195,6 +195,51 @@ test("thread count changes keep results identical", function()
   eq((a - c):abs():max(), 0, "more threads")
 end)
 
+-- conv2d {upsample = 2}: nearest 2x then the convolution, fused on the CPU where the shape
+-- allows (3x3, stride 1, padding 1, >= 32 channels, >= 128x128 outputs), otherwise the
+-- two ops in a row; the same numbers as upsample_nearest then conv2d either way.
+test("conv2d upsample = 2 matches upsample_nearest then conv2d", function()
+  local cases = {
+    { 1, 48, 40, 36, 40, 3, 1, "f16" }, -- fused
+    { 2, 32, 34, 32, 33, 3, 1, "f32" }, -- fused, batch 2
+    { 1, 8, 10, 12, 5, 3, 1, "f32" },   -- few channels: unfused
+    { 1, 16, 9, 9, 8, 1, 0, "f32" },    -- 1x1: unfused
+  }
+  for _, c in ipairs(cases) do
+    local n, ch, h, w, k, ks, pad, dt = table.unpack(c)
+    local x = kiln.randn({ n, ch, h, w }, { seed = 5 })
+    local wt = (kiln.randn({ k, ch, ks, ks }, { seed = 6 }) * 0.1):to(dt)
+    local b = kiln.randn({ k }, { seed = 7 })
+    local u = kiln.nn.upsample_nearest(x, 2)
+    local ref = kiln.nn.conv2d(u, wt, b, { padding = pad })
+    local got = kiln.nn.conv2d(x, wt, b, { padding = pad, upsample = 2 })
+    eq(table.concat(got.shape, ","), table.concat(ref.shape, ","), "shape")
+    local d = (got - ref):abs():max() / ref:abs():max()
+    H.truthy(d <= 1e-4, ("%d ch %dx%d k%d %s: relative difference %g"):format(ch, h, w, ks, dt, d))
+  end
+  raises(function() return kiln.nn.conv2d(kiln.zeros({ 1, 4, 8, 8 }), kiln.zeros({ 4, 4, 3, 3 }), nil, { upsample = 3 }) end,
+    "upsample=3")
+end)
+
+test("conv2d upsample = 2 does not make the upsampled image (sim peak)", function()
+  local x = kiln.randn({ 1, 64, 64, 64 }, { device = "sim", seed = 8 })
+  local wt = (kiln.randn({ 64, 64, 3, 3 }, { seed = 9 }) * 0.05):to("f16"):to("sim")
+  local base = kiln.mem.stats("sim").allocated
+  kiln.mem.reset_peak("sim")
+  local y = kiln.nn.conv2d(x, wt, nil, { padding = 1, upsample = 2 })
+  local fused = kiln.mem.stats("sim").peak - base
+  y:free()
+  kiln.mem.reset_peak("sim")
+  local u = kiln.nn.upsample_nearest(x, 2)
+  local y2 = kiln.nn.conv2d(u, wt, nil, { padding = 1 })
+  u:free()
+  local unfused = kiln.mem.stats("sim").peak - base
+  y2:free()
+  local out = 64 * 128 * 128 * 4
+  eq(fused, out, "fused: the output only")
+  eq(unfused, 2 * out, "unfused: upsampled input and output")
+end)
+
 test("sha256_file matches FIPS 180-4 test vector", function()
   local p = os.tmpname()
   local f = assert(io.open(p, "wb")); f:write("abc"); f:close()
