@@ -570,54 +570,60 @@ static void t_conv_winograd_blocks(void)
     }
 }
 
-/* Winograd with tiles in the lanes (conv2d_winograd.c), F(4,3) and F(6,3), against the
- * GEMM path on the same data: tile rows that end inside a 16-tile block (the gather
- * patch), images whose sides 4 and 6 do not divide, pads 0 to 4, batches, channel counts
- * off the 12-row slivers and the 48-channel blocks, several strips, f32 / f16 / bf16
- * weights. */
+/* A 3x3 convolution (q: n, c, h, w, k, pad) per weight dtype through `path` with the
+ * environment variable `knob` set to each of `vals` in turn, against the GEMM path on
+ * the same data; every output written (NaN-filled first), nothing outside y. */
+static void winograd_vs_gemm(const int64_t *q, int with_bias, const char *path, const char *knob,
+                             const char *const *vals, int nvals)
+{
+    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
+    kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0};
+    kiln_conv2d_out_size(&p);
+    int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
+    float *x = rand_buf(nx), *w = rand_buf(nw), *b = with_bias ? rand_buf(p.k) : NULL;
+    float *y1 = guarded(ny), *y2 = guarded(ny);
+    uint16_t *wh = malloc((size_t)nw * sizeof *wh);
+    double *R = malloc((size_t)ny * sizeof *R);
+    if (!x || !w || (!b && with_bias) || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
+    for (int d = 0; d < 3; d++) {
+        const void *wp = w;
+        if (dts[d] != KILN_F32) {
+            for (int64_t i = 0; i < nw; i++) wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
+            wp = wh;
+        }
+        set_path("gemm");
+        CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
+        for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
+        for (int v = 0; v < nvals; v++) {
+            set_path(path);
+            setenv(knob, vals[v], 1);
+            for (int64_t i = 0; i < ny; i++) y2[i] = NAN;
+            CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "%s: %s", path, kiln_last_error());
+            unsetenv(knob);
+            set_path("auto");
+            double e = rel_err(y2, R, ny);
+            CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s, %s=%s: %s vs gemm rel err %.3g", (long long)p.n,
+                  (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k, (long long)p.pad_h,
+                  kiln_dtype_name(dts[d]), knob, vals[v], path, e);
+            CHECK(guards_ok(y2, ny), "%s wrote outside y", path);
+        }
+        CHECK(guards_ok(y1, ny), "gemm wrote outside y");
+    }
+    free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
+}
+
+/* Winograd with tiles in the lanes (conv2d_winograd.c), F(4,3) and F(6,3): tile rows that
+ * end inside a 16-tile block (the gather patch), images whose sides 4 and 6 do not
+ * divide, pads 0 to 4, batches, channel counts off the 12-row slivers and the 48-channel
+ * blocks, several strips. */
 static void t_conv_winograd_tiles(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
     static const int64_t cfg[][6] = { /* n, c, h, w, k, pad */
         {1, 40, 37, 23, 50, 1}, {2, 33, 20, 44, 36, 0}, {1, 96, 120, 100, 60, 1},
         {1, 130, 31, 29, 61, 2}, {1, 48, 18, 18, 48, 4}, {1, 32, 97, 13, 32, 3}};
-    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
-    for (int ci = 0; ci < 6; ci++) {
-        const int64_t *q = cfg[ci];
-        kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0};
-        kiln_conv2d_out_size(&p);
-        int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
-        float *x = rand_buf(nx), *w = rand_buf(nw), *b = ci % 2 ? NULL : rand_buf(p.k);
-        float *y1 = guarded(ny), *y2 = guarded(ny);
-        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
-        double *R = malloc((size_t)ny * sizeof *R);
-        if (!x || !w || (!b && ci % 2 == 0) || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
-        for (int d = 0; d < 3; d++) {
-            const void *wp = w;
-            if (dts[d] != KILN_F32) {
-                for (int64_t i = 0; i < nw; i++)
-                    wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
-                wp = wh;
-            }
-            set_path("gemm");
-            CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
-            for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
-            for (int tile = 4; tile <= 6; tile += 2) {
-                set_path("winograd");
-                setenv("KILN_WINOGRAD_TILE", tile == 4 ? "4" : "6", 1);
-                for (int64_t i = 0; i < ny; i++) y2[i] = NAN; /* every output must be written */
-                CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd: %s", kiln_last_error());
-                unsetenv("KILN_WINOGRAD_TILE");
-                set_path("auto");
-                double e = rel_err(y2, R, ny);
-                CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s F(%d,3): winograd vs gemm rel err %.3g",
-                      (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k,
-                      (long long)p.pad_h, kiln_dtype_name(dts[d]), tile, e);
-                CHECK(guards_ok(y2, ny), "F(%d,3) wrote outside y", tile);
-            }
-        }
-        free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
-    }
+    static const char *const tiles[2] = {"4", "6"};
+    for (int ci = 0; ci < 6; ci++) winograd_vs_gemm(cfg[ci], ci % 2 == 0, "winograd", "KILN_WINOGRAD_TILE", tiles, 2);
 }
 
 /* Nearest 2x upsampling fused with a 3x3 convolution (kiln_cpu_conv2d_up2: F(4,2) on the
@@ -665,53 +671,18 @@ static void t_conv_up2(void)
     }
 }
 
-/* Winograd with output channels in the lanes (conv2d_winograd_few.c), F(2,3) and F(4,3),
- * against the GEMM path on the same data: channel counts off the 16-lane and 96-channel
- * blocks and the 128-channel chunks, batches, odd sizes, pads 0 and 2, f32 / f16 / bf16
- * weights. */
+/* Winograd with output channels in the lanes (conv2d_winograd_few.c), F(2,3) and F(4,3):
+ * channel counts off the 16-lane and 96-channel blocks and the 128-channel chunks,
+ * batches, odd sizes, pads 0 and 2. */
 static void t_conv_winograd_few(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
     static const int64_t cfg[][6] = { /* n, c, h, w, k, pad */
         {1, 1280, 8, 8, 1280, 1}, {2, 300, 16, 16, 200, 1}, {1, 70, 13, 9, 33, 1},
         {3, 64, 7, 7, 97, 0}, {1, 130, 10, 11, 16, 2}, {2, 48, 24, 20, 100, 1}};
-    static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
-    for (int ci = 0; ci < 6; ci++) {
-        const int64_t *q = cfg[ci];
-        kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0};
-        kiln_conv2d_out_size(&p);
-        int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
-        float *x = rand_buf(nx), *w = rand_buf(nw), *b = ci % 2 ? NULL : rand_buf(p.k);
-        float *y1 = guarded(ny), *y2 = guarded(ny);
-        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
-        double *R = malloc((size_t)ny * sizeof *R);
-        if (!x || !w || (!b && ci % 2 == 0) || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
-        for (int d = 0; d < 3; d++) {
-            const void *wp = w;
-            if (dts[d] != KILN_F32) {
-                for (int64_t i = 0; i < nw; i++)
-                    wh[i] = dts[d] == KILN_F16 ? kiln_f32_to_f16(w[i]) : kiln_f32_to_bf16(w[i]);
-                wp = wh;
-            }
-            set_path("gemm");
-            CHECK(kiln_cpu_conv2d(y1, x, wp, dts[d], b, &p) == KILN_OK, "gemm: %s", kiln_last_error());
-            for (int64_t i = 0; i < ny; i++) R[i] = y1[i];
-            for (int tile = 2; tile <= 4; tile += 2) { /* F(2,3) and F(4,3) */
-                set_path("winograd-few");
-                setenv("KILN_WINOGRAD_FEW_TILE", tile == 2 ? "2" : "4", 1);
-                CHECK(kiln_cpu_conv2d(y2, x, wp, dts[d], b, &p) == KILN_OK, "winograd-few: %s", kiln_last_error());
-                unsetenv("KILN_WINOGRAD_FEW_TILE");
-                set_path("auto");
-                double e = rel_err(y2, R, ny);
-                CHECK(e <= 1e-4, "n%lld c%lld %lldx%lld k%lld pad %lld %s F(%d,3): winograd-few vs gemm rel err %.3g",
-                      (long long)p.n, (long long)p.c, (long long)p.h, (long long)p.w, (long long)p.k,
-                      (long long)p.pad_h, kiln_dtype_name(dts[d]), tile, e);
-                CHECK(guards_ok(y2, ny), "wrote outside y");
-            }
-            CHECK(guards_ok(y1, ny), "wrote outside y");
-        }
-        free(x); free(w); free(b); free(wh); guarded_free(y1); guarded_free(y2); free(R);
-    }
+    static const char *const tiles[2] = {"2", "4"};
+    for (int ci = 0; ci < 6; ci++)
+        winograd_vs_gemm(cfg[ci], ci % 2 == 0, "winograd-few", "KILN_WINOGRAD_FEW_TILE", tiles, 2);
 }
 
 /* Two host threads convolving at once (the scratch cache hands each its own block),

@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* *tmp receives a contiguous f32 copy when t is not already one; returns the data. */
 static const float *f32_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_status *st)
@@ -67,22 +68,48 @@ static kiln_status cpu_matmul(kiln_tensor *out, const kiln_tensor *a, const kiln
     return KILN_OK;
 }
 
-static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
+/* The operands of a weighted op (linear, conv2d): x and bias as contiguous f32, w in
+ * its own dtype (f32/f16/bf16), out's buffer; the temporaries go back with wop_done. */
+typedef struct {
+    const float *X, *B;
+    const void *W;
+    kiln_dtype wdt;
+    float *Y;
+    kiln_tensor *tx, *tw, *tb, *to;
+} wop;
+
+static kiln_status wop_get(wop *o, kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                           const kiln_tensor *bias)
 {
     kiln_status st = KILN_OK;
-    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
-    kiln_dtype wdt;
-    const float *X = f32_data(x, &tx, &st);
-    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
-    const float *Bv = NULL;
-    if (W && bias) Bv = f32_data(bias, &tb, &st);
-    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
-    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
+    memset(o, 0, sizeof *o);
+    o->X = f32_data(x, &o->tx, &st);
+    o->W = o->X ? w_data(w, &o->tw, &st, &o->wdt) : NULL;
+    if (o->W && bias) o->B = f32_data(bias, &o->tb, &st);
+    o->Y = (o->W && (!bias || o->B)) ? out_data(out, &o->to, &st) : NULL;
+    if (!o->Y) {
+        FREE3(o->tx, o->tw, o->tb);
+        kiln_tensor_free(o->to);
+        return st ? st : KILN_ERR_OOM;
+    }
+    return KILN_OK;
+}
+
+static void wop_done(wop *o, kiln_tensor *out)
+{
+    finish_out(out, o->to);
+    FREE3(o->tx, o->tw, o->tb);
+}
+
+static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
+{
+    wop o;
+    kiln_status st = wop_get(&o, out, x, w, bias);
+    if (st) return st;
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
     if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
-    st = kiln_cpu_linear(Y, X, W, wdt, Bv, M, N, K);
-    finish_out(out, to);
-    FREE3(tx, tw, tb);
+    st = kiln_cpu_linear(o.Y, o.X, o.W, o.wdt, o.B, M, N, K);
+    wop_done(&o, out);
     return st;
 }
 
@@ -97,17 +124,10 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
     };
     kiln_status st = kiln_conv2d_out_size(&p);
     if (st) return st;
-    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
-    kiln_dtype wdt;
-    const float *X = f32_data(x, &tx, &st);
-    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
-    const float *Bv = NULL;
-    if (W && bias) Bv = f32_data(bias, &tb, &st);
-    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
-    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
-    st = kiln_cpu_conv2d(Y, X, W, wdt, Bv, &p);
-    finish_out(out, to);
-    FREE3(tx, tw, tb);
+    wop ops;
+    if ((st = wop_get(&ops, out, x, w, bias))) return st;
+    st = kiln_cpu_conv2d(ops.Y, ops.X, ops.W, ops.wdt, ops.B, &p);
+    wop_done(&ops, out);
     return st;
 }
 
@@ -116,18 +136,11 @@ static kiln_status cpu_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const 
 {
     /* not fused: the op upsamples into a tensor of its own (counted, unlike scratch) */
     if (!kiln_cpu_conv2d_up2_fuses(x->shape[1], x->shape[2], x->shape[3], w->shape[0])) return KILN_ERR_UNSUPPORTED;
-    kiln_status st;
-    kiln_tensor *tx, *tw = NULL, *tb = NULL, *to = NULL;
-    kiln_dtype wdt;
-    const float *X = f32_data(x, &tx, &st);
-    const void *W = X ? w_data(w, &tw, &st, &wdt) : NULL;
-    const float *Bv = NULL;
-    if (W && bias) Bv = f32_data(bias, &tb, &st);
-    float *Y = (W && (!bias || Bv)) ? out_data(out, &to, &st) : NULL;
-    if (!Y) { FREE3(tx, tw, tb); kiln_tensor_free(to); return st; }
-    st = kiln_cpu_conv2d_up2(Y, X, W, wdt, Bv, x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0]);
-    finish_out(out, to);
-    FREE3(tx, tw, tb);
+    wop o;
+    kiln_status st = wop_get(&o, out, x, w, bias);
+    if (st) return st;
+    st = kiln_cpu_conv2d_up2(o.Y, o.X, o.W, o.wdt, o.B, x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0]);
+    wop_done(&o, out);
     return st;
 }
 

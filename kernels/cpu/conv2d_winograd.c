@@ -61,27 +61,6 @@ typedef struct wino_ctx {
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
 
-/* The transforms of F(6,3) (A = 8), F(4,3) (A = 6) or F(4,2) (A = 5); A is a constant
- * where these are inlined, so each variant compiles to straight-line code. */
-#define WINO_INLINE static inline __attribute__((always_inline, target("avx512f")))
-WINO_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
-{
-    if (A == 8) G8_APPLY(g0, g1, g2, o);
-    else G_APPLY(g0, g1, g2, o);
-}
-WINO_INLINE void bt_apply(int A, const __m512 *d, __m512 *o)
-{
-    if (A == 8) BT8_APPLY(d, o);
-    else if (A == 5) BT5_APPLY(d, o);
-    else BT_APPLY(d, o);
-}
-WINO_INLINE void at_apply(int A, const __m512 *m, __m512 *o)
-{
-    if (A == 8) AT6_APPLY(m, o);
-    else if (A == 5) AT5_APPLY(m, o);
-    else AT_APPLY(m, o);
-}
-
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
 
 /* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input

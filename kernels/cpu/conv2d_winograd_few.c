@@ -89,27 +89,8 @@ AVX512 static void to_channels_last(void *vctx, int64_t begin, int64_t end)
     }
 }
 
-/* The transforms of F(4,3) (A = 6) or F(2,3) (A = 4); A is a constant where these are
- * inlined, so each variant compiles to straight-line code. */
-#define FEW_INLINE static inline __attribute__((always_inline, target("avx512f")))
-FEW_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
-{
-    if (A == 6) G_APPLY(g0, g1, g2, o);
-    else G2_APPLY(g0, g1, g2, o);
-}
-FEW_INLINE void bt_apply(int A, const __m512 *d, __m512 *o)
-{
-    if (A == 6) BT_APPLY(d, o);
-    else BT2_APPLY(d, o);
-}
-FEW_INLINE void at_apply(int A, const __m512 *m, __m512 *o)
-{
-    if (A == 6) AT_APPLY(m, o);
-    else AT2_APPLY(m, o);
-}
-
 /* ---- V[xi][t][c] = (B^T d B)[xi], one tile per task, 16 channels per vector ---- */
-FEW_INLINE void input_tiles(const few_ctx *c, int64_t begin, int64_t end, const int A)
+WINO_INLINE void input_tiles(const few_ctx *c, int64_t begin, int64_t end, const int A)
 {
     const kiln_conv2d_params *p = c->p;
     const int64_t H = p->h, W = p->w, Cp = c->Cp, m = A - 2;
@@ -164,7 +145,7 @@ AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
 /* U chunk for output channels [k0, k0 + KB) and input channels [c0, c0 + cn):
  * U[xi][k/32][c - c0][k % 32] = (G g G^T)[xi] of weight (k, c); zero for k >= K.
  * weight_points: the G transforms of one B sliver's taps. */
-FEW_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run, int64_t cn,
+WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run, int64_t cn,
                               const int A)
 {
     for (int64_t ci = 0; ci < cn; ci++) {
@@ -225,7 +206,7 @@ AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t
 }
 
 /* y for output channels [k0, k0 + kn) from M[xi][t][KB] */
-FEW_INLINE void output_tiles(const few_ctx *c, const float *M, int64_t k0, int64_t kn, const int A)
+WINO_INLINE void output_tiles(const few_ctx *c, const float *M, int64_t k0, int64_t kn, const int A)
 {
     const kiln_conv2d_params *p = c->p;
     const int64_t OH = p->oh, OW = p->ow, K = c->K, m = A - 2;

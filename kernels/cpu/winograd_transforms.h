@@ -161,4 +161,29 @@
         o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(0.125f), m[3], d12_), m[4]);                          \
     } while (0)
 
+/* The transforms by input tile side A: 4 F(2,3), 5 F(4,2), 6 F(4,3), 8 F(6,3) (g_apply:
+ * the 3x3 kernels only). A is a constant where these are inlined, so each variant
+ * compiles to straight-line code. */
+#define WINO_INLINE static inline __attribute__((always_inline, target("avx512f")))
+WINO_INLINE void g_apply(int A, __m512 g0, __m512 g1, __m512 g2, __m512 *o)
+{
+    if (A == 8) G8_APPLY(g0, g1, g2, o);
+    else if (A == 6) G_APPLY(g0, g1, g2, o);
+    else G2_APPLY(g0, g1, g2, o);
+}
+WINO_INLINE void bt_apply(int A, const __m512 *d, __m512 *o)
+{
+    if (A == 8) BT8_APPLY(d, o);
+    else if (A == 6) BT_APPLY(d, o);
+    else if (A == 5) BT5_APPLY(d, o);
+    else BT2_APPLY(d, o);
+}
+WINO_INLINE void at_apply(int A, const __m512 *m, __m512 *o)
+{
+    if (A == 8) AT6_APPLY(m, o);
+    else if (A == 6) AT_APPLY(m, o);
+    else if (A == 5) AT5_APPLY(m, o);
+    else AT2_APPLY(m, o);
+}
+
 #endif
