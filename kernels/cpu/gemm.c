@@ -458,6 +458,21 @@ AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, co
 #undef UKR_ZERO
 #undef UKR_STORE
 
+/* Whether MR rows lda floats apart crowd one L1 set: the 32 KB 8-way L1 of Zen 4 (and
+ * most x86 cores) indexes sets by address bits 6-11, so rows a multiple of 4 KB apart
+ * (K = 5120: 20 KB) all land in one set and evict each other on every k step
+ * (256 x 5120 -> 1280: 26.6 ms read in place, 20.8 packed). More than 6 rows per set
+ * (K = 2560 puts 6 in each of two sets: in place is 1% faster): pack the sliver. */
+static int rows_alias(int64_t lda)
+{
+    int count[64] = {0}, worst = 0;
+    for (int r = 0; r < MR; r++) {
+        int set = (int)((((uint64_t)r * (uint64_t)lda * 4u) / 64u) % 64u);
+        if (++count[set] > worst) worst = count[set];
+    }
+    return worst > 6;
+}
+
 /* The block of C rows [i0, i1) x columns [j0, j1), all of K. */
 AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1, int64_t j0,
                              int64_t j1)
@@ -491,8 +506,9 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
         }
         for (int64_t i = i0; i < i1; i += MR) {
             int m = i1 - i < MR ? (int)(i1 - i) : MR;
-            /* full slivers of a row-major f32 A are read in place; the rest is packed */
-            int direct = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && m == MR;
+            /* full slivers of a row-major f32 A are read in place where its rows do not
+             * alias in L1 (see rows_alias); the rest is packed */
+            int direct = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && m == MR && !rows_alias(g->lda);
             const float *ap = asliver;
             if (g->a_packed) ap = (const float *)g->A + (i / MR) * g->K * MR + k0 * MR;
             else if (!direct) {
