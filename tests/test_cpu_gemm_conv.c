@@ -673,15 +673,16 @@ static void t_conv_up2(void)
 
 /* Winograd with output channels in the lanes (conv2d_winograd_few.c), F(2,3) and F(4,3):
  * channel counts off the 16-lane and 96-channel blocks and the 128-channel chunks,
- * batches, odd sizes, pads 0 and 2. */
+ * batches (one with more tiles than a group takes), odd sizes, pads 0 and 2. */
 static void t_conv_winograd_few(void)
 {
     if (child_mode) { SKIP("covered by the parent"); return; }
     static const int64_t cfg[][6] = { /* n, c, h, w, k, pad */
         {1, 1280, 8, 8, 1280, 1}, {2, 300, 16, 16, 200, 1}, {1, 70, 13, 9, 33, 1},
-        {3, 64, 7, 7, 97, 0}, {1, 130, 10, 11, 16, 2}, {2, 48, 24, 20, 100, 1}};
+        {3, 64, 7, 7, 97, 0}, {1, 130, 10, 11, 16, 2}, {2, 48, 24, 20, 100, 1},
+        {3, 40, 20, 18, 36, 1}}; /* the last: 75 tiles, run as groups of 2 and 1 images */
     static const char *const tiles[2] = {"2", "4"};
-    for (int ci = 0; ci < 6; ci++)
+    for (int ci = 0; ci < 7; ci++)
         winograd_vs_gemm(cfg[ci], ci % 2 == 0, "winograd-few", "KILN_WINOGRAD_FEW_TILE", tiles, 2);
 }
 
