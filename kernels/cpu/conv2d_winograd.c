@@ -1,12 +1,17 @@
-/* conv2d_winograd.c - Winograd F(6x6, 3x3) and F(4x4, 3x3) for 3x3 stride-1
- * convolutions, tiles in the vector lanes (AVX-512): the VAE and the UNet's 64x64 level.
- * Y = A^T [ (G g G^T) . (B^T d B) ] A over a x a input tiles (a = m + 2) that give m x m
- * outputs: the channel sums become P = a^2 independent GEMMs U[P][K][C] x V[P][C][tiles]
- * (gemm.c). F(4,3): 36 products for 16 outputs, 4x fewer multiply-adds than the direct
- * convolution; F(6,3): 64 for 36, 5.06x fewer (edges aside), at somewhat larger rounding
- * error (f32, random 512-channel tiles: 2.9e-5 of the output range against 1.0e-5). F(6,3)
- * runs where it saves multiply-adds (see pick_tile()). Scratch is bounded (about 32 MB
- * for F(4,3)): output channels go in blocks and tiles in strips (see plan()). */
+/* conv2d_winograd.c - Winograd convolutions with tiles in the vector lanes (AVX-512): the
+ * VAE and the UNet's 64x64 level. Y = A^T [ (G g G^T) . (B^T d B) ] A over a x a input
+ * tiles that give m x m outputs of an r x r kernel (a = m + r - 1): the channel sums
+ * become P = a^2 independent GEMMs U[P][K][C] x V[P][C][tiles] (gemm.c).
+ *  - F(4x4, 3x3): 36 products for 16 outputs, 4x fewer multiply-adds than the direct
+ *    convolution;
+ *  - F(6x6, 3x3): 64 for 36, 5.06x fewer (edges aside), at somewhat larger rounding
+ *    error (f32, random 512-channel tiles: 2.9e-5 of the output range against 1.0e-5),
+ *    where it is faster (see pick_tile());
+ *  - F(4x4, 2x2) for a nearest 2x upsampling fused with a 3x3 convolution (the decoders'
+ *    Upsample blocks, kiln_cpu_conv2d_up2): one 2x2 kernel per output parity on the small
+ *    image, 25 products per 16 outputs, the outputs written to every other pixel.
+ * Scratch is bounded (about 32 MB for F(4,3)): output channels go in blocks and tiles
+ * in strips (see plan()). */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
