@@ -364,7 +364,7 @@ int main(void)
         printf("\n");
     }
     printf("gemm = implicit GEMM (our kernel packs the image directly), winograd = F(4x4,3x3) with tiles in the "
-           "lanes, winograd-few = F(4x4,3x3) / F(2x2,3x3) with channels in the lanes (declines more than 64 tiles: "
+           "lanes (F(6x6,3x3) for large images with few channels), winograd-few = F(4x4,3x3) / F(2x2,3x3) with channels in the lanes (declines more than 64 tiles: "
            "the next path runs), im2col = column strips + our GEMM, onednn = oneDNN 2.6 direct incl. reorders "
            "(-DKILN_BENCH_DNNL)\n");
     return 0;
