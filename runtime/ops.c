@@ -228,6 +228,13 @@ static kiln_status conv2d_upsampled(const kiln_tensor *x, const kiln_tensor *w, 
     char b1[128];
     kiln_status st;
     if (x->ndim != 4) return kiln_error(KILN_ERR_ARG, "conv2d: input %s must be 4-d [N, C, H, W]", SHAPE(x, b1));
+    /* the errors the convolution would give, about the tensors the caller passed (not
+     * the upsampled one made below) */
+    if (w->ndim == 4 && o->groups >= 1 && w->shape[1] * o->groups != x->shape[1]) {
+        char b2[128];
+        return kiln_error(KILN_ERR_ARG, "conv2d: weight %s expects %lld input channels, input %s has %lld",
+                          SHAPE(w, b1), (long long)(w->shape[1] * o->groups), SHAPE(x, b2), (long long)x->shape[1]);
+    }
     const kiln_backend *be = be_of(x);
     int fused = be->conv2d_up2 && w->ndim == 4 && w->shape[2] == 3 && w->shape[3] == 3 && w->shape[1] == x->shape[1] &&
                 o->groups == 1 && o->stride[0] == 1 && o->stride[1] == 1 && o->padding[0] == 1 &&

@@ -219,6 +219,11 @@ test("conv2d upsample = 2 matches upsample_nearest then conv2d", function()
   end
   raises(function() return kiln.nn.conv2d(kiln.zeros({ 1, 4, 8, 8 }), kiln.zeros({ 4, 4, 3, 3 }), nil, { upsample = 3 }) end,
     "upsample=3")
+  -- errors name the tensors passed, not the upsampled input made inside
+  raises(function() return kiln.nn.conv2d(kiln.zeros({ 1, 4, 8, 8 }), kiln.zeros({ 4, 2, 3, 3 }), nil,
+    { padding = 1, upsample = 2 }) end, "expects 2 input channels", "[1,4,8,8]")
+  raises(function() return kiln.nn.conv2d(kiln.zeros({ 1, 40, 40, 40 }), kiln.zeros({ 40, 40, 3, 3 }), kiln.zeros({ 3 }),
+    { padding = 1, upsample = 2 }) end, "bias", "[3]")
 end)
 
 test("conv2d upsample = 2 does not make the upsampled image (sim peak)", function()
