@@ -326,13 +326,15 @@ function kiln.nn.linear(x, w, b) end
 ---@return kiln.Tensor
 function kiln.nn.conv2d(x, w, b, opts) end
 
----Group normalization (opts.silu fuses a SiLU after it).
+---Group normalization (opts.silu fuses a SiLU after it). opts.inplace writes the result
+---over x and returns x itself (x: contiguous f32, not a view of another tensor nor mapped
+---from a file): one activation less when x is not needed afterwards.
 ---@param x kiln.Tensor
 ---@param groups integer
 ---@param w? kiln.Tensor
 ---@param b? kiln.Tensor
 ---@param eps? number default 1e-5
----@param opts? {silu?: boolean}
+---@param opts? {silu?: boolean, inplace?: boolean}
 ---@return kiln.Tensor
 function kiln.nn.group_norm(x, groups, w, b, eps, opts) end
 

@@ -65,6 +65,12 @@ static int nn_group_norm(lua_State *L)
     kiln_tensor *w = opt_tensor(L, 3), *b = opt_tensor(L, 4);
     double eps = luaL_optnumber(L, 5, 1e-5);
     int silu = l_opt_bool_field(L, 6, "silu", 0);
+    if (l_opt_bool_field(L, 6, "inplace", 0)) { /* the result is x itself */
+        kiln_status st = kiln_op_group_norm_in_place(x, g, w, b, eps, silu);
+        if (st) return l_raise(L, st);
+        lua_pushvalue(L, 1);
+        return 1;
+    }
     return push(L, kiln_op_group_norm(x, g, w, b, eps, silu, &r), &r);
 }
 

@@ -62,6 +62,9 @@ struct kiln_backend {
                               const kiln_tensor *bias);
     kiln_status (*group_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                               const kiln_tensor *b, int64_t groups, double eps, int silu);
+    /* 1: group_norm may be called with out == x (contiguous f32); 0: the op computes
+     * into a new tensor and copies back */
+    int group_norm_in_place;
     kiln_status (*layer_norm)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                               const kiln_tensor *b, double eps);
     kiln_status (*softmax)(kiln_tensor *out, const kiln_tensor *x, int dim);

@@ -318,6 +318,35 @@ kiln_status kiln_op_group_norm(const kiln_tensor *x, int64_t groups, const kiln_
     return KILN_OK;
 }
 
+kiln_status kiln_op_group_norm_in_place(kiln_tensor *x, int64_t groups, const kiln_tensor *w,
+                                        const kiln_tensor *b, double eps, int silu)
+{
+    char b1[128];
+    kiln_status st;
+    if (x->dtype != KILN_F32 || !kiln_tensor_is_contiguous(x))
+        return kiln_error(KILN_ERR_ARG, "group_norm in place: input %s must be a contiguous f32 tensor (is %s%s)",
+                          SHAPE(x, b1), kiln_dtype_name(x->dtype), kiln_tensor_is_contiguous(x) ? "" : ", strided");
+    if (x->storage->refcount != 1 || x->storage->release)
+        return kiln_error(KILN_ERR_ARG, "group_norm in place: input %s shares its memory (a view, or a mapped file): "
+                          "run it out of place", SHAPE(x, b1));
+    const kiln_backend *be = be_of(x);
+    if (be->group_norm_in_place) {
+        if (x->ndim < 2) return kiln_error(KILN_ERR_ARG, "group_norm: input %s must have at least 2 dims [N, C, ...]", SHAPE(x, b1));
+        if (groups < 1 || x->shape[1] % groups)
+            return kiln_error(KILN_ERR_ARG, "group_norm: %lld groups do not divide %lld channels of %s",
+                              (long long)groups, (long long)x->shape[1], SHAPE(x, b1));
+        if ((st = check_vec("group_norm", "weight", w, x->shape[1], x)) || (st = check_vec("group_norm", "bias", b, x->shape[1], x)))
+            return st;
+        if ((st = need(be, (void *)be->group_norm, "group_norm"))) return st;
+        return be->group_norm(x, x, w, b, groups, eps, silu);
+    }
+    kiln_tensor *r;
+    if ((st = kiln_op_group_norm(x, groups, w, b, eps, silu, &r))) return st;
+    st = be->copy(x, r);
+    kiln_tensor_free(r);
+    return st;
+}
+
 kiln_status kiln_op_layer_norm(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b, double eps, kiln_tensor **out)
 {
     *out = NULL;

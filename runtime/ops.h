@@ -21,6 +21,10 @@ KILN_API kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, 
                                     const kiln_conv_opts *o, kiln_tensor **out);
 KILN_API kiln_status kiln_op_group_norm(const kiln_tensor *x, int64_t groups, const kiln_tensor *w,
                                         const kiln_tensor *b, double eps, int silu, kiln_tensor **out);
+/* The same, written over x (contiguous f32, its storage not shared with another tensor
+ * nor mapped from a file): a network that no longer needs its input saves a tensor. */
+KILN_API kiln_status kiln_op_group_norm_in_place(kiln_tensor *x, int64_t groups, const kiln_tensor *w,
+                                                 const kiln_tensor *b, double eps, int silu);
 KILN_API kiln_status kiln_op_layer_norm(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
                                         double eps, kiln_tensor **out);
 KILN_API kiln_status kiln_op_softmax(const kiln_tensor *x, int dim, kiln_tensor **out);

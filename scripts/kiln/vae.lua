@@ -269,22 +269,37 @@ function VAE:_gn_affine(x, s, w, b, silu)
   return y
 end
 
-function VAE:_resblock(p, x)
-  local h = self:_gn(x, p .. ".norm1", true)
+-- consume: the caller drops x after the block (its free is then a no-op). With a 1x1
+-- shortcut and untiled GroupNorm, the shortcut is computed first and the first
+-- GroupNorm overwrites x: one activation less at the block's peak, which is the whole
+-- decode's peak (the first block at full size, 256 -> 128 channels at 512x512:
+-- 640 -> 512 MiB).
+function VAE:_resblock(p, x, consume)
+  local st = self._gn_stats
+  local s, h
+  if consume and (not st or st.mode == "off") and self:w(p .. ".conv1.weight").shape[1] ~= x.shape[2] then
+    s = conv(self, p .. ".nin_shortcut", x)
+    h = nn.group_norm(x, 32, self:w(p .. ".norm1.weight"), self:w(p .. ".norm1.bias"), 1e-6,
+      { silu = true, inplace = true })
+  else
+    h = self:_gn(x, p .. ".norm1", true)
+  end
   local h2 = conv(self, p .. ".conv1", h, { padding = 1 })
-  h:free()
-  h = self:_gn(h2, p .. ".norm2", true, x)
+  h:free() -- x itself when consumed
+  h = self:_gn(h2, p .. ".norm2", true, not s and x or nil)
   h2:free()
   h2 = conv(self, p .. ".conv2", h, { padding = 1 })
   h:free()
   local out
-  if x.shape[2] ~= h2.shape[2] then
-    local s = conv(self, p .. ".nin_shortcut", x)
+  if s then
     out = s + h2
-    s:free()
+  elseif x.shape[2] ~= h2.shape[2] then
+    s = conv(self, p .. ".nin_shortcut", x)
+    out = s + h2
   else
     out = x + h2
   end
+  if s then s:free() end
   h2:free()
   return out
 end
@@ -351,7 +366,7 @@ end
 function VAE:_dec_up(i, h)
   local cfg = self.config
   for j = 0, cfg.num_res_blocks do
-    h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h))
+    h = step(h, nil, self:_resblock(fmt("decoder.up.%d.block.%d", i, j), h, true))
   end
   if i ~= 0 then -- nearest 2x then the conv, fused: the upsampled image is never made
     h = step(h, nil, conv(self, fmt("decoder.up.%d.upsample.conv", i), h, { padding = 1, upsample = 2 }))

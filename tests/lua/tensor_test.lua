@@ -245,6 +245,24 @@ test("conv2d upsample = 2 does not make the upsampled image (sim peak)", functio
   eq(unfused, 2 * out, "unfused: upsampled input and output")
 end)
 
+test("group_norm inplace = true writes over its input", function()
+  for _, dev in ipairs({ "cpu", "sim" }) do
+    local x = kiln.randn({ 2, 64, 9, 7 }, { seed = 10, device = dev })
+    local w, b = kiln.randn({ 64 }, { seed = 11 }):to(dev), kiln.randn({ 64 }, { seed = 12 }):to(dev)
+    local ref = kiln.nn.group_norm(x, 32, w, b, 1e-6, { silu = true })
+    local before = kiln.mem.stats(dev).allocated
+    local y = kiln.nn.group_norm(x, 32, w, b, 1e-6, { silu = true, inplace = true })
+    eq(kiln.mem.stats(dev).allocated, before, dev .. ": no new tensor")
+    eq((y - ref):abs():max(), 0, dev .. ": same values as out of place")
+    eq((x - ref):abs():max(), 0, dev .. ": x holds the result")
+  end
+  local x = kiln.randn({ 1, 64, 4, 4 }, { seed = 13 })
+  local v = x:narrow(2, 1, 32)
+  raises(function() return kiln.nn.group_norm(v, 32, nil, nil, 1e-6, { inplace = true }) end, "in place", "[1,32,4,4]")
+  raises(function() return kiln.nn.group_norm(x:to("f16"), 32, nil, nil, 1e-6, { inplace = true }) end,
+    "contiguous f32", "f16")
+end)
+
 test("sha256_file matches FIPS 180-4 test vector", function()
   local p = os.tmpname()
   local f = assert(io.open(p, "wb")); f:write("abc"); f:close()
