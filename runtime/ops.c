@@ -299,10 +299,8 @@ kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kil
     return KILN_OK;
 }
 
-kiln_status kiln_op_group_norm(const kiln_tensor *x, int64_t groups, const kiln_tensor *w,
-                               const kiln_tensor *b, double eps, int silu, kiln_tensor **out)
+static kiln_status check_group_norm(const kiln_tensor *x, int64_t groups, const kiln_tensor *w, const kiln_tensor *b)
 {
-    *out = NULL;
     char b1[128];
     kiln_status st;
     if (x->ndim < 2) return kiln_error(KILN_ERR_ARG, "group_norm: input %s must have at least 2 dims [N, C, ...]", SHAPE(x, b1));
@@ -311,6 +309,15 @@ kiln_status kiln_op_group_norm(const kiln_tensor *x, int64_t groups, const kiln_
                           (long long)groups, (long long)x->shape[1], SHAPE(x, b1));
     if ((st = check_vec("group_norm", "weight", w, x->shape[1], x)) || (st = check_vec("group_norm", "bias", b, x->shape[1], x)))
         return st;
+    return KILN_OK;
+}
+
+kiln_status kiln_op_group_norm(const kiln_tensor *x, int64_t groups, const kiln_tensor *w,
+                               const kiln_tensor *b, double eps, int silu, kiln_tensor **out)
+{
+    *out = NULL;
+    kiln_status st;
+    if ((st = check_group_norm(x, groups, w, b))) return st;
     kiln_tensor *r;
     if ((st = new_like(x, float_of(x->dtype), x->ndim, x->shape, &r))) return st;
     if ((st = be_of(x)->group_norm(r, x, w, b, groups, eps, silu))) { kiln_tensor_free(r); return st; }
@@ -331,12 +338,7 @@ kiln_status kiln_op_group_norm_in_place(kiln_tensor *x, int64_t groups, const ki
                           "run it out of place", SHAPE(x, b1));
     const kiln_backend *be = be_of(x);
     if (be->group_norm_in_place) {
-        if (x->ndim < 2) return kiln_error(KILN_ERR_ARG, "group_norm: input %s must have at least 2 dims [N, C, ...]", SHAPE(x, b1));
-        if (groups < 1 || x->shape[1] % groups)
-            return kiln_error(KILN_ERR_ARG, "group_norm: %lld groups do not divide %lld channels of %s",
-                              (long long)groups, (long long)x->shape[1], SHAPE(x, b1));
-        if ((st = check_vec("group_norm", "weight", w, x->shape[1], x)) || (st = check_vec("group_norm", "bias", b, x->shape[1], x)))
-            return st;
+        if ((st = check_group_norm(x, groups, w, b))) return st;
         if ((st = need(be, (void *)be->group_norm, "group_norm"))) return st;
         return be->group_norm(x, x, w, b, groups, eps, silu);
     }
