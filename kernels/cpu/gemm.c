@@ -478,6 +478,7 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
                              int64_t j1)
 {
     int64_t n = j1 - j0, bsl = g->b_sliver ? g->b_sliver : g->K * NR;
+    const int in_place_ok = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && !rows_alias(g->lda);
     /* panels of equal depth (K = 1280: 4 x 320, not 3 x 384 + 128): C is read and
      * written once per panel, which a shallow last panel would pay for few products */
     int64_t npan = (g->K + KC - 1) / KC, step = ((g->K + npan - 1) / npan + 15) / 16 * 16;
@@ -508,7 +509,7 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
             int m = i1 - i < MR ? (int)(i1 - i) : MR;
             /* full slivers of a row-major f32 A are read in place where its rows do not
              * alias in L1 (see rows_alias); the rest is packed */
-            int direct = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && m == MR && !rows_alias(g->lda);
+            int direct = in_place_ok && m == MR;
             const float *ap = asliver;
             if (g->a_packed) ap = (const float *)g->A + (i / MR) * g->K * MR + k0 * MR;
             else if (!direct) {
