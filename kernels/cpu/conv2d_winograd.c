@@ -223,28 +223,39 @@ static void blk_setup_init(const wino_ctx *c, int64_t tb, blk_setup *bs)
     }
 }
 
-/* Lane l of a 6-way de-interleave: float 6l + b of the window (b < 6), from the pair
- * of vectors (x[2p], x[2p+1]) that holds it; idx is taken mod 32 by vpermt2ps. */
+/* The stride-6 shuffles of F(6,3), both ways, as 6 outputs each drawn from 6 vectors
+ * by pairs (vpermt2ps reads two vectors; its index is taken mod 32):
+ *  - de-interleave (input): out[b] lane l = float 6l + b of the 96-float window x[0..5];
+ *  - interleave (output): out[q] float f = in[F % 6][F / 6], F = 16q + f.
+ * out[i] = in pair 0, blended with pair 1 where k23, with pair 2 where k45. */
 typedef struct {
     __m512i idx[6];
-    __mmask16 k23[6], k45[6];  /* lanes from (x2, x3) and from (x4, x5) */
-} deint6_t;
+    __mmask16 k23[6], k45[6];
+} perm6_t;
 
-AVX512 static void deint6_init(deint6_t *d)
+static void perm6_init(perm6_t *t, int interleave)
 {
-    for (int b = 0; b < 6; b++) {
+    for (int i = 0; i < 6; i++) {
         int32_t ix[16];
         unsigned k23 = 0, k45 = 0;
         for (int l = 0; l < 16; l++) {
-            int f = 6 * l + b;
-            ix[l] = f;
-            if (f >= 32 && f < 64) k23 |= 1u << l;
-            if (f >= 64) k45 |= 1u << l;
+            int F = 16 * i + l;
+            int src = interleave ? F % 6 : (6 * l + i) / 16, el = interleave ? F / 6 : (6 * l + i) % 16;
+            ix[l] = el + 16 * (src & 1);
+            if (src / 2 == 1) k23 |= 1u << l;
+            if (src / 2 == 2) k45 |= 1u << l;
         }
-        d->idx[b] = _mm512_loadu_si512(ix);
-        d->k23[b] = (__mmask16)k23;
-        d->k45[b] = (__mmask16)k45;
+        memcpy(&t->idx[i], ix, sizeof ix);
+        t->k23[i] = (__mmask16)k23;
+        t->k45[i] = (__mmask16)k45;
     }
+}
+
+WINO_INLINE __m512 perm6(const __m512 *in, const perm6_t *t, int i)
+{
+    __m512 v = _mm512_permutex2var_ps(in[0], t->idx[i], in[1]);
+    v = _mm512_mask_blend_ps(t->k23[i], v, _mm512_permutex2var_ps(in[2], t->idx[i], in[3]));
+    return _mm512_mask_blend_ps(t->k45[i], v, _mm512_permutex2var_ps(in[4], t->idx[i], in[5]));
 }
 
 /* (The loops over A, NV and m in the transforms carry `#pragma GCC unroll`: at -O2 GCC
@@ -262,8 +273,8 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
     const kiln_conv2d_params *p = c->p;
     const int m = A == 8 ? 6 : 4, NV = A == 8 ? 7 : 5;
     const int64_t HW = p->h * p->w, W = p->w, H = p->h, C = c->C;
-    deint6_t d6;
-    if (A == 8) deint6_init(&d6);
+    perm6_t d6;
+    if (A == 8) perm6_init(&d6, 0);
     /* input rows this strip reads: short runs per channel that the hardware prefetcher
      * does not see coming, so the next channel's rows are prefetched by hand */
     int64_t row0 = m * (c->t0 / c->TW) - p->pad_h, row1 = m * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + A;
@@ -311,11 +322,7 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
                     e[3] = _mm512_shuffle_ps(t1, t3, 0xEE);
                 } else {
                     #pragma GCC unroll 8
-                    for (int b = 0; b < 6; b++) {
-                        __m512 v = _mm512_permutex2var_ps(x[0], d6.idx[b], x[1]);
-                        v = _mm512_mask_blend_ps(d6.k23[b], v, _mm512_permutex2var_ps(x[2], d6.idx[b], x[3]));
-                        e[b] = _mm512_mask_blend_ps(d6.k45[b], v, _mm512_permutex2var_ps(x[4], d6.idx[b], x[5]));
-                    }
+                    for (int b = 0; b < 6; b++) e[b] = perm6(x, &d6, b);
                 }
                 /* columns m (and m + 1 for 3x3): columns 0 (and 1) of the next lane;
                  * lane 15's are the first floats of the last window vector */
@@ -381,30 +388,6 @@ AVX512 static inline void interleave4(const __m512 *o, __m512 *r)
     r[3] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
 }
 
-/* The inverse for 6 outputs: r[q] float f is o[F % 6][F / 6] with F = 16 q + f, from
- * the pair (o[2p], o[2p+1]) that holds it (index F / 6 + 16 (F % 2)). */
-typedef struct {
-    __m512i idx[6];
-    __mmask16 k23[6], k45[6];  /* floats from (o2, o3) and from (o4, o5) */
-} inter6_t;
-
-AVX512 static void inter6_init(inter6_t *d)
-{
-    for (int q = 0; q < 6; q++) {
-        int32_t ix[16];
-        unsigned k23 = 0, k45 = 0;
-        for (int f = 0; f < 16; f++) {
-            int F = 16 * q + f, b = F % 6;
-            ix[f] = F / 6 + 16 * (b & 1);
-            if (b == 2 || b == 3) k23 |= 1u << f;
-            if (b >= 4) k45 |= 1u << f;
-        }
-        d->idx[q] = _mm512_loadu_si512(ix);
-        d->k23[q] = (__mmask16)k23;
-        d->k45[q] = (__mmask16)k45;
-    }
-}
-
 /* Lane L of an expanded vector: bit L of the result is bit L / 2 of v (v < 256). */
 static inline __mmask16 double_bits(unsigned v)
 {
@@ -423,8 +406,8 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     const kiln_conv2d_params *p = c->p;
     const int m = A == 8 ? 6 : 4;
     const int64_t OW = p->ow, YW = c->yw, YHW = c->yhw, step = c->up ? 2 : 1;
-    inter6_t i6;
-    if (A == 8) inter6_init(&i6);
+    perm6_t i6;
+    if (A == 8) perm6_init(&i6, 1);
     const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i hi_idx = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     const __mmask16 par = (__mmask16)(c->px ? 0xAAAA : 0x5555);
@@ -461,11 +444,7 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                 if (m == 4) interleave4(o, r);
                 else
                     #pragma GCC unroll 8
-                    for (int q = 0; q < 6; q++) {
-                        __m512 v = _mm512_permutex2var_ps(o[0], i6.idx[q], o[1]);
-                        v = _mm512_mask_blend_ps(i6.k23[q], v, _mm512_permutex2var_ps(o[2], i6.idx[q], o[3]));
-                        r[q] = _mm512_mask_blend_ps(i6.k45[q], v, _mm512_permutex2var_ps(o[4], i6.idx[q], o[5]));
-                    }
+                    for (int q = 0; q < 6; q++) r[q] = perm6(o, &i6, q);
                 for (int t = 0; t < rn->n; t++) {
                     int64_t oy = m * rn->ty[t] + a;
                     if (oy >= p->oh) continue;
