@@ -8,10 +8,14 @@
 --
 --   build/kiln tests/bench/bench_sd.lua [--quick] [--repeat N] [--only LIST]
 --       [--no-torch] [--weights PATH] [--fresh] [--clean] [--threads N] [--budget MIB]
+--       [--warmup N]
 --
 -- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
--- unet,vae,clip,modes,pipeline. The weights (2.1 GB f16, names and shapes from
+-- unet,vae,clip,modes,pipeline. --warmup: untimed evaluations before the timed ones, on
+-- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
+-- mapped weights also maps their pages, +0.25 s, as PyTorch's load reads them; 0 times
+-- the first evaluation too). The weights (2.1 GB f16, names and shapes from
 -- ../shared/sd-keys/sd15.txt) are generated once into a temporary file and reused by
 -- later runs (--fresh regenerates, --clean removes it at the end, --weights names it).
 -- Tensors up to 1 Mi elements are kiln.randn with their own seed; larger ones repeat
@@ -22,7 +26,7 @@ local util = require "kiln.util"
 
 local opts = util.parse_args(arg or {}, {
   quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline", no_torch = false, weights = "",
-  fresh = false, clean = false, threads = 0, budget = 512,
+  fresh = false, clean = false, threads = 0, budget = 512, warmup = 1,
 })
 if opts.threads > 0 then kiln.set_threads(opts.threads) end
 local SHARED = os.getenv("KILN_SHARED") or "../shared"
@@ -30,6 +34,7 @@ local PY = os.getenv("PYTHON") or "/usr/bin/python3"
 local SIZE = opts.quick and 32 or 64
 local BATCHES = opts.quick and { 1 } or { 1, 2 }
 local REPEAT = math.max(1, math.floor(opts["repeat"]))
+local WARMUP = math.max(0, math.floor(opts.warmup))
 local only = {}
 for w in opts.only:gmatch("[^,]+") do only[w] = true end
 local fmt = string.format
@@ -219,12 +224,16 @@ local results = {} -- rows of the final table
 
 -- Best wall time of n runs, with the process CPU time (all threads) of that run: on
 -- a shared machine the CPU time says what the work cost, the wall time what it took.
-local function time_best(n, fn)
+local function time_best(n, fn, warmup)
   local best, cpu, out = math.huge, 0, nil
   -- each stage starts from an empty host cache, as PyTorch's runs start in a fresh
   -- process (what the previous stage cached has other sizes)
   collectgarbage(); collectgarbage()
   kiln.mem.empty_cache("cpu")
+  for _ = 1, warmup or 0 do
+    local o = fn()
+    if o and o.free then o:free() end
+  end
   for _ = 1, n do
     if out and out.free then out:free() end
     collectgarbage(); collectgarbage()
@@ -240,8 +249,8 @@ end
 
 local function torch_run(path, what, args, out_path, repeat_n)
   if opts.no_torch then return nil end
-  local cmd = fmt("%s tests/bench/torch_sd.py '%s' %s %s --repeat %d --threads 2 --out '%s' 2>&1", PY, path, what,
-    args, repeat_n or REPEAT, out_path)
+  local cmd = fmt("%s tests/bench/torch_sd.py '%s' %s %s --repeat %d --warmup %d --threads 2 --out '%s' 2>&1", PY,
+    path, what, args, repeat_n or REPEAT, WARMUP, out_path)
   local p = io.popen(cmd)
   local text = p:read("a")
   p:close()
@@ -264,7 +273,7 @@ end
 -- and what between() returned.
 local function time_around(n, fn, between)
   local first = (n + 1) // 2
-  local best, out, cpu = time_best(first, fn)
+  local best, out, cpu = time_best(first, fn, WARMUP)
   local r = between()
   if n > first then
     -- every run's output is the same: keep the last one, so that the second half's
@@ -346,7 +355,7 @@ if only.unet then
         sec, out, cpu, tr = time_around(REPEAT, fwd,
           function() return torch_run(path, "unet", fmt("--batch %d --size %d", B, SIZE), out_path) end)
       else
-        sec, out, cpu = time_best(REPEAT, fwd)
+        sec, out, cpu = time_best(REPEAT, fwd, WARMUP)
       end
       local peak, rss = kiln.mem.stats("cpu").peak, vm_hwm()
       local err = tr and rel_err(out, kiln.load_safetensors(tr.out).out) or nil
@@ -405,15 +414,15 @@ if only.modes and has_sim then
     local load_sec = kiln.time() - t0
     local before = ck.unet:stats()
     kiln.mem.reset_peak("sim")
-    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
+    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end, WARMUP)
     out:free()
     local st = ck.unet:stats()
     local peak = kiln.mem.stats("sim").peak - base -- weights (high) or streamed blocks (low) + activations
     mode_rows[mode] = { sec = sec, cpu = cpu, peak = peak }
     row(fmt("unet step, mode %s", mode), sec, cpu, flops, peak, nil, nil)
     if mode == "low" then
-      say("  streamed: %d fetched, %d prefetched (%d hits, %d waits), device bytes after %d, load %.2f s",
-        st.fetches - before.fetches, st.prefetches - before.prefetches, st.prefetch_hits - before.prefetch_hits,
+      say("  streamed over %d evaluations: %d fetched, %d prefetched (%d hits, %d waits), device bytes after %d, load %.2f s",
+        REPEAT + WARMUP, st.fetches - before.fetches, st.prefetches - before.prefetches, st.prefetch_hits - before.prefetch_hits,
         st.prefetch_waits - before.prefetch_waits, ck.unet:bytes("sim"), load_sec)
     else
       say("  load to sim %.2f s", load_sec)

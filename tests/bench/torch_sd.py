@@ -10,6 +10,7 @@ Usage: /usr/bin/python3 tests/bench/torch_sd.py WEIGHTS WHAT [options]
                        [B, 77, 768] (randn seed 12); VAE: z [1, 4, S, S] (seed 13),
                        decoded as ldm's decode_first_stage (z / 0.18215)
   --repeat N           timed runs (the best is reported), default 1
+  --warmup N           untimed runs before them, default 0
   --threads N          torch.set_num_threads, default 2
   --out PATH           save the output tensor (safetensors, key "out")
 Prints one JSON line: {"what", "batch", "size", "sec" (best), "cpu" (process CPU
@@ -103,7 +104,7 @@ def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
     path, what = argv[1], argv[2]
-    opts = {"batch": 1, "size": 64, "repeat": 1, "threads": 2, "out": None}
+    opts = {"batch": 1, "size": 64, "repeat": 1, "warmup": 0, "threads": 2, "out": None}
     i = 3
     while i < len(argv):
         k = argv[i].lstrip("-")
@@ -133,6 +134,8 @@ def main(argv):
         run = lambda: model(ids)  # noqa: E731
     times, cpus, out = [], [], None
     with torch.no_grad():
+        for _ in range(opts["warmup"]):
+            out = run()
         for _ in range(opts["repeat"]):
             t1, c1 = time.perf_counter(), time.process_time()
             out = run()
