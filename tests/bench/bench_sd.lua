@@ -224,13 +224,14 @@ local results = {} -- rows of the final table
 
 -- Best wall time of n runs, with the process CPU time (all threads) of that run: on
 -- a shared machine the CPU time says what the work cost, the wall time what it took.
+-- WARMUP untimed runs go first unless warmup says otherwise.
 local function time_best(n, fn, warmup)
   local best, cpu, out = math.huge, 0, nil
   -- each stage starts from an empty host cache, as PyTorch's runs start in a fresh
   -- process (what the previous stage cached has other sizes)
   collectgarbage(); collectgarbage()
   kiln.mem.empty_cache("cpu")
-  for _ = 1, warmup or 0 do
+  for _ = 1, warmup or WARMUP do
     local o = fn()
     if o and o.free then o:free() end
   end
@@ -273,14 +274,14 @@ end
 -- and what between() returned.
 local function time_around(n, fn, between)
   local first = (n + 1) // 2
-  local best, out, cpu = time_best(first, fn, WARMUP)
+  local best, out, cpu = time_best(first, fn)
   local r = between()
   if n > first then
     -- every run's output is the same: keep the last one, so that the second half's
     -- peak statistics do not count the first half's output
     if out and out.free then out:free() end
     local b2, c2
-    b2, out, c2 = time_best(n - first, fn)
+    b2, out, c2 = time_best(n - first, fn, 0) -- warm already; keep to the same stretch
     if b2 < best then best, cpu = b2, c2 end
   end
   return best, out, cpu, r
@@ -355,7 +356,7 @@ if only.unet then
         sec, out, cpu, tr = time_around(REPEAT, fwd,
           function() return torch_run(path, "unet", fmt("--batch %d --size %d", B, SIZE), out_path) end)
       else
-        sec, out, cpu = time_best(REPEAT, fwd, WARMUP)
+        sec, out, cpu = time_best(REPEAT, fwd)
       end
       local peak, rss = kiln.mem.stats("cpu").peak, vm_hwm()
       local err = tr and rel_err(out, kiln.load_safetensors(tr.out).out) or nil
@@ -414,7 +415,7 @@ if only.modes and has_sim then
     local load_sec = kiln.time() - t0
     local before = ck.unet:stats()
     kiln.mem.reset_peak("sim")
-    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end, WARMUP)
+    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
     out:free()
     local st = ck.unet:stats()
     local peak = kiln.mem.stats("sim").peak - base -- weights (high) or streamed blocks (low) + activations
@@ -516,8 +517,8 @@ say("targets: unet and vae decode <= 0.25x torch, peak RSS below torch's; low <=
 -- The f32 multiply-add rate kiln's GEMM reaches in this run (2048^3, best of 5): the
 -- hardware yardstick next to the PyTorch ratio. A stage's FLOP at this rate is the time
 -- direct arithmetic needs; only the Winograd convolutions do fewer multiplications, so
--- a stage cannot go much below it in f32 (PyTorch's time moves 10-25% between runs and
--- days; this does not move with it).
+-- a stage cannot go much below it in f32 (PyTorch's time moved by up to 40% between
+-- runs minutes apart; this does not move with it).
 local function gemm_rate()
   local n = 2048
   local a, w = kiln.randn({ n, n }, { seed = 1 }), kiln.randn({ n, n }, { seed = 2 })
