@@ -84,17 +84,16 @@ $(DEPS_OK):
 	@$(MAKE) --no-print-directory deps
 
 # ---- library, CLI, Lua module ----------------------------------------------------
-$(BUILD)/obj/%.o: %.c $(DEPS_OK) $(wildcard runtime/*.h kernels/cpu/*.h bindings/*.h)
+$(BUILD)/obj/%.o: %.c $(DEPS_OK)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
 # CUDA sources: nvcc for the .cu files; the C registration file needs the CUDA headers
-$(BUILD)/obj/%.o: %.cu $(DEPS_OK) $(wildcard runtime/*.h kernels/cuda/*.h)
+$(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
-$(BUILD)/obj/kernels/cuda/cuda_backend.o: $(wildcard kernels/cuda/*.h)
 
 $(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
 	@mkdir -p $(dir $@)
@@ -124,12 +123,13 @@ $(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h $(BUILD)/l
 	$(CC) $(CFLAGS) -Ibindings -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
 # ---- tests ---------------------------------------------------------------------
-$(BUILD)/tests/%: tests/%.c tests/test.h $(BUILD)/libkiln.a
+$(BUILD)/tests/%: tests/%.c $(BUILD)/libkiln.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Iruntime -Ikernels/cpu -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -MMD -MP -MF $@.d -Iruntime -Ikernels/cpu -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
+# T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
 test: all $(C_TESTS)
-	@BUILD=$(BUILD) SAN=$(SAN) bash tests/run.sh
+	@BUILD=$(BUILD) SAN=$(SAN) T='$(T)' bash tests/run.sh
 
 # ---- benchmarks, demo ------------------------------------------------------------
 bench: all
@@ -162,3 +162,6 @@ uninstall:
 	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
 	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua
 	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true
+
+# header dependencies written by -MMD (none before the first build)
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

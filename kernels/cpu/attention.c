@@ -24,7 +24,7 @@
 #define QT 256 /* queries per task */
 #define QB 32  /* queries per q.k^T block (QB x KB scores live at a time) */
 #define KB 192 /* keys per block, four 48-key tiles: a row's softmax overhead (max, sums,
-                  * rescale) is paid once per 192 keys (96: 3% slower at 4096 tokens) */
+                  * rescale) is paid once per 192 keys (96 is slower at SD's 4096) */
 #define TR 8   /* rows of a micro-tile */
 #define LOG2E 1.44269504088896341f
 

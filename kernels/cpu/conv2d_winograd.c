@@ -603,12 +603,9 @@ AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
 
 /* F(6,3) where its 64 points per 6x6 tiles need clearly fewer multiply-adds than
  * F(4,3)'s 36 per 4x4 (not where the tiles' overhang at the edges eats the gain: a
- * 32x32 image needs the same either way) and the weights are small. Measured on the SD
- * VAE's shapes (2 Zen 4 cores, f16 weights, the two tiles alternating in one process):
- * 128 -> 128 at 512x512 103 ms vs 114 for F(4,3), at 1024x1024 418 vs 493, 256 -> 128
- * at 512x512 208 vs 223, 256 -> 256 at 512x512 399 vs 419; with more channels or on
- * smaller images F(6,3) gains nothing or loses (256 -> 256 at 256x256 109 vs 104,
- * 512 -> 512 at 128x128 115 vs 109, 320 -> 320 at 64x64 13.1 vs 11.7): its GEMMs run at a lower rate than F(4,3)'s (a U 1.8x larger,
+ * 32x32 image needs the same either way) and the weights are small (the SD VAE's large
+ * levels; README's speed section has the measurements). With more channels or on
+ * smaller images F(6,3) gains nothing or loses: its GEMMs run at a lower rate than F(4,3)'s (a U 1.8x larger,
  * streamed from L3 once per strip) and its input transform costs 2x as much per tile.
  * KILN_WINOGRAD_TILE=4|6 forces one (tests, benchmarks). */
 static int pick_tile(const kiln_conv2d_params *p)
@@ -719,9 +716,8 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
     if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
         return 1;
     int64_t T4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
-    /* Measured against the implicit GEMM on one core: Winograd wins from 16 tiles (a
-     * 16x16 image: 1280 ch 42 vs 71 ms, 320 ch 2.3 vs 4.4 ms) and loses at 9 tiles
-     * (10x10, 1280 ch: 43 vs 35 ms); few channels are left to the GEMM. */
+    /* Against the implicit GEMM, Winograd wins from 16 tiles (a 16x16 image) and loses
+     * at 9 (10x10); few channels are left to the GEMM (README: speed, path choices). */
     if (!forced && (p->c < 32 || p->k < 32 || T4 < 16)) return 1;
     wino_map mp = {pick_tile(p), 3, 0, 0, 0, p->ow, p->oh * p->ow};
     return wino_run(y, x, w, w_dtype, bias, p, &mp);
@@ -740,9 +736,7 @@ int kiln_cpu_conv2d_up2_fuses(int64_t C, int64_t H, int64_t W, int64_t K)
 {
     /* Few channels go the plain way, as for the 3x3 path, and so do small images: with
      * fewer than 64 tiles a parity the unfused pair is faster (it runs on the few-tiles
-     * path; 2 Zen 4 cores, f16 weights, fused vs unfused: 16 -> 32, 1280 channels 69 vs
-     * 48 ms; 32 -> 64, 640 channels 40 vs 48; 64 -> 128, 512 channels 82 vs 108;
-     * 128 -> 256, 512 channels 295 vs 448; 256 -> 512, 256 channels 310 vs 420). */
+     * path; README: speed, path choices). */
     return kiln_cpu_gemm_have_simd() && C >= 32 && K >= 32 && ((H + 3) / 4) * ((W + 3) / 4) >= 64 &&
            4 * H * W < ((int64_t)1 << 30);
 }

@@ -32,12 +32,10 @@
 #include "winograd_transforms.h"
 #define AVX512 __attribute__((target("avx512f")))
 
-/* Measured on SD's shapes (2 Zen 4 cores, f16 weights; the other path in brackets):
- * 1280 -> 1280 at 8x8 9.5 ms (GEMM 11.1), at 16x16 18.5 (24.7), at 32x32 50 (67);
- * 2560 -> 1280 at 16x16 36-39 (64); at 32x32 1280 -> 640 29.5 (34), 960 -> 640 20.9
- * (26), 640 -> 640 14.7 (15.1); at 64x64 (256 tiles) 320 -> 320 18 (12.7): M and V
- * outgrow the caches. So: up to 16 tiles, or up to 64 when the weights are large
- * (>= 512 Ki per tap); chunks of 128 input channels (96 to 256 measured within 5%). */
+/* On SD's UNet shapes this path beats the implicit GEMM on small images and loses from
+ * 256 tiles, where M and V outgrow the caches (README: speed, path choices). So: up to
+ * 16 tiles, or up to 64 when the weights are large (>= 512 Ki per tap); chunks of 128
+ * input channels (the chunk size matters little). */
 enum { KB = 96, CC = 128, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 19, TINY_TILES = 4 };
 
 typedef struct {
@@ -282,7 +280,7 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
         return 1;
     /* A batch whose tiles outgrow MAX_TILES runs in groups of images that fit, each
      * transforming the weights again: still far cheaper than the other path's blocking
-     * at these shapes (a CFG batch of 2 at 32x32, 1920 -> 640: 108 ms there, 2 x 40 here).
+     * at these shapes (a CFG batch of 2 at 32x32).
      * The first group decides; the others follow it (forced). */
     int64_t t_img = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
     if (p->n > 1 && p->n * t_img > MAX_TILES && t_img <= MAX_TILES) {
@@ -301,8 +299,8 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.p = p; c.x = x; c.y = y; c.w = w; c.w_dt = w_dtype; c.bias = bias;
     c.C = p->c; c.K = p->k; c.Cp = (p->c + 15) / 16 * 16;
     /* F(2,3) where F(4,3) would have at most TINY_TILES tiles an image (8x8): 4x the rows
-     * for the GEMM and a U of 16 points instead of 36, for 1.8x the multiply-adds (8x8,
-     * 1280 -> 1280: 9.5 ms vs 10.3). KILN_WINOGRAD_FEW_TILE=2|4 forces one (tests). */
+     * for the GEMM and a U of 16 points instead of 36, for 1.8x the multiply-adds, and
+     * faster at 8x8 all the same. KILN_WINOGRAD_FEW_TILE=2|4 forces one (tests). */
     int64_t t4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4), t2 = ((p->oh + 1) / 2) * ((p->ow + 1) / 2);
     c.m = t4 <= TINY_TILES && p->n * t2 <= MAX_TILES ? 2 : 4;
     const char *tile = getenv("KILN_WINOGRAD_FEW_TILE");
@@ -310,8 +308,8 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.a = c.m + 2; c.P = c.a * c.a;
     c.TH = (p->oh + c.m - 1) / c.m; c.TW = (p->ow + c.m - 1) / c.m; c.T = c.TH * c.TW; c.NT = p->n * c.T;
     if (c.NT > MAX_TILES || (!forced && p->n * t4 > FEW_TILES && c.C * c.K < LARGE_WEIGHTS)) return 1;
-    /* 8x8 with f32 weights: the implicit GEMM reads them in place and wins (8.9 vs 9.5 ms);
-     * f16 / bf16 weights it converts panel by panel (11.1 ms) */
+    /* 8x8 with f32 weights: the implicit GEMM reads them in place and wins; f16 / bf16
+     * weights it has to convert panel by panel, and loses */
     if (!forced && c.m == 2 && w_dtype == KILN_F32) return 1;
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;

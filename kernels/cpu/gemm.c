@@ -1,7 +1,7 @@
 /* gemm.c - f32 matrix products (gemm, batched gemm, linear) on the shared thread pool.
- * On CPUs with AVX-512 a packed, cache-blocked kernel of our own runs (on par with or
- * faster than OpenBLAS 0.3.21 here, and it shares our pool instead of a second set of
- * spinning threads); elsewhere OpenBLAS sgemm does the work. The same kernel serves
+ * On CPUs with AVX-512 a packed, cache-blocked kernel of our own runs (`make bench`
+ * compares it with OpenBLAS; it shares our pool instead of a second set of spinning
+ * threads); elsewhere OpenBLAS sgemm does the work. The same kernel serves
  * conv2d (conv2d.c) through kiln_cpu_gemm_ex, which takes f16/bf16 A and a callback
  * that packs B straight from the image (implicit im2col). */
 #define _GNU_SOURCE
@@ -25,7 +25,7 @@
 
 /* Microkernel tile: MR rows of A (broadcast) times NR = 2 vectors of 16 columns. KC is
  * the depth of one packed panel: an MR x KC sliver of A stays in L1 while the KC x NB
- * panel of B (<= 480 KB: L2 is 1 MB on Zen 4; 768 KB panels measured up to 15% slower)
+ * panel of B (<= 480 KB: L2 is 1 MB on Zen 4; larger panels are slower)
  * is reused from L2 by every sliver. */
 enum { MR = 12, NR = 32, KC = 384, NB_MAX = 320 };
 
@@ -460,9 +460,9 @@ AVX512 static void ukr_rows(int64_t kc, const float *restrict a, int64_t lda, co
 
 /* Whether MR rows lda floats apart crowd one L1 set: the 32 KB 8-way L1 of Zen 4 (and
  * most x86 cores) indexes sets by address bits 6-11, so rows a multiple of 4 KB apart
- * (K = 5120: 20 KB) all land in one set and evict each other on every k step
- * (256 x 5120 -> 1280: 26.6 ms read in place, 20.8 packed). More than 6 rows per set
- * (K = 2560 puts 6 in each of two sets: in place is 1% faster): pack the sliver. */
+ * (K = 5120: 20 KB) all land in one set and evict each other on every k step. More
+ * than 6 rows per set (K = 2560 puts 6 in each of two sets, where reading in place
+ * still wins): pack the sliver. */
 static int rows_alias(int64_t lda)
 {
     int count[64] = {0}, worst = 0;
@@ -575,9 +575,9 @@ static size_t per_thread_floats(int64_t nb) { return (size_t)KC * (size_t)nb + (
  * its column block's B panels again (f16 conversion included, ~1 cycle per element) and
  * every column block reads its rows of A again (~1/4 cycle per element). Columns go in
  * blocks of 2 .. NB_MAX/NR slivers (3 when <= 8 rows use the 4 x 96 kernel), rows in
- * halvings down to 4 slivers. Measured at SD's shapes: splitting columns rather than rows
- * where M is small (256 tokens) and keeping the B panel <= 480 KB (NB_MAX 320) took the
- * linear layers from 150-215 to 190-226 GFLOP/s on 2 Zen 4 cores. */
+ * halvings down to 4 slivers. At SD's shapes, splitting columns rather than rows where M
+ * is small (256 tokens) and keeping the B panel <= 480 KB (NB_MAX 320) is what brings the
+ * linear layers near the FMA peak (README: speed). */
 static void choose_blocks(int64_t M, int64_t N, int64_t K, int threads, int64_t *mb, int64_t *nb)
 {
     int64_t ns = (N + NR - 1) / NR, sm = (M + MR - 1) / MR; /* slivers of columns, of rows */
