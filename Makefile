@@ -14,7 +14,8 @@ CUDA       ?= $(if $(filter 1,$(SAN)),0,$(if $(NVCC),1,0))
 CUDA_ARCHS ?= 80 86 89 90
 PYTHON  ?= /usr/bin/python3
 
-KILN_VERSION := $(shell sed -n 's/^\#define KILN_VERSION "\(.*\)"/\1/p' bindings/l_kiln.c)
+# the version is kiln.h's KILN_VERSION_MAJOR / MINOR / PATCH (in that order there)
+KILN_VERSION := $(shell sed -n 's/^\#define KILN_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)$$/\2/p' bindings/kiln.h | paste -sd.)
 LIBDIR   ?= $(PREFIX)/lib
 INCDIR   ?= $(PREFIX)/include
 MANDIR   ?= $(PREFIX)/share/man
@@ -48,9 +49,9 @@ CLI_LIBS := -lreadline
 endif
 
 RUNTIME_SRC  := $(wildcard runtime/*.c)
-KERNEL_SRC   := $(wildcard kernels/cpu/*.c) kernels/cuda/cuda_none.c
+KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c) kernels/cuda/cuda_none.c
 ifeq ($(CUDA),1)
-KERNEL_SRC   := $(wildcard kernels/cpu/*.c) kernels/cuda/cuda_backend.c
+KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c) kernels/cuda/cuda_backend.c
 CU_OBJ       := $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard kernels/cuda/*.cu))
 NVCCFLAGS    := -std=c++17 -O2 -g -Xcompiler -Wall,-Wextra,-fPIC,-fvisibility=hidden \
                 $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
@@ -59,11 +60,16 @@ CUDA_LIBS    := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcub
 CORE_LIBS    += $(CUDA_LIBS)
 LIBS         += $(CUDA_LIBS)
 endif
-BINDING_SRC  := $(filter-out bindings/kiln_main.c,$(wildcard bindings/*.c))
+# the kiln program's own files (kiln_main.c, repl_*.c) are not in the library
+CLI_SRC      := bindings/kiln_main.c $(wildcard bindings/repl_*.c)
+BINDING_SRC  := $(filter-out $(CLI_SRC),$(wildcard bindings/*.c))
 SCRIPTS      := $(shell find scripts -name '*.lua' | sort)
 GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
+# CLIP's vocabulary, compiled in as the built-in tokenizer (runtime/data/LICENSE-CLIP)
+CLIP_VOCAB   := runtime/data/bpe_simple_vocab_16e6.txt.gz
+GEN_VOCAB    := $(BUILD)/gen/clip_vocab.c
 
-LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(CU_OBJ)
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(CU_OBJ)
 C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 DEPS_OK := build/.deps-ok
 
@@ -71,8 +77,9 @@ DEPS_OK := build/.deps-ok
 all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $(BUILD)/examples/art_tool
 
 # ---- dependencies -------------------------------------------------------------
-# Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline.
-DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev
+# Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline, and
+# LuaFileSystem (the scripts' files and folders).
+DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then echo "deps: all present"; \
@@ -103,6 +110,14 @@ $(BUILD)/obj/gen/scripts_data.o: $(GEN_SCRIPTS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Ibindings -c $< -o $@
 
+$(GEN_VOCAB): runtime/data/gen_blob.lua $(CLIP_VOCAB) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	lua5.4 runtime/data/gen_blob.lua $@ kiln_clip_vocab_gz $(CLIP_VOCAB)
+
+$(BUILD)/obj/gen/clip_vocab.o: $(GEN_VOCAB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
 $(BUILD)/libkiln.a: $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
@@ -110,8 +125,8 @@ $(BUILD)/libkiln.a: $(LIB_OBJ)
 $(BUILD)/libkiln.so: $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ $(LDFLAGS) $(LIBS)
 
-$(BUILD)/kiln: bindings/kiln_main.c $(BUILD)/libkiln.a
-	$(CC) $(CFLAGS) $(CLI_DEFS) -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
+$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h bindings/l_scripts.h $(BUILD)/libkiln.a
+	$(CC) $(CFLAGS) $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
 
 $(BUILD)/lua/kiln.so: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
@@ -156,11 +171,12 @@ install: all
 	install -m 755 $(BUILD)/lua/kiln.so $(DESTDIR)$(LUA_CMOD)/kiln.so
 	install -m 644 bindings/kiln.1 $(DESTDIR)$(MANDIR)/man1/kiln.1
 	install -m 644 bindings/kiln.meta.lua $(DESTDIR)$(DATADIR)/kiln.meta.lua
+	install -m 644 runtime/data/LICENSE-CLIP $(DESTDIR)$(DATADIR)/LICENSE-CLIP
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(LIBDIR)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.so \
 	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
-	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua
+	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP
 	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true
 
 # header dependencies written by -MMD (none before the first build)

@@ -2,11 +2,13 @@
  * Lua functions with images in and out, progress / log / cancel, memory statistics.
  * A host enters Lua only through lua_pcall (no path here can reach lua_atpanic);
  * a cancel is a flag polled by a count hook and by kiln.progress. */
+#include "l_tensor.h"
+#include "l_config.h"
 #include "l_kiln.h"
 #include "l_scripts.h"
 #include "../runtime/events.h"
 #include "../runtime/png_io.h"
-#include "kiln.h" /* after the runtime headers: it then uses status.h's kiln_status */
+#include "kiln.h"
 
 #include <lualib.h>
 #include <stdarg.h>
@@ -36,13 +38,11 @@ struct kiln_ctx {
     char *message;            /* last failure, malloc'd ("" when NULL) */
     char *traceback;
     char *summary;
+    int trace_started;        /* config.trace: kiln_close stops it */
 };
 
 /* Messages of calls made without a context (kiln_open's failures). */
 static _Thread_local char thread_message[1024];
-/* The context running a call on this thread: the allocators' pressure hook collects
- * its garbage, and only on this thread (another context's state is not ours). */
-static _Thread_local kiln_ctx *active_ctx;
 
 /* ---------------------------------------------------------------- messages */
 
@@ -208,24 +208,6 @@ void kiln_set_log(kiln_ctx *ctx, kiln_log_fn fn, void *user)
     ctx->log_user = user;
 }
 
-/* The allocators' pressure hook while a context runs: a full GC of the state of the
- * calling thread's running call frees the tensors nobody references any more. */
-static int embed_pressure(void *unused)
-{
-    (void)unused;
-    kiln_ctx *ctx = active_ctx;
-    if (!ctx || kiln_thread_is_worker()) return 0;
-    if (lua_gc(ctx->L, LUA_GCISRUNNING) == 0) return 0; /* inside a finalizer */
-    lua_gc(ctx->L, LUA_GCCOLLECT);
-    return 1;
-}
-
-static void install_pressure_hooks(void)
-{
-    for (int i = 0; i < kiln_device_count(); i++)
-        kiln_allocator_set_pressure_hook(kiln_device_at(i)->alloc, embed_pressure, NULL);
-}
-
 /* ---------------------------------------------------------------- protected runs */
 
 typedef struct {
@@ -320,9 +302,8 @@ static kiln_status protected_run(job *j, lua_CFunction fn, const char *what)
     set_str(&ctx->message, NULL);
     set_str(&ctx->traceback, NULL);
     atomic_store(&ctx->cancel, 0);
-    kiln_ctx *outer = active_ctx;
-    active_ctx = ctx;
-    install_pressure_hooks();
+    /* under memory pressure, this thread collects this state's garbage */
+    lua_State *outer = l_pressure_enter(L);
 
     lua_settop(L, 0);
     lua_pushcfunction(L, msghandler);
@@ -336,25 +317,74 @@ static kiln_status protected_run(job *j, lua_CFunction fn, const char *what)
     lua_settop(L, 0);
     lua_gc(L, LUA_GCCOLLECT);
 
-    active_ctx = outer;
+    l_pressure_leave(outer);
     ctx->busy = 0;
     return st;
 }
 
 /* ---------------------------------------------------------------- open, close */
 
-/* Calls kiln.<name>(value) (nvalues values on the stack); a failure names the
- * config field. */
-static void apply_option(lua_State *L, job *j, const char *field, const char *name, int nvalues)
+/* kiln.configure's field names -> kiln_config's, for messages. */
+static const char *config_field(const char *field)
 {
-    lua_getglobal(L, "kiln");
-    lua_getfield(L, -1, name);
-    lua_remove(L, -2);
-    lua_insert(L, -1 - nvalues);
-    if (lua_pcall(L, nvalues, 0, 0) != LUA_OK) {
+    static const char *const names[][2] = {
+        {"quiet", "verbose"}, {"trace", "trace"}, {"threads", "threads"},
+        {"device", "device"}, {"mode", "mode"}, {"budget", "memory_budget"},
+    };
+    for (size_t i = 0; field && i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(field, names[i][0]) == 0) return names[i][1];
+    return field ? field : "?";
+}
+
+/* The runtime options of the config go through kiln.configure, the one place that
+ * applies them; a failure names the config field. */
+static void configure(lua_State *L, job *j)
+{
+    const kiln_config *cfg = j->config;
+    if (cfg->threads < 0) {
         j->status = KILN_ERR_ARG;
-        luaL_error(L, "kiln_open: config.%s: %s", field, luaL_tolstring(L, -1, NULL));
+        luaL_error(L, "kiln_open: config.threads: %d is negative (0 = leave as is)", cfg->threads);
     }
+    if (cfg->memory_budget > (uint64_t)LUA_MAXINTEGER) {
+        j->status = KILN_ERR_ARG;
+        luaL_error(L, "kiln_open: config.memory_budget: too large");
+    }
+    lua_getglobal(L, "kiln");
+    lua_getfield(L, -1, "configure");
+    lua_remove(L, -2);
+    lua_createtable(L, 0, 6);
+    /* no progress bars on the host's stderr unless it asks: progress goes to the callback */
+    lua_pushboolean(L, !cfg->verbose);
+    lua_setfield(L, -2, "quiet");
+    if (cfg->trace) {
+        lua_pushstring(L, cfg->trace);
+        lua_setfield(L, -2, "trace");
+    }
+    if (cfg->threads > 0) {
+        lua_pushinteger(L, cfg->threads);
+        lua_setfield(L, -2, "threads");
+    }
+    lua_pushstring(L, j->ctx->device);
+    lua_setfield(L, -2, "device");
+    if (cfg->mode) {
+        lua_pushstring(L, cfg->mode);
+        lua_setfield(L, -2, "mode");
+    }
+    if (cfg->memory_budget) {
+        lua_pushinteger(L, (lua_Integer)cfg->memory_budget);
+        lua_setfield(L, -2, "budget");
+    }
+    if (lua_pcall(L, 1, 0, 0) == LUA_OK) {
+        j->ctx->trace_started = cfg->trace != NULL;
+        return;
+    }
+    j->status = KILN_ERR_ARG;
+    if (lua_type(L, -1) == LUA_TTABLE) {
+        const char *field = raw_string_field(L, lua_gettop(L), "field");
+        const char *detail = raw_string_field(L, lua_gettop(L), "detail");
+        if (detail) luaL_error(L, "kiln_open: config.%s: %s", config_field(field), detail);
+    }
+    luaL_error(L, "kiln_open: %s", luaL_tolstring(L, -1, NULL));
 }
 
 static int open_state(lua_State *L)
@@ -368,55 +398,18 @@ static int open_state(lua_State *L)
     luaL_openlibs(L);
     kiln_scripts_install(L);
     if (cfg->script_path) kiln_scripts_set_path(L, cfg->script_path);
+    else if (cfg->source_tree) kiln_scripts_prefer_source_tree(L);
     luaL_requiref(L, "kiln", luaopen_kiln, 1);
     lua_pop(L, 1);
-    lua_register(L, "print", l_print);
-    lua_getglobal(L, "os");
-    lua_pushcfunction(L, l_exit);
-    lua_setfield(L, -2, "exit");
-    lua_pop(L, 1);
-    l_progress_set_host(L, &j->ctx->host);
-    /* no progress bars on the host's stderr: progress goes to the callback */
-    lua_getglobal(L, "kiln");
-    if (lua_getfield(L, -1, "set_quiet") == LUA_TFUNCTION) {
-        lua_pushboolean(L, 1);
-        lua_call(L, 1, 0);
-    } else {
+    if (!cfg->print_stdout) lua_register(L, "print", l_print);
+    if (!cfg->real_exit) {
+        lua_getglobal(L, "os");
+        lua_pushcfunction(L, l_exit);
+        lua_setfield(L, -2, "exit");
         lua_pop(L, 1);
     }
-    lua_pop(L, 1);
-
-    if (cfg->threads < 0) {
-        j->status = KILN_ERR_ARG;
-        return luaL_error(L, "kiln_open: config.threads: %d is negative (0 = leave as is)", cfg->threads);
-    }
-    if (cfg->threads > 0) {
-        lua_pushinteger(L, cfg->threads);
-        apply_option(L, j, "threads", "set_threads", 1);
-    }
-    lua_pushstring(L, j->ctx->device);
-    apply_option(L, j, "device", "set_default_device", 1);
-    if (cfg->mode) {
-        lua_pushstring(L, cfg->mode);
-        apply_option(L, j, "mode", "memory_mode", 1);
-    }
-    if (cfg->memory_budget) {
-        if (cfg->memory_budget > (uint64_t)LUA_MAXINTEGER) {
-            j->status = KILN_ERR_ARG;
-            return luaL_error(L, "kiln_open: config.memory_budget: too large");
-        }
-        lua_getglobal(L, "kiln");
-        lua_getfield(L, -1, "mem");
-        lua_getfield(L, -1, "set_budget");
-        lua_remove(L, -2);
-        lua_remove(L, -2);
-        lua_pushstring(L, j->ctx->device);
-        lua_pushinteger(L, (lua_Integer)cfg->memory_budget);
-        if (lua_pcall(L, 2, 0, 0) != LUA_OK) {
-            j->status = KILN_ERR_ARG;
-            return luaL_error(L, "kiln_open: config.memory_budget: %s", luaL_tolstring(L, -1, NULL));
-        }
-    }
+    l_progress_set_host(L, &j->ctx->host);
+    configure(L, j);
     return 0;
 }
 
@@ -456,7 +449,7 @@ kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
         return fail(NULL, KILN_ERR_OOM, "kiln_open: cannot create a Lua state: out of memory");
     }
     *(kiln_ctx **)lua_getextraspace(ctx->L) = ctx;
-    lua_setwarnf(ctx->L, warnf, ctx);
+    if (!cfg->lua_warnings) lua_setwarnf(ctx->L, warnf, ctx);
     lua_gc(ctx->L, LUA_GCSTOP); /* while building the state, as lua.c */
 
     job j = {.ctx = ctx, .config = cfg};
@@ -468,9 +461,20 @@ kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
         return st;
     }
     lua_gc(ctx->L, LUA_GCRESTART);
-    install_pressure_hooks(); /* luaopen_kiln set its own, bound to this state */
     *out = ctx;
     return KILN_OK;
+}
+
+/* kiln.trace.stop(): writes the trace file config.trace started (the module's own
+ * table: a script may have replaced the global). */
+static int stop_trace(lua_State *L)
+{
+    luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+    lua_getfield(L, -1, "kiln");
+    lua_getfield(L, -1, "trace");
+    lua_getfield(L, -1, "stop");
+    lua_call(L, 0, 0);
+    return 0;
 }
 
 void kiln_close(kiln_ctx *ctx)
@@ -480,9 +484,27 @@ void kiln_close(kiln_ctx *ctx)
         emit(ctx, KILN_LOG_ERROR, "kiln_close called from a callback: ignored");
         return;
     }
+    if (ctx->trace_started) {
+        lua_State *L = ctx->L;
+        lua_settop(L, 0);
+        lua_pushcfunction(L, stop_trace);
+        if (lua_pcall(L, 0, 0, 0) != LUA_OK) {
+            lua_pushfstring(L, "config.trace: %s", luaL_tolstring(L, -1, NULL));
+            emit(ctx, KILN_LOG_ERROR, lua_tostring(L, -1));
+        }
+    }
     lua_close(ctx->L); /* finalizers free every tensor and model */
     for (int i = 0; i < kiln_device_count(); i++) kiln_device_empty_cache(kiln_device_at(i));
     free_ctx(ctx);
+}
+
+kiln_status kiln_parse_size(const char *text, uint64_t *bytes)
+{
+    if (!text || !bytes) return fail(NULL, KILN_ERR_ARG, "kiln_parse_size: %s is NULL", text ? "bytes" : "text");
+    if (!l_parse_size(text, bytes))
+        return fail(NULL, KILN_ERR_ARG, "invalid size '%.64s' (expected bytes or a size such as 6G, 512M, 1.5GiB)",
+                    text);
+    return KILN_OK;
 }
 
 struct lua_State *kiln_lua_state(kiln_ctx *ctx)
@@ -798,7 +820,7 @@ kiln_status kiln_image_save_png(kiln_ctx *ctx, const kiln_image *image, const ch
     if (!px) return fail(ctx, KILN_ERR_OOM, "kiln_image_save_png: %s: out of host memory", path);
     image_to_planar(image, px);
     char software[64];
-    snprintf(software, sizeof software, "kiln %s", kiln_version_string());
+    snprintf(software, sizeof software, "kiln %s", kiln_version());
     const char *keys[] = {"Software"}, *values[] = {software};
     kiln_status st = kiln_png_write(path, px, image->channels, image->height, image->width, 1, keys, values);
     free(px);

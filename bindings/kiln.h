@@ -14,13 +14,17 @@
  *
  * Errors: every function that can fail returns a kiln_status; the message of the
  * last failure is kiln_last_message(ctx). The library never exits the process and
- * never writes to stdout: a script's print() goes to the log callback.
+ * never writes to stdout: a script's print() goes to the log callback (unless the
+ * config's print_stdout / real_exit ask for a terminal program's ways).
  *
  * Threads: one context per thread. A context is used by one thread at a time (it may
  * move between threads between calls); kiln_cancel is the only function that may be
  * called from any thread at any time. Contexts in different threads may run at once:
  * they share the devices, their budgets and the CPU thread pool (whose jobs run one
- * after another). kiln_memory_stats may be called from any thread.
+ * after another). kiln_memory_stats may be called from any thread. When an allocation
+ * does not fit a budget, the runtime collects the Lua garbage of the context running
+ * on the allocating thread (the context of the kiln_* call, else the last context
+ * opened on that thread), never another thread's.
  *
  * Callbacks (progress, log) run on the thread of the call that triggered them. From
  * a callback a host may call kiln_cancel, kiln_memory_stats and kiln_memory_summary;
@@ -32,6 +36,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The version of this header and of the library it came with (kiln_version()). */
+#define KILN_VERSION_MAJOR 0
+#define KILN_VERSION_MINOR 1
+#define KILN_VERSION_PATCH 0
+
+/* Marks what libkiln exports: the functions below and luaopen_kiln; everything else
+ * in the library is hidden. A host may define it first (e.g. as an import attribute). */
 #ifndef KILN_API
 #if defined(__GNUC__)
 #define KILN_API __attribute__((visibility("default")))
@@ -46,26 +57,27 @@ extern "C" {
 
 /* ---- status codes ----------------------------------------------------------- */
 
-#ifndef KILN_STATUS_H /* the runtime's status.h has the same values (tests/test_embed.c checks) */
+/* The one definition of the status codes: the library's C core returns the same
+ * values inside (its status names follow this order). ORDER STATUS */
 typedef enum {
     KILN_OK = 0,
-    KILN_ERR_ARG,         /* bad argument: an image, a config field, a name */
+    KILN_ERR_ARG,         /* bad argument: an image, a config field, a name, a shape, a dtype */
     KILN_ERR_IO,          /* file system: a script or image that cannot be read or written */
     KILN_ERR_FORMAT,      /* malformed file */
     KILN_ERR_OOM,         /* out of memory: an allocation that does not fit a device's budget */
     KILN_ERR_UNSUPPORTED, /* op, dtype or device not supported */
-    KILN_ERR_STATE,       /* context used in the wrong state (busy in a callback) */
+    KILN_ERR_STATE,       /* used in the wrong state: busy in a callback, freed, closed */
     KILN_ERR_CANCELLED,   /* stopped by kiln_cancel (or the script's kiln.cancel) */
     KILN_STATUS_COUNT,
     KILN_ERR_SCRIPT = 64  /* the script raised an error (syntax or run time): see the message */
 } kiln_status;
-#else
-#define KILN_ERR_SCRIPT ((kiln_status)64) /* (inside the library, in C) status.h has no script code */
-#endif
 
 /* "ok", "argument", ..., "cancelled", "script". */
 KILN_API const char *kiln_status_string(kiln_status status);
-/* "0.1.0" */
+/* "0.1.0": KILN_VERSION_MAJOR.MINOR.PATCH of the library (which may be newer than
+ * the header a host was built with). */
+KILN_API const char *kiln_version(void);
+/* The same string as kiln_version() (its older name). */
 KILN_API const char *kiln_version_string(void);
 
 /* ---- images ---------------------------------------------------------------- */
@@ -122,14 +134,38 @@ typedef struct {
                                   the scripts built into the library; NULL: $KILN_PATH;
                                   "": the built-in scripts only */
     int ignore_env;            /* nonzero: ignore LUA_PATH, LUA_CPATH and KILN_PATH */
+    const char *trace;         /* file to write a trace to (chrome://tracing, Perfetto), from
+                                  kiln_open until kiln_close; NULL: none */
+
+    /* A host that is itself a terminal program (the kiln program is one) sets these;
+       all zero is a library inside another program: nothing on stdout, nothing ends
+       the process, progress only through the callback. */
+    int verbose;               /* nonzero: progress bars and summaries on stderr, as the kiln
+                                  program shows them (kiln.quiet() is false); 0: quiet */
+    int print_stdout;          /* nonzero: print() writes to stdout, as stock Lua's does;
+                                  0: each print() is an INFO log message */
+    int real_exit;             /* nonzero: os.exit() ends the process, as stock Lua's does
+                                  (kiln_close is not called); 0: it ends the script */
+    int lua_warnings;          /* nonzero: Lua's own warnings (stderr, "Lua warning: ", off
+                                  until warn("@on")); 0: WARN log messages, on */
+    int source_tree;           /* nonzero, with script_path NULL and KILN_PATH unset: when the
+                                  current folder is kiln's source tree, its scripts/ come first
+                                  (edited scripts run without a rebuild) */
 } kiln_config;
+
+/* "6G", "512M", "1.5GiB", "100000" -> bytes, in binary units (K = 1024), as a
+ * memory_budget from a host's settings; KILN_ERR_ARG when text is not a size. The
+ * same parser as kiln.parse_size. */
+KILN_API kiln_status kiln_parse_size(const char *text, uint64_t *bytes);
 
 /* Opens a context: a Lua state with the standard libraries and the kiln module (the
  * global `kiln`), configured by config. On failure *out is NULL and the message is
- * kiln_last_message(NULL). os.exit() in a script ends the script, not the process. */
+ * kiln_last_message(NULL); a bad runtime option (device, mode, memory_budget,
+ * threads, trace) is KILN_ERR_ARG with a message "kiln_open: config.FIELD: why".
+ * os.exit() in a script ends the script, not the process (unless real_exit). */
 KILN_API kiln_status kiln_open(const kiln_config *config, kiln_ctx **out);
-/* Closes the Lua state, which frees every tensor and model it held, and returns the
- * devices' cached blocks. NULL is fine. */
+/* Stops the config's trace (writing its file), closes the Lua state, which frees every
+ * tensor and model it held, and returns the devices' cached blocks. NULL is fine. */
 KILN_API void kiln_close(kiln_ctx *ctx);
 
 /* Runs a Lua file with `arg` set as the kiln program sets it (arg[0] = path,

@@ -33,6 +33,7 @@
 ---@field pipeline kiln.pipeline
 ---@field util kiln.util
 ---@field cli kiln.cli
+---@field json kiln.json
 kiln = {}
 
 -- ---------------------------------------------------------------- tensors
@@ -258,6 +259,51 @@ function kiln.set_quiet(on) end
 ---@return boolean
 function kiln.quiet() end
 
+---@class kiln.Config
+---@field device? kiln.DeviceName the default device
+---@field mode? kiln.MemoryMode|"auto" "auto" leaves the mode to each run's planner
+---@field budget? integer|string bytes, or a size such as "6G", of `device` (else the default device)
+---@field threads? integer CPU threads (0: one per core)
+---@field quiet? boolean
+---@field trace? string|false a trace file to write; false stops a running trace
+
+---The one setup path of a runtime (the kiln program's options, kiln.h contexts and
+---scripts go through it). Absent fields are left as they are; a bad field raises a
+---usage error ({kind = "usage", field =, message =}).
+---@param config kiln.Config
+function kiln.configure(config) end
+
+---"6G", "512M", "1.5GiB", "100000" -> bytes (binary units: K = 1024).
+---@param s string
+---@return integer
+function kiln.parse_size(s) end
+
+---Bytes as people read them: "512 B", "1.5 KiB", "12.0 MiB", "1.50 GiB".
+---@param n number
+---@return string
+function kiln.format_bytes(n) end
+
+---JSON (RFC 8259) through the runtime's strict reader.
+---@class kiln.json
+---@field null lightuserdata what JSON's null decodes to
+kiln.json = {}
+
+---Objects become tables, arrays lists, null kiln.json.null; malformed text raises.
+---@param text string
+---@return any
+function kiln.json.decode(text) end
+
+---Compact JSON text of a Lua value (tables with keys 1..n are arrays).
+---@param value any
+---@return string
+function kiln.json.encode(value) end
+
+---Bytes as people read them, in binary units with three significant digits:
+---"512 B", "1.50 KiB", "12.0 MiB", "2.00 TiB" (the memory summary's form).
+---@param n number
+---@return string
+function kiln.format_bytes(n) end
+
 -- ---------------------------------------------------------------- progress, cancel
 
 ---Reports step `step` of `total` (0: unknown) to the kiln.on_progress handler and to an
@@ -297,8 +343,8 @@ function kiln.model(paths, opts) end
 function kiln.load_checkpoint(path, opts) end
 
 ---CLIP's byte-level BPE tokenizer: a folder with vocab.json + merges.txt, a vocab.json,
----or CLIP's bpe_simple_vocab_16e6.txt.gz.
----@param path string
+---or CLIP's bpe_simple_vocab_16e6.txt.gz; no path: CLIP's vocabulary built into kiln.
+---@param path? string
 ---@return kiln.Tokenizer
 function kiln.tokenizer(path) end
 
@@ -524,6 +570,31 @@ function kiln.tile.map(x, fn, opts) end
 ---@return kiln.TilePlan
 function kiln.tile.plan(height, width, opts) end
 
+-- ---------------------------------------------------------------- kiln.json
+
+---JSON (RFC 8259) over the runtime's strict reader.
+---@class kiln.json
+kiln.json = {}
+
+---The value JSON's null decodes to (a userdata that prints as "null"; encode writes
+---it as null).
+---@type userdata
+kiln.json.null = nil
+
+---Objects become tables, arrays lists (an empty one marked {__jsontype = "array"}),
+---null kiln.json.null; integers within 64 bits stay integers. Malformed text raises
+---an error that gives the byte offset; containers nest at most 64 deep.
+---@param text string
+---@return any
+function kiln.json.decode(text) end
+
+---Compact JSON: tables with keys 1..n are arrays, other tables objects with sorted keys
+---(a metatable's __jsontype "array"/"object" decides for empty ones); nil and
+---kiln.json.null are null. Cycles, NaN, infinities, invalid UTF-8 and functions raise.
+---@param value any
+---@return string
+function kiln.json.encode(value) end
+
 -- ---------------------------------------------------------------- kiln.trace
 
 ---Chrome trace files (Perfetto, chrome://tracing): memory events, counters and spans.
@@ -560,6 +631,25 @@ function kiln.trace.counters() end
 
 ---@alias kiln.Denoiser fun(x: kiln.Tensor, sigma: number): kiln.Tensor
 
+-- The names of kiln.sample's registry; tests/lua/meta_test.lua keeps them equal to
+-- kiln.sample.names() and kiln.sample.scheduler_names().
+---@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2s_ancestral"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"
+---@alias kiln.SchedulerName "beta"|"ddim_uniform"|"exponential"|"karras"|"normal"|"sgm_uniform"|"simple"
+
+---A sampler's registry entry.
+---@class kiln.SamplerInfo
+---@field name kiln.SamplerName
+---@field fn function
+---@field label string as A1111 writes it in a PNG's parameters ("DPM++ 2M", "Euler a")
+---@field noise boolean whether it draws noise at every step (ancestral, SDE)
+
+---A scheduler's registry entry.
+---@class kiln.SchedulerInfo
+---@field name kiln.SchedulerName
+---@field fn function
+---@field label string A1111's "Schedule type" ("Karras", "Exponential")
+---@field needs_model boolean whether it reads opts.model_sampling
+
 ---@class kiln.SampleStep
 ---@field i integer
 ---@field n integer
@@ -583,9 +673,8 @@ function kiln.trace.counters() end
 ---@field schedules table<string, function>
 kiln.sample = {}
 
----Runs a sampler ("euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral", "lms",
----"dpmpp_2m", "dpmpp_2s_ancestral", "dpmpp_sde", "ddim", "lcm") from x over sigmas; returns x.
----@param name string
+---Runs a sampler of the registry (kiln.sample.names()) from x over sigmas; returns x.
+---@param name kiln.SamplerName
 ---@param denoise kiln.Denoiser
 ---@param x kiln.Tensor
 ---@param sigmas kiln.Tensor|number[] ending in 0
@@ -596,7 +685,7 @@ function kiln.sample.run(name, denoise, x, sigmas, opts) end
 ---steps + 1 sigmas ending in 0: "karras" / "exponential" (sigma_min, sigma_max, rho),
 ---"normal", "simple", "sgm_uniform", "ddim_uniform", "beta" (alpha, beta; default
 ---0.6, 0.6; fewer steps when timesteps repeat, as ComfyUI) (opts.model_sampling).
----@param name string
+---@param name kiln.SchedulerName
 ---@param steps integer
 ---@param opts? {sigma_min?: number, sigma_max?: number, rho?: number, model_sampling?: table, alpha?: number, beta?: number}
 ---@return kiln.Tensor
@@ -610,8 +699,36 @@ function kiln.sample.sigmas(name, steps, opts) end
 function kiln.sample.beta_ppf(q, a, b) end
 
 ---The sampler names, sorted.
----@return string[]
+---@return kiln.SamplerName[]
 function kiln.sample.names() end
+
+---The scheduler names, sorted.
+---@return kiln.SchedulerName[]
+function kiln.sample.scheduler_names() end
+
+---A sampler's registry entry (a copy), or nil for an unknown name.
+---@param name string
+---@return kiln.SamplerInfo|nil
+function kiln.sample.sampler_info(name) end
+
+---A scheduler's registry entry (a copy), or nil for an unknown name.
+---@param name string
+---@return kiln.SchedulerInfo|nil
+function kiln.sample.scheduler_info(name) end
+
+---Adds (or replaces) a sampler: the one place a sampler is registered.
+---@param name string
+---@param fn fun(denoise: kiln.Denoiser, x: kiln.Tensor, sigmas: number[], opts: table, noise: fun(shape: kiln.Shape): kiln.Tensor, step: function): kiln.Tensor
+---@param label string A1111's name for it
+---@param noise boolean whether it draws noise at every step
+function kiln.sample.add_sampler(name, fn, label, noise) end
+
+---Adds (or replaces) a scheduler: the one place a scheduler is registered.
+---@param name string
+---@param fn fun(steps: integer, opts: table): kiln.Tensor
+---@param label string A1111's "Schedule type"
+---@param needs_model boolean whether it reads opts.model_sampling
+function kiln.sample.add_scheduler(name, fn, label, needs_model) end
 
 ---Stable Diffusion's discrete noise schedule (sigma <-> timestep).
 ---@param opts? table
@@ -634,8 +751,8 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field seed? integer
 ---@field steps? integer
 ---@field cfg? number
----@field sampler? string
----@field scheduler? string
+---@field sampler? kiln.SamplerName
+---@field scheduler? kiln.SchedulerName
 ---@field width? integer
 ---@field height? integer
 ---@field denoise? number
@@ -678,6 +795,12 @@ function kiln.pipeline.model_sampling(ckpt) end
 ---@return integer
 function kiln.pipeline.image_size(ckpt) end
 
+---The number of pixels an image's width and height must be a multiple of: the VAE's
+---factor times the UNet's downsampling.
+---@param ckpt kiln.Checkpoint
+---@return integer
+function kiln.pipeline.size_multiple(ckpt) end
+
 ---The guidance scale used when the caller gives none: the metadata's kiln.cfg, else 7.
 ---@param ckpt kiln.Checkpoint
 ---@return number
@@ -691,7 +814,7 @@ function kiln.pipeline.default_cfg(ckpt) end
 function kiln.pipeline.model_hash(ckpt, force) end
 
 ---@param ckpt kiln.Checkpoint
----@param scheduler string
+---@param scheduler kiln.SchedulerName
 ---@param steps integer
 ---@param denoise? number
 ---@return kiln.Tensor
@@ -747,11 +870,26 @@ function kiln.pipeline.save(image, path, opts, ckpt, extra) end
 ---@class kiln.util
 kiln.util = {}
 
----Parses "--name value" / "--flag" arguments over defaults; unknown options are errors.
+---Parses "--name value" / "--flag" arguments over defaults; an unknown option or a bad
+---value raises a usage error.
 ---@param args string[]
 ---@param defaults table
 ---@return table
 function kiln.util.parse_args(args, defaults) end
+
+---Raises a usage error, {kind = "usage", message = msg} with a __tostring: the kiln
+---program prints "kiln: msg" and exits with status 2, without a traceback.
+---@param msg string
+function kiln.util.usage_error(msg) end
+
+---@param e any
+---@return boolean
+function kiln.util.is_usage_error(e) end
+
+---Whether e is the runtime's out-of-memory error (a table with kind "oom").
+---@param e any
+---@return boolean
+function kiln.util.is_oom(e) end
 
 --- Number of distinct indices matched by `pattern`'s capture in a name -> shape table
 --- (max index + 1): how many blocks, layers or levels a checkpoint has.
@@ -773,18 +911,29 @@ function kiln.util.need_shape(shapes, name, what, net) end
 ---@class kiln.cli
 kiln.cli = {}
 
----Parses args with the common options plus `extra` defaults and applies the runtime ones.
+---Parses args with the common options plus `extra` defaults, checks their values (a
+---mistake is a usage error) and applies the runtime ones through kiln.configure.
 ---@param args string[]
----@param extra? table
+---@param extra? table<string, any> a script's own options and their defaults
+---@param help? table<string, string> what each of them does (--help)
 ---@return table
-function kiln.cli.parse(args, extra) end
+function kiln.cli.parse(args, extra, help) end
+
+---Fills opts.width / opts.height with the checkpoint's size where none was given and
+---checks them (and, with scale, the scaled sizes) in pixels; a usage error otherwise.
+---@param opts table
+---@param ckpt kiln.Checkpoint
+---@param scale? number
+---@return table opts
+function kiln.cli.image_size(opts, ckpt, scale) end
 
 ---The --help text of an example script: its options with what they do and their defaults.
 ---@param defaults table<string, any>
+---@param help? table<string, string> what a script's own options do
 ---@return string
-function kiln.cli.usage(defaults) end
+function kiln.cli.usage(defaults, help) end
 
----"6G", "512M", "1.5GiB", "300000000" -> bytes.
+---"6G", "512M", "1.5GiB", "300000000" -> bytes (kiln.parse_size); a usage error otherwise.
 ---@param s string
 ---@return integer
 function kiln.cli.parse_size(s) end
@@ -1142,6 +1291,10 @@ function Tokenizer:token_id(token) end
 ---@return integer
 function Tokenizer:vocab_size() end
 
+---The path it was opened from, or "built-in CLIP vocabulary".
+---@return string
+function Tokenizer:source() end
+
 function Tokenizer:free() end
 
 -- ---------------------------------------------------------------- checkpoints
@@ -1160,6 +1313,8 @@ function Checkpoint:close() end
 
 ---The text encoder(s); also a kiln.Model (load, offload, unload, bytes, close).
 ---@class kiln.CLIP: kiln.Model
+---@field tokenizer kiln.Tokenizer
+---@field tokenizer_source string which tokenizer load_checkpoint chose, and why
 local CLIP = {}
 
 ---Token ids: 77 per window (start, tokens, end, padded with the end token).

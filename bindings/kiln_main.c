@@ -1,33 +1,27 @@
-/* kiln_main.c - the `kiln` program: Lua 5.4's standalone interpreter (lua.c) with the
- * kiln module preloaded as the global `kiln`, kiln's runtime options (--device,
- * --mode, --vram, --threads, --trace, --quiet) and a REPL with name completion.
- * Readline is optional: compile with -DKILN_READLINE and link -lreadline. */
+/* kiln_main.c - the `kiln` program: Lua 5.4's standalone interpreter (lua.c) as a
+ * host of kiln.h: one kiln_open whose config carries the runtime options, then -e, -l,
+ * the script and the REPL on kiln_lua_state (line input: repl_input.c; results: kiln.repl). */
 #define _POSIX_C_SOURCE 200809L
 
-#include <errno.h>
-#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "lauxlib.h"
 #include "lua.h"
-#include "lualib.h"
 
-#include "l_scripts.h"
-
-/* from bindings/l_kiln.c */
-int luaopen_kiln(lua_State *L);
-const char *kiln_version_string(void);
+#include "kiln.h"
+#include "repl_input.h"
 
 #define PROGNAME "kiln" /* prefix of error messages, whatever argv[0] is */
 #define PROMPT "kiln> "
 #define PROMPT2 ">> "
-#define HISTORY_LINES 1000
+#define EXIT_USAGE 2    /* a mistake in the command line, as getopt-style programs exit */
 
 static const char *progname = PROGNAME; /* NULL in the REPL: no prefix on errors */
+static int usage_failed;                /* a usage error was reported: exit EXIT_USAGE */
+static int log_failed;                  /* the library logged an error (a trace not written) */
 
 /* ---------------------------------------------------------------- options */
 
@@ -41,15 +35,11 @@ typedef struct {
     int quiet;
     const char *device; /* --device NAME */
     const char *mode;   /* --mode MODE */
-    const char *vram;   /* --vram SIZE as written, for messages */
-    lua_Integer vram_bytes;
+    uint64_t vram_bytes; /* --vram SIZE */
     const char *trace;  /* --trace FILE */
-    int threads_set;
-    lua_Integer threads;
-    char error[160];    /* usage error, "" if none */
+    int threads;        /* --threads N; 0: one per core */
+    char error[200];    /* usage error, "" if none */
 } cli_options;
-
-static int trace_started; /* --trace: stop it at exit, whatever happened */
 
 static void print_usage(FILE *f)
 {
@@ -78,40 +68,17 @@ static void print_usage(FILE *f)
             "  KILN_PATH      directories (';'-separated) holding kiln/*.lua, searched\n"
             "                 before the embedded scripts; empty: embedded only. Unset, and\n"
             "                 run in kiln's source tree, scripts/ is searched first\n"
-            "  KILN_HISTORY   REPL history file (default ~/.kiln_history; empty: none)\n",
+            "  KILN_HISTORY   REPL history file (default ~/.kiln_history; empty: none)\n"
+            "Exit status: 0 done, 1 an error in the script, 2 a usage error (reported on one line)\n",
             PROGNAME);
 }
 
 static void print_version(void)
 {
-    printf("%s %s (%s)\n", PROGNAME, kiln_version_string(), LUA_VERSION);
+    printf("%s %s (%s)\n", PROGNAME, kiln_version(), LUA_VERSION);
     fflush(stdout);
 }
 
-/* "6G", "512M", "1.5GiB", "100000" -> bytes (binary units: K = 1024). */
-static int parse_size(const char *s, lua_Integer *out)
-{
-    static const char units[] = "KMGT";
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (end == s || errno != 0 || !(v >= 0) || isinf(v)) return 0;
-    while (*end == ' ') end++;
-    double mult = 1;
-    if (*end != '\0' && *end != 'b' && *end != 'B') {
-        const char *u = strchr(units, *end >= 'a' && *end <= 'z' ? *end - 'a' + 'A' : *end);
-        if (u == NULL) return 0;
-        mult = ldexp(1.0, 10 * (int)(u - units + 1));
-        end++;
-        if (*end == 'i') end++; /* KiB */
-    }
-    if (*end == 'b' || *end == 'B') end++;
-    if (*end != '\0') return 0;
-    v = floor(v * mult + 0.5);
-    if (v >= 9.2e18) return 0;
-    *out = (lua_Integer)v;
-    return 1;
-}
 
 /* Sets opt->error from a format and returns 0. */
 static int bad_option(cli_options *opt, const char *fmt, const char *what)
@@ -146,18 +113,16 @@ static int long_option(cli_options *opt, char **argv, int *i)
         case 0: opt->device = v; break;
         case 1: opt->mode = v; break;
         case 2:
-            opt->vram = v;
-            if (!parse_size(v, &opt->vram_bytes))
-                return bad_option(opt, "bad --vram size '%s' (expected bytes or a size like 6G, 512M, 1.5GiB)", v);
+            if (kiln_parse_size(v, &opt->vram_bytes) != KILN_OK)
+                return bad_option(opt, "--vram %s: not a size (expected bytes or a size such as 6G, 512M, 1.5GiB)", v);
             break;
         case 3: {
             char *end;
-            errno = 0;
             long t = strtol(v, &end, 10);
-            if (end == v || *end != '\0' || errno != 0 || t < 0 || t > 4096)
-                return bad_option(opt, "bad --threads count '%s' (expected 0..4096)", v);
-            opt->threads = t;
-            opt->threads_set = 1;
+            /* the range is kiln.configure's to check; here only that it is a count */
+            if (end == v || *end != '\0' || t < 0 || t > 1 << 20)
+                return bad_option(opt, "--threads %s: not a thread count (0 = one per core)", v);
+            opt->threads = (int)t;
             break;
         }
         default: opt->trace = v; break;
@@ -213,18 +178,10 @@ static int collect_args(char **argv, cli_options *opt)
     return 1;
 }
 
+
 /* ---------------------------------------------------------------- running code */
 
 static lua_State *globalL; /* for laction */
-
-static void setsignal(int sig, void (*handler)(int))
-{
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = handler;
-    sigemptyset(&sa.sa_mask);
-    sigaction(sig, &sa, NULL);
-}
 
 /* Runs in Lua context after a Ctrl-C: stop the script with an error. */
 static void lstop(lua_State *L, lua_Debug *ar)
@@ -240,7 +197,7 @@ static void lstop(lua_State *L, lua_Debug *ar)
 static void laction(int sig)
 {
     int flag = LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT;
-    setsignal(sig, SIG_DFL);
+    repl_set_signal(sig, SIG_DFL);
     lua_sethook(globalL, lstop, flag, 1);
 }
 
@@ -258,21 +215,45 @@ static const char *error_text(lua_State *L)
     return msg ? msg : lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, -1));
 }
 
-/* Prints the error on top of the stack (if status is not OK) and pops it. */
+/* A usage error: a table with kind == "usage" (util.usage_error, kiln.configure),
+ * read without metamethods. Its message is the table's own. */
+static const char *usage_message(lua_State *L, int idx)
+{
+    if (lua_type(L, idx) != LUA_TTABLE) return NULL;
+    idx = lua_absindex(L, idx);
+    lua_pushliteral(L, "kind");
+    lua_rawget(L, idx);
+    int usage = lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), "usage") == 0;
+    lua_pop(L, 1);
+    if (!usage) return NULL;
+    lua_pushliteral(L, "message");
+    lua_rawget(L, idx);
+    const char *msg = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "usage error";
+    lua_pop(L, 1); /* the string stays referenced by the table */
+    return msg;
+}
+
+/* Prints the error on top of the stack (if status is not OK) and pops it. A usage
+ * error is one line, and the program's status becomes EXIT_USAGE (not in the REPL,
+ * which goes on). */
 static int report(lua_State *L, int status)
 {
     if (status != LUA_OK) {
         int top = lua_gettop(L);
-        l_message(progname, error_text(L));
+        const char *usage = usage_message(L, -1);
+        l_message(progname, usage ? usage : error_text(L));
+        if (usage && progname) usage_failed = 1;
         lua_settop(L, top - 1);
     }
     return status;
 }
 
 /* Traceback handler. Unlike lua.c, error objects with __tostring (kiln's typed
- * out-of-memory errors) get a traceback too. */
+ * out-of-memory errors) get a traceback too; usage errors get none: they are the
+ * command line's mistake, not the script's. */
 static int msghandler(lua_State *L)
 {
+    if (usage_message(L, 1)) return 1;
     const char *msg = lua_tostring(L, 1);
     if (msg == NULL) {
         if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING)
@@ -291,9 +272,9 @@ static int docall(lua_State *L, int narg, int nres)
     lua_pushcfunction(L, msghandler);
     lua_insert(L, base);
     globalL = L;
-    setsignal(SIGINT, laction);
+    repl_set_signal(SIGINT, laction);
     int status = lua_pcall(L, narg, nres, base);
-    setsignal(SIGINT, SIG_DFL);
+    repl_set_signal(SIGINT, SIG_DFL);
     if (lua_gethook(L) == lstop) lua_sethook(L, NULL, 0, 0); /* Ctrl-C after the last instruction */
     lua_remove(L, base);
     return status;
@@ -362,6 +343,7 @@ static int handle_script(lua_State *L, char **argv)
     const char *fname = argv[0];
     if (strcmp(fname, "-") == 0 && strcmp(argv[-1], "--") != 0) fname = NULL; /* stdin */
     int status = luaL_loadfile(L, fname);
+    if (status == LUA_ERRFILE) usage_failed = 1; /* a missing script: a usage error */
     if (status == LUA_OK) {
         int n = pushargs(L);
         status = docall(L, n, LUA_MULTRET);
@@ -391,404 +373,6 @@ static int runargs(lua_State *L, char **argv, int n)
     return 1;
 }
 
-/* ---------------------------------------------------------------- kiln options */
-
-/* Pushes kiln.<path> ("mem.set_budget") and returns 1 if it is a function;
- * otherwise pushes nothing and returns 0. */
-static int push_kiln_function(lua_State *L, const char *path)
-{
-    int top = lua_gettop(L);
-    luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
-    lua_getfield(L, -1, "kiln");
-    while (lua_istable(L, -1)) {
-        size_t n = strcspn(path, ".");
-        lua_pushlstring(L, path, n);
-        lua_gettable(L, -2);
-        if (path[n] == '\0') {
-            if (lua_isfunction(L, -1)) {
-                lua_replace(L, top + 1);
-                lua_settop(L, top + 1);
-                return 1;
-            }
-            break;
-        }
-        path += n + 1;
-    }
-    lua_settop(L, top);
-    return 0;
-}
-
-/* Calls the function under its nargs arguments; reports "kiln: OPTION: message". */
-static int call_option(lua_State *L, const char *option, int nargs, int nres)
-{
-    if (lua_pcall(L, nargs, nres, 0) == LUA_OK) return 1;
-    const char *msg = luaL_tolstring(L, -1, NULL);
-    fprintf(stderr, "%s: %s: %s\n", PROGNAME, option, msg);
-    lua_pop(L, 2);
-    return 0;
-}
-
-static void warn_missing(const cli_options *opt, const char *option, const char *fn)
-{
-    if (!opt->quiet) fprintf(stderr, "%s: warning: %s ignored (kiln.%s is not available)\n", PROGNAME, option, fn);
-}
-
-/* Applies --quiet, --trace, --threads, --device, --mode, --vram (in this order) through
- * the kiln module's own functions; a missing function is a warning, not an error. */
-static int apply_kiln_options(lua_State *L, const cli_options *opt)
-{
-    if (opt->quiet && push_kiln_function(L, "set_quiet")) {
-        lua_pushboolean(L, 1);
-        if (!call_option(L, "--quiet", 1, 0)) return 0;
-    }
-    if (opt->trace) {
-        if (!push_kiln_function(L, "trace.start")) {
-            warn_missing(opt, "--trace", "trace.start");
-        } else {
-            lua_pushstring(L, opt->trace);
-            if (!call_option(L, "--trace", 1, 0)) return 0;
-            trace_started = 1;
-        }
-    }
-    if (opt->threads_set) {
-        if (!push_kiln_function(L, "set_threads")) {
-            warn_missing(opt, "--threads", "set_threads");
-        } else {
-            lua_pushinteger(L, opt->threads);
-            if (!call_option(L, "--threads", 1, 0)) return 0;
-        }
-    }
-    if (opt->device) {
-        if (!push_kiln_function(L, "set_default_device")) {
-            warn_missing(opt, "--device", "set_default_device");
-        } else {
-            lua_pushstring(L, opt->device);
-            if (!call_option(L, "--device", 1, 0)) return 0;
-        }
-    }
-    if (opt->mode) {
-        if (!push_kiln_function(L, "memory_mode")) {
-            warn_missing(opt, "--mode", "memory_mode");
-        } else {
-            lua_pushstring(L, opt->mode);
-            if (!call_option(L, "--mode", 1, 0)) return 0;
-        }
-    }
-    if (opt->vram) {
-        if (!push_kiln_function(L, "mem.set_budget")) {
-            warn_missing(opt, "--vram", "mem.set_budget");
-        } else {
-            /* the budget is for --device, else the runtime's default device */
-            if (opt->device) lua_pushstring(L, opt->device);
-            else if (push_kiln_function(L, "default_device")) {
-                if (!call_option(L, "--vram", 0, 1)) return 0;
-            } else lua_pushnil(L);
-            lua_pushinteger(L, opt->vram_bytes);
-            if (!call_option(L, "--vram", 2, 0)) return 0;
-        }
-    }
-    return 1;
-}
-
-/* ---------------------------------------------------------------- completion
- * Plain Lua API; used by the readline section below. */
-#if defined(KILN_READLINE)
-
-static const char *const lua_keywords[] = {
-    "and", "break", "do", "else", "elseif", "end", "false", "for", "function", "goto", "if", "in",
-    "local", "nil", "not", "or", "repeat", "return", "then", "true", "until", "while", NULL};
-
-static int is_keyword(const char *s, size_t n)
-{
-    for (const char *const *k = lua_keywords; *k; k++)
-        if (strlen(*k) == n && memcmp(*k, s, n) == 0) return 1;
-    return 0;
-}
-
-static int is_identifier(const char *s, size_t n)
-{
-    if (n == 0 || (s[0] >= '0' && s[0] <= '9')) return 0;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        if (!(c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')))
-            return 0;
-    }
-    return !is_keyword(s, n);
-}
-
-/* Replaces the value on top with the table its metatable lists members in: __index
- * when that is a table, else __methods (kiln.Tensor's __index is a function that
- * reads __methods), else nil. */
-static void to_members(lua_State *L)
-{
-    if (!lua_getmetatable(L, -1)) {
-        lua_pop(L, 1);
-        lua_pushnil(L);
-        return;
-    }
-    if (lua_getfield(L, -1, "__index") != LUA_TTABLE) {
-        lua_pop(L, 1);
-        lua_getfield(L, -1, "__methods");
-    }
-    lua_remove(L, -2); /* metatable */
-    lua_remove(L, -2); /* value */
-}
-
-/* Adds prefix..key to the set at setidx for each identifier key of the table on top
- * that starts with partial (methods_only: function values only); then goes on with
- * its members table (to_members) while there is one. Pops the table. */
-static void add_fields(lua_State *L, int setidx, const char *prefix, const char *partial, int methods_only)
-{
-    size_t plen = strlen(partial);
-    for (int depth = 0; depth < 8 && lua_istable(L, -1); depth++) {
-        lua_pushnil(L);
-        while (lua_next(L, -2) != 0) {
-            size_t klen;
-            if (lua_type(L, -2) == LUA_TSTRING && (!methods_only || lua_isfunction(L, -1))) {
-                const char *k = lua_tolstring(L, -2, &klen);
-                if (klen >= plen && memcmp(k, partial, plen) == 0 && is_identifier(k, klen)) {
-                    lua_pushfstring(L, "%s%s", prefix, k);
-                    lua_pushboolean(L, 1);
-                    lua_rawset(L, setidx);
-                }
-            }
-            lua_pop(L, 1);
-        }
-        lua_pushvalue(L, -1);
-        to_members(L);
-        lua_remove(L, -2);
-    }
-    lua_pop(L, 1);
-}
-
-/* Pushes the value of the dotted path text[0, sep) ("kiln.mem") read from the
- * globals; returns 0 (and pushes junk) when it is not a plain path of fields. */
-static int push_path(lua_State *L, const char *text, const char *sep)
-{
-    lua_pushglobaltable(L);
-    for (const char *p = text; p < sep;) {
-        size_t n = strcspn(p, ".:");
-        if ((p[n] == ':' && p + n != sep) || !is_identifier(p, n)) return 0;
-        int t = lua_type(L, -1);
-        if (t != LUA_TTABLE && t != LUA_TUSERDATA) return 0;
-        lua_pushlstring(L, p, n);
-        lua_gettable(L, -2);
-        lua_remove(L, -2);
-        p += n + 1;
-    }
-    return 1;
-}
-
-/* Adds the embedded modules one level below the path text[0, sep) ("kiln." ->
- * "kiln.sample"): the kiln table loads them on first use, so they are not fields yet. */
-static void add_embedded(lua_State *L, int setidx, const char *text, const char *sep)
-{
-    size_t plen = (size_t)(sep - text) + 1; /* with the '.' */
-    for (size_t i = 0; i < kiln_embedded_script_count; i++) {
-        const char *name = kiln_embedded_scripts[i].name;
-        if (strncmp(name, text, strlen(text)) == 0 && strlen(name) > plen && strchr(name + plen, '.') == NULL) {
-            lua_pushstring(L, name);
-            lua_pushboolean(L, 1);
-            lua_rawset(L, setidx);
-        }
-    }
-}
-
-/* complete(text) -> sorted list of completions of the expression before the cursor:
- * "pri" -> globals and keywords, "kiln.me" -> fields, "t:na" -> methods of t (its own
- * functions and those of its metatable's __index tables; userdata included). Field
- * reads may run __index, so call it protected.                      [-1, +1, e] */
-static int l_complete(lua_State *L)
-{
-    const char *text = luaL_checkstring(L, 1);
-    const char *sep = NULL;
-    for (const char *p = text; *p; p++)
-        if (*p == '.' || *p == ':') sep = p;
-    lua_settop(L, 1);
-    lua_newtable(L); /* 2: set of candidates */
-    if (sep == NULL) {
-        lua_pushglobaltable(L);
-        add_fields(L, 2, "", text, 0);
-        for (const char *const *k = lua_keywords; *k; k++)
-            if (strncmp(*k, text, strlen(text)) == 0) {
-                lua_pushboolean(L, 1);
-                lua_setfield(L, 2, *k);
-            }
-    } else {
-        if (sep > text && push_path(L, text, sep)) {
-            if (!lua_istable(L, -1)) to_members(L); /* userdata, string */
-            lua_pushlstring(L, text, (size_t)(sep - text) + 1);
-            lua_insert(L, -2);
-            add_fields(L, 2, lua_tostring(L, -2), sep + 1, *sep == ':');
-            if (*sep == '.') add_embedded(L, 2, text, sep);
-        }
-        lua_settop(L, 2);
-    }
-    /* set -> sorted list */
-    lua_newtable(L);
-    lua_Integer n = 0;
-    lua_pushnil(L);
-    while (lua_next(L, 2) != 0) {
-        lua_pop(L, 1);
-        lua_pushvalue(L, -1);
-        lua_rawseti(L, -3, ++n);
-    }
-    lua_getglobal(L, "table");
-    if (lua_istable(L, -1) && lua_getfield(L, -1, "sort") == LUA_TFUNCTION) {
-        lua_pushvalue(L, -3);
-        lua_call(L, 1, 0);
-    }
-    lua_settop(L, 3);
-    return 1;
-}
-
-#endif /* KILN_READLINE */
-
-/* ---------------------------------------------------------------- line input
- * The only readline-specific code is in this section. */
-
-static int stdin_tty;
-
-#if defined(KILN_READLINE)
-#include <readline/history.h>
-#include <readline/readline.h>
-
-#define COMPLETIONS_KEY "kiln.repl.completions"
-
-static lua_State *rl_L;
-static char history_path[4096];
-static int history_new; /* lines added this session */
-static volatile sig_atomic_t rl_got_sigint;
-
-static char *completion_entry(const char *text, int state)
-{
-    static lua_Integer next;
-    (void)text;
-    if (state == 0) next = 1;
-    lua_State *L = rl_L;
-    int top = lua_gettop(L);
-    char *r = NULL;
-    if (lua_getfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY) == LUA_TTABLE &&
-        lua_rawgeti(L, -1, next++) == LUA_TSTRING)
-        r = strdup(lua_tostring(L, -1)); /* readline frees it */
-    lua_settop(L, top);
-    return r;
-}
-
-static char **attempted_completion(const char *text, int start, int end)
-{
-    (void)start;
-    (void)end;
-    lua_State *L = rl_L;
-    int top = lua_gettop(L);
-    char **matches = NULL;
-    rl_attempted_completion_over = 1; /* never complete file names */
-    rl_completion_append_character = '\0';
-    lua_pushcfunction(L, l_complete);
-    lua_pushstring(L, text);
-    if (lua_pcall(L, 1, 1, 0) == LUA_OK) {
-        lua_setfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY);
-        matches = rl_completion_matches(text, completion_entry);
-        lua_pushnil(L);
-        lua_setfield(L, LUA_REGISTRYINDEX, COMPLETIONS_KEY);
-    }
-    lua_settop(L, top);
-    return matches;
-}
-
-/* Ctrl-C at the prompt clears the line (as a shell does) instead of killing kiln. */
-static void rl_sigint(int sig)
-{
-    (void)sig;
-    rl_got_sigint = 1;
-}
-
-static int rl_signal_hook(void)
-{
-    if (rl_got_sigint) {
-        rl_got_sigint = 0;
-        rl_replace_line("", 0);
-        fputs("^C", rl_outstream);
-        rl_crlf();
-        rl_on_new_line();
-        rl_redisplay();
-    }
-    return 0;
-}
-
-static void input_init(lua_State *L)
-{
-    static char word_breaks[] = " \t\n\"\\'`@$><=;|&{}()[]+-*/%^#~,";
-    if (!stdin_tty) return;
-    rl_L = L;
-    rl_readline_name = "kiln";
-    rl_completer_word_break_characters = word_breaks;
-    rl_attempted_completion_function = attempted_completion;
-    rl_catch_signals = 0;
-    rl_signal_event_hook = rl_signal_hook;
-    using_history();
-    stifle_history(HISTORY_LINES);
-    const char *env = getenv("KILN_HISTORY");
-    const char *home = getenv("HOME");
-    if (env != NULL) snprintf(history_path, sizeof history_path, "%s", env);
-    else if (home != NULL && *home != '\0') snprintf(history_path, sizeof history_path, "%s/.kiln_history", home);
-    if (history_path[0] != '\0') read_history(history_path);
-}
-
-static char *input_read(const char *prompt)
-{
-    if (!stdin_tty) return NULL;
-    setsignal(SIGINT, rl_sigint);
-    char *line = readline(prompt);
-    setsignal(SIGINT, SIG_DFL);
-    return line;
-}
-
-static void input_save(const char *line)
-{
-    if (!stdin_tty || line[0] == '\0') return;
-    add_history(line);
-    history_new++;
-}
-
-static void input_done(void)
-{
-    if (!stdin_tty || history_path[0] == '\0' || history_new == 0) return;
-    /* append this session's lines (other sessions may have written meanwhile) */
-    int n = history_new < history_length ? history_new : history_length;
-    if (append_history(n, history_path) != 0) write_history(history_path);
-    history_truncate_file(history_path, HISTORY_LINES);
-}
-
-#define HAVE_INPUT_READ 1
-#else
-static void input_init(lua_State *L) { (void)L; }
-static void input_save(const char *line) { (void)line; }
-static void input_done(void) {}
-#define HAVE_INPUT_READ 0
-static char *input_read(const char *prompt) { (void)prompt; return NULL; }
-#endif
-
-/* One line without its newline (malloc'd), or NULL at the end of input. Without a
- * terminal (a pipe, a file) nothing is prompted: output is only results and errors. */
-static char *read_line(const char *prompt)
-{
-    if (HAVE_INPUT_READ && stdin_tty) return input_read(prompt);
-    if (stdin_tty) {
-        fputs(prompt, stdout);
-        fflush(stdout);
-    }
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t n = getline(&line, &cap, stdin);
-    if (n < 0) {
-        free(line);
-        return NULL;
-    }
-    if (n > 0 && line[n - 1] == '\n') line[n - 1] = '\0';
-    return line;
-}
-
 /* ---------------------------------------------------------------- REPL (lua.c) */
 
 static const char *get_prompt(lua_State *L, int firstline)
@@ -812,7 +396,7 @@ static int incomplete(lua_State *L, int status)
 static int pushline(lua_State *L, int firstline)
 {
     const char *prompt = get_prompt(L, firstline);
-    char *b = read_line(prompt);
+    char *b = repl_input_read(prompt);
     lua_pop(L, 1); /* prompt */
     if (b == NULL) return 0;
     if (firstline && b[0] == '=') lua_pushfstring(L, "return %s", b + 1); /* 5.2 compatibility */
@@ -828,7 +412,7 @@ static int addreturn(lua_State *L)
     int status = luaL_loadbuffer(L, retline, strlen(retline), "=stdin");
     if (status == LUA_OK) {
         lua_remove(L, -2);
-        input_save(line);
+        repl_input_save(line);
     } else {
         lua_pop(L, 2);
     }
@@ -843,7 +427,7 @@ static int multiline(lua_State *L)
         int status = luaL_loadbuffer(L, line, len, "=stdin");
         /* at the end of input the syntax error stays on the stack to be reported */
         if (!incomplete(L, status) || !pushline(L, 0)) {
-            input_save(line);
+            repl_input_save(line);
             return status;
         }
         lua_remove(L, -2); /* the "<eof>" error of the incomplete part */
@@ -865,13 +449,28 @@ static int loadline(lua_State *L)
     return status;
 }
 
-/* Prints the results with the global print (tensors print their summary line). */
+/* Pushes the REPL's result printer, kiln.repl's print. [-0, +1, e] */
+static int push_printer(lua_State *L)
+{
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "kiln.repl");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "print");
+    return 1;
+}
+
+/* Prints the results with kiln.repl.print (values shown for people: a tensor's
+ * numbers, a table's contents), or with the global print if that module fails. */
 static void l_print(lua_State *L)
 {
     int n = lua_gettop(L);
     if (n > 0) {
         luaL_checkstack(L, LUA_MINSTACK, "too many results to print");
-        lua_getglobal(L, "print");
+        lua_pushcfunction(L, push_printer);
+        if (lua_pcall(L, 0, 1, 0) != LUA_OK || !lua_isfunction(L, -1)) {
+            lua_pop(L, 1);
+            lua_getglobal(L, "print");
+        }
         lua_insert(L, 1);
         if (lua_pcall(L, n, 0, 0) != LUA_OK)
             l_message(progname, lua_pushfstring(L, "error calling 'print' (%s)", lua_tostring(L, -1)));
@@ -883,8 +482,8 @@ static void doREPL(lua_State *L, const cli_options *opt)
     int status;
     const char *oldprogname = progname;
     progname = NULL;
-    if (stdin_tty && !opt->quiet) print_version();
-    input_init(L);
+    if (repl_input_is_tty() && !opt->quiet) print_version();
+    repl_input_init(L);
     while ((status = loadline(L)) != -1) {
         if (status == LUA_OK) status = docall(L, 0, LUA_MULTRET);
         if (status == LUA_OK) l_print(L);
@@ -892,97 +491,119 @@ static void doREPL(lua_State *L, const cli_options *opt)
         fflush(stdout);
     }
     lua_settop(L, 0);
-    input_done();
-    if (stdin_tty) {
+    repl_input_done();
+    if (repl_input_is_tty()) {
         fputs("\n", stdout);
         fflush(stdout);
     }
     progname = oldprogname;
 }
 
-/* ---------------------------------------------------------------- main */
 
-/* package.loaded.kiln and the global kiln, before any user code runs. */
-static int open_kiln(lua_State *L)
+/* ---------------------------------------------------------------- the context */
+
+/* kiln_open's "kiln_open: config.FIELD: detail" -> "--OPTION: detail". */
+static void report_open_failure(kiln_status st)
 {
-    luaL_requiref(L, "kiln", luaopen_kiln, 1);
-    return 0;
+    static const char *const options[][2] = {
+        {"device", "--device"}, {"mode", "--mode"}, {"memory_budget", "--vram"},
+        {"threads", "--threads"}, {"trace", "--trace"}, {"verbose", "--quiet"},
+    };
+    static const char prefix[] = "kiln_open: config.";
+    const char *msg = kiln_last_message(NULL);
+    if (st == KILN_ERR_ARG && strncmp(msg, prefix, sizeof prefix - 1) == 0) {
+        const char *field = msg + sizeof prefix - 1;
+        size_t n = strcspn(field, ":");
+        for (size_t i = 0; i < sizeof options / sizeof options[0]; i++)
+            if (strlen(options[i][0]) == n && strncmp(field, options[i][0], n) == 0 && field[n] == ':') {
+                fprintf(stderr, "%s: %s:%s\n", PROGNAME, options[i][1], field + n + 1);
+                usage_failed = 1;
+                return;
+            }
+    }
+    fprintf(stderr, "%s: %s\n", PROGNAME, msg);
+    if (st == KILN_ERR_ARG) usage_failed = 1;
 }
+
+/* The library's own messages (a trace it could not write): stderr, as kiln's. */
+static void on_log(void *user, kiln_log_level level, const char *message)
+{
+    (void)user;
+    if (level == KILN_LOG_ERROR) log_failed = 1;
+    fprintf(stderr, "%s: %s%s\n", PROGNAME, level == KILN_LOG_ERROR ? "error: " : level == KILN_LOG_WARN ? "warning: " : "",
+            message);
+    fflush(stderr);
+}
+
+static kiln_ctx *open_context(const cli_options *opt)
+{
+    kiln_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.device = opt->device;
+    cfg.mode = opt->mode;
+    cfg.memory_budget = opt->vram_bytes;
+    cfg.threads = opt->threads;
+    cfg.trace = opt->trace;
+    cfg.ignore_env = (opt->flags & HAS_NOENV) != 0;
+    cfg.log = on_log;
+    /* a terminal program: stock Lua's print, os.exit and warnings, progress on stderr */
+    cfg.verbose = !opt->quiet;
+    cfg.print_stdout = 1;
+    cfg.real_exit = 1;
+    cfg.lua_warnings = 1;
+    cfg.source_tree = 1;
+    kiln_ctx *ctx = NULL;
+    kiln_status st = kiln_open(&cfg, &ctx);
+    if (st != KILN_OK) report_open_failure(st);
+    return ctx;
+}
+
+/* ---------------------------------------------------------------- main */
 
 static int pmain(lua_State *L)
 {
     int argc = (int)lua_tointeger(L, 1);
     char **argv = (char **)lua_touserdata(L, 2);
-    cli_options opt;
-    memset(&opt, 0, sizeof opt);
+    const cli_options *opt = lua_touserdata(L, 3);
     luaL_checkversion(L);
-    if (!collect_args(argv, &opt)) {
-        l_message(PROGNAME, opt.error);
-        fprintf(stderr, "usage: %s [options] [script [args]]  (%s --help lists the options)\n", PROGNAME, PROGNAME);
-        return 0;
-    }
-    if (opt.flags & HAS_HELP) {
-        print_usage(stdout);
-        lua_pushboolean(L, 1);
-        return 1;
-    }
-    if (opt.flags & HAS_V) print_version();
-    if (opt.flags & HAS_NOENV) { /* libraries ignore LUA_PATH etc. */
-        lua_pushboolean(L, 1);
-        lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
-    }
-    luaL_openlibs(L);
-    kiln_scripts_install(L);
-    kiln_scripts_prefer_source_tree(L);
-    createargtable(L, argv, argc, opt.script);
-    /* GC stays incremental (lua.c 5.4 switches to generational): tensors are few,
-     * large and long-lived, and the binding runs full collections under pressure. */
-    lua_gc(L, LUA_GCRESTART);
-    lua_pushcfunction(L, open_kiln);
-    if (report(L, docall(L, 0, 0)) != LUA_OK) return 0;
-    if (!apply_kiln_options(L, &opt)) return 0;
-    if (!runargs(L, argv, opt.optlim)) return 0;
-    if (opt.script > 0 && handle_script(L, argv + opt.script) != LUA_OK) return 0;
-    if (opt.flags & HAS_I) {
-        doREPL(L, &opt);
-    } else if (opt.script == 0 && !(opt.flags & (HAS_E | HAS_V))) {
-        if (stdin_tty) doREPL(L, &opt);
+    createargtable(L, argv, argc, opt->script);
+    if (!runargs(L, argv, opt->optlim)) return 0;
+    if (opt->script > 0 && handle_script(L, argv + opt->script) != LUA_OK) return 0;
+    if (opt->flags & HAS_I) {
+        doREPL(L, opt);
+    } else if (opt->script == 0 && !(opt->flags & (HAS_E | HAS_V))) {
+        if (repl_input_is_tty()) doREPL(L, opt);
         else if (dofile(L, NULL) != LUA_OK) return 0; /* stdin is the script */
     }
     lua_pushboolean(L, 1);
     return 1;
 }
 
-/* kiln.trace.stop() after --trace, even when the script failed. */
-static int stop_trace(lua_State *L)
-{
-    if (push_kiln_function(L, "trace.stop")) lua_call(L, 0, 0);
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
-    stdin_tty = isatty(STDIN_FILENO);
-    lua_State *L = luaL_newstate();
-    if (L == NULL) {
-        l_message(PROGNAME, "cannot create state: not enough memory");
-        return EXIT_FAILURE;
+    cli_options opt;
+    memset(&opt, 0, sizeof opt);
+    if (!collect_args(argv, &opt)) {
+        fprintf(stderr, "%s: %s (%s --help lists the options)\n", PROGNAME, opt.error, PROGNAME);
+        return EXIT_USAGE;
     }
-    lua_gc(L, LUA_GCSTOP); /* while building the state */
+    if (opt.flags & HAS_HELP) {
+        print_usage(stdout);
+        return EXIT_SUCCESS;
+    }
+    if (opt.flags & HAS_V) print_version();
+    kiln_ctx *ctx = open_context(&opt);
+    if (ctx == NULL) return usage_failed ? EXIT_USAGE : EXIT_FAILURE;
+    lua_State *L = kiln_lua_state(ctx);
     lua_pushcfunction(L, pmain);
     lua_pushinteger(L, argc);
     lua_pushlightuserdata(L, argv);
-    int status = lua_pcall(L, 2, 1, 0);
+    lua_pushlightuserdata(L, &opt);
+    int status = lua_pcall(L, 3, 1, 0);
     int result = lua_toboolean(L, -1);
     report(L, status);
-    if (trace_started) {
-        lua_settop(L, 0);
-        lua_pushcfunction(L, stop_trace);
-        if (lua_pcall(L, 0, 0, 0) != LUA_OK) {
-            fprintf(stderr, "%s: --trace: %s\n", PROGNAME, error_text(L));
-            result = 0;
-        }
-    }
-    lua_close(L);
-    return (result && status == LUA_OK) ? EXIT_SUCCESS : EXIT_FAILURE;
+    lua_settop(L, 0);
+    kiln_close(ctx); /* stops --trace, whatever happened */
+    if (usage_failed) return EXIT_USAGE;
+    return (result && status == LUA_OK && !log_failed) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

@@ -1,5 +1,6 @@
 /* l_io.c - file formats from Lua: kiln.load_safetensors / save_safetensors
  * (zero-copy mmap views on the CPU) and kiln.load_png / save_png. */
+#include "l_tensor.h"
 #include "l_kiln.h"
 #include "../runtime/png_io.h"
 #include "../runtime/safetensors.h"

@@ -1,24 +1,18 @@
 /* l_mem.c - kiln.mem: per-device memory statistics, budgets and the summary table,
- * and kiln.memory_mode. The Lua GC is the allocators' pressure hook: native memory
- * held by unreachable tensors is collected before an out-of-memory is reported. */
+ * and kiln.memory_mode. (The allocators' pressure hook, a Lua GC before an
+ * out-of-memory is reported, is l_config.c's.) */
 #include "l_kiln.h"
 #include "../runtime/model.h"
 
 #include <stdio.h>
 #include <string.h>
 
-static kiln_device *opt_device(lua_State *L, int idx)
-{
-    if (lua_isnoneornil(L, idx)) return l_default_device(L);
-    return l_check_device(L, idx);
-}
-
 #define SET_INT(L, name, v) (lua_pushinteger((L), (lua_Integer)(v)), lua_setfield((L), -2, (name)))
 
 /* kiln.mem.stats([device]) -> {allocated, reserved, peak, peak_reserved, budget, ...} */
 static int mem_stats(lua_State *L)
 {
-    kiln_device *d = opt_device(L, 1);
+    kiln_device *d = l_opt_device(L, 1);
     kiln_mem_stats s = kiln_allocator_stats(d->alloc);
     lua_createtable(L, 0, 16);
     lua_pushstring(L, d->name);
@@ -43,13 +37,13 @@ static int mem_stats(lua_State *L)
 
 static int mem_reset_peak(lua_State *L)
 {
-    kiln_allocator_reset_peak(opt_device(L, 1)->alloc);
+    kiln_allocator_reset_peak(l_opt_device(L, 1)->alloc);
     return 0;
 }
 
 static int mem_empty_cache(lua_State *L)
 {
-    kiln_device_empty_cache(opt_device(L, 1));
+    kiln_device_empty_cache(l_opt_device(L, 1));
     return 0;
 }
 
@@ -94,7 +88,7 @@ static void add_models(luaL_Buffer *b)
     luaL_addstring(b, line);
     for (int i = 0; i < n && i < 64; i++) {
         const kiln_model_usage *u = &rows[i];
-        l_human_bytes(v, sizeof v, (double)u->bytes);
+        kiln_format_bytes(v, sizeof v, (double)u->bytes);
         snprintf(t, sizeof t, "%d/%d", u->tensors, u->total);
         snprintf(line, sizeof line, "  %-24s %-8s %10s %9s  %s%s\n", u->model, u->device[0] ? u->device : "-",
                  u->device[0] ? v : "-", u->device[0] ? t : "-",
@@ -119,11 +113,11 @@ static int mem_summary(lua_State *L)
     for (int i = 0; i < kiln_device_count(); i++) {
         kiln_device *d = kiln_device_at(i);
         kiln_mem_stats s = kiln_allocator_stats(d->alloc);
-        l_human_bytes(v[0], 32, (double)s.allocated);
-        l_human_bytes(v[1], 32, (double)s.peak_allocated);
-        l_human_bytes(v[2], 32, (double)s.reserved);
-        l_human_bytes(v[3], 32, (double)s.peak_reserved);
-        if (s.budget) l_human_bytes(v[4], 32, (double)s.budget); else snprintf(v[4], 32, "unlimited");
+        kiln_format_bytes(v[0], sizeof v[0], (double)s.allocated);
+        kiln_format_bytes(v[1], sizeof v[1], (double)s.peak_allocated);
+        kiln_format_bytes(v[2], sizeof v[2], (double)s.reserved);
+        kiln_format_bytes(v[3], sizeof v[3], (double)s.peak_reserved);
+        if (s.budget) kiln_format_bytes(v[4], sizeof v[4], (double)s.budget); else snprintf(v[4], 32, "unlimited");
         snprintf(line, sizeof line, "%-8s %12s %10s %10s %10s %10s %8llu %5llu\n", d->name, v[0], v[1], v[2], v[3], v[4],
                  (unsigned long long)s.n_allocs, (unsigned long long)s.n_ooms);
         luaL_addstring(&b, line);
@@ -131,7 +125,7 @@ static int mem_summary(lua_State *L)
         memset(&acc, 0, sizeof acc);
         kiln_storage_foreach(d, add_owner, &acc);
         for (int k = 0; k < acc.n; k++) {
-            l_human_bytes(v[5], 32, (double)acc.rows[k].bytes);
+            kiln_format_bytes(v[5], sizeof v[5], (double)acc.rows[k].bytes);
             snprintf(line, sizeof line, "  %-28s %10s in %d storage%s\n", acc.rows[k].owner, v[5], acc.rows[k].count,
                      acc.rows[k].count == 1 ? "" : "s");
             luaL_addstring(&b, line);

@@ -3,6 +3,7 @@
  * m[name]) and streaming (fetch / prefetch / release). Lifecycle as liolib's files:
  * :close(), __close and __gc share one idempotent release; later use says where the
  * model was closed. */
+#include "l_tensor.h"
 #include "l_kiln.h"
 #include "../runtime/model.h"
 
@@ -38,14 +39,7 @@ static void release(lua_State *L, l_model *u, int record)
     if (!u->m) return;
     kiln_model_close(u->m);
     u->m = NULL;
-    if (record) {
-        luaL_where(L, 1);
-        const char *w = lua_tostring(L, -1);
-        size_t n = strlen(w);
-        while (n && (w[n - 1] == ' ' || w[n - 1] == ':')) n--;
-        snprintf(u->closed_at, sizeof u->closed_at, "%.*s", (int)n, n ? w : "?");
-        lua_pop(L, 1);
-    }
+    if (record) l_where_string(L, u->closed_at, sizeof u->closed_at);
 }
 
 /* m:close() [-0, +0, -] */
@@ -177,7 +171,7 @@ static int m_names(lua_State *L)
 static int m_load(lua_State *L)
 {
     kiln_model *m = check_model(L, 1);
-    kiln_device *dev = lua_isnoneornil(L, 2) ? l_default_device(L) : l_check_device(L, 2);
+    kiln_device *dev = l_opt_device(L, 2);
     int dtype = -1;
     if (lua_type(L, 3) == LUA_TSTRING) {
         dtype = (int)l_check_dtype(L, 3);
@@ -301,7 +295,7 @@ static int m_tostring(lua_State *L)
     kiln_model_info in;
     kiln_model_get_info(u->m, &in);
     char size[32], state[96];
-    l_human_bytes(size, sizeof size, (double)(in.bytes[0] + in.bytes[1] + in.bytes[2]));
+    kiln_format_bytes(size, sizeof size, (double)(in.bytes[0] + in.bytes[1] + in.bytes[2]));
     int n = in.n_tensors, dev = in.count[KILN_RES_DEVICE], host = in.count[KILN_RES_HOST];
     const char *target = in.device ? in.device->name : "?";
     if (n > 0 && dev == n) snprintf(state, sizeof state, "resident on %s", target);

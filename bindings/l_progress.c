@@ -37,20 +37,6 @@ static int cancel_requested(lua_State *L)
     return on;
 }
 
-int l_raise_cancelled(lua_State *L, const char *detail)
-{
-    lua_createtable(L, 0, 2);
-    lua_pushstring(L, "cancelled");
-    lua_setfield(L, -2, "kind");
-    luaL_where(L, 1);
-    lua_pushstring(L, "cancelled");
-    lua_pushstring(L, detail ? detail : "");
-    lua_concat(L, 3);
-    lua_setfield(L, -2, "message");
-    luaL_setmetatable(L, KILN_ERROR_MT);
-    return lua_error(L);
-}
-
 static int clamp_int(lua_Integer v)
 {
     return v > INT_MAX ? INT_MAX : v < 0 ? 0 : (int)v;

@@ -1,7 +1,9 @@
 /* l_tensor.c - the kiln.Tensor userdata: constructors, views, arithmetic,
  * reductions, conversion to Lua tables, and lifetime (:free, __close, __gc share
  * one idempotent release; later use says where the tensor was freed). */
+#include "l_tensor.h"
 #include "l_kiln.h"
+#include "../runtime/ops.h"
 #include "../runtime/rng.h"
 
 #include <math.h>
@@ -47,14 +49,7 @@ static void release(lua_State *L, l_tensor *u, int record)
     if (!u->t) return;
     kiln_tensor_free(u->t);
     u->t = NULL;
-    if (record) {
-        luaL_where(L, 1);
-        const char *w = lua_tostring(L, -1);
-        size_t n = strlen(w);
-        while (n && (w[n - 1] == ' ' || w[n - 1] == ':')) n--;
-        snprintf(u->freed_at, sizeof u->freed_at, "%.*s", (int)n, n ? w : "?");
-        lua_pop(L, 1);
-    }
+    if (record) l_where_string(L, u->freed_at, sizeof u->freed_at);
 }
 
 static int t_free(lua_State *L)
@@ -67,137 +62,6 @@ static int t_gc(lua_State *L)
 {
     release(L, l_check_tensor_ud(L, 1), 0);
     return 0;
-}
-
-/* ---------- argument helpers ---------- */
-
-int l_check_dim(lua_State *L, int arg, int ndim, int allow_end)
-{
-    lua_Integer d = luaL_checkinteger(L, arg);
-    int n = ndim + (allow_end ? 1 : 0);
-    lua_Integer z = d < 0 ? n + d : d - 1;
-    if (d == 0 || z < 0 || z >= n)
-        luaL_argerror(L, arg, lua_pushfstring(L, "dimension %d out of range for a %d-d tensor", (int)d, ndim));
-    return (int)z;
-}
-
-int l_check_shape(lua_State *L, int idx, int64_t *shape, int varargs)
-{
-    int n = 0;
-    if (lua_istable(L, idx)) {
-        n = (int)luaL_len(L, idx);
-        if (n > KILN_MAX_DIMS) luaL_argerror(L, idx, "shape has more than 8 dimensions");
-        for (int i = 0; i < n; i++) {
-            lua_geti(L, idx, i + 1);
-            int ok;
-            lua_Integer v = lua_tointegerx(L, -1, &ok);
-            if (!ok) luaL_argerror(L, idx, lua_pushfstring(L, "shape[%d] is not an integer", i + 1));
-            shape[i] = v;
-            lua_pop(L, 1);
-        }
-        return n;
-    }
-    if (!varargs) luaL_typeerror(L, idx, "shape table");
-    int top = lua_gettop(L);
-    for (int i = idx; i <= top; i++) {
-        if (n >= KILN_MAX_DIMS) luaL_argerror(L, i, "shape has more than 8 dimensions");
-        shape[n++] = luaL_checkinteger(L, i);
-    }
-    return n;
-}
-
-kiln_dtype l_check_dtype(lua_State *L, int idx)
-{
-    const char *s = luaL_checkstring(L, idx);
-    int dt = kiln_dtype_from_name(s);
-    if (dt < 0) {
-        static const char *const valid[] = {"f32", "f16", "bf16", "i32", "i64", "u8", NULL};
-        l_enum_error(L, idx, "dtype", s, valid);
-    }
-    return (kiln_dtype)dt;
-}
-
-kiln_device *l_check_device(lua_State *L, int idx)
-{
-    kiln_device *d = kiln_device_get(luaL_checkstring(L, idx));
-    if (!d) luaL_argerror(L, idx, kiln_last_error());
-    return d;
-}
-
-kiln_device *l_default_device(lua_State *L)
-{
-    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.default_device");
-    const char *name = lua_tostring(L, -1);
-    kiln_device *d = name ? kiln_device_get(name) : NULL;
-    lua_pop(L, 1);
-    return d ? d : kiln_device_cpu();
-}
-
-static int field_type(lua_State *L, int idx, const char *key)
-{
-    if (!lua_istable(L, idx)) return LUA_TNIL;
-    return lua_getfield(L, idx, key);
-}
-
-lua_Integer l_opt_int_field(lua_State *L, int idx, const char *key, lua_Integer def)
-{
-    if (field_type(L, idx, key) == LUA_TNIL) { if (lua_istable(L, idx)) lua_pop(L, 1); return def; }
-    int ok;
-    lua_Integer v = lua_tointegerx(L, -1, &ok);
-    if (!ok) luaL_error(L, "option '%s' must be an integer, got %s", key, luaL_typename(L, -1));
-    lua_pop(L, 1);
-    return v;
-}
-
-lua_Number l_opt_num_field(lua_State *L, int idx, const char *key, lua_Number def)
-{
-    if (field_type(L, idx, key) == LUA_TNIL) { if (lua_istable(L, idx)) lua_pop(L, 1); return def; }
-    int ok;
-    lua_Number v = lua_tonumberx(L, -1, &ok);
-    if (!ok) luaL_error(L, "option '%s' must be a number, got %s", key, luaL_typename(L, -1));
-    lua_pop(L, 1);
-    return v;
-}
-
-int l_opt_bool_field(lua_State *L, int idx, const char *key, int def)
-{
-    if (field_type(L, idx, key) == LUA_TNIL) { if (lua_istable(L, idx)) lua_pop(L, 1); return def; }
-    int v = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    return v;
-}
-
-const char *l_opt_str_field(lua_State *L, int idx, const char *key, const char *def)
-{
-    if (field_type(L, idx, key) == LUA_TNIL) { if (lua_istable(L, idx)) lua_pop(L, 1); return def; }
-    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "option '%s' must be a string, got %s", key, luaL_typename(L, -1));
-    const char *s = lua_tostring(L, -1);
-    lua_pop(L, 1); /* the string stays alive: it is referenced by the options table */
-    return s;
-}
-
-int l_enum_error(lua_State *L, int arg, const char *what, const char *value, const char *const *valid)
-{
-    luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    lua_pushfstring(L, "invalid %s '%s' (expected one of: ", what, value);
-    luaL_addvalue(&b);
-    for (int i = 0; valid[i]; i++) {
-        if (i) luaL_addstring(&b, ", ");
-        luaL_addstring(&b, valid[i]);
-    }
-    luaL_addstring(&b, ")");
-    luaL_pushresult(&b);
-    return luaL_argerror(L, arg, lua_tostring(L, -1));
-}
-
-void l_human_bytes(char *buf, size_t n, double b)
-{
-    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int i = 0;
-    while (b >= 1024 && i < 4) { b /= 1024; i++; }
-    if (i == 0) snprintf(buf, n, "%.0f B", b);
-    else snprintf(buf, n, "%.*f %s", b < 10 ? 2 : b < 100 ? 1 : 0, b, u[i]);
 }
 
 /* ---------- constructors ---------- */
@@ -456,23 +320,14 @@ static int t_tostring(lua_State *L)
     kiln_tensor *t = u->t;
     char shape[128], size[32];
     kiln_shape_str(t, shape, sizeof shape);
-    l_human_bytes(size, sizeof size, (double)kiln_tensor_nbytes(t));
+    kiln_format_bytes(size, sizeof size, (double)kiln_tensor_nbytes(t));
     lua_pushfstring(L, "tensor(%s, %s, %s, %s)", kiln_dtype_name(t->dtype), t->storage->device->name, shape, size);
     return 1;
 }
 
 static double elem_at(const kiln_tensor *t, int64_t off)
 {
-    const char *p = (const char *)kiln_tensor_data(t) + off * (int64_t)kiln_dtype_size(t->dtype);
-    switch (t->dtype) {
-    case KILN_F32: return *(const float *)p;
-    case KILN_F16: return kiln_f16_to_f32(*(const uint16_t *)p);
-    case KILN_BF16: return kiln_bf16_to_f32(*(const uint16_t *)p);
-    case KILN_I32: return *(const int32_t *)p;
-    case KILN_I64: return (double)*(const int64_t *)p;
-    case KILN_U8: return *(const uint8_t *)p;
-    default: return 0;
-    }
+    return kiln_dtype_load(t->dtype, (const char *)kiln_tensor_data(t) + off * (int64_t)kiln_dtype_size(t->dtype));
 }
 
 static void push_elem(lua_State *L, const kiln_tensor *t, int64_t off)

@@ -5,6 +5,7 @@
  * The C loop holds native memory (the plan, the result) while Lua code runs, so
  * every call into Lua from inside it is protected (lua_pcall): an error in fn is
  * caught, the loop frees what it holds, then the same error value is raised again. */
+#include "l_tensor.h"
 #include "l_kiln.h"
 #include "../runtime/tile.h"
 

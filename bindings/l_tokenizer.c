@@ -1,7 +1,7 @@
-/* l_tokenizer.c - kiln.tokenizer(path) and the kiln.Tokenizer userdata over
+/* l_tokenizer.c - kiln.tokenizer([path]) and the kiln.Tokenizer userdata over
  * runtime/tokenizer.h (CLIP's byte-level BPE): :encode(text) -> ids without
- * start/end, :decode(ids), :bos(), :eos(), :token_id(str), :vocab_size(). Lifecycle
- * as liolib's files: :free(), __close and __gc share one idempotent release. */
+ * start/end, :decode(ids), :bos(), :eos(), :token_id(str), :vocab_size(), :source().
+ * Lifecycle as liolib's files: :free(), __close and __gc share one idempotent release. */
 #include "l_kiln.h"
 #include "../runtime/tokenizer.h"
 
@@ -13,10 +13,8 @@
 
 typedef struct {
     kiln_tokenizer *t;       /* NULL once freed */
-    char path[200];
+    char path[200];          /* the file or folder, or KILN_TOKENIZER_BUILTIN_NAME */
 } l_tok;
-
-void l_open_tokenizer(lua_State *L);
 
 static l_tok *check_ud(lua_State *L, int idx)
 {
@@ -40,18 +38,18 @@ static int tk_free(lua_State *L)
     return 0;
 }
 
-/* kiln.tokenizer(path) -> kiln.Tokenizer   [-0, +1, e]
+/* kiln.tokenizer([path]) -> kiln.Tokenizer   [-0, +1, e]
  * path: a folder with vocab.json + merges.txt, a vocab.json, or CLIP's
- * bpe_simple_vocab_16e6.txt.gz. */
+ * bpe_simple_vocab_16e6.txt.gz; none (nil): CLIP's vocabulary built into the library. */
 static int l_tokenizer_new(lua_State *L)
 {
-    const char *path = luaL_checkstring(L, 1);
+    const char *path = luaL_optstring(L, 1, NULL);
     l_tok *u = lua_newuserdatauv(L, sizeof *u, 0);
     u->t = NULL;
-    snprintf(u->path, sizeof u->path, "%s", path);
+    snprintf(u->path, sizeof u->path, "%s", path ? path : KILN_TOKENIZER_BUILTIN_NAME);
     luaL_setmetatable(L, KILN_TOKENIZER_MT);
     kiln_tokenizer *t;
-    L_TRY(L, kiln_tokenizer_open(path, &t));
+    L_TRY(L, path ? kiln_tokenizer_open(path, &t) : kiln_tokenizer_open_builtin(&t));
     u->t = t;
     return 1;
 }
@@ -113,6 +111,13 @@ static int tk_token_id(lua_State *L)
     return 1;
 }
 
+/* tok:source() -> the path it was opened from, or "built-in CLIP vocabulary" */
+static int tk_source(lua_State *L)
+{
+    lua_pushstring(L, check_ud(L, 1)->path);
+    return 1;
+}
+
 static int tk_tostring(lua_State *L)
 {
     l_tok *u = check_ud(L, 1);
@@ -123,7 +128,7 @@ static int tk_tostring(lua_State *L)
 
 static const luaL_Reg tok_methods[] = {
     {"encode", tk_encode}, {"decode", tk_decode}, {"bos", tk_bos}, {"eos", tk_eos},
-    {"token_id", tk_token_id}, {"vocab_size", tk_vocab_size}, {"free", tk_free},
+    {"token_id", tk_token_id}, {"vocab_size", tk_vocab_size}, {"source", tk_source}, {"free", tk_free},
     {NULL, NULL},
 };
 

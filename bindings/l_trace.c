@@ -33,20 +33,6 @@ static int tr_active(lua_State *L)
     return 1;
 }
 
-/* JSON string body of s (no quotes) into b */
-static void add_json_escaped(luaL_Buffer *b, const char *s, size_t n)
-{
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') { luaL_addchar(b, '\\'); luaL_addchar(b, (char)c); }
-        else if (c < 0x20) {
-            char e[8];
-            snprintf(e, sizeof e, "\\u%04x", c);
-            luaL_addstring(b, e);
-        } else luaL_addchar(b, (char)c);
-    }
-}
-
 typedef struct { double t0; int done; char name[120]; } span_ud;
 
 /* __close of the span guard: ends the span, noting the error when fn raised one. */
@@ -65,7 +51,7 @@ static int span_close(lua_State *L)
     luaL_Buffer b;
     luaL_buffinit(L, &b);
     luaL_addstring(&b, "\"error\":\"");
-    add_json_escaped(&b, msg, n > 400 ? 400 : n);
+    l_add_json_escaped(&b, msg, n > 400 ? 400 : n);
     luaL_addchar(&b, '"');
     luaL_pushresult(&b);
     kiln_trace_span(s->name, "span", s->t0, t1, lua_tostring(L, -1));

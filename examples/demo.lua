@@ -1,6 +1,7 @@
 -- examples/demo.lua - draws an image with plain tensor ops and writes a PNG.
 -- (The text-to-image demo replaces this once the bundled model lands.)
 --   kiln examples/demo.lua [--out PATH] [--size N]
+local kiln = require "kiln"
 local util = require "kiln.util"
 local opts = util.parse_args(arg, { out = "kiln-demo.png", size = 256 })
 local n = opts.size

@@ -3,16 +3,27 @@
 --     [--hires-denoise 0.5] [--hires-steps N] [--hires-tile T] [options of txt2img]
 -- --hires-tile T samples the upscaled pass in overlapping latent tiles of T
 -- (MultiDiffusion), so a pass larger than the budget allows still fits.
+local kiln = require "kiln"
 local cli = require "kiln.cli"
+local util = require "kiln.util"
 local pipeline = require "kiln.pipeline"
 
-local o = cli.parse(arg, { scale = 2, upscale = "latent-bilinear", hires_denoise = 0.5, hires_steps = 0, hires_tile = 0 })
+local o = cli.parse(arg, { scale = 2, upscale = "latent-bilinear", hires_denoise = 0.5, hires_steps = 0, hires_tile = 0 }, {
+  scale = "factor of the second pass's size", upscale = "latent-bilinear, latent-nearest or image",
+  hires_denoise = "denoise of the second pass", hires_steps = "steps of the second pass (default: --steps)",
+  hires_tile = "MultiDiffusion tile of the second pass, in latent units",
+})
 if o.out == "" then o.out = "hires_fix.png" end
 if o.hires_steps == 0 then o.hires_steps = nil end
 if o.hires_tile == 0 then o.hires_tile = nil end
+if not (o.scale > 0) then util.usage_error(("--scale %g: must be above 0"):format(o.scale)) end
+local UPSCALERS = { ["latent-bilinear"] = true, ["latent-nearest"] = true, image = true }
+if not UPSCALERS[o.upscale] then
+  util.usage_error(("--upscale %s: unknown (known: latent-bilinear, latent-nearest, image)"):format(o.upscale))
+end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)
-o.width, o.height = o.width or pipeline.image_size(ckpt), o.height or pipeline.image_size(ckpt)
+cli.image_size(o, ckpt, o.scale)                       -- both passes' sizes checked
 
 local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need
 local final = { width = img.shape[4], height = img.shape[3] }

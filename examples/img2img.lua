@@ -1,17 +1,27 @@
 -- examples/img2img.lua - re-draws an input image guided by a prompt.
 --   kiln examples/img2img.lua --input in.png --prompt "..." [--denoise 0.6] [options of txt2img]
+local kiln = require "kiln"
 local cli = require "kiln.cli"
+local util = require "kiln.util"
 local pipeline = require "kiln.pipeline"
 
-local o = cli.parse(arg, { input = "" })
-if o.input == "" then error("img2img needs --input IMAGE.png") end
+local o = cli.parse(arg, { input = "" }, { input = "the PNG to re-draw" })
+if o.input == "" then util.usage_error("img2img needs --input IMAGE.png") end
 if o.out == "" then o.out = "img2img.png" end
 if o.denoise == 1.0 then o.denoise = 0.6 end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)
+if o.width and o.height then cli.image_size(o, ckpt) end -- checked before the work starts
 local function load_input()
   local image = kiln.load_png(o.input)
-  if not (o.width and o.height) then return image end
+  if not (o.width and o.height) then
+    local m = pipeline.size_multiple(ckpt)
+    if image.shape[4] % m ~= 0 or image.shape[3] % m ~= 0 then
+      util.usage_error(("--input %s is %dx%d pixels: width and height must be multiples of %d " ..
+        "(--width and --height resize it)"):format(o.input, image.shape[4], image.shape[3], m))
+    end
+    return image
+  end
   local resized = kiln.nn.interpolate(image, { size = { o.height, o.width }, mode = "bilinear" })
   image:free()                                          -- optional resize to the requested size
   return resized

@@ -3,6 +3,7 @@
 --     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
 --     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
 --     [--mode high|normal|low|none|auto] [--vram 6G] [--tile T] [--quiet]
+local kiln = require "kiln"
 local cli = require "kiln.cli"
 local pipeline = require "kiln.pipeline"
 
@@ -10,7 +11,7 @@ local o = cli.parse(arg)
 if o.out == "" then o.out = "txt2img.png" end
 
 local ckpt <close> = kiln.load_checkpoint(o.model)      -- nothing is read yet: files are mapped
-o.width, o.height = o.width or pipeline.image_size(ckpt), o.height or pipeline.image_size(ckpt)
+cli.image_size(o, ckpt)                                -- the model's size unless given; checked
 
 local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded
 pipeline.save(img, o.out, o, ckpt)

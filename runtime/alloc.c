@@ -3,6 +3,7 @@
  * coalesced inside them, best fit from two free pools, and a budget on reserved bytes. */
 #define _POSIX_C_SOURCE 200809L
 #include "alloc.h"
+#include "format_bytes.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -72,14 +73,6 @@ struct kiln_allocator {
 /* ---- sizes ---- */
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-static void format_bytes(char *buf, size_t cap, uint64_t n)
-{
-    if (n < 1024) snprintf(buf, cap, "%llu B", (unsigned long long)n);
-    else if (n < ((uint64_t)1 << 20)) snprintf(buf, cap, "%.1f KiB", (double)n / 1024.0);
-    else if (n < ((uint64_t)1 << 30)) snprintf(buf, cap, "%.1f MiB", (double)n / (1024.0 * 1024.0));
-    else snprintf(buf, cap, "%.1f GiB", (double)n / (1024.0 * 1024.0 * 1024.0));
-}
 
 /* ---- block records ---- */
 
@@ -399,10 +392,10 @@ static kiln_status oom_locked(kiln_allocator *a, size_t nbytes, int why)
     uint64_t free = a->free_bytes;
     if (budget && budget > a->st.reserved) free += budget - a->st.reserved;
     char req[32], bud[32], al[32], ca[32];
-    format_bytes(req, sizeof req, nbytes);
-    format_bytes(al, sizeof al, a->st.allocated);
-    format_bytes(ca, sizeof ca, a->free_bytes);
-    if (budget) format_bytes(bud, sizeof bud, budget);
+    kiln_format_bytes(req, sizeof req, (double)nbytes);
+    kiln_format_bytes(al, sizeof al, (double)a->st.allocated);
+    kiln_format_bytes(ca, sizeof ca, (double)a->free_bytes);
+    if (budget) kiln_format_bytes(bud, sizeof bud, (double)budget);
     else snprintf(bud, sizeof bud, "unlimited");
     const char *tail = why == SEG_DEVICE ? "; the device has no more memory"
                      : why == SEG_HOST ? "; host memory for bookkeeping ran out" : "";

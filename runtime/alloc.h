@@ -25,6 +25,8 @@ typedef struct {
     uint64_t n_segments;
     uint64_t largest_free;    /* largest free cached block */
     uint64_t budget;          /* 0 = unlimited */
+    uint64_t workspace;       /* scratch the device's backend keeps between ops (0 from
+                               * the allocator; kiln_device_stats fills it) */
 } kiln_mem_stats;
 
 /* How the allocator obtains and returns device memory. raw_alloc returns NULL when
@@ -43,36 +45,36 @@ typedef int (*kiln_pressure_fn)(void *ctx);
 
 /* caching = 0 gives a pass-through allocator (every free returns memory to the
  * device at once) with the same statistics and budget: used for the host. */
-KILN_API kiln_allocator *kiln_allocator_new(const char *device_name, kiln_raw_memory raw,
-                                            uint64_t budget, int caching);
+kiln_allocator *kiln_allocator_new(const char *device_name, kiln_raw_memory raw,
+                                   uint64_t budget, int caching);
 /* Frees all cached segments; live blocks are a bug reported by the return value
  * (number of bytes still allocated). */
-KILN_API uint64_t kiln_allocator_free(kiln_allocator *a);
+uint64_t kiln_allocator_free(kiln_allocator *a);
 
-KILN_API kiln_status kiln_allocator_alloc(kiln_allocator *a, size_t nbytes, void **out);
-KILN_API void kiln_allocator_release(kiln_allocator *a, void *ptr);
+kiln_status kiln_allocator_alloc(kiln_allocator *a, size_t nbytes, void **out);
+void kiln_allocator_release(kiln_allocator *a, void *ptr);
 /* The usable size of a live block (>= requested). */
-KILN_API size_t kiln_allocator_block_size(kiln_allocator *a, void *ptr);
+size_t kiln_allocator_block_size(kiln_allocator *a, void *ptr);
 
-KILN_API void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget);
+void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget);
 /* Rounding of new large segments of a caching allocator (default 2 MiB, as
  * PyTorch's CUDA allocator; the host uses 4 KiB pages: its segments come from malloc,
  * so a fine grain wastes nothing and keeps the statistics close to what was asked). */
-KILN_API void kiln_allocator_set_grain(kiln_allocator *a, size_t grain);
+void kiln_allocator_set_grain(kiln_allocator *a, size_t grain);
 /* Most bytes kept in cached free blocks: a segment that becomes wholly free while
  * the cache holds more is given back at once (0: no limit; the budget still
  * applies). The host uses 2 GiB: without a budget nothing else would bound it. */
-KILN_API void kiln_allocator_set_cache_limit(kiln_allocator *a, uint64_t bytes);
-KILN_API kiln_mem_stats kiln_allocator_stats(kiln_allocator *a);
-KILN_API void kiln_allocator_reset_peak(kiln_allocator *a);
+void kiln_allocator_set_cache_limit(kiln_allocator *a, uint64_t bytes);
+kiln_mem_stats kiln_allocator_stats(kiln_allocator *a);
+void kiln_allocator_reset_peak(kiln_allocator *a);
 /* Returns every unused cached segment to the device. */
-KILN_API void kiln_allocator_empty_cache(kiln_allocator *a);
-KILN_API void kiln_allocator_set_evict_hook(kiln_allocator *a, kiln_evict_fn fn, void *ctx);
-KILN_API void kiln_allocator_set_pressure_hook(kiln_allocator *a, kiln_pressure_fn fn, void *ctx);
-KILN_API const char *kiln_allocator_device_name(kiln_allocator *a);
+void kiln_allocator_empty_cache(kiln_allocator *a);
+void kiln_allocator_set_evict_hook(kiln_allocator *a, kiln_evict_fn fn, void *ctx);
+void kiln_allocator_set_pressure_hook(kiln_allocator *a, kiln_pressure_fn fn, void *ctx);
+const char *kiln_allocator_device_name(kiln_allocator *a);
 
 /* Test control (as Lua's ltests.h): n more raw allocations succeed, then every one
  * fails until n = -1. */
-KILN_API void kiln_allocator_fail_after(kiln_allocator *a, int n);
+void kiln_allocator_fail_after(kiln_allocator *a, int n);
 
 #endif

@@ -1,14 +1,33 @@
-/* atomic_file.h - the pieces of kiln's atomic saves (safetensors, PNG): write to a
+/* atomic_file.h - kiln's one way to replace a file (safetensors, PNG): write to a
  * temporary file next to the target, fsync, rename over it, so a failed save never
- * destroys what the user had. */
+ * destroys what the user had and no reader ever sees half a file. */
 #ifndef KILN_ATOMIC_FILE_H
 #define KILN_ATOMIC_FILE_H
 
-/* Creates "<path>.<pid>.<n>.tmp" next to path (O_EXCL, mode 0666 & ~umask; not
- * mkstemp, whose 0600 would stick to the renamed file). Returns the fd and the
- * malloc'd name in *tmp_out, or -1 with errno. */
-int kiln_file_open_temp(const char *path, char **tmp_out);
-/* Best effort: fsyncs the folder of path, making a rename durable. */
-void kiln_file_sync_dir(const char *path);
+#include "status.h"
+
+#include <stddef.h>
+
+/* One save in progress. Open, write any number of times, then exactly one of
+ * commit or abort; both leave it closed. A zeroed one counts as closed and abort
+ * on a closed one does nothing, so error paths may call it unconditionally. */
+typedef struct {
+    const char *path; /* the target, borrowed from the caller for the save's duration */
+    char *tmp;        /* "<path>.<pid>.<n>.tmp", NULL once closed */
+    int fd;
+} kiln_atomic_file;
+
+/* Creates the temporary file in path's folder (mode 0666 & ~umask, as a plain
+ * create gives). KILN_ERR_IO when it cannot; f is closed then. */
+kiln_status kiln_atomic_file_open(kiln_atomic_file *f, const char *path);
+/* Appends n bytes; KILN_ERR_IO with errno's reason on failure (f stays open: the
+ * caller aborts). */
+kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t n);
+/* fsyncs and closes the temporary, renames it over path and fsyncs the folder.
+ * On failure the temporary is removed and path is untouched. */
+kiln_status kiln_atomic_file_commit(kiln_atomic_file *f);
+/* Closes and removes the temporary; path is untouched. Does not set an error, so
+ * the message of whatever failed stays the thread's last error. */
+void kiln_atomic_file_abort(kiln_atomic_file *f);
 
 #endif

@@ -75,19 +75,45 @@ struct kiln_backend {
     kiln_status (*resample)(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x);
     /* pads = left, right, top, bottom; mode kiln_pad_mode */
     kiln_status (*pad2d)(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value);
-    /* Gives back the scratch memory the kernels keep between calls (the CPU's Winograd
-     * and GEMM buffers, up to 4 x 64 MiB of host memory); NULL when there is none. */
-    void (*release_scratch)(void);
+    /* Kernel workspace, one policy for every backend: the scratch its kernels keep
+     * between calls (the CPU's GEMM and Winograd blocks, the cuBLAS workspace) shows
+     * in the device's statistics (workspace_bytes -> kiln_mem_stats.workspace through
+     * kiln_device_stats) and goes back with workspace_release (kiln_device_empty_cache:
+     * kiln.mem.empty_cache, unload, kiln_close); the next op that needs it takes it
+     * again. Scratch that lives for one op comes from kiln_device_scratch_alloc, so
+     * the device's budget and statistics see it. Both entries optional (NULL: the
+     * backend keeps nothing between calls). */
+    uint64_t (*workspace_bytes)(kiln_device *dev);
+    void (*workspace_release)(kiln_device *dev);
     /* Transfers between this device and host memory (NULL for host-memory devices). */
     kiln_status (*to_device)(void *dst_dev, const void *src_host, size_t n);
     kiln_status (*to_host)(void *dst_host, const void *src_dev, size_t n);
+    /* Threads of the backend's pool (optional; kiln_threads / kiln_set_threads reach
+     * the host device's backend through these). set_threads: n <= 0 means default. */
+    int (*threads)(void);
+    void (*set_threads)(int n);
+    /* Devices of the backend's own (CUDA's GPUs), registered through
+     * kiln_device_register; called once, after the host devices cpu and sim exist,
+     * with the registry lock held. Optional: the CPU backend computes for cpu and
+     * sim, which the runtime creates itself. */
+    void (*register_devices)(void);
+    /* Why the backend has no device ("built without CUDA", "no CUDA-capable device"),
+     * for the message of a device name that is not present. Optional. */
+    const char *(*unavailable_reason)(void);
 };
 
-const kiln_backend *kiln_cpu_backend(void);
-
-/* CUDA seam: implemented by kernels/cuda (or a stub when built without CUDA). */
-void kiln_cuda_register_devices(void);
-const char *kiln_cuda_unavailable_reason(void);
+/* ---- registration: the one seam between the runtime and kernels/ ----
+ * The runtime knows no backend by name of function. At the first use of a device it
+ * calls kiln_backends_register_all (defined in kernels/backends.c: the explicit list
+ * of the backends this build links, ggml's backend registry without constructors),
+ * which hands each backend's table to kiln_backend_register. */
+void kiln_backends_register_all(void);
+/* Adds a backend (its table lives for the process); registry lock held. */
+void kiln_backend_register(const kiln_backend *b);
+/* The registered backend of that name ("cpu", "cuda"), or NULL (registers the
+ * backends first when nothing has yet; not for use inside register_devices). */
+const kiln_backend *kiln_backend_find(const char *name);
+/* Adds a device computed by backend over raw memory (from register_devices). */
 kiln_device *kiln_device_register(kiln_device_type type, int index, const char *name,
                                   kiln_raw_memory raw, uint64_t total, const kiln_backend *backend);
 

@@ -3,7 +3,9 @@
  *      (no budget by default).
  * sim: a simulated accelerator: its own caching allocator and budget in host memory,
  *      explicit copies counted in bytes and time, CPU kernels for compute.
- * cuda:N: registered by the CUDA backend when present (kiln_cuda_register). */
+ * cuda:N: registered by the CUDA backend when present (its register_devices).
+ * Backends are met only through their tables, handed over at first use by
+ * kiln_backends_register_all (kernels/backends.c). */
 #define _GNU_SOURCE
 #include "device.h"
 #include "backend.h"
@@ -18,8 +20,12 @@
 #define MAX_DEVICES 16
 #define SIM_DEFAULT_BUDGET (8ull << 30)
 
+#define MAX_BACKENDS 8
+
 static kiln_device *devices[MAX_DEVICES];
 static int n_devices;
+static const kiln_backend *backends[MAX_BACKENDS];
+static int n_backends;
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t storage_lock = PTHREAD_MUTEX_INITIALIZER;
 static kiln_storage *live_heads[MAX_DEVICES]; /* per device index in `devices` */
@@ -53,19 +59,34 @@ static kiln_device *add_device(kiln_device_type type, int index, const char *nam
     return d;
 }
 
+void kiln_backend_register(const kiln_backend *b)
+{
+    if (b && n_backends < MAX_BACKENDS) backends[n_backends++] = b;
+}
+
+static const kiln_backend *find_backend(const char *name)
+{
+    for (int i = 0; i < n_backends; i++)
+        if (strcmp(backends[i]->name, name) == 0) return backends[i];
+    return NULL;
+}
+
 static void init_devices_locked(void)
 {
     if (n_devices) return;
-    /* the host caches too: freeing a 100 MB activation to the C library and asking
-     * again for the next op costs page faults and zeroing on every op (17% of a VAE
-     * decode); unused cached memory goes back on pressure or kiln.mem.empty_cache */
-    kiln_device *cpu = add_device(KILN_DEV_CPU, 0, "cpu", 1, 0, kiln_cpu_backend());
+    kiln_backends_register_all();
+    const kiln_backend *host = find_backend("cpu");
+    /* the host caches too: freeing a large activation to the C library and asking
+     * again for the next op costs page faults and zeroing on every op; unused cached
+     * memory goes back on pressure or kiln.mem.empty_cache */
+    kiln_device *cpu = add_device(KILN_DEV_CPU, 0, "cpu", 1, 0, host);
     if (cpu) {
         kiln_allocator_set_grain(cpu->alloc, (size_t)4 << 10);
         kiln_allocator_set_cache_limit(cpu->alloc, (uint64_t)2 << 30);
     }
-    add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, kiln_cpu_backend());
-    kiln_cuda_register_devices();
+    add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, host);
+    for (int i = 0; i < n_backends; i++)
+        if (backends[i]->register_devices) backends[i]->register_devices();
 }
 
 static void init_devices(void)
@@ -75,7 +96,7 @@ static void init_devices(void)
     pthread_mutex_unlock(&registry_lock);
 }
 
-/* Called by the CUDA backend from kiln_cuda_register_devices (registry lock held). */
+/* Called by a backend's register_devices (registry lock held). */
 kiln_device *kiln_device_register(kiln_device_type type, int index, const char *name,
                                   kiln_raw_memory raw, uint64_t total, const kiln_backend *backend)
 {
@@ -90,6 +111,12 @@ kiln_device *kiln_device_register(kiln_device_type type, int index, const char *
     d->total_memory = total;
     devices[n_devices++] = d;
     return d;
+}
+
+const kiln_backend *kiln_backend_find(const char *name)
+{
+    init_devices();
+    return find_backend(name);
 }
 
 int kiln_device_count(void)
@@ -107,8 +134,52 @@ kiln_device *kiln_device_at(int i)
 void kiln_device_empty_cache(kiln_device *dev)
 {
     if (!dev) return;
+    /* workspace first: what it gives back to the allocator goes on to the device */
+    if (dev->backend && dev->backend->workspace_release) dev->backend->workspace_release(dev);
     kiln_allocator_empty_cache(dev->alloc);
-    if (dev->backend && dev->backend->release_scratch) dev->backend->release_scratch();
+}
+
+kiln_mem_stats kiln_device_stats(kiln_device *dev)
+{
+    kiln_mem_stats s = kiln_allocator_stats(dev ? dev->alloc : NULL);
+    if (dev && dev->backend && dev->backend->workspace_bytes) s.workspace = dev->backend->workspace_bytes(dev);
+    return s;
+}
+
+kiln_status kiln_device_scratch_alloc(kiln_device *dev, size_t n, int flags, void **p)
+{
+    *p = NULL;
+    if (!(flags & KILN_SCRATCH_NO_EVICT)) return kiln_allocator_alloc(dev->alloc, n ? n : 1, p);
+    kiln_mem_stats s = kiln_allocator_stats(dev->alloc);
+    const uint64_t grain = 2u << 20; /* the allocator's large-segment rounding */
+    uint64_t seg = (n + grain - 1) / grain * grain;
+    if (s.budget && s.reserved + seg > s.budget && s.largest_free < n) return KILN_ERR_OOM;
+    char saved[512];
+    kiln_status saved_st = kiln_last_status();
+    snprintf(saved, sizeof saved, "%s", kiln_last_error());
+    if (kiln_allocator_alloc(dev->alloc, n ? n : 1, p) != KILN_OK) {
+        *p = NULL;
+        kiln_error(saved_st, "%s", saved);
+        return KILN_ERR_OOM;
+    }
+    return KILN_OK;
+}
+
+void kiln_device_scratch_free(kiln_device *dev, void *p)
+{
+    if (p) kiln_allocator_release(dev->alloc, p);
+}
+
+int kiln_threads(void)
+{
+    const kiln_backend *b = kiln_device_cpu()->backend;
+    return b && b->threads ? b->threads() : 1;
+}
+
+void kiln_set_threads(int n)
+{
+    const kiln_backend *b = kiln_device_cpu()->backend;
+    if (b && b->set_threads) b->set_threads(n);
 }
 
 kiln_device *kiln_device_cpu(void)
@@ -129,11 +200,17 @@ kiln_device *kiln_device_get(const char *name)
         strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
         strncat(list, devices[i]->name, sizeof list - strlen(list) - 1);
     }
-    if (strncmp(name, "cuda", 4) == 0)
-        kiln_error(KILN_ERR_ARG, "no CUDA device '%s' (%s); devices present: %s", name,
-                   kiln_cuda_unavailable_reason(), list);
-    else
-        kiln_error(KILN_ERR_ARG, "unknown device '%s'; devices present: %s", name, list);
+    /* a name a registered backend would own ("cuda:1"): its own reason */
+    for (int i = 0; i < n_backends; i++) {
+        size_t k = strlen(backends[i]->name);
+        if (backends[i]->unavailable_reason && strncmp(name, backends[i]->name, k) == 0 &&
+            (name[k] == 0 || name[k] == ':')) {
+            kiln_error(KILN_ERR_ARG, "no %s device '%s' (%s); devices present: %s", backends[i]->name, name,
+                       backends[i]->unavailable_reason(), list);
+            return NULL;
+        }
+    }
+    kiln_error(KILN_ERR_ARG, "unknown device '%s'; devices present: %s", name, list);
     return NULL;
 }
 

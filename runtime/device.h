@@ -26,13 +26,33 @@ struct kiln_device {
 
 /* Looks a device up by name ("cpu", "sim", "cuda", "cuda:0"); NULL with a message
  * listing the devices present when absent. Devices are created on first use. */
-KILN_API kiln_device *kiln_device_get(const char *name);
-KILN_API kiln_device *kiln_device_cpu(void);
-KILN_API int kiln_device_count(void);
-KILN_API kiln_device *kiln_device_at(int i);
+kiln_device *kiln_device_get(const char *name);
+kiln_device *kiln_device_cpu(void);
+int kiln_device_count(void);
+kiln_device *kiln_device_at(int i);
 /* Gives back what dev holds but does not use: its allocator's free cached blocks and
- * its kernels' scratch (kiln.mem.empty_cache, unload, kiln_close). */
-KILN_API void kiln_device_empty_cache(kiln_device *dev);
+ * its backend's workspace (kiln.mem.empty_cache, unload, kiln_close). */
+void kiln_device_empty_cache(kiln_device *dev);
+/* dev's memory statistics: its allocator's, and the workspace its backend keeps
+ * between ops in .workspace (host scratch for cpu; on a GPU already part of
+ * allocated, since it comes from the allocator). */
+kiln_mem_stats kiln_device_stats(kiln_device *dev);
+
+/* Scratch for a kernel, from dev's memory manager: budgeted, counted in its
+ * statistics, may evict as any allocation (KILN_ERR_OOM when it cannot fit). With
+ * KILN_SCRATCH_NO_EVICT it is taken only when it fits without evicting anything,
+ * and a refusal returns KILN_ERR_OOM leaving the thread's last error as it was (an
+ * optional workspace that is refused is not an error of the op). Backends call
+ * these instead of reaching the allocator. */
+#define KILN_SCRATCH_NO_EVICT 1
+kiln_status kiln_device_scratch_alloc(kiln_device *dev, size_t n, int flags, void **p);
+void kiln_device_scratch_free(kiln_device *dev, void *p);
+
+/* Threads of the host's compute pool (the CPU backend's, through its table);
+ * KILN_THREADS or the number of online cores by default. kiln_set_threads: n <= 0
+ * restores the default. */
+int kiln_threads(void);
+void kiln_set_threads(int n);
 
 typedef struct kiln_storage kiln_storage;
 typedef void (*kiln_storage_release_fn)(kiln_storage *s);
@@ -48,16 +68,16 @@ struct kiln_storage {
 };
 
 /* New storage of nbytes from dev's allocator (may evict; KILN_ERR_OOM on failure). */
-KILN_API kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out);
+kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out);
 /* Wraps memory the storage does not own through the allocator (a mapped file, a
  * host buffer); release(s) is called when the last reference goes. */
-KILN_API kiln_storage *kiln_storage_wrap(kiln_device *dev, void *data, size_t nbytes,
-                                         kiln_storage_release_fn release, void *ctx);
-KILN_API void kiln_storage_retain(kiln_storage *s);
-KILN_API void kiln_storage_release(kiln_storage *s);
-KILN_API void kiln_storage_set_owner(kiln_storage *s, const char *owner);
+kiln_storage *kiln_storage_wrap(kiln_device *dev, void *data, size_t nbytes,
+                                kiln_storage_release_fn release, void *ctx);
+void kiln_storage_retain(kiln_storage *s);
+void kiln_storage_release(kiln_storage *s);
+void kiln_storage_set_owner(kiln_storage *s, const char *owner);
 
 /* Calls fn for every live storage of dev (under the registry lock). */
-KILN_API void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx);
+void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx);
 
 #endif

@@ -169,19 +169,6 @@ static int64_t to_i64_sat(double v, double lo, double hi)
     return (int64_t)v;
 }
 
-static double load_elem(const void *src, kiln_dtype dt, size_t i)
-{
-    switch (dt) {
-    case KILN_F32: return ((const float *)src)[i];
-    case KILN_F16: return kiln_f16_to_f32(((const uint16_t *)src)[i]);
-    case KILN_BF16: return kiln_bf16_to_f32(((const uint16_t *)src)[i]);
-    case KILN_I32: return ((const int32_t *)src)[i];
-    case KILN_I64: return (double)((const int64_t *)src)[i];
-    case KILN_U8: return ((const uint8_t *)src)[i];
-    default: return 0;
-    }
-}
-
 void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, size_t n)
 {
     if (ddt == sdt) { memmove(dst, src, n * kiln_dtype_size(ddt)); return; }
@@ -191,7 +178,7 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        double v = load_elem(src, sdt, i);
+        double v = kiln_dtype_load(sdt, (const char *)src + i * kiln_dtype_size(sdt));
         /* i64 rounds to f32 directly (as torch does): via double it would round twice */
         float f = sdt == KILN_I64 ? (float)((const int64_t *)src)[i] : (float)v;
         switch (ddt) {

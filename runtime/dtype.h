@@ -16,20 +16,38 @@ typedef enum {
     KILN_DTYPE_COUNT
 } kiln_dtype;
 
-KILN_API size_t kiln_dtype_size(kiln_dtype dt);
-KILN_API const char *kiln_dtype_name(kiln_dtype dt); /* "f32", "f16", ... */
+size_t kiln_dtype_size(kiln_dtype dt);
+const char *kiln_dtype_name(kiln_dtype dt); /* "f32", "f16", ... */
 /* Parses "f32"/"float32"/"F32" etc.; returns -1 when unknown. */
-KILN_API int kiln_dtype_from_name(const char *name);
-KILN_API int kiln_dtype_is_float(kiln_dtype dt);
+int kiln_dtype_from_name(const char *name);
+int kiln_dtype_is_float(kiln_dtype dt);
 
-KILN_API float kiln_f16_to_f32(uint16_t h);
-KILN_API uint16_t kiln_f32_to_f16(float f);
-KILN_API float kiln_bf16_to_f32(uint16_t h);
-KILN_API uint16_t kiln_f32_to_bf16(float f);
+float kiln_f16_to_f32(uint16_t h);
+uint16_t kiln_f32_to_f16(float f);
+float kiln_bf16_to_f32(uint16_t h);
+uint16_t kiln_f32_to_bf16(float f);
+
+/* The one scalar load of an element of any dtype as a number: exact for every
+ * supported float and integer value but i64 beyond 2^53. Kernels keep their own
+ * vector paths; everything that reads one element at a time (strided kernel
+ * loops, kiln_convert's fallback, the Lua bindings' :table() and indexing) calls
+ * this. Inline because it sits in per-element loops. */
+static inline double kiln_dtype_load(kiln_dtype dt, const void *p)
+{
+    switch (dt) {
+    case KILN_F32: return *(const float *)p;
+    case KILN_F16: return kiln_f16_to_f32(*(const uint16_t *)p);
+    case KILN_BF16: return kiln_bf16_to_f32(*(const uint16_t *)p);
+    case KILN_I32: return *(const int32_t *)p;
+    case KILN_I64: return (double)*(const int64_t *)p;
+    case KILN_U8: return *(const uint8_t *)p;
+    default: return 0;
+    }
+}
 
 /* Converts n contiguous elements; src and dst must not overlap unless dt equal. */
-KILN_API void kiln_convert(void *dst, kiln_dtype dst_dt, const void *src, kiln_dtype src_dt, size_t n);
+void kiln_convert(void *dst, kiln_dtype dst_dt, const void *src, kiln_dtype src_dt, size_t n);
 /* Bulk float conversion to f32 (the hot path of f16/bf16 weights). */
-KILN_API void kiln_to_f32(float *dst, const void *src, kiln_dtype src_dt, size_t n);
+void kiln_to_f32(float *dst, const void *src, kiln_dtype src_dt, size_t n);
 
 #endif

@@ -4,6 +4,7 @@
  * lock: the allocator, storage and model locks may be held by callers. */
 #define _GNU_SOURCE
 #include "events.h"
+#include "format_bytes.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -220,15 +221,6 @@ void kiln_events_clear(void)
 
 /* ---- hooks from device.c ---- */
 
-static void human(char *buf, size_t n, double b)
-{
-    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int i = 0;
-    while (b >= 1024 && i < 4) { b /= 1024; i++; }
-    if (i == 0) snprintf(buf, n, "%.0f B", b);
-    else snprintf(buf, n, "%.*f %s", b < 10 ? 2 : b < 100 ? 1 : 0, b, u[i]);
-}
-
 void kiln_events_storage(const kiln_storage *s, int alive)
 {
     uint64_t th = atomic_load(&alloc_threshold);
@@ -275,17 +267,17 @@ void kiln_events_oom(kiln_device *dev, uint64_t requested)
     qsort(acc.rows, (size_t)acc.n, sizeof acc.rows[0], row_cmp);
     size_t used = (size_t)snprintf(res, sizeof res, acc.n ? "resident on %s:" : "nothing resident on %s", dev->name);
     for (int i = 0; i < acc.n && used < sizeof res; i++) {
-        human(b, sizeof b, (double)acc.rows[i].bytes);
+        kiln_format_bytes(b, sizeof b, (double)acc.rows[i].bytes);
         used += (size_t)snprintf(res + used, sizeof res - used, "%s %s %s", i ? "," : "", acc.rows[i].owner, b);
     }
     if (acc.other && used < sizeof res) {
-        human(b, sizeof b, (double)acc.other);
+        kiln_format_bytes(b, sizeof b, (double)acc.other);
         snprintf(res + used, sizeof res - used, ", others %s", b);
     }
     kiln_error_oom(o.device, o.requested, o.free, o.budget, "%s; %s", msg, res);
     char fr[32], bu[32];
-    human(fr, sizeof fr, (double)o.free);
-    if (o.budget) human(bu, sizeof bu, (double)o.budget);
+    kiln_format_bytes(fr, sizeof fr, (double)o.free);
+    if (o.budget) kiln_format_bytes(bu, sizeof bu, (double)o.budget);
     else snprintf(bu, sizeof bu, "unlimited");
     kiln_event e;
     fill_event(&e, KILN_EV_OOM, dev->name, requested, NULL);

@@ -36,58 +36,58 @@ typedef struct {
     char detail[192];
 } kiln_event;
 
-KILN_API const char *kiln_event_kind_name(kiln_event_kind k);
+const char *kiln_event_kind_name(kiln_event_kind k);
 
 /* Records an event (and writes it to the trace when one runs). device and owner
  * may be NULL; owner NULL means the calling thread's context (see below). */
-KILN_API void kiln_event_emit(kiln_event_kind kind, const char *device, uint64_t bytes,
-                              const char *owner, const char *fmt, ...) KILN_PRINTF(5, 6);
+void kiln_event_emit(kiln_event_kind kind, const char *device, uint64_t bytes,
+                     const char *owner, const char *fmt, ...) KILN_PRINTF(5, 6);
 /* Copies the retained events with seq > since, oldest first, into out (at most max);
  * returns how many were copied. */
-KILN_API size_t kiln_events_get(uint64_t since, kiln_event *out, size_t max);
+size_t kiln_events_get(uint64_t since, kiln_event *out, size_t max);
 /* Events retained now (at most KILN_EVENTS_CAPACITY) and the last seq issued. */
-KILN_API size_t kiln_events_count(void);
-KILN_API uint64_t kiln_events_last_seq(void);
-KILN_API void kiln_events_clear(void);
+size_t kiln_events_count(void);
+uint64_t kiln_events_last_seq(void);
+void kiln_events_clear(void);
 /* Allocations of at least `bytes` become ALLOC/FREE events (0 = off, the default). */
-KILN_API void kiln_events_set_alloc_threshold(uint64_t bytes);
-KILN_API uint64_t kiln_events_alloc_threshold(void);
+void kiln_events_set_alloc_threshold(uint64_t bytes);
+uint64_t kiln_events_alloc_threshold(void);
 
 /* Who the calling thread is working for ("model:unet" during its load): OOM and
  * allocation events without an explicit owner carry it. NULL clears. */
-KILN_API void kiln_events_set_context(const char *owner);
+void kiln_events_set_context(const char *owner);
 
 /* Seconds on the runtime's monotonic clock (the time base of events and traces). */
-KILN_API double kiln_events_now(void);
+double kiln_events_now(void);
 
 /* A small number for the calling thread (1 for the first thread seen, ...). */
-KILN_API int kiln_thread_id(void);
+int kiln_thread_id(void);
 /* Names the calling thread in traces; worker = 1 marks a runtime background thread
  * (model copy threads), on which a host's pressure hook must not run. */
-KILN_API void kiln_thread_set_name(const char *name, int worker);
-KILN_API int kiln_thread_is_worker(void);
+void kiln_thread_set_name(const char *name, int worker);
+int kiln_thread_is_worker(void);
 
 /* Hooks from device.c: a storage from a device allocator was created (alive = 1) or
  * freed (alive = 0); an allocation of `requested` bytes on dev failed with
  * KILN_ERR_OOM (the message gets what is resident on the device appended). */
-KILN_API void kiln_events_storage(const kiln_storage *s, int alive);
-KILN_API void kiln_events_oom(kiln_device *dev, uint64_t requested);
+void kiln_events_storage(const kiln_storage *s, int alive);
+void kiln_events_oom(kiln_device *dev, uint64_t requested);
 
 /* ---- tracing ---- */
 
 /* Starts streaming a trace to a temporary file next to path; KILN_ERR_STATE when a
  * trace is already running, KILN_ERR_IO when the file cannot be created. */
-KILN_API kiln_status kiln_trace_start(const char *path);
+kiln_status kiln_trace_start(const char *path);
 /* Finishes the JSON, flushes, and renames the temporary file onto the path given to
  * start. KILN_ERR_STATE when no trace runs; on a write error the temporary file is
  * removed and the error names the path. */
-KILN_API kiln_status kiln_trace_stop(void);
-KILN_API int kiln_trace_active(void);
+kiln_status kiln_trace_stop(void);
+int kiln_trace_active(void);
 /* A complete span [start, start + dur) on the calling thread ("ph":"X"). start is a
  * kiln_events_now() value; args is an optional JSON object body ("\"k\":1") or NULL. */
-KILN_API void kiln_trace_span(const char *name, const char *category, double start, double end,
-                              const char *args_json);
+void kiln_trace_span(const char *name, const char *category, double start, double end,
+                     const char *args_json);
 /* Samples the memory counters of dev (all devices when NULL) into the trace. */
-KILN_API void kiln_trace_counters(kiln_device *dev);
+void kiln_trace_counters(kiln_device *dev);
 
 #endif

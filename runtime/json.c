@@ -2,6 +2,7 @@
  * builds the kiln_json tree in a chain of arena blocks, so the whole tree is freed
  * at once. Every read is bounds-checked against len (the text need not end in NUL). */
 #include "json.h"
+#include "unicode.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -80,30 +81,6 @@ static inline void skip_ws(json_parser *p)
     }
 }
 
-/* Length of the valid UTF-8 sequence at s[0..n) (n >= 1, s[0] >= 0x80), or 0.
- * Rejects overlong forms, surrogates and code points above U+10FFFF. */
-static size_t utf8_seq(const unsigned char *s, size_t n)
-{
-    unsigned char c = s[0];
-    unsigned char lo = 0x80, hi = 0xbf;
-    size_t k;
-    if (c >= 0xc2 && c <= 0xdf) k = 2;
-    else if (c >= 0xe0 && c <= 0xef) {
-        k = 3;
-        if (c == 0xe0) lo = 0xa0;
-        if (c == 0xed) hi = 0x9f;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        k = 4;
-        if (c == 0xf0) lo = 0x90;
-        if (c == 0xf4) hi = 0x8f;
-    } else return 0;
-    if (n < k) return 0;
-    if (s[1] < lo || s[1] > hi) return 0;
-    for (size_t i = 2; i < k; i++)
-        if (s[i] < 0x80 || s[i] > 0xbf) return 0;
-    return k;
-}
-
 static int hex4(const unsigned char *s, unsigned *out)
 {
     unsigned v = 0;
@@ -152,7 +129,7 @@ static kiln_status parse_string(json_parser *p, char **out, size_t *out_len)
             continue;
         }
         if (c < 0x20) return fail(p, i, "control character in string");
-        size_t k = utf8_seq(s + i, n - i);
+        size_t k = kiln_unicode_utf8_seq_len(s + i, n - i);
         if (!k) return fail(p, i, "invalid UTF-8 in string");
         i += k;
     }

@@ -27,9 +27,9 @@ struct kiln_json {
 
 /* Parses text[0..len). On error returns KILN_ERR_FORMAT with a message giving the
  * byte offset; *out is NULL then. */
-KILN_API kiln_status kiln_json_parse(const char *text, size_t len, kiln_json **out);
-KILN_API void kiln_json_free(kiln_json *root);
+kiln_status kiln_json_parse(const char *text, size_t len, kiln_json **out);
+void kiln_json_free(kiln_json *root);
 /* Member lookup in an object (linear); NULL when absent or not an object. */
-KILN_API const kiln_json *kiln_json_get(const kiln_json *obj, const char *key);
+const kiln_json *kiln_json_get(const kiln_json *obj, const char *key);
 
 #endif

@@ -11,6 +11,7 @@
 #include "model.h"
 #include "backend.h"
 #include "events.h"
+#include "format_bytes.h"
 #include "safetensors.h"
 
 #include <pthread.h>
@@ -106,15 +107,6 @@ const char *kiln_residency_name(kiln_residency r)
 }
 
 /* ---- helpers ---- */
-
-static void human(char *buf, size_t n, double b)
-{
-    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int i = 0;
-    while (b >= 1024 && i < 4) { b /= 1024; i++; }
-    if (i == 0) snprintf(buf, n, "%.0f B", b);
-    else snprintf(buf, n, "%.*f %s", b < 10 ? 2 : b < 100 ? 1 : 0, b, u[i]);
-}
 
 static kiln_device *tensor_device(const kiln_tensor *t) { return t->storage->device; }
 static size_t tensor_bytes(const kiln_tensor *t) { return t ? t->storage->nbytes : 0; }
@@ -323,8 +315,8 @@ static size_t evict_locked(kiln_device *dev, size_t need, int one_step)
         }
         freed += really;
         char nb[32], rb[32];
-        human(nb, sizeof nb, (double)need);
-        human(rb, sizeof rb, (double)(bytes - really));
+        kiln_format_bytes(nb, sizeof nb, (double)need);
+        kiln_format_bytes(rb, sizeof rb, (double)(bytes - really));
         kiln_event_emit(KILN_EV_EVICT, dev->name, bytes, victim->owner,
                         "%d tensors, least recently used, for an allocation short of %s%s%s", count, nb,
                         bytes > really ? "; still referenced elsewhere: " : "", bytes > really ? rb : "");

@@ -24,36 +24,36 @@ typedef enum {
     KILN_MEM_MODE_COUNT
 } kiln_memory_mode;
 
-KILN_API void kiln_memory_mode_set(kiln_memory_mode mode);
-KILN_API kiln_memory_mode kiln_memory_mode_get(void);
-KILN_API const char *kiln_memory_mode_name(kiln_memory_mode mode);
+void kiln_memory_mode_set(kiln_memory_mode mode);
+kiln_memory_mode kiln_memory_mode_get(void);
+const char *kiln_memory_mode_name(kiln_memory_mode mode);
 /* "high", "normal", "low", "none" (and "cpu" for none); -1 when unknown. */
-KILN_API int kiln_memory_mode_from_name(const char *name);
+int kiln_memory_mode_from_name(const char *name);
 
 /* ORDER RESIDENCY */
 typedef enum { KILN_RES_MAPPED = 0, KILN_RES_HOST, KILN_RES_DEVICE, KILN_RES_COUNT } kiln_residency;
-KILN_API const char *kiln_residency_name(kiln_residency r);
+const char *kiln_residency_name(kiln_residency r);
 
 typedef struct kiln_model kiln_model;
 
 /* Opens n safetensors files as one model (a later file's tensor replaces an
  * earlier one of the same name). name NULL: the first file's base name. */
-KILN_API kiln_status kiln_model_open(const char *const *paths, int n, const char *name, kiln_model **out);
+kiln_status kiln_model_open(const char *const *paths, int n, const char *name, kiln_model **out);
 /* The same, keeping only the tensors whose names start with one of the prefixes
  * (names stay whole): one part of a single-file checkpoint ("first_stage_model.").
  * No prefixes keeps everything; no tensor matching is an error. */
-KILN_API kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char *name,
-                                              const char *const *prefixes, int n_prefixes, kiln_model **out);
+kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char *name,
+                                     const char *const *prefixes, int n_prefixes, kiln_model **out);
 /* Frees every copy (tensors handed out keep their own storage alive) and the model.
  * Waits for this model's prefetches. */
-KILN_API void kiln_model_close(kiln_model *m);
+void kiln_model_close(kiln_model *m);
 
-KILN_API const char *kiln_model_name(const kiln_model *m);
-KILN_API int kiln_model_count(const kiln_model *m);
+const char *kiln_model_name(const kiln_model *m);
+int kiln_model_count(const kiln_model *m);
 /* Name of tensor i (0 <= i < count), in file order. */
-KILN_API const char *kiln_model_tensor_name(const kiln_model *m, int i);
+const char *kiln_model_tensor_name(const kiln_model *m, int i);
 /* Index of name or -1. */
-KILN_API int kiln_model_find(const kiln_model *m, const char *name);
+int kiln_model_find(const kiln_model *m, const char *name);
 
 /* Copies every tensor to dev (converting floating-point tensors to dtype; dtype -1
  * keeps each tensor's dtype), accounted to "model:<name>". Tensors already there
@@ -62,28 +62,28 @@ KILN_API int kiln_model_find(const kiln_model *m, const char *name);
  * mode "low" makes host copies only where a dtype conversion needs one and
  * remembers dev as the streaming target. On failure the device copies made by this
  * call are freed (the model falls back to host/mapped copies). */
-KILN_API kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype);
+kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype);
 /* Device copies become host copies (on the cpu allocator). */
-KILN_API kiln_status kiln_model_offload(kiln_model *m);
+kiln_status kiln_model_offload(kiln_model *m);
 /* Drops every copy but the mapping. */
-KILN_API void kiln_model_unload(kiln_model *m);
+void kiln_model_unload(kiln_model *m);
 /* Pinned models are never evicted (pins nest). */
-KILN_API void kiln_model_pin(kiln_model *m);
-KILN_API kiln_status kiln_model_unpin(kiln_model *m);
+void kiln_model_pin(kiln_model *m);
+kiln_status kiln_model_unpin(kiln_model *m);
 
 /* The best copy of a tensor (device, else host, else mapped) as a new reference;
  * touches the model's LRU clock. A missing name is an error naming the tensor, the
  * model and the closest names. */
-KILN_API kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out);
-KILN_API kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *out);
+kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out);
+kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *out);
 
 /* Streaming (any mode; needs a load target). fetch copies the named tensors to the
  * target device now (waiting for a prefetch of the same tensor in flight) and marks
  * them in use; release frees the device copies that fetch/prefetch made; prefetch
  * queues the copies on the target device's copy thread and returns at once. */
-KILN_API kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
-KILN_API kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
-KILN_API kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
+kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
+kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
+kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
 
 typedef struct {
     int n_tensors;
@@ -100,9 +100,9 @@ typedef struct {
     int prefetch_thread;                 /* kiln_thread_id of the last prefetch copy, 0 none */
 } kiln_model_info;
 
-KILN_API void kiln_model_get_info(kiln_model *m, kiln_model_info *out);
+void kiln_model_get_info(kiln_model *m, kiln_model_info *out);
 /* Bytes of the model's copies on dev (dev NULL: all host and device copies). */
-KILN_API uint64_t kiln_model_bytes(kiln_model *m, const kiln_device *dev);
+uint64_t kiln_model_bytes(kiln_model *m, const kiln_device *dev);
 
 /* One row per open model and device holding its copies, most recently used first;
  * a model with nothing resident gets one row with device "". Returns the number of
@@ -115,13 +115,13 @@ typedef struct {
     int pinned;
     uint64_t last_used;
 } kiln_model_usage;
-KILN_API int kiln_model_usage_list(kiln_model_usage *out, int max);
+int kiln_model_usage_list(kiln_model_usage *out, int max);
 
 /* Evicts unpinned models' copies on dev (device copies, and host copies when dev
  * is the cpu), least recently used first, until `need` bytes are freed; copies in
  * use by fetch are kept. Returns the bytes given back (copies still referenced
  * elsewhere are dropped but not counted). The allocators' evict hook calls this in
  * every mode but "high". */
-KILN_API size_t kiln_model_evict(kiln_device *dev, size_t need);
+size_t kiln_model_evict(kiln_device *dev, size_t need);
 
 #endif

@@ -5,6 +5,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "atomic_file.h"
 #include "png_io.h"
+#include "unicode.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -313,27 +314,6 @@ kiln_status kiln_png_read_text(const char *path, int *n, char ***keys, char ***v
 
 /* ---- writing ---- */
 
-/* 1 when s is valid UTF-8. */
-static int utf8_valid(const char *str)
-{
-    const unsigned char *s = (const unsigned char *)str;
-    while (*s) {
-        unsigned char ch = *s;
-        if (ch < 0x80) { s++; continue; }
-        int k;
-        unsigned char lo = 0x80, hi = 0xbf;
-        if (ch >= 0xc2 && ch <= 0xdf) k = 2;
-        else if (ch >= 0xe0 && ch <= 0xef) { k = 3; if (ch == 0xe0) lo = 0xa0; if (ch == 0xed) hi = 0x9f; }
-        else if (ch >= 0xf0 && ch <= 0xf4) { k = 4; if (ch == 0xf0) lo = 0x90; if (ch == 0xf4) hi = 0x8f; }
-        else return 0;
-        if (s[1] < lo || s[1] > hi) return 0; /* also stops at the NUL */
-        for (int i = 2; i < k; i++)
-            if (s[i] < 0x80 || s[i] > 0xbf) return 0;
-        s += k;
-    }
-    return 1;
-}
-
 /* PNG keywords: 1-79 printable Latin-1 characters without leading, trailing or
  * doubled spaces. Ours are UTF-8 strings, so only the ASCII subset is accepted (a
  * non-ASCII key would come back as different characters). */
@@ -359,6 +339,26 @@ static int is_plain_text(const char *v)
     return 1;
 }
 
+/* libpng writes through these into the atomic file; a failed write stops libpng
+ * through png_error, and the writer reports the atomic file's message. */
+typedef struct {
+    kiln_atomic_file *file;
+    volatile int failed; /* set under libpng, read after its longjmp */
+} png_sink;
+
+static void sink_write(png_structp png, png_bytep data, size_t n)
+{
+    png_sink *s = png_get_io_ptr(png);
+    if (kiln_atomic_file_write(s->file, data, n)) {
+        s->failed = 1;
+        png_error(png, "write failed");
+    }
+}
+
+static void sink_flush(png_structp png)
+{
+    (void)png; /* commit fsyncs once at the end */
+}
 
 kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w, int n_text,
                            const char *const *keys, const char *const *values)
@@ -374,21 +374,14 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
         if (!keys[i] || !values[i]) return kiln_error(KILN_ERR_ARG, "%s: text entry %d is NULL", path, i);
         const char *why = key_problem(keys[i]);
         if (why) return kiln_error(KILN_ERR_ARG, "%s: text key '%s' %s", path, keys[i], why);
-        if (!utf8_valid(values[i]))
+        if (!kiln_unicode_utf8_valid(values[i]))
             return kiln_error(KILN_ERR_ARG, "%s: text value of '%s' is not valid UTF-8", path, keys[i]);
     }
 
-    char *tmp = NULL;
-    int fd = kiln_file_open_temp(path, &tmp);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot create a temporary file next to it: %s", path, strerror(errno));
-    FILE *fp = fdopen(fd, "wb");
-    if (!fp) {
-        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot open a stream: %s", path, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        free(tmp);
-        return st;
-    }
+    kiln_atomic_file out = {0};
+    kiln_status st = kiln_atomic_file_open(&out, path);
+    if (st) return st;
+    png_sink sink = {&out, 0};
     png_err err = {{0}};
     png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &err, on_error, on_warning);
     png_infop info = png ? png_create_info_struct(png) : NULL;
@@ -398,9 +391,7 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
         png_destroy_write_struct(&png, &info);
         free(row);
         free(text);
-        fclose(fp);
-        unlink(tmp);
-        free(tmp);
+        kiln_atomic_file_abort(&out);
         return kiln_error(KILN_ERR_OOM, "%s: out of memory creating the PNG writer", path);
     }
     /* nothing below is assigned after setjmp, so nothing needs volatile */
@@ -408,14 +399,13 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
         png_destroy_write_struct(&png, &info);
         free(row);
         free(text);
-        fclose(fp);
-        unlink(tmp);
-        free(tmp);
-        return kiln_error(KILN_ERR_IO, "%s: cannot write PNG (libpng: %s)", path, err.msg);
+        kiln_atomic_file_abort(&out);
+        /* a failed write already left its own message (with errno's reason) */
+        return sink.failed ? KILN_ERR_IO : kiln_error(KILN_ERR_IO, "%s: cannot write PNG (libpng: %s)", path, err.msg);
     }
     static const int color_types[5] = {0, PNG_COLOR_TYPE_GRAY, PNG_COLOR_TYPE_GRAY_ALPHA, PNG_COLOR_TYPE_RGB,
                                        PNG_COLOR_TYPE_RGB_ALPHA};
-    png_init_io(png, fp);
+    png_set_write_fn(png, &sink, sink_write, sink_flush);
     png_set_IHDR(png, info, (png_uint_32)w, (png_uint_32)h, 8, color_types[c], PNG_INTERLACE_NONE,
                  PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
     for (int i = 0; i < n_text; i++) {
@@ -443,14 +433,5 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
     free(row);
     free(text);
 
-    kiln_status st = KILN_OK;
-    if (fflush(fp) != 0 || ferror(fp)) st = kiln_error(KILN_ERR_IO, "%s: write failed: %s", path, strerror(errno));
-    else if (fsync(fileno(fp)) != 0) st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", path, strerror(errno));
-    if (fclose(fp) != 0 && !st) st = kiln_error(KILN_ERR_IO, "%s: close failed: %s", path, strerror(errno));
-    if (!st && rename(tmp, path) != 0)
-        st = kiln_error(KILN_ERR_IO, "%s: cannot rename the temporary file over it: %s", path, strerror(errno));
-    if (st) unlink(tmp);
-    else kiln_file_sync_dir(path);
-    free(tmp);
-    return st;
+    return kiln_atomic_file_commit(&out);
 }

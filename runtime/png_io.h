@@ -8,17 +8,17 @@
 
 /* Reads path; *out (malloc'd, caller frees) holds c*h*w floats, planar.
  * 8- and 16-bit files are read at full precision (value / 255 or / 65535). */
-KILN_API kiln_status kiln_png_read(const char *path, float **out, int *c, int *h, int *w);
+kiln_status kiln_png_read(const char *path, float **out, int *c, int *h, int *w);
 
 /* Writes planar f32 [c, h, w] (c = 1..4) as an 8-bit PNG (values clamped to [0,1] and
  * rounded), with n_text text chunks (iTXt for non-ASCII/Latin-1 values, tEXt
  * otherwise). Atomic: temp file in the same folder, fsync, rename. */
-KILN_API kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w,
-                                    int n_text, const char *const *keys, const char *const *values);
+kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w,
+                           int n_text, const char *const *keys, const char *const *values);
 
 /* Reads the text chunks of a PNG (for tests and metadata tools): arrays malloc'd,
  * free with kiln_png_free_text. */
-KILN_API kiln_status kiln_png_read_text(const char *path, int *n, char ***keys, char ***values);
-KILN_API void kiln_png_free_text(int n, char **keys, char **values);
+kiln_status kiln_png_read_text(const char *path, int *n, char ***keys, char ***values);
+void kiln_png_free_text(int n, char **keys, char **values);
 
 #endif

@@ -18,12 +18,12 @@ typedef struct {
     float next_float_normal;
 } kiln_rng;
 
-KILN_API void kiln_rng_seed(kiln_rng *g, uint64_t seed);
-KILN_API uint32_t kiln_rng_u32(kiln_rng *g);
-KILN_API uint64_t kiln_rng_u64(kiln_rng *g);
+void kiln_rng_seed(kiln_rng *g, uint64_t seed);
+uint32_t kiln_rng_u32(kiln_rng *g);
+uint64_t kiln_rng_u64(kiln_rng *g);
 /* Fill n floats as torch.randn(n) / torch.rand(n) would from generator state g
  * (successive calls continue the stream as successive torch calls do). */
-KILN_API void kiln_rng_randn_f32(kiln_rng *g, float *out, int64_t n);
-KILN_API void kiln_rng_rand_f32(kiln_rng *g, float *out, int64_t n);
+void kiln_rng_randn_f32(kiln_rng *g, float *out, int64_t n);
+void kiln_rng_rand_f32(kiln_rng *g, float *out, int64_t n);
 
 #endif

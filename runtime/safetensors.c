@@ -6,6 +6,7 @@
 #include "atomic_file.h"
 #include "safetensors.h"
 #include "json.h"
+#include "unicode.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -439,64 +440,16 @@ static void sb_json_str(strbuf *b, const char *s)
     sb_put(b, "\"", 1);
 }
 
-/* 1 when s is valid UTF-8 (what the reader will demand of the header). */
-static int utf8_valid(const char *str)
+/* Checks every argument before the file system is touched, and fills nbytes[i]
+ * with item i's data size. */
+static kiln_status save_validate(const char *path, int n, const kiln_st_item *items, int n_meta,
+                                 const char *const *meta_keys, const char *const *meta_values, uint64_t *nbytes)
 {
-    const unsigned char *s = (const unsigned char *)str;
-    while (*s) {
-        unsigned char c = *s;
-        if (c < 0x80) { s++; continue; }
-        int k;
-        unsigned char lo = 0x80, hi = 0xbf;
-        if (c >= 0xc2 && c <= 0xdf) k = 2;
-        else if (c >= 0xe0 && c <= 0xef) { k = 3; if (c == 0xe0) lo = 0xa0; if (c == 0xed) hi = 0x9f; }
-        else if (c >= 0xf0 && c <= 0xf4) { k = 4; if (c == 0xf0) lo = 0x90; if (c == 0xf4) hi = 0x8f; }
-        else return 0;
-        if (s[1] < lo || s[1] > hi) return 0; /* also stops at the NUL */
-        for (int i = 2; i < k; i++)
-            if (s[i] < 0x80 || s[i] > 0xbf) return 0;
-        s += k;
-    }
-    return 1;
-}
-
-static kiln_status write_all(int fd, const void *buf, size_t n, const char *path)
-{
-    const char *p = buf;
-    while (n) {
-        size_t chunk = n < ((size_t)1 << 30) ? n : ((size_t)1 << 30);
-        ssize_t w = write(fd, p, chunk);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return kiln_error(KILN_ERR_IO, "%s: write failed: %s", path, strerror(errno));
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return KILN_OK;
-}
-
-
-kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int n_meta,
-                         const char *const *meta_keys, const char *const *meta_values)
-{
-    if (!path) return kiln_error(KILN_ERR_ARG, "kiln_st_save: path is NULL");
-    if (n < 0 || (n > 0 && !items))
-        return kiln_error(KILN_ERR_ARG, "%s: invalid tensor list (n = %d)", path, n);
-    if (n_meta < 0 || (n_meta > 0 && (!meta_keys || !meta_values)))
-        return kiln_error(KILN_ERR_ARG, "%s: invalid metadata list (n_meta = %d)", path, n_meta);
-
-    /* validate everything before the file system is touched */
-    uint64_t *nbytes = malloc(((size_t)n + 1) * sizeof *nbytes);
-    int *order = malloc(((size_t)n + 1) * sizeof *order);
     const char **names = malloc(((size_t)n + (size_t)n_meta + 1) * sizeof *names);
     size_t mask = 0;
     int *slots = slots_new(n > n_meta ? n : n_meta, &mask);
-    strbuf hb = {0};
-    char *tmp = NULL;
-    int fd = -1;
     kiln_status st = KILN_OK;
-    if (!nbytes || !order || !names || !slots) {
+    if (!names || !slots) {
         st = kiln_error(KILN_ERR_OOM, "%s: out of memory", path);
         goto done;
     }
@@ -508,7 +461,10 @@ kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int
             st = kiln_error(KILN_ERR_ARG, "%s: '__metadata__' is reserved and cannot name a tensor", path);
             goto done;
         }
-        if (!utf8_valid(name)) { st = kiln_error(KILN_ERR_ARG, "%s: tensor name %d is not valid UTF-8", path, i); goto done; }
+        if (!kiln_unicode_utf8_valid(name)) {
+            st = kiln_error(KILN_ERR_ARG, "%s: tensor name %d is not valid UTF-8", path, i);
+            goto done;
+        }
         if ((unsigned)it->dtype >= KILN_DTYPE_COUNT) {
             st = kiln_error(KILN_ERR_ARG, "%s: tensor '%s': invalid dtype %d", path, name, (int)it->dtype);
             goto done;
@@ -542,7 +498,7 @@ kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int
             st = kiln_error(KILN_ERR_ARG, "%s: metadata entry %d is NULL", path, i);
             goto done;
         }
-        if (!utf8_valid(meta_keys[i]) || !utf8_valid(meta_values[i])) {
+        if (!kiln_unicode_utf8_valid(meta_keys[i]) || !kiln_unicode_utf8_valid(meta_values[i])) {
             st = kiln_error(KILN_ERR_ARG, "%s: metadata entry '%s' is not valid UTF-8", path, meta_keys[i]);
             goto done;
         }
@@ -552,76 +508,99 @@ kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int
             goto done;
         }
     }
+done:
+    free(names);
+    free(slots);
+    return st;
+}
 
-    /* Data order: 8-byte elements first, then 4, 2, 1 (input order within a size),
-     * so every tensor is naturally aligned with no gaps (the reference reader
-     * rejects gaps). The header is padded with spaces to a multiple of 8. */
+/* Lays out the data and writes the JSON header into hb; order receives the items
+ * in data order. 8-byte elements come first, then 4, 2, 1 (input order within a
+ * size), so every tensor is naturally aligned with no gaps (the reference reader
+ * rejects gaps). The header is padded with spaces to a multiple of 8. */
+static kiln_status save_header(const char *path, int n, const kiln_st_item *items, int n_meta,
+                               const char *const *meta_keys, const char *const *meta_values,
+                               const uint64_t *nbytes, int *order, strbuf *hb)
+{
     int k = 0;
     for (size_t es = 8; es >= 1; es /= 2)
         for (int i = 0; i < n; i++)
             if (kiln_dtype_size(items[i].dtype) == es) order[k++] = i;
-    sb_puts(&hb, "{");
+    sb_puts(hb, "{");
     if (n_meta > 0) {
-        sb_puts(&hb, "\"__metadata__\":{");
+        sb_puts(hb, "\"__metadata__\":{");
         for (int i = 0; i < n_meta; i++) {
-            if (i) sb_puts(&hb, ",");
-            sb_json_str(&hb, meta_keys[i]);
-            sb_puts(&hb, ":");
-            sb_json_str(&hb, meta_values[i]);
+            if (i) sb_puts(hb, ",");
+            sb_json_str(hb, meta_keys[i]);
+            sb_puts(hb, ":");
+            sb_json_str(hb, meta_values[i]);
         }
-        sb_puts(&hb, "}");
+        sb_puts(hb, "}");
     }
     uint64_t at = 0;
     for (int j = 0; j < n; j++) {
         const kiln_st_item *it = &items[order[j]];
         char num[64];
-        if (j || n_meta > 0) sb_puts(&hb, ",");
-        sb_json_str(&hb, it->name);
-        sb_puts(&hb, ":{\"dtype\":\"");
-        sb_puts(&hb, st_dtype_names[it->dtype]);
-        sb_puts(&hb, "\",\"shape\":[");
+        if (j || n_meta > 0) sb_puts(hb, ",");
+        sb_json_str(hb, it->name);
+        sb_puts(hb, ":{\"dtype\":\"");
+        sb_puts(hb, st_dtype_names[it->dtype]);
+        sb_puts(hb, "\",\"shape\":[");
         for (int d = 0; d < it->ndim; d++) {
             snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)it->shape[d]);
-            sb_puts(&hb, num);
+            sb_puts(hb, num);
         }
         snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)at,
                  (unsigned long long)(at + nbytes[order[j]]));
-        sb_puts(&hb, num);
+        sb_puts(hb, num);
         at += nbytes[order[j]];
     }
-    sb_puts(&hb, "}");
-    while (hb.n % 8) sb_puts(&hb, " ");
-    if (hb.oom) { st = kiln_error(KILN_ERR_OOM, "%s: out of memory for the header", path); goto done; }
+    sb_puts(hb, "}");
+    while (hb->n % 8) sb_puts(hb, " ");
+    if (hb->oom) return kiln_error(KILN_ERR_OOM, "%s: out of memory for the header", path);
+    return KILN_OK;
+}
 
-    fd = kiln_file_open_temp(path, &tmp);
-    if (fd < 0) {
-        st = kiln_error(KILN_ERR_IO, "%s: cannot create a temporary file next to it: %s", path, strerror(errno));
-        goto done;
-    }
+/* Writes the file through an atomic save: the header's length (little-endian
+ * u64), the header, then the data in order. */
+static kiln_status save_write(const char *path, const strbuf *hb, int n, const kiln_st_item *items,
+                              const uint64_t *nbytes, const int *order)
+{
+    kiln_atomic_file out;
+    kiln_status st = kiln_atomic_file_open(&out, path);
+    if (st) return st;
     uint8_t len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)hb.n >> (8 * i));
-    if ((st = write_all(fd, len8, 8, path)) || (st = write_all(fd, hb.p, hb.n, path))) goto done;
-    for (int j = 0; j < n; j++)
-        if (nbytes[order[j]] && (st = write_all(fd, items[order[j]].data, (size_t)nbytes[order[j]], path))) goto done;
-    if (fsync(fd) != 0) { st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", path, strerror(errno)); goto done; }
-    int rc = close(fd);
-    fd = -1;
-    if (rc != 0) { st = kiln_error(KILN_ERR_IO, "%s: close failed: %s", path, strerror(errno)); goto done; }
-    if (rename(tmp, path) != 0) {
-        st = kiln_error(KILN_ERR_IO, "%s: cannot rename the temporary file over it: %s", path, strerror(errno));
-        goto done;
+    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)hb->n >> (8 * i));
+    st = kiln_atomic_file_write(&out, len8, 8);
+    if (!st) st = kiln_atomic_file_write(&out, hb->p, hb->n);
+    for (int j = 0; j < n && !st; j++)
+        if (nbytes[order[j]]) st = kiln_atomic_file_write(&out, items[order[j]].data, (size_t)nbytes[order[j]]);
+    if (st) {
+        kiln_atomic_file_abort(&out);
+        return st;
     }
-    free(tmp);
-    tmp = NULL;
-    kiln_file_sync_dir(path);
+    return kiln_atomic_file_commit(&out);
+}
 
-done:
-    if (fd >= 0) close(fd);
-    if (tmp) { unlink(tmp); free(tmp); }
+kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items, int n_meta,
+                         const char *const *meta_keys, const char *const *meta_values)
+{
+    if (!path) return kiln_error(KILN_ERR_ARG, "kiln_st_save: path is NULL");
+    if (n < 0 || (n > 0 && !items))
+        return kiln_error(KILN_ERR_ARG, "%s: invalid tensor list (n = %d)", path, n);
+    if (n_meta < 0 || (n_meta > 0 && (!meta_keys || !meta_values)))
+        return kiln_error(KILN_ERR_ARG, "%s: invalid metadata list (n_meta = %d)", path, n_meta);
+
+    uint64_t *nbytes = malloc(((size_t)n + 1) * sizeof *nbytes);
+    int *order = malloc(((size_t)n + 1) * sizeof *order);
+    strbuf hb = {0};
+    kiln_status st;
+    if (!nbytes || !order) st = kiln_error(KILN_ERR_OOM, "%s: out of memory", path);
+    else if (!(st = save_validate(path, n, items, n_meta, meta_keys, meta_values, nbytes)) &&
+             !(st = save_header(path, n, items, n_meta, meta_keys, meta_values, nbytes, order, &hb)))
+        st = save_write(path, &hb, n, items, nbytes, order);
     free(hb.p);
     free(nbytes);
     free(order);
-    free(names);
-    free(slots);
     return st;
 }

@@ -32,11 +32,11 @@ typedef struct kiln_st_file {
 } kiln_st_file;
 
 /* Opens and validates; *out has refcount 1. */
-KILN_API kiln_status kiln_st_open(const char *path, kiln_st_file **out);
-KILN_API void kiln_st_retain(kiln_st_file *f);
-KILN_API void kiln_st_release(kiln_st_file *f);
+kiln_status kiln_st_open(const char *path, kiln_st_file **out);
+void kiln_st_retain(kiln_st_file *f);
+void kiln_st_release(kiln_st_file *f);
 /* Index of the entry named name, or -1 (hash lookup). */
-KILN_API int kiln_st_find(const kiln_st_file *f, const char *name);
+int kiln_st_find(const kiln_st_file *f, const char *name);
 static inline const void *kiln_st_data(const kiln_st_file *f, int i)
 {
     return f->data + f->entries[i].begin;
@@ -53,8 +53,8 @@ typedef struct {
 /* Writes n items (and optional metadata) atomically: a temporary file in the same
  * folder, fsync, rename over path; on any failure path is untouched and the
  * temporary removed. Names must be unique and not "__metadata__". */
-KILN_API kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items,
-                                  int n_meta, const char *const *meta_keys,
-                                  const char *const *meta_values);
+kiln_status kiln_st_save(const char *path, int n, const kiln_st_item *items,
+                         int n_meta, const char *const *meta_keys,
+                         const char *const *meta_values);
 
 #endif

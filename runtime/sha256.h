@@ -12,10 +12,10 @@ typedef struct {
     size_t fill;
 } kiln_sha256;
 
-KILN_API void kiln_sha256_init(kiln_sha256 *c);
-KILN_API void kiln_sha256_update(kiln_sha256 *c, const void *data, size_t n);
-KILN_API void kiln_sha256_final(kiln_sha256 *c, uint8_t out[32]);
+void kiln_sha256_init(kiln_sha256 *c);
+void kiln_sha256_update(kiln_sha256 *c, const void *data, size_t n);
+void kiln_sha256_final(kiln_sha256 *c, uint8_t out[32]);
 /* Hex digest (65 bytes with NUL) of a whole file. */
-KILN_API kiln_status kiln_sha256_file(const char *path, char hex[65]);
+kiln_status kiln_sha256_file(const char *path, char hex[65]);
 
 #endif

@@ -7,26 +7,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* kiln_status and KILN_API are defined once, in the public header: a host that has
+ * only kiln.h installed sees the same values the core returns. The header is plain
+ * C (no Lua), so the core stays usable without Lua. */
+#include "../bindings/kiln.h"
+
 #if defined(__GNUC__)
-#define KILN_API __attribute__((visibility("default")))
 #define KILN_PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
-#define KILN_API
 #define KILN_PRINTF(a, b)
 #endif
-
-/* ORDER STATUS: keep kiln_status_names in status.c in this order */
-typedef enum {
-    KILN_OK = 0,
-    KILN_ERR_ARG,         /* bad argument: shape, dtype, value */
-    KILN_ERR_IO,          /* file system */
-    KILN_ERR_FORMAT,      /* malformed file */
-    KILN_ERR_OOM,         /* allocation does not fit the budget (see kiln_oom_info) */
-    KILN_ERR_UNSUPPORTED, /* op/dtype/device not supported by a backend */
-    KILN_ERR_STATE,       /* object used in the wrong state (freed, closed) */
-    KILN_ERR_CANCELLED,   /* stopped by a cancel request */
-    KILN_STATUS_COUNT
-} kiln_status;
 
 /* Details of the last KILN_ERR_OOM on this thread. */
 typedef struct {
@@ -36,13 +26,14 @@ typedef struct {
 
 /* Sets this thread's message (printf-style) and returns code, so callers write
  * `return kiln_error(KILN_ERR_ARG, "conv2d: ...")`. */
-KILN_API kiln_status kiln_error(kiln_status code, const char *fmt, ...) KILN_PRINTF(2, 3);
-KILN_API const char *kiln_last_error(void);
-KILN_API kiln_status kiln_last_status(void);
-KILN_API const char *kiln_status_name(kiln_status s);
-KILN_API const kiln_oom_info *kiln_last_oom(void);
+kiln_status kiln_error(kiln_status code, const char *fmt, ...) KILN_PRINTF(2, 3);
+const char *kiln_last_error(void);
+kiln_status kiln_last_status(void);
+/* "ok", "argument", ..., "cancelled" (kiln.h's ORDER STATUS); "unknown" past them. */
+const char *kiln_status_name(kiln_status s);
+const kiln_oom_info *kiln_last_oom(void);
 /* Records OOM details and sets the message; returns KILN_ERR_OOM. */
-KILN_API kiln_status kiln_error_oom(const char *device, uint64_t requested, uint64_t free,
-                                    uint64_t budget, const char *fmt, ...) KILN_PRINTF(5, 6);
+kiln_status kiln_error_oom(const char *device, uint64_t requested, uint64_t free,
+                           uint64_t budget, const char *fmt, ...) KILN_PRINTF(5, 6);
 
 #endif

@@ -16,8 +16,8 @@
 /* ORDER BLEND: keep blend_names in tile.c in this order */
 typedef enum { KILN_BLEND_LINEAR = 0, KILN_BLEND_COSINE, KILN_BLEND_COUNT } kiln_blend;
 
-KILN_API const char *kiln_blend_name(kiln_blend b);
-KILN_API int kiln_blend_from_name(const char *name); /* -1 when unknown */
+const char *kiln_blend_name(kiln_blend b);
+int kiln_blend_from_name(const char *name); /* -1 when unknown */
 
 typedef struct {
     int64_t tile;              /* largest tile edge in input units (> 0); the tiles of an
@@ -31,7 +31,7 @@ typedef struct {
 } kiln_tile_opts;
 
 /* Fills o with tile, overlap, scale 1, linear blending. */
-KILN_API void kiln_tile_opts_init(kiln_tile_opts *o, int64_t tile, int64_t overlap);
+void kiln_tile_opts_init(kiln_tile_opts *o, int64_t tile, int64_t overlap);
 
 typedef struct {
     int64_t in_start, in_len;     /* input range */
@@ -56,29 +56,29 @@ typedef struct { int64_t y, x, h, w; } kiln_tile_rect;
 
 /* Plans the tiles of a height x width input. Errors (KILN_ERR_ARG) name the bad
  * option: sizes not divisible by the scale's denominator, overlap >= tile, ... */
-KILN_API kiln_status kiln_tile_plan_new(int64_t height, int64_t width, const kiln_tile_opts *o,
-                                        kiln_tile_plan **out);
-KILN_API void kiln_tile_plan_free(kiln_tile_plan *p);
+kiln_status kiln_tile_plan_new(int64_t height, int64_t width, const kiln_tile_opts *o,
+                               kiln_tile_plan **out);
+void kiln_tile_plan_free(kiln_tile_plan *p);
 /* Input and output rectangles of tile i (0 <= i < count); either pointer may be NULL. */
-KILN_API void kiln_tile_rects(const kiln_tile_plan *p, int i, kiln_tile_rect *in, kiln_tile_rect *out);
+void kiln_tile_rects(const kiln_tile_plan *p, int i, kiln_tile_rect *in, kiln_tile_rect *out);
 /* Feather weight of tile i at output pixel (y, x) relative to the tile (tests, tools). */
-KILN_API float kiln_tile_weight(const kiln_tile_plan *p, int i, int64_t y, int64_t x);
+float kiln_tile_weight(const kiln_tile_plan *p, int i, int64_t y, int64_t x);
 
 /* A view of tile i of x (the last two dims narrowed). */
-KILN_API kiln_status kiln_tile_input(const kiln_tile_plan *p, const kiln_tensor *x, int i, kiln_tensor **out);
+kiln_status kiln_tile_input(const kiln_tile_plan *p, const kiln_tensor *x, int i, kiln_tensor **out);
 /* Checks y, the output of tile i of x, against the plan and (when not NULL) the
  * result: same ndim as x, the dims before the channel dim (ndim-3) equal to x's,
  * the channel dim equal to the result's, spatial size the tile's times the scale,
  * the result's device. The message names the tile and both shapes. */
-KILN_API kiln_status kiln_tile_check_output(const kiln_tile_plan *p, const kiln_tensor *x, int i,
-                                            const kiln_tensor *y, const kiln_tensor *result);
+kiln_status kiln_tile_check_output(const kiln_tile_plan *p, const kiln_tensor *x, int i,
+                                   const kiln_tensor *y, const kiln_tensor *result);
 /* A zeroed result for the plan: y's dtype, device and leading dims, output spatial size. */
-KILN_API kiln_status kiln_tile_result_new(const kiln_tile_plan *p, const kiln_tensor *y, kiln_tensor **out);
+kiln_status kiln_tile_result_new(const kiln_tile_plan *p, const kiln_tensor *y, kiln_tensor **out);
 /* result[..., out rect of tile i] += y * weights. Host f32 results are accumulated in
  * place without temporaries; other devices / dtypes go through ops (three tile-size
  * temporaries). y must have passed kiln_tile_check_output. */
-KILN_API kiln_status kiln_tile_accumulate(const kiln_tile_plan *p, kiln_tensor *result, int i,
-                                          const kiln_tensor *y);
+kiln_status kiln_tile_accumulate(const kiln_tile_plan *p, kiln_tensor *result, int i,
+                                 const kiln_tensor *y);
 
 /* The whole loop for C callers. fn gets a contiguous copy of each tile (freed after
  * the call) and returns a new tensor the loop owns; a non-OK status from fn stops
@@ -86,7 +86,7 @@ KILN_API kiln_status kiln_tile_accumulate(const kiln_tile_plan *p, kiln_tensor *
  * nonzero from it stops with KILN_ERR_CANCELLED. Nothing leaks on any error. */
 typedef kiln_status (*kiln_tile_fn)(void *ctx, int index, const kiln_tensor *tile, kiln_tensor **out);
 typedef int (*kiln_tile_progress_fn)(void *ctx, int done, int total);
-KILN_API kiln_status kiln_tile_map(const kiln_tensor *x, const kiln_tile_opts *o, kiln_tile_fn fn,
-                                   kiln_tile_progress_fn progress, void *ctx, kiln_tensor **out);
+kiln_status kiln_tile_map(const kiln_tensor *x, const kiln_tile_opts *o, kiln_tile_fn fn,
+                          kiln_tile_progress_fn progress, void *ctx, kiln_tensor **out);
 
 #endif

@@ -317,6 +317,65 @@ static kiln_status read_gz(const char *path, size_t max_lines, char **out, size_
     return KILN_OK;
 }
 
+/* gunzip of data in memory, up to its max_lines-th line (read_gz's twin: data that
+ * does not start with the gzip magic is taken as plain text, as gzopen does). */
+static kiln_status gunzip_memory(const unsigned char *data, size_t len, const char *name, size_t max_lines,
+                                 char **out, size_t *out_len)
+{
+    *out = NULL;
+    if (len < 2 || data[0] != 0x1f || data[1] != 0x8b) {
+        char *buf = malloc(len + 1);
+        if (!buf) return oom(len + 1);
+        if (len) memcpy(buf, data, len);
+        buf[len] = '\0';
+        *out = buf;
+        *out_len = len;
+        return KILN_OK;
+    }
+    if (len > MAX_FILE_BYTES)
+        return kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' is larger than %zu bytes", name, MAX_FILE_BYTES);
+    z_stream zs;
+    memset(&zs, 0, sizeof zs);
+    if (inflateInit2(&zs, 15 + 16) != Z_OK) return oom(sizeof zs); /* 15 + 16: gzip wrapper only */
+    char *buf = NULL;
+    size_t n = 0, cap = 0, lines = 0;
+    kiln_status st = KILN_OK;
+    zs.next_in = (unsigned char *)data; /* zlib's API is not const; it does not write there */
+    zs.avail_in = (uInt)len;
+    for (;;) {
+        if ((st = grow((void **)&buf, &cap, n + 262144 + 1, 1))) break;
+        size_t want = cap - n - 1;
+        if (want > (1u << 30)) want = 1u << 30;
+        zs.next_out = (unsigned char *)buf + n;
+        zs.avail_out = (uInt)want;
+        int r = inflate(&zs, Z_NO_FLUSH);
+        size_t got = want - zs.avail_out;
+        for (size_t i = n; i < n + got; i++) lines += buf[i] == '\n';
+        n += got;
+        if (r == Z_STREAM_END || lines >= max_lines) break;
+        /* there is always room for output, so a buffer error means the input ran out */
+        if (r == Z_BUF_ERROR || (r == Z_OK && got == 0 && zs.avail_in == 0)) {
+            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s': truncated gzip data", name);
+            break;
+        }
+        if (r != Z_OK) {
+            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s': corrupt gzip data (%s)", name,
+                            zs.msg ? zs.msg : "?");
+            break;
+        }
+        if (n > MAX_FILE_BYTES) {
+            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' is larger than %zu bytes", name, MAX_FILE_BYTES);
+            break;
+        }
+    }
+    inflateEnd(&zs);
+    if (st) { free(buf); return st; }
+    buf[n] = '\0';
+    *out = buf;
+    *out_len = n;
+    return KILN_OK;
+}
+
 /* bytes_to_unicode(): printable Latin-1 bytes stand for themselves, the others are
  * shifted to U+0100.. in byte order. Interns the 256 symbols and their "</w>" forms. */
 static kiln_status init_bytes(kiln_tokenizer *t, uint32_t order[256])
@@ -496,6 +555,25 @@ static kiln_status finish_vocab(kiln_tokenizer *t, const char *vocab_path)
     return KILN_OK;
 }
 
+/* CLIP's own format (the text of bpe_simple_vocab_16e6.txt): merges[1:48895];
+ * the vocabulary is the bytes, the bytes + "</w>", the merged strings, then the two
+ * specials, in that order. name labels errors. */
+static kiln_status load_clip_text(kiln_tokenizer *t, const uint32_t order[256], const char *name, char *text,
+                                  size_t len)
+{
+    kiln_status st = KILN_OK;
+    int id = 0;
+    for (int i = 0; i < 256 && !st; i++) st = set_id(t, t->byte_sym[order[i]], id++);
+    for (int i = 0; i < 256 && !st; i++) st = set_id(t, t->byte_sym_end[order[i]], id++);
+    if (st) return st;
+    if ((st = parse_merges(t, name, text, len, CLIP_MERGES_MAX, &id))) return st;
+    if (t->n_merges == 0) return kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' holds no merges", name);
+    uint32_t k;
+    if ((st = sym_intern(t, BOS_TOKEN, strlen(BOS_TOKEN), &k)) || (st = set_id(t, k, id++))) return st;
+    if ((st = sym_intern(t, EOS_TOKEN, strlen(EOS_TOKEN), &k)) || (st = set_id(t, k, id++))) return st;
+    return finish_vocab(t, name);
+}
+
 static char *path_join(const char *dir, size_t dlen, const char *name)
 {
     size_t n = strlen(name);
@@ -578,7 +656,7 @@ kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out)
         if (!merges) { st = oom(strlen(path)); goto fail; }
     }
 
-    size_t len;
+    size_t len = 0;
     if (vocab) {
         /* Hugging Face: ids from vocab.json, every merge of merges.txt */
         if ((st = load_vocab_json(t, vocab))) goto fail;
@@ -587,21 +665,8 @@ kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out)
         if ((st = finish_vocab(t, vocab))) goto fail;
         if ((st = check_merges_cover_vocab(t, merges))) goto fail;
     } else {
-        /* CLIP: merges[1:48895]; vocabulary = bytes, bytes + "</w>", merges, specials */
         if ((st = read_gz(merges, CLIP_MERGES_MAX + 1, &text, &len))) goto fail;
-        int id = 0;
-        for (int i = 0; i < 256 && !st; i++) st = set_id(t, t->byte_sym[order[i]], id++);
-        for (int i = 0; i < 256 && !st; i++) st = set_id(t, t->byte_sym_end[order[i]], id++);
-        if (st) goto fail;
-        if ((st = parse_merges(t, merges, text, len, CLIP_MERGES_MAX, &id))) goto fail;
-        if (t->n_merges == 0) {
-            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' holds no merges", merges);
-            goto fail;
-        }
-        uint32_t k;
-        if ((st = sym_intern(t, BOS_TOKEN, strlen(BOS_TOKEN), &k)) || (st = set_id(t, k, id++))) goto fail;
-        if ((st = sym_intern(t, EOS_TOKEN, strlen(EOS_TOKEN), &k)) || (st = set_id(t, k, id++))) goto fail;
-        if ((st = finish_vocab(t, merges))) goto fail;
+        if ((st = load_clip_text(t, order, merges, text, len))) goto fail;
     }
     free(text);
     free(vocab);
@@ -614,6 +679,40 @@ fail:
     free(merges);
     kiln_tokenizer_free(t);
     return st;
+}
+
+kiln_status kiln_tokenizer_open_memory(const void *data, size_t len, const char *name, kiln_tokenizer **out)
+{
+    if (!out) return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_open_memory: out is NULL");
+    *out = NULL;
+    if (!data && len) return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_open_memory: data is NULL");
+    if (!name) name = "(memory)";
+    kiln_tokenizer *t = calloc(1, sizeof *t);
+    if (!t) return oom(sizeof *t);
+    uint32_t order[256];
+    char *text = NULL;
+    size_t n = 0;
+    kiln_status st = init_bytes(t, order);
+    if (!st) st = gunzip_memory(data, len, name, CLIP_MERGES_MAX + 1, &text, &n);
+    if (!st) st = load_clip_text(t, order, name, text, n);
+    free(text);
+    if (st) {
+        kiln_tokenizer_free(t);
+        return st;
+    }
+    *out = t;
+    return KILN_OK;
+}
+
+/* The bytes of runtime/data/bpe_simple_vocab_16e6.txt.gz, compiled in by
+ * runtime/data/gen_blob.lua. */
+extern const unsigned char kiln_clip_vocab_gz[];
+extern const size_t kiln_clip_vocab_gz_len;
+
+kiln_status kiln_tokenizer_open_builtin(kiln_tokenizer **out)
+{
+    return kiln_tokenizer_open_memory(kiln_clip_vocab_gz, kiln_clip_vocab_gz_len, KILN_TOKENIZER_BUILTIN_NAME,
+                                      out);
 }
 
 void kiln_tokenizer_free(kiln_tokenizer *t)

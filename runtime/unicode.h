@@ -1,7 +1,9 @@
 /* unicode.h - the few Unicode properties the CLIP tokenizer needs (internal to the
  * runtime, not exported): letter/number/space classes for CLIP's split regex, lower
  * casing as Python's str.lower(), canonical composition for NFC, and the character
- * maps of ftfy's fix_text steps. Tables are generated from Python's unicodedata. */
+ * maps of ftfy's fix_text steps (tables in unicode_tables.c, generated from Python's
+ * unicodedata by tests/golden/gen_unicode_tables.py); and the runtime's one UTF-8
+ * decoder, encoder and validator (tokenizer, JSON, safetensors, PNG text). */
 #ifndef KILN_UNICODE_H
 #define KILN_UNICODE_H
 
@@ -45,6 +47,12 @@ uint32_t kiln_unicode_cp1252(uint32_t c);
  * sequences give U+FFFD for each maximal invalid subpart, as Python's
  * errors="replace" does. Returns the bytes consumed (>= 1). */
 size_t kiln_unicode_utf8_decode(const unsigned char *s, size_t len, uint32_t *cp);
+/* Length (2..4) of the well-formed multi-byte UTF-8 sequence at s[0..n) (n >= 1,
+ * s[0] >= 0x80), or 0 when it is not one: overlong forms, surrogates and code
+ * points above U+10FFFF are rejected, as every reader of our files demands. */
+size_t kiln_unicode_utf8_seq_len(const unsigned char *s, size_t n);
+/* 1 when the NUL-terminated str is well-formed UTF-8, else 0. */
+int kiln_unicode_utf8_valid(const char *str);
 /* Encodes c (a scalar value; others become U+FFFD) into out; returns 1..4. */
 size_t kiln_unicode_utf8_encode(uint32_t c, char out[4]);
 

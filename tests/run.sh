@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 export KILN_SHARED=${KILN_SHARED:-../shared}
 export KILN_PATH=          # test the scripts embedded in the binary
+unset KILN_TOKENIZER      # the tests name their vocabularies themselves
 if [ "${SAN:-0}" = 1 ]; then
   # OpenBLAS and libpng are not instrumented; leaks in the runtime are what we look for
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}

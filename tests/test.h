@@ -44,7 +44,8 @@ static inline int test_summary(void)
     return test_n_fail ? 1 : 0;
 }
 
-/* Path of the repository's shared test data (../shared from the repo root), or NULL. */
+/* Folder of the shared test data (the real SD key lists, CLIP's vocabulary): $KILN_SHARED,
+ * which tests/run.sh sets; tests that need it skip when it is absent. */
 static inline const char *test_shared_dir(void)
 {
     const char *e = getenv("KILN_SHARED");

@@ -3,6 +3,7 @@
  * eviction and pressure hooks, fail_after, pass-through mode and threads. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include "alloc.h"
+#include "format_bytes.h"
 #include "test.h"
 
 #include <pthread.h>
@@ -300,6 +301,25 @@ static void t_cache_limit_and_grain(void)
 
 /* ---- out of memory ---- */
 
+/* Every size in a message goes through kiln_format_bytes: three significant digits. */
+static void t_format_bytes(void)
+{
+    static const struct { double n; const char *want; } cases[] = {
+        {0, "0 B"}, {512, "512 B"}, {1023, "1023 B"}, {1024, "1.00 KiB"}, {1536, "1.50 KiB"},
+        {64.1 * 1024, "64.1 KiB"}, {512 * 1024, "512 KiB"}, {12 * 1048576.0, "12.0 MiB"},
+        {1.5 * 1073741824.0, "1.50 GiB"}, {2 * 1099511627776.0, "2.00 TiB"},
+        {4096 * 1099511627776.0, "4096 TiB"}, {-1536, "-1.50 KiB"},
+    };
+    char buf[32];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kiln_format_bytes(buf, sizeof buf, cases[i].n);
+        CHECK(strcmp(buf, cases[i].want) == 0, "%.17g -> '%s', want '%s'", cases[i].n, buf, cases[i].want);
+    }
+    char tiny[4];
+    kiln_format_bytes(tiny, sizeof tiny, 1536);
+    CHECK(strcmp(tiny, "1.5") == 0, "truncated '%s'", tiny);
+}
+
 static void t_oom_fields(void)
 {
     mock_mem m;
@@ -317,8 +337,8 @@ static void t_oom_fields(void)
           (unsigned long long)oi->requested, (unsigned long long)oi->budget);
     /* 16 - 14 reserved + 1.5 cached free in the small segment */
     CHECK(oi->free == 3 * MiB + 512 * KiB, "free %llu", (unsigned long long)oi->free);
-    const char *want = "sim: out of memory: tried to allocate 4.0 MiB; budget 16.0 MiB, "
-                       "12.5 MiB allocated, 1.5 MiB cached free";
+    const char *want = "sim: out of memory: tried to allocate 4.00 MiB; budget 16.0 MiB, "
+                       "12.5 MiB allocated, 1.50 MiB cached free";
     CHECK(strcmp(kiln_last_error(), want) == 0, "message '%s'", kiln_last_error());
     kiln_mem_stats s = kiln_allocator_stats(a);
     CHECK(s.n_ooms == 1 && s.reserved == 14 * MiB && s.allocated == 12 * MiB + 512 * KiB,
@@ -742,6 +762,7 @@ int main(void)
     RUN(t_split_coalesce);
     RUN(t_empty_cache);
     RUN(t_cache_limit_and_grain);
+    RUN(t_format_bytes);
     RUN(t_oom_fields);
     RUN(t_evict_hook);
     RUN(t_cache_before_evict);

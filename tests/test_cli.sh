@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# test_cli.sh - tests of the kiln command-line program (bindings/kiln_main.c) and the
-# embedded-script searcher (bindings/l_scripts.c). Run from the repository root:
+# test_cli.sh - tests of the kiln command-line program (bindings/kiln_main.c, a host
+# of kiln.h), its REPL and result printer (scripts/kiln/repl.lua), usage errors, and
+# the embedded-script searcher (bindings/l_scripts.c). Run from the repository root:
 #   tests/test_cli.sh [path/to/kiln]      (default build/kiln)
 # Prints PASS/FAIL/SKIP lines and "# N passed, N failed, N skipped" as tests/test.h does;
 # exits non-zero when a test fails.
@@ -42,6 +43,9 @@ run() {
   err=$(cat "$TMP/err")
 }
 
+# one_line: stderr is exactly one line (a usage error, no traceback)
+one_line() { [ -n "$err" ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ]; }
+
 # expect NAME COND MESSAGE: PASS when COND (a shell test string) holds
 expect() {
   if eval "$2"; then pass "$1"; else fail "$1" "$3 (rc=$rc, stdout='${out:0:300}', stderr='${err:0:300}')"; fi
@@ -57,14 +61,22 @@ run --help
 expect help '[ $rc -eq 0 ] && [[ $out == *"usage: kiln"* ]] && [[ $out == *--vram* ]] && [[ $out == *--device* ]] && [[ $out == *" -e "* ]]' \
   "usage with the options on stdout"
 run --no-such-option
-expect bad_option '[ $rc -ne 0 ] && [[ $err == *"unrecognized option '"'"'--no-such-option'"'"'"* ]]' \
-  "non-zero exit and the option named"
+expect bad_option '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: unrecognized option '"'"'--no-such-option'"'"'"* ]]' \
+  "status 2 and one line naming the option"
 run -e
-expect e_needs_argument '[ $rc -ne 0 ] && [[ $err == *"needs argument"* ]]' "'-e' alone is a usage error"
+expect e_needs_argument '[ $rc -eq 2 ] && one_line && [[ $err == *"needs argument"* ]]' "'-e' alone is a usage error"
 run --vram 6X -e 'print(1)'
-expect bad_vram '[ $rc -ne 0 ] && [[ $err == *"6X"* ]] && [ -z "$out" ]' "a bad --vram size stops before running"
+expect bad_vram '[ $rc -eq 2 ] && one_line && [[ $err == *"6X"* ]] && [ -z "$out" ]' "a bad --vram size stops before running"
 run --threads nine -e 'print(1)'
-expect bad_threads '[ $rc -ne 0 ] && [[ $err == *"nine"* ]]' "a bad --threads count stops before running"
+expect bad_threads '[ $rc -eq 2 ] && one_line && [[ $err == *"nine"* ]]' "a bad --threads count stops before running"
+run --threads 9999 -e 'print(1)'
+expect threads_range '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: --threads: 9999"* ]] && [ -z "$out" ]' \
+  "an out-of-range --threads count is named"
+run --device warp9 -e 'print(1)'
+expect bad_device '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: --device: unknown device '"'"'warp9'"'"'"* ]] && [[ $err == *cpu* ]] && [ -z "$out" ]' \
+  "an unknown --device lists the devices"
+run --mode turbo -e 'print(1)'
+expect bad_mode '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: --mode: "*turbo*normal* ]]' "an unknown --mode lists the modes"
 
 # --- -e, the kiln global, exit status
 run -e 'print(1 + 1)'
@@ -129,7 +141,26 @@ run obj.lua
 expect error_object '[ $rc -ne 0 ] && [[ $err == "kiln: typed error"* ]] && [[ $err == *"stack traceback:"* ]]' \
   "an error object's __tostring is the message"
 run missing.lua
-expect missing_script '[ $rc -ne 0 ] && [[ $err == *"missing.lua"* ]]' "a missing script names the file"
+expect missing_script '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: cannot open missing.lua"* ]]' \
+  "a missing script: status 2, one line naming the file"
+run runtime.lua
+expect script_bug_status '[ $rc -eq 1 ]' "a script's bug exits with status 1"
+
+# --- usage errors raised by scripts (util.usage_error, kiln.configure): one line, status 2
+printf 'require("kiln.util").usage_error("--width 100: must be a multiple of 8")\n' >"$TMP/usage.lua"
+run usage.lua
+expect usage_error '[ $rc -eq 2 ] && [ "$err" = "kiln: --width 100: must be a multiple of 8" ]' \
+  "util.usage_error: one line, no traceback"
+run -e 'error({kind = "usage", message = "plain table"})'
+expect usage_table '[ $rc -eq 2 ] && [ "$err" = "kiln: plain table" ]' "a table with kind = usage is a usage error"
+run -e 'kiln.configure{device = "warp9"}'
+expect configure_usage '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: device: unknown device"* ]]' \
+  "kiln.configure names the bad field"
+run -e 'kiln.configure{devcie = "cpu"}'
+expect configure_unknown_field '[ $rc -eq 2 ] && one_line && [[ $err == *devcie*device* ]]' "a misspelt field lists the fields"
+printf 'error({kind = "usage", message = "bad value"})\nprint("after")\n' >"$TMP/usage_repl.txt"
+STDIN=$TMP/usage_repl.txt run -i
+expect usage_in_repl '[ $rc -eq 0 ] && [ "$out" = after ] && [ "$err" = "bad value" ]' "the REPL reports a usage error and goes on"
 
 # --- REPL through a pipe (no terminal: no banner, no prompts)
 printf '1+1\nx = 20\nx + 1\nfor i = 1, 2 do\nprint("i" .. i)\nend\nerror("oops")\n"a", nil, 3\n=x\n' >"$TMP/repl.txt"
@@ -145,6 +176,61 @@ printf 'x * 2\n' >"$TMP/x2.txt"
 printf 'x = 21\n' >"$TMP/setx.lua"
 STDIN=$TMP/x2.txt run -i setx.lua
 expect repl_after_script '[ $rc -eq 0 ] && [ "$out" = 42 ]' "-i enters the REPL after the script"
+
+# --- the REPL's result printer (kiln.repl)
+cat >"$TMP/printer.txt" <<'EOF'
+x = kiln.tensor({{1, 2}, {3, 4}})
+x
+x:table()
+{a = 1, b = {"s"}}
+t = {} t.t = t
+t
+kiln.randn({50, 50}, {seed = 1})
+EOF
+STDIN=$TMP/printer.txt run -i
+want=$(printf 'tensor(f32, cpu, [2,2], 16 B)\n[[1, 2],\n [3, 4]]\n{{1.0, 2.0}, {3.0, 4.0}}\n{a = 1, b = {"s"}}\n{t = <cycle>}')
+expect repl_printer '[ $rc -eq 0 ] && [[ $out == "$want"* ]] && [[ $out == *"..."* ]] && [[ $out == *"min "*", max "*", mean "* ]]' \
+  "tensors with values, tables with contents, cycles marked, big tensors elided with statistics"
+
+# --- runtime options go through kiln_config (kiln.configure)
+run --device sim --vram 10M -e 'for i = 1, 40 do local t = kiln.zeros({1024, 1024}) end print(kiln.default_device(), kiln.mem.stats("sim").budget)'
+expect pressure_gc '[ $rc -eq 0 ] && [ "$out" = "sim	10485760" ]' \
+  "garbage tensors are collected under the budget (the pressure hook of the kiln program's state)"
+run --quiet -e 'print(kiln.quiet())'
+expect quiet_option '[ $rc -eq 0 ] && [ "$out" = true ]' "--quiet sets kiln.quiet()"
+run -e 'print(kiln.quiet())'
+expect not_quiet '[ $rc -eq 0 ] && [ "$out" = false ]' "without --quiet the program shows progress"
+run --trace "$TMP/trace.json" -e 'local t = kiln.zeros({4}) print(kiln.trace.active())'
+expect trace_option '[ $rc -eq 0 ] && [ "$out" = true ] && [ -s "$TMP/trace.json" ]' "--trace writes its file at exit"
+run --trace /nonexistent-dir/trace.json -e 'print(1)'
+expect trace_unwritable '[ $rc -eq 2 ] && one_line && [[ $err == "kiln: --trace: "* ]] && [ -z "$out" ]' "an unwritable --trace is a usage error"
+run -W -e 'warn("careful")'
+expect warnings_on '[ $rc -eq 0 ] && [[ $err == *"Lua warning: careful"* ]]' "-W turns Lua's warnings on"
+run -e 'warn("careful")'
+expect warnings_off '[ $rc -eq 0 ] && [ -z "$err" ]' "warnings are off by default, as lua5.4"
+
+# stock lua5.4 with require "kiln": the same setup path and its own pressure hook
+MODULE=$(dirname "$KILN")/lua/kiln.so
+preload= # a sanitized module needs the sanitizers' runtimes loaded first in lua5.4
+if [ "${SAN:-0}" = 1 ]; then
+  for lib in libasan.so libubsan.so; do
+    f=$(${CC:-cc} -print-file-name=$lib 2>/dev/null)
+    [ -f "$f" ] && preload=${preload:+$preload:}$f
+  done
+fi
+if [ -n "$LUA" ] && [ -f "$MODULE" ]; then
+  out=$(cd "$TMP" && LD_PRELOAD=$preload ASAN_OPTIONS=${ASAN_OPTIONS:-}${ASAN_OPTIONS:+:}detect_leaks=0 \
+    timeout 20 "$LUA" -e "package.cpath = '$(dirname "$MODULE")/?.so;' .. package.cpath
+    local kiln = require 'kiln'
+    kiln.configure{device = 'sim', budget = '10M'}
+    for i = 1, 40 do local t = kiln.zeros({1024, 1024}) end
+    print(kiln.default_device(), kiln.mem.stats('sim').budget, kiln.parse_size('1.5GiB'))" 2>&1 </dev/null)
+  rc=$? err=
+  expect stock_lua_configure '[ $rc -eq 0 ] && [ "$out" = "sim	10485760	1610612736" ]' \
+    "kiln.configure and the pressure hook from stock lua5.4"
+else
+  skip stock_lua_configure "no lua5.4 or no $MODULE"
+fi
 
 # --- Ctrl-C: the running script stops with "interrupted!"
 printf 'local f = io.open(arg[1], "w") f:close()\nwhile true do end\n' >"$TMP/loop.lua"

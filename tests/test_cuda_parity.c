@@ -5,7 +5,8 @@
  * normalized MSE with a per-op tolerance, and every device output is written into
  * a storage with guard bytes before and after it that must stay untouched. Also:
  * transfers (chunked, pending copies followed at once by compute), typed OOM under
- * a budget, conv2d with no room for a workspace, and clean errors.
+ * a budget, conv2d with no room for a workspace, the backend's workspace counted
+ * and released by empty_cache, and clean errors.
  *
  * Without a CUDA device it prints one SKIP with the reason. KILN_PARITY_DEVICE=sim
  * runs the same cases against the sim device (checks the harness on any machine).
@@ -510,7 +511,7 @@ static void conv_case(const conv_case_t *cc, kiln_dtype xdt, kiln_dtype wdt, int
 {
     int64_t cx = strided_x ? cc->c + 3 : cc->c;
     int64_t sx[4] = {cc->n, cx, cc->h, cc->w}, sw[4] = {cc->k, cc->c / cc->g, cc->r, cc->s}, sb[1] = {cc->k};
-    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g};
+    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g, 0};
     kiln_tensor *xfull = rnd(xdt, 4, sx, -1, 1), *w = rnd(wdt, 4, sw, -0.3f, 0.3f), *b = with_bias ? rnd(wdt, 1, sb, -1, 1) : NULL;
     kiln_tensor *x = NULL, *dxfull = on_dev(xfull), *dx = NULL, *dw = on_dev(w), *db = b ? on_dev(b) : NULL, *ref = NULL;
     if (xfull && dxfull) {
@@ -821,6 +822,28 @@ static void t_oom(void)
     n_cases++;
 }
 
+/* The backend's workspace follows the runtime's one policy: counted in the device's
+ * statistics, given back by kiln_device_empty_cache, taken again by the next op. */
+static void t_workspace(void)
+{
+    int64_t sa[2] = {64, 64};
+    kiln_tensor *a = rnd(KILN_F32, 2, sa, -1, 1);
+    if (!a) { CHECK(0, "input: %s", kiln_last_error()); return; }
+    matmul_case(a, a, " (workspace held)");
+    kiln_mem_stats s = kiln_device_stats(dev);
+    if (dev->type == KILN_DEV_CUDA)
+        CHECK(s.workspace > 0 && s.workspace <= s.allocated, "cuBLAS workspace %llu of %llu allocated",
+              (unsigned long long)s.workspace, (unsigned long long)s.allocated);
+    kiln_device_empty_cache(dev);
+    s = kiln_device_stats(dev);
+    CHECK(s.workspace == 0, "workspace %llu after empty_cache", (unsigned long long)s.workspace);
+    matmul_case(a, a, " (workspace taken again)");
+    if (dev->type == KILN_DEV_CUDA)
+        CHECK(kiln_device_stats(dev).workspace > 0, "workspace not taken again after empty_cache");
+    kiln_tensor_free(a);
+    n_cases++;
+}
+
 static void t_errors(void)
 {
     if (dev->type != KILN_DEV_CUDA) { SKIP("CUDA-specific limits"); return; }
@@ -884,7 +907,7 @@ static int bench(void)
     kiln_tensor *xl = dev_rnd(KILN_F16, 3, sl, -1, 1), *wl = dev_rnd(KILN_F16, 2, swl, -0.05f, 0.05f);
     kiln_tensor *xv = dev_rnd(KILN_F16, 4, sv, -1, 1), *wv = dev_rnd(KILN_F16, 4, swv, -0.05f, 0.05f);
     if (!x || !w || !b || !q || !kc || !xl || !wl || !xv || !wv) { printf("bench setup failed: %s\n", kiln_last_error()); return 1; }
-    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1};
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0};
     double conv_fl = 2.0 * 2 * 320 * 64 * 64 * 320 * 9, attn_fl = 4.0 * 2 * 8 * 4096.0 * 4096 * 40;
     BENCH("conv2d 320->320 3x3 [2,320,64,64]", 20, conv_fl, kiln_op_conv2d(x, w, b, &o, &r_));
     BENCH("conv2d 512->512 3x3 [2,512,64,64] (VAE)", 10, 2.0 * 2 * 512 * 64 * 64 * 512 * 9, kiln_op_conv2d(xv, wv, NULL, &o, &r_));
@@ -921,7 +944,7 @@ int main(int argc, char **argv)
         {"t_unary", t_unary}, {"t_reduce", t_reduce}, {"t_matmul", t_matmul}, {"t_linear", t_linear},
         {"t_conv2d", t_conv2d}, {"t_group_norm", t_group_norm}, {"t_layer_norm", t_layer_norm},
         {"t_softmax", t_softmax}, {"t_attention", t_attention}, {"t_geglu", t_geglu}, {"t_resample", t_resample},
-        {"t_pad2d", t_pad2d}, {"t_oom", t_oom}, {"t_errors", t_errors},
+        {"t_pad2d", t_pad2d}, {"t_oom", t_oom}, {"t_workspace", t_workspace}, {"t_errors", t_errors},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         int want = argc < 2;

@@ -1,9 +1,13 @@
 /* test_embed.c - the C API of kiln.h as a host uses it: open / run / call / progress /
- * cancel / log / error messages / memory / close, and that closing a context frees
- * every byte it allocated. Includes only the public header. */
+ * cancel / log / error messages / memory / close, the config fields of a terminal
+ * program, the pressure hook of each context, and that closing a context frees every
+ * byte it allocated. Includes only the public header (and Lua's, for kiln_lua_state). */
 #define _POSIX_C_SOURCE 200809L
 #include "../bindings/kiln.h"
 #include "test.h"
+
+#include <lauxlib.h>
+#include <lua.h>
 
 #include <pthread.h>
 #include <sys/stat.h>
@@ -587,6 +591,176 @@ static void t_memory_and_oom(void)
     CHECK(kiln_memory_summary(NULL) == NULL, "summary without a context");
 }
 
+/* ---------------------------------------------------------------- config */
+
+static void t_parse_size(void)
+{
+    static const struct { const char *text; uint64_t bytes; } ok[] = {
+        {"100000", 100000}, {"6G", 6ull << 30}, {"512M", 512ull << 20}, {"1.5GiB", 3ull << 29},
+        {"2 KB", 2048}, {"1k", 1024}, {" 3T ", 3ull << 40}, {"0", 0}, {"10B", 10},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        uint64_t b = 1;
+        CHECK(kiln_parse_size(ok[i].text, &b) == KILN_OK && b == ok[i].bytes, "'%s' -> %llu (expected %llu)",
+              ok[i].text, (unsigned long long)b, (unsigned long long)ok[i].bytes);
+    }
+    static const char *const bad[] = {"", "G", "6X", "-1", "0x10", "inf", "nan", "1.5.2G", "6 G B x", "1e3"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        uint64_t b = 7;
+        CHECK(kiln_parse_size(bad[i], &b) == KILN_ERR_ARG && b == 7, "'%s' accepted", bad[i]);
+    }
+    CHECK(contains(kiln_last_message(NULL), "1e3"), "message '%s'", kiln_last_message(NULL));
+    kiln_ctx *ctx = open_quiet(NULL);
+    if (!ctx) return;
+    /* the same parser from Lua, and kiln.configure naming the bad field */
+    CHECK(kiln_run_string(ctx, "assert(kiln.parse_size('1.5GiB') == 3 << 29 and kiln.parse_size(42) == 42)\n"
+                               "assert(not pcall(kiln.parse_size, '6X'))\n"
+                               "local ok, e = pcall(kiln.configure, {budget = '6X'})\n"
+                               "assert(not ok and e.kind == 'usage' and e.field == 'budget', tostring(e))\n"
+                               "ok, e = pcall(kiln.configure, {devcie = 'cpu'})\n"
+                               "assert(not ok and e.field == 'devcie' and tostring(e):find('device'), tostring(e))\n"
+                               "ok, e = pcall(kiln.configure, {threads = 9999})\n"
+                               "assert(not ok and e.field == 'threads', tostring(e))\n"
+                               "kiln.configure{quiet = false}; assert(not kiln.quiet())\n"
+                               "kiln.configure{quiet = true}; assert(kiln.quiet())\n"
+                               "kiln.configure{device = 'sim', mode = 'auto'}\n"
+                               "assert(kiln.default_device() == 'sim')\n"
+                               "kiln.configure{device = 'cpu'}") == KILN_OK,
+          "configure: %s", kiln_last_message(ctx));
+    kiln_close(ctx);
+}
+
+static void t_config_terminal_fields(void)
+{
+    /* zero: a library (quiet, os.exit ends the script); set: as the kiln program */
+    kiln_ctx *ctx = open_quiet(NULL);
+    if (!ctx) return;
+    CHECK(kiln_run_string(ctx, "assert(kiln.quiet())") == KILN_OK, "embedded contexts are quiet: %s",
+          kiln_last_message(ctx));
+    kiln_close(ctx);
+    kiln_config cfg = {0};
+    cfg.log_level = KILN_LOG_OFF;
+    cfg.verbose = 1;
+    char trace[300];
+    snprintf(trace, sizeof trace, "%s/trace.json", tmpdir);
+    remove(trace);
+    cfg.trace = trace;
+    ctx = NULL;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_OK, "open: %s", kiln_last_message(NULL));
+    if (!ctx) return;
+    CHECK(kiln_run_string(ctx, "assert(not kiln.quiet()) assert(kiln.trace.active())") == KILN_OK,
+          "verbose and tracing: %s", kiln_last_message(ctx));
+    kiln_close(ctx);
+    struct stat st;
+    CHECK(stat(trace, &st) == 0 && st.st_size > 0, "kiln_close wrote the trace %s", trace);
+    remove(trace);
+    cfg.trace = "/nonexistent-dir/trace.json";
+    ctx = NULL;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_ERR_ARG && contains(kiln_last_message(NULL), "config.trace"),
+          "unwritable trace: '%s'", kiln_last_message(NULL));
+}
+
+/* ---------------------------------------------------------------- pressure hook
+ * Each context's garbage is collected under memory pressure on the thread running
+ * it, and no context's hook replaces another's. A budget of 10 MiB on sim holds two
+ * tensors of 4 MiB, not four. */
+
+#define BIG "kiln.zeros({1024, 1024})" /* 4 MiB on the context's default device, sim */
+
+/* Runs code directly on the context's state (as the kiln program does); 1 if it ran. */
+static int run_direct(kiln_ctx *ctx, const char *code, char *err, size_t n)
+{
+    lua_State *L = kiln_lua_state(ctx);
+    int ok = luaL_loadstring(L, code) == LUA_OK && lua_pcall(L, 0, 0, 0) == LUA_OK;
+    if (!ok) {
+        snprintf(err, n, "%s", luaL_tolstring(L, -1, NULL));
+        lua_pop(L, 2);
+    }
+    return ok;
+}
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int stage;        /* 1: the thread's garbage is made; 2: the main thread is done */
+    int garbage_ok, alloc_ok;
+    char err[256];
+} pressure_job;
+
+static void stage_set(pressure_job *j, int stage)
+{
+    pthread_mutex_lock(&j->lock);
+    j->stage = stage;
+    pthread_cond_broadcast(&j->cond);
+    pthread_mutex_unlock(&j->lock);
+}
+
+static void stage_wait(pressure_job *j, int stage)
+{
+    pthread_mutex_lock(&j->lock);
+    while (j->stage < stage) pthread_cond_wait(&j->cond, &j->lock);
+    pthread_mutex_unlock(&j->lock);
+}
+
+/* Another thread: its context leaves 8 MiB of garbage, waits, then needs 8 MiB: only
+ * a collection of its own state makes room. */
+static void *pressure_thread(void *arg)
+{
+    pressure_job *j = arg;
+    kiln_ctx *ctx = open_quiet("sim");
+    if (ctx) {
+        j->garbage_ok = run_direct(ctx, "collectgarbage() for i = 1, 2 do local t = " BIG " end", j->err,
+                                   sizeof j->err);
+    }
+    stage_set(j, 1);
+    stage_wait(j, 2);
+    if (ctx) {
+        j->alloc_ok = run_direct(ctx, "local a, b = " BIG ", " BIG, j->err, sizeof j->err);
+        kiln_close(ctx);
+    }
+    return NULL;
+}
+
+static void t_pressure_per_context(void)
+{
+    kiln_memory_info m;
+    CHECK(kiln_memory_stats(NULL, "sim", &m) == KILN_OK, "stats");
+    uint64_t old_budget = m.budget;
+    CHECK(kiln_memory_set_budget(NULL, "sim", 10 << 20) == KILN_OK, "budget");
+    const char *loop = "for i = 1, 40 do local t = " BIG " end";
+    char err[256] = "";
+
+    /* a second context opened (and closed) after the first leaves the first's hook */
+    kiln_ctx *a = open_quiet("sim"), *b = open_quiet("sim");
+    if (b) kiln_close(b);
+    if (a) {
+        CHECK(kiln_run_string(a, loop) == KILN_OK, "after another context closed: %s", kiln_last_message(a));
+        CHECK(run_direct(a, loop, err, sizeof err), "direct on the opening thread: %s", err);
+        run_direct(a, "collectgarbage()", err, sizeof err); /* its last tensors */
+    }
+
+    /* the garbage of a context on another thread is not collected here, and is there */
+    pressure_job j = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, pressure_thread, &j) == 0, "thread");
+    stage_wait(&j, 1);
+    CHECK(j.garbage_ok, "garbage: %s", j.err);
+    if (a) {
+        CHECK(!run_direct(a, "local a, b = " BIG ", " BIG, err, sizeof err) && contains(err, "sim"),
+              "the other thread's garbage was collected from this thread (err '%s')", err);
+    }
+    stage_set(&j, 2);
+    pthread_join(th, NULL);
+    CHECK(j.alloc_ok, "the other thread's own collection made room: %s", j.err);
+
+    /* a context moved to another thread: its calls collect it there */
+    if (a) {
+        CHECK(kiln_run_string(a, loop) == KILN_OK, "after the thread: %s", kiln_last_message(a));
+        kiln_close(a);
+    }
+    CHECK(kiln_memory_set_budget(NULL, "sim", old_budget) == KILN_OK, "budget back");
+}
+
 /* Closing frees what the scripts kept in globals, on every device. */
 static void t_close_frees_everything(void)
 {
@@ -655,6 +829,9 @@ int main(void)
     RUN(t_log_and_no_stdout);
     RUN(t_memory_and_oom);
     RUN(t_png_roundtrip);
+    RUN(t_parse_size);
+    RUN(t_config_terminal_fields);
+    RUN(t_pressure_per_context);
     RUN(t_close_frees_everything); /* last: every context is closed by now */
     char path[600];
     snprintf(path, sizeof path, "%s/script.lua", tmpdir);

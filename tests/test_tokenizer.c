@@ -1,6 +1,7 @@
 /* test_tokenizer.c - the CLIP tokenizer against openai/CLIP's own ids
- * (../shared/clip-tokenizer/reference-ids.tsv) in both vocabulary formats, plus text
- * cleaning, a small hand-made vocabulary, bad files and hostile input. */
+ * (../shared/clip-tokenizer/reference-ids.tsv) in both vocabulary formats and the
+ * built-in vocabulary, plus loading from memory, text cleaning, a small hand-made
+ * vocabulary, bad files and hostile input. */
 #define _POSIX_C_SOURCE 200809L
 #include "test.h"
 
@@ -11,6 +12,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #define WINDOW 77
 
@@ -77,6 +79,14 @@ static kiln_tokenizer *open_or_fail(const char *path)
     kiln_tokenizer *t = NULL;
     kiln_status st = kiln_tokenizer_open(path, &t);
     CHECK(st == KILN_OK, "open %s: %s", path, kiln_last_error());
+    return t;
+}
+
+static kiln_tokenizer *open_builtin(void)
+{
+    kiln_tokenizer *t = NULL;
+    kiln_status st = kiln_tokenizer_open_builtin(&t);
+    CHECK(st == KILN_OK, "open the built-in vocabulary: %s", kiln_last_error());
     return t;
 }
 
@@ -236,11 +246,117 @@ static void t_formats_agree(void)
     kiln_tokenizer_free(b);
 }
 
+/* The vocabulary compiled into the library needs no file and no shared data. */
+static void t_builtin(void)
+{
+    double t0 = now_ms();
+    kiln_tokenizer *t = NULL;
+    kiln_status st = kiln_tokenizer_open_builtin(&t);
+    double t1 = now_ms();
+    CHECK(st == KILN_OK, "open built-in: %s", kiln_last_error());
+    if (!t) return;
+    printf("# open the built-in vocabulary: %.1f ms\n", t1 - t0);
+    CHECK(kiln_tokenizer_vocab_size(t) == 49408, "vocab size %d", kiln_tokenizer_vocab_size(t));
+    CHECK(kiln_tokenizer_bos(t) == 49406 && kiln_tokenizer_eos(t) == 49407, "bos %d eos %d",
+          kiln_tokenizer_bos(t), kiln_tokenizer_eos(t));
+    CHECK(kiln_tokenizer_token_id(t, "cat</w>") == 2368, "cat</w> -> %d", kiln_tokenizer_token_id(t, "cat</w>"));
+    int *ids = NULL;
+    int n = encode_str(t, "a photo of a cat", &ids);
+    int want[] = {320, 1125, 539, 320, 2368};
+    CHECK(n == 5 && memcmp(ids, want, sizeof want) == 0, "n=%d", n);
+    free(ids);
+    kiln_tokenizer_free(t);
+}
+
+/* The built-in vocabulary gives openai/CLIP's ids and equals the shared .gz file. */
+static void t_builtin_reference(void)
+{
+    if (!shared_ready()) return;
+    kiln_tokenizer *t = open_builtin();
+    if (!t) return;
+    int total = 0, good = check_reference(t, "built-in", &total);
+    printf("# reference ids, built-in vocabulary: %d of %d lines match\n", good, total);
+    CHECK(total >= 29 && good == total, "%d of %d lines", good, total);
+    char path[700];
+    snprintf(path, sizeof path, "%s/bpe_simple_vocab_16e6.txt.gz", g_dir);
+    kiln_tokenizer *f = open_or_fail(path);
+    if (f) {
+        CHECK(kiln_tokenizer_vocab_size(f) == kiln_tokenizer_vocab_size(t), "sizes %d and %d",
+              kiln_tokenizer_vocab_size(f), kiln_tokenizer_vocab_size(t));
+        int bad = 0;
+        for (int id = 0; id < kiln_tokenizer_vocab_size(t) && bad < 5; id++) {
+            char *x = kiln_tokenizer_decode(t, &id, 1), *y = kiln_tokenizer_decode(f, &id, 1);
+            if (!x || !y || strcmp(x, y) != 0) {
+                CHECK(0, "id %d decodes to '%s' and '%s'", id, x ? x : "(null)", y ? y : "(null)");
+                bad++;
+            }
+            free(x);
+            free(y);
+        }
+        kiln_tokenizer_free(f);
+    }
+    kiln_tokenizer_free(t);
+}
+
+static void expect_memory_error(const void *data, size_t len, kiln_status want, const char *needle)
+{
+    kiln_tokenizer *t = (kiln_tokenizer *)1;
+    kiln_status st = kiln_tokenizer_open_memory(data, len, "blob.gz", &t);
+    CHECK(st == want, "%zu bytes: status %s, expected %s (%s)", len, kiln_status_name(st), kiln_status_name(want),
+          kiln_last_error());
+    CHECK(t == NULL, "%zu bytes: out not cleared", len);
+    CHECK(strstr(kiln_last_error(), needle) != NULL, "message '%s' lacks '%s'", kiln_last_error(), needle);
+    if (st == KILN_OK) kiln_tokenizer_free(t);
+}
+
+/* CLIP's format from memory: gzip or plain text, and damaged gzip data. */
+static void t_open_memory(void)
+{
+    static const char merges[] = "\"bpe_simple_vocab_16e6.txt#version: 0.2\nc a\nca t</w>\na t</w>\n";
+    kiln_tokenizer *t = NULL;
+    CHECK(kiln_tokenizer_open_memory(merges, strlen(merges), "plain", &t) == KILN_OK, "plain: %s",
+          kiln_last_error());
+    if (t) {
+        CHECK(kiln_tokenizer_vocab_size(t) == 517, "plain: size %d", kiln_tokenizer_vocab_size(t));
+        CHECK(kiln_tokenizer_token_id(t, "cat</w>") == 513, "plain: cat</w> -> %d",
+              kiln_tokenizer_token_id(t, "cat</w>"));
+        kiln_tokenizer_free(t);
+    }
+    gzFile g = gzopen(tmp_path("m.gz"), "wb");
+    CHECK(g && gzwrite(g, merges, (unsigned)strlen(merges)) == (int)strlen(merges) && gzclose(g) == Z_OK,
+          "write gzip");
+    size_t len = 0;
+    char *gz = slurp(tmp_path("m.gz"), &len);
+    unlink(tmp_path("m.gz"));
+    CHECK(gz && len > 18, "read gzip back");
+    if (!gz) return;
+    t = NULL;
+    CHECK(kiln_tokenizer_open_memory(gz, len, "m.gz", &t) == KILN_OK, "gzip: %s", kiln_last_error());
+    if (t) {
+        CHECK(kiln_tokenizer_vocab_size(t) == 517, "gzip: size %d", kiln_tokenizer_vocab_size(t));
+        int *ids = NULL;
+        int n = encode_str(t, "cat", &ids);
+        CHECK(n == 1 && ids[0] == 513, "gzip: n=%d", n);
+        free(ids);
+        kiln_tokenizer_free(t);
+    }
+    expect_memory_error(gz, len - 8, KILN_ERR_FORMAT, "truncated");   /* no trailer */
+    expect_memory_error(gz, 12, KILN_ERR_FORMAT, "blob.gz");          /* header only */
+    char *bad = malloc(len);
+    memcpy(bad, gz, len);
+    for (size_t i = 10; i < len; i++) bad[i] = (char)0xff;
+    expect_memory_error(bad, len, KILN_ERR_FORMAT, "corrupt gzip");
+    free(bad);
+    expect_memory_error("", 0, KILN_ERR_FORMAT, "holds no merges");
+    expect_memory_error(NULL, 5, KILN_ERR_ARG, "data is NULL");
+    CHECK(kiln_tokenizer_open_memory(gz, len, NULL, NULL) == KILN_ERR_ARG, "NULL out");
+    free(gz);
+}
+
 /* basic_clean / whitespace_clean / lower() equivalences. */
 static void t_cleaning(void)
 {
-    if (!shared_ready()) return;
-    kiln_tokenizer *t = open_or_fail(g_dir);
+    kiln_tokenizer *t = open_builtin(); /* the same vocabulary, with no shared data needed */
     if (!t) return;
     static const char *pairs[][2] = {
         {"  A \t Photo\n\nOF a\xc2\xa0" "cat \xe3\x80\x80 ", "a photo of a cat"}, /* NBSP, ideographic space */
@@ -394,8 +510,7 @@ static void t_bad_files(void)
 /* Random bytes, invalid UTF-8, a huge word, many distinct words (cache resets). */
 static void t_hostile_input(void)
 {
-    if (!shared_ready()) return;
-    kiln_tokenizer *t = open_or_fail(g_dir);
+    kiln_tokenizer *t = open_builtin(); /* the same vocabulary, with no shared data needed */
     if (!t) return;
     uint64_t s = 12345;
     char buf[512];
@@ -436,8 +551,7 @@ static void t_hostile_input(void)
 
 static void t_speed(void)
 {
-    if (!shared_ready()) return;
-    kiln_tokenizer *t = open_or_fail(g_dir);
+    kiln_tokenizer *t = open_builtin(); /* the same vocabulary, with no shared data needed */
     if (!t) return;
     const char *p = "portrait of a wizard, highly detailed, digital painting, artstation, concept art, "
                     "sharp focus, illustration";
@@ -469,6 +583,9 @@ int main(void)
     RUN(t_reference_hf_folder);
     RUN(t_reference_gz);
     RUN(t_formats_agree);
+    RUN(t_builtin);
+    RUN(t_builtin_reference);
+    RUN(t_open_memory);
     RUN(t_cleaning);
     RUN(t_small_vocab);
     RUN(t_bad_files);

@@ -48,21 +48,8 @@ static void usage(FILE *f)
           "  --script FILE      the Lua side (default examples/embed/art_tool.lua)\n"
           "  --model FILE       checkpoint, for the text-to-image version of the script\n"
           "  --device NAME      cpu, sim, cuda:0 (default cpu)\n"
-          "  --vram BYTES       memory budget of the device (suffix K, M or G)\n",
+          "  --vram SIZE        memory budget of the device (6G, 512M, 1.5GiB or bytes)\n",
           f);
-}
-
-static unsigned long long parse_bytes(const char *s)
-{
-    char *end;
-    double v = strtod(s, &end);
-    switch (*end) {
-    case 'k': case 'K': v *= 1024.0; break;
-    case 'm': case 'M': v *= 1024.0 * 1024; break;
-    case 'g': case 'G': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
-    }
-    return v > 0 ? (unsigned long long)v : 0;
 }
 
 int main(int argc, char **argv)
@@ -85,8 +72,12 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--script") == 0) script = v;
         else if (strcmp(a, "--model") == 0) model = v;
         else if (strcmp(a, "--device") == 0) cfg.device = v;
-        else if (strcmp(a, "--vram") == 0) cfg.memory_budget = parse_bytes(v);
-        else { fprintf(stderr, "art_tool: unknown option %s\n", a); usage(stderr); return 1; }
+        else if (strcmp(a, "--vram") == 0) {
+            if (kiln_parse_size(v, &cfg.memory_budget) != KILN_OK) { /* "6G", "512M", bytes */
+                fprintf(stderr, "art_tool: --vram: %s\n", kiln_last_message(NULL));
+                return 1;
+            }
+        } else { fprintf(stderr, "art_tool: unknown option %s\n", a); usage(stderr); return 1; }
     }
 
     /* 1. a context: the device, its budget, where the script's messages go */

@@ -572,7 +572,7 @@ static void att_tasks(void *p, int64_t b, int64_t e)
 size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv);
 size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv)
 {
-    return (size_t)kiln_threads() * slot_floats(D, Dv) * sizeof(float);
+    return (size_t)kiln_cpu_threads() * slot_floats(D, Dv) * sizeof(float);
 }
 
 kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,
@@ -591,7 +591,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
         return kiln_error(KILN_ERR_ARG, "attention: head dim D=%lld Dv=%lld too large",
                           (long long)D, (long long)Dv);
 
-    int nslots = kiln_threads();
+    int nslots = kiln_cpu_threads();
     size_t slot = slot_floats(D, Dv);
     size_t bytes = kiln_cpu_attention_scratch_bytes(D, Dv);
     float *scratch = aligned_alloc(64, bytes);

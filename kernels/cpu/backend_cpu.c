@@ -4,6 +4,7 @@
  * inside the kernels). The sim device uses this table too. */
 #include "cpu_backend.h"
 #include "cpu_internal.h"
+#include "threadpool.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -263,6 +264,19 @@ static int cpu_supports(kiln_op op, kiln_dtype dt)
     return op >= 0 && op < KILN_OP_COUNT;
 }
 
+/* The scratch cache is host memory shared by cpu and sim, reported once, on cpu;
+ * emptying either device's cache trims it. */
+static uint64_t cpu_workspace_bytes(kiln_device *dev)
+{
+    return dev->type == KILN_DEV_CPU ? (uint64_t)kiln_cpu_scratch_cached() : 0;
+}
+
+static void cpu_workspace_release(kiln_device *dev)
+{
+    (void)dev;
+    kiln_cpu_scratch_trim();
+}
+
 static const kiln_backend cpu_backend = {
     .name = "cpu",
     .supports = cpu_supports,
@@ -283,7 +297,10 @@ static const kiln_backend cpu_backend = {
     .geglu = cpu_geglu,
     .resample = cpu_resample,
     .pad2d = cpu_pad2d,
-    .release_scratch = kiln_cpu_scratch_trim,
+    .workspace_bytes = cpu_workspace_bytes,
+    .workspace_release = cpu_workspace_release,
+    .threads = kiln_cpu_threads,
+    .set_threads = kiln_cpu_set_threads,
 };
 
-const kiln_backend *kiln_cpu_backend(void) { return &cpu_backend; }
+void kiln_cpu_backend_register(void) { kiln_backend_register(&cpu_backend); }

@@ -81,7 +81,7 @@ typedef struct {
     kiln_dtype w_dt;
     const float *bias;
     const kiln_conv2d_params *p;
-    float *wscratch;              /* kiln_threads() x r*s floats */
+    float *wscratch;              /* kiln_cpu_threads() x r*s floats */
 } conv_job;
 
 static void depthwise_fn(void *vctx, int64_t begin, int64_t end)
@@ -473,7 +473,7 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
     int64_t cg = p->c / p->groups;
     if ((path == PATH_AUTO && cg == 1) || path == PATH_DIRECT) {
         if (cg == 1) {
-            size_t bytes = (size_t)kiln_threads() * (size_t)(p->r * p->s) * sizeof(float);
+            size_t bytes = (size_t)kiln_cpu_threads() * (size_t)(p->r * p->s) * sizeof(float);
             conv_job j = {y, x, w, w_dtype, bias, p, malloc(bytes)};
             if (!j.wscratch) return kiln_error_oom("cpu", bytes, 0, 0, "conv2d: no memory for %zu bytes of kernel", bytes);
             kiln_parallel_for(p->n * p->k, 1, depthwise_fn, &j);

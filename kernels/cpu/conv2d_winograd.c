@@ -62,7 +62,7 @@ typedef struct wino_ctx {
     /* U[P][ns][C][12] and V[P][tp/32][C][32] in the GEMM's sliver layout (no packing
      * there); M[P][kb][tp] row-major */
     float *U, *V, *M;
-    float *wbuf;                /* kiln_threads() x 12*144 floats: converted weights */
+    float *wbuf;                /* kiln_cpu_threads() x 12*144 floats: converted weights */
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
 
@@ -633,7 +633,7 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
     const int m = mp->m, A = m + mp->r - 1, P = A * A;
     int64_t C = p->c, K = p->k;
     int64_t TH = (p->oh + m - 1) / m, TW = (p->ow + m - 1) / m, T = TH * TW;
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     int64_t kb, ts;
     plan(C, K, T, P, &kb, &ts);
     int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;

@@ -250,7 +250,7 @@ AVX512 static void output_block(const few_ctx *c, const float *M, int64_t k0, in
 AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
 {
     const few_ctx *c = vctx;
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     float *slot = c->slots + (size_t)kiln_thread_index() * c->slot;
     const int64_t cc = c->cc, NT = c->NT, C = c->C, Cp = c->Cp;
     float *U = slot, *M = U + c->P * c->su, *taps = M + c->P * c->sm, *asl = taps + (size_t)32 * cc * 9;
@@ -314,7 +314,7 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;
     c.nkb = (c.K + c.kb - 1) / c.kb;
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     c.su = (c.kb / 32) * c.cc * 32 + 16;
     c.sm = c.NT * c.kb + 16;
     c.slot = slot_floats(c.P, c.su, c.sm, c.cc);

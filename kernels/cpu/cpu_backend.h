@@ -1,9 +1,13 @@
 /* cpu_backend.h - the CPU backend's tensor-level entry points (the operation table
- * in backend_cpu.c points at these). */
+ * in backend_cpu.c points at these) and its registrar (kernels/backends.c). */
 #ifndef KILN_CPU_BACKEND_H
 #define KILN_CPU_BACKEND_H
 
 #include "../../runtime/backend.h"
+
+/* Hands the CPU operation table ("cpu", computing for the cpu and sim devices) to
+ * the runtime. */
+void kiln_cpu_backend_register(void);
 
 kiln_status kiln_cpu_copy(kiln_tensor *dst, const kiln_tensor *src);
 kiln_status kiln_cpu_fill(kiln_tensor *t, double v);

@@ -1,25 +1,13 @@
 /* elementwise.c - CPU copy/convert, fill, binary and unary ops over strided tensors.
  * All-f32 operands take float loops the compiler vectorizes; other dtypes go through
- * double loads/stores (exact for every supported integer and float value). */
+ * double loads (kiln_dtype_load) and stores (exact for every supported integer and
+ * float value). */
 #include "cpu_backend.h"
 #include "cpu_kernels.h"
 #include "strided.h"
 
 #include <math.h>
 #include <string.h>
-
-static inline double load(const char *p, kiln_dtype dt)
-{
-    switch (dt) {
-    case KILN_F32: return *(const float *)p;
-    case KILN_F16: return kiln_f16_to_f32(*(const uint16_t *)p);
-    case KILN_BF16: return kiln_bf16_to_f32(*(const uint16_t *)p);
-    case KILN_I32: return *(const int32_t *)p;
-    case KILN_I64: return (double)*(const int64_t *)p;
-    case KILN_U8: return *(const uint8_t *)p;
-    default: return 0;
-    }
-}
 
 static inline void store(char *p, kiln_dtype dt, double v)
 {
@@ -53,7 +41,7 @@ static void copy_run(void *p, int64_t n, char **ptr, const int64_t *st)
         return;
     }
     if (dd == KILN_F32) {
-        for (int64_t i = 0; i < n; i++) *(float *)(ptr[0] + i * st[0] * 4) = (float)load(ptr[1] + i * st[1] * (int64_t)se, sd);
+        for (int64_t i = 0; i < n; i++) *(float *)(ptr[0] + i * st[0] * 4) = (float)kiln_dtype_load(sd, ptr[1] + i * st[1] * (int64_t)se);
         return;
     }
     for (int64_t i = 0; i < n; i++) kiln_convert(ptr[0] + i * st[0] * (int64_t)de, dd, ptr[1] + i * st[1] * (int64_t)se, sd, 1);
@@ -145,8 +133,8 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
     size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]), e2 = c->has_b ? kiln_dtype_size(c->dt[2]) : 0;
     int int_out = !kiln_dtype_is_float(c->dt[0]);
     for (int64_t i = 0; i < n; i++) {
-        double x = load(ptr[1] + i * st[1] * (int64_t)e1, c->dt[1]);
-        double y = c->has_b ? load(ptr[2] + i * st[2] * (int64_t)e2, c->dt[2]) : c->s;
+        double x = kiln_dtype_load(c->dt[1], ptr[1] + i * st[1] * (int64_t)e1);
+        double y = c->has_b ? kiln_dtype_load(c->dt[2], ptr[2] + i * st[2] * (int64_t)e2) : c->s;
         if (c->swap) { double t = x; x = y; y = t; }
         double r;
         if (int_out && c->op == KILN_BIN_DIV) r = y == 0 ? 0 : trunc(x / y); /* integer division truncates (documented) */
@@ -217,7 +205,7 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
     size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]);
     for (int64_t i = 0; i < n; i++)
         store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0],
-              un_d(c->op, load(ptr[1] + i * st[1] * (int64_t)e1, c->dt[1]), c->p0, c->p1));
+              un_d(c->op, kiln_dtype_load(c->dt[1], ptr[1] + i * st[1] * (int64_t)e1), c->p0, c->p1));
 }
 
 kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)

@@ -36,7 +36,7 @@ enum { MR = 12, NR = 32, KC = 384, NB_MAX = 320 };
  * scratch instead of taking fresh pages from the OS on every call: the page faults on
  * a 40 MB Winograd buffer cost as much as the convolution itself. A few blocks of at
  * most SCRATCH_CACHE_MAX bytes stay cached until kiln_cpu_scratch_trim() (the CPU
- * backend's release_scratch: kiln.mem.empty_cache, model unload) hands the idle ones back. */
+ * backend's workspace_release: kiln.mem.empty_cache, model unload) hands the idle ones back. */
 enum { SCRATCH_SLOTS = 4 };
 static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -144,7 +144,7 @@ static int have_avx512(void);
 static void blas_init(void)
 {
     if (!atomic_load(&blas_threads_set)) {
-        openblas_set_num_threads(have_avx512() ? 1 : kiln_threads());
+        openblas_set_num_threads(have_avx512() ? 1 : kiln_cpu_threads());
         atomic_store(&blas_threads_set, 1);
     }
 }
@@ -669,7 +669,7 @@ static void gemm_dispatch(const gemm_args *g)
 {
     if (trivial(g)) return;
     double macs = (double)g->M * (double)g->N * (double)g->K;
-    if (have_avx512() && macs >= SMALL_MACS && packed_gemm(g, NULL, kiln_threads()) == 0) return;
+    if (have_avx512() && macs >= SMALL_MACS && packed_gemm(g, NULL, kiln_cpu_threads()) == 0) return;
     if (blas_gemm(g) == 0) return;
     /* no memory for a conversion panel: element by element (slow, but correct) */
     for (int64_t i = 0; i < g->M; i++)
@@ -701,7 +701,7 @@ int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype 
                    .pack_b = pack_b, .pack_ctx = pack_ctx, .C = C, .ldc = ldc, .bias_row = bias_row};
     if (!have_avx512()) return -1;
     if (trivial(&g)) return 0;
-    return packed_gemm(&g, NULL, kiln_threads());
+    return packed_gemm(&g, NULL, kiln_cpu_threads());
 }
 
 void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -748,7 +748,7 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
     if (batch <= 0) return;
     gemm_args g = {.trans_a = trans_a, .trans_b = trans_b, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
                    .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc};
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     double macs = (double)M * (double)N * (double)K;
     /* Many products (or several small ones): one whole product per task, each on one
      * thread, no sharing. Few large ones: one after another, each split over the pool. */
@@ -807,7 +807,7 @@ int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, cons
     gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
                    .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1};
     if (batch <= 0 || trivial(&g)) return 0;
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     if (threads > 1 && batch >= threads) {
         batch_ctx b = {g, stride_a, stride_b, stride_c, NULL};
         kiln_parallel_for(batch, 1, batch_fn, &b);

@@ -107,7 +107,7 @@ static void ensure_started(void)
     }
 }
 
-int kiln_threads(void)
+int kiln_cpu_threads(void)
 {
     ensure_started();
     return n_threads;
@@ -115,7 +115,7 @@ int kiln_threads(void)
 
 int kiln_thread_index(void) { return tl_index; }
 
-void kiln_set_threads(int n)
+void kiln_cpu_set_threads(int n)
 {
     pthread_mutex_lock(&submit_lock);
     if (started) stop_pool();

@@ -9,10 +9,10 @@
 /* Splits [0, n) into chunks of at least `grain` items and runs fn(ctx, begin, end)
  * on the pool; returns when all chunks are done. */
 void kiln_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t begin, int64_t end), void *ctx);
-int kiln_threads(void);
+int kiln_cpu_threads(void);
 /* Changes the pool size (joins and restarts workers); n <= 0 means default. */
-void kiln_set_threads(int n);
-/* Index of the calling worker in [0, kiln_threads()), for per-thread scratch. */
+void kiln_cpu_set_threads(int n);
+/* Index of the calling worker in [0, kiln_cpu_threads()), for per-thread scratch. */
 int kiln_thread_index(void);
 
 #endif

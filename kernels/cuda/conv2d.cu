@@ -274,7 +274,7 @@ extern "C" kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, 
     }
     pthread_mutex_unlock(&c->conv_mu);
     if (!st && !done) {
-        kiln_mem_stats ms = kiln_allocator_stats(c->dev->alloc);
+        kiln_mem_stats ms = kiln_device_stats(c->dev);
         if (smallest != (size_t)-1)
             st = kiln_error_oom(c->dev->name, smallest, ms.budget > ms.reserved ? ms.budget - ms.reserved : 0, ms.budget,
                                 "%s: %s: no cuDNN algorithm fits the memory budget (smallest workspace %zu bytes)",

@@ -22,7 +22,7 @@ kiln_status kiln_cuda_check(kiln_cuda_ctx *c, const char *op, const char *call, 
     (void)cudaGetLastError(); /* clears non-sticky errors */
     const char *dev = c && c->dev ? c->dev->name : "cuda";
     if (e == cudaErrorMemoryAllocation) {
-        kiln_mem_stats s = c && c->dev ? kiln_allocator_stats(c->dev->alloc) : (kiln_mem_stats){0};
+        kiln_mem_stats s = c && c->dev ? kiln_device_stats(c->dev) : (kiln_mem_stats){0};
         return kiln_error_oom(dev, 0, 0, s.budget, "%s: %s: %s failed: %s (the CUDA runtime itself ran out of device memory)",
                               dev, op, call, cudaGetErrorString(e));
     }
@@ -91,6 +91,19 @@ static kiln_status init_fail(kiln_cuda_ctx *c, kiln_status st)
     return st;
 }
 
+/* cuBLAS would otherwise cudaMalloc its own workspace outside the budget. Set after
+ * cublasSetStream, which resets it. NVIDIA recommends 32 MiB on Hopper. Without room
+ * in the budget cuBLAS runs without a workspace. */
+static kiln_status blas_workspace_take(kiln_cuda_ctx *c, const char *op)
+{
+    size_t ws = c->cc_major >= 9 ? (32u << 20) : (4u << 20);
+    c->blas_ws = NULL;
+    c->blas_ws_size = 0;
+    c->blas_ws_released = 0;
+    if (kiln_cuda_try_scratch(c, ws, &c->blas_ws)) c->blas_ws_size = ws;
+    return kiln_cuda_check_blas(c, op, "cublasSetWorkspace", cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_size));
+}
+
 static kiln_status ctx_init(kiln_cuda_ctx *c)
 {
     const char *op = "init";
@@ -115,12 +128,7 @@ static kiln_status ctx_init(kiln_cuda_ctx *c)
     if ((st = kiln_cuda_check_blas(c, op, "cublasCreate", cublasCreate(&c->blas))) ||
         (st = kiln_cuda_check_blas(c, op, "cublasSetStream", cublasSetStream(c->blas, c->compute))))
         return init_fail(c, st);
-    /* cuBLAS would otherwise cudaMalloc its own workspace outside the budget. Set
-     * after cublasSetStream, which resets it. NVIDIA recommends 32 MiB on Hopper. */
-    size_t ws = c->cc_major >= 9 ? (32u << 20) : (4u << 20);
-    if (kiln_cuda_try_scratch(c, ws, &c->blas_ws)) c->blas_ws_size = ws;
-    if ((st = kiln_cuda_check_blas(c, op, "cublasSetWorkspace", cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_size))))
-        return init_fail(c, st);
+    if ((st = blas_workspace_take(c, op))) return init_fail(c, st);
     if ((st = kiln_cuda_check_dnn(c, op, "cudnnCreate", cudnnCreate(&c->dnn))) ||
         (st = kiln_cuda_check_dnn(c, op, "cudnnSetStream", cudnnSetStream(c->dnn, c->compute))))
         return init_fail(c, st);
@@ -263,6 +271,12 @@ kiln_cuda_ctx *kiln_cuda_enter(const char *op, kiln_status *st, const kiln_tenso
     }
     if ((*st = ctx_ready(c))) return NULL;
     if ((*st = kiln_cuda_check(c, op, "cudaSetDevice", cudaSetDevice(c->index)))) return NULL;
+    if (__atomic_load_n(&c->blas_ws_released, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&c->init_mu);
+        if (c->blas_ws_released) *st = blas_workspace_take(c, op);
+        pthread_mutex_unlock(&c->init_mu);
+        if (*st) return NULL;
+    }
     const kiln_tensor *ts[5] = {t0, t1, t2, t3, t4};
     const void *ptr[5];
     size_t len[5];
@@ -308,33 +322,21 @@ kiln_status kiln_cuda_as(kiln_cuda_ctx *c, const kiln_tensor *t, kiln_dtype dt, 
 
 kiln_status kiln_cuda_scratch(kiln_cuda_ctx *c, size_t n, void **p)
 {
-    kiln_status st = kiln_allocator_alloc(c->dev->alloc, n ? n : 1, p);
+    kiln_status st = kiln_device_scratch_alloc(c->dev, n, 0, p);
     if (!st) kiln_cuda_wait_range(c, *p, n);
     return st;
 }
 
 int kiln_cuda_try_scratch(kiln_cuda_ctx *c, size_t n, void **p)
 {
-    *p = NULL;
-    kiln_mem_stats s = kiln_allocator_stats(c->dev->alloc);
-    const uint64_t grain = 2u << 20; /* the allocator's large-segment rounding */
-    uint64_t seg = (n + grain - 1) / grain * grain;
-    if (s.budget && s.reserved + seg > s.budget && s.largest_free < n) return 0;
-    char saved[512];
-    kiln_status saved_st = kiln_last_status();
-    snprintf(saved, sizeof saved, "%s", kiln_last_error());
-    if (kiln_allocator_alloc(c->dev->alloc, n ? n : 1, p) != KILN_OK) {
-        *p = NULL;
-        kiln_error(saved_st, "%s", saved); /* a refused workspace is not this op's error */
-        return 0;
-    }
+    if (kiln_device_scratch_alloc(c->dev, n, KILN_SCRATCH_NO_EVICT, p) != KILN_OK) return 0;
     kiln_cuda_wait_range(c, *p, n);
     return 1;
 }
 
 void kiln_cuda_scratch_free(kiln_cuda_ctx *c, void *p)
 {
-    if (p) kiln_allocator_release(c->dev->alloc, p);
+    kiln_device_scratch_free(c->dev, p);
 }
 
 /* ---- transfers ---- */
@@ -447,6 +449,36 @@ static int cuda_supports(kiln_op op, kiln_dtype dt)
     return op >= 0 && op < KILN_OP_COUNT && (unsigned)dt < KILN_DTYPE_COUNT;
 }
 
+static uint64_t cuda_workspace_bytes(kiln_device *dev)
+{
+    if (dev->index < 0 || dev->index >= n_ctxs) return 0;
+    return ctxs[dev->index].blas_ws_size;
+}
+
+/* Gives the cuBLAS workspace back to the device's allocator (the allocator's own
+ * empty_cache, after this, returns it to the driver); queued GEMMs that use it are
+ * ordered before any reuse by the compute stream, and cudaFree waits for them. */
+static void cuda_workspace_release(kiln_device *dev)
+{
+    if (dev->index < 0 || dev->index >= n_ctxs) return;
+    kiln_cuda_ctx *c = &ctxs[dev->index];
+    pthread_mutex_lock(&c->init_mu);
+    if (c->ready == 1 && !c->blas_ws_released && c->blas_ws) {
+        if (cudaSetDevice(c->index) != cudaSuccess || cublasSetWorkspace(c->blas, NULL, 0) != CUBLAS_STATUS_SUCCESS)
+            (void)cudaGetLastError(); /* nothing to report to: the workspace stays */
+        else {
+            kiln_cuda_scratch_free(c, c->blas_ws);
+            c->blas_ws = NULL;
+            c->blas_ws_size = 0;
+            __atomic_store_n(&c->blas_ws_released, 1, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&c->init_mu);
+}
+
+static void cuda_register_devices(void);
+static const char *cuda_unavailable_reason(void);
+
 static const kiln_backend cuda_backend = {
     .name = "cuda",
     .supports = cuda_supports,
@@ -465,12 +497,18 @@ static const kiln_backend cuda_backend = {
     .geglu = kiln_cuda_geglu,
     .resample = kiln_cuda_resample,
     .pad2d = kiln_cuda_pad2d,
+    .workspace_bytes = cuda_workspace_bytes,
+    .workspace_release = cuda_workspace_release,
     .to_device = cuda_to_device,
     .to_host = cuda_to_host,
+    .register_devices = cuda_register_devices,
+    .unavailable_reason = cuda_unavailable_reason,
 };
 
+void kiln_cuda_backend_register(void) { kiln_backend_register(&cuda_backend); }
+
 /* Called once by the device registry (its lock held). */
-void kiln_cuda_register_devices(void)
+static void cuda_register_devices(void)
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -503,7 +541,7 @@ void kiln_cuda_register_devices(void)
     snprintf(unavailable, sizeof unavailable, "%d CUDA device%s present", n_ctxs, n_ctxs == 1 ? "" : "s");
 }
 
-const char *kiln_cuda_unavailable_reason(void)
+static const char *cuda_unavailable_reason(void)
 {
     return unavailable[0] ? unavailable : "CUDA devices not probed yet";
 }

@@ -2,7 +2,8 @@
  * files share (C and C++). One context per GPU: a compute stream for every op, a
  * copy stream for host<->device transfers through pinned staging buffers, cuBLAS
  * and cuDNN handles bound to the compute stream. Device memory comes only from the
- * device's kiln allocator (cudaMalloc underneath), so budgets and statistics hold.
+ * device's kiln allocator (cudaMalloc underneath), reached through the runtime's
+ * device seam (tensors, kiln_device_scratch_alloc), so budgets and statistics hold.
  *
  * Ordering rules (one compute stream keeps most of this trivial):
  * - kernels, cuBLAS and cuDNN run on `compute`, so a block freed to the caching
@@ -25,6 +26,7 @@ extern "C" {
 #endif
 
 #include "../../runtime/backend.h"
+#include "cuda_register.h"
 
 #define KILN_CUDA_MAX_DEVICES 16
 #define KILN_CUDA_STAGE_SLOTS 8
@@ -51,8 +53,9 @@ typedef struct kiln_cuda_ctx {
     cudaStream_t compute, copy;
     cublasHandle_t blas;
     cudnnHandle_t dnn;
-    void *blas_ws;                  /* cuBLAS workspace, from the budget */
+    void *blas_ws;                  /* cuBLAS workspace, from the budget (the backend's workspace) */
     size_t blas_ws_size;
+    int blas_ws_released;           /* given back by empty_cache: the next op takes it again */
 
     /* transfers: xfer_mu serializes staging use; pend_mu guards the pending list */
     pthread_mutex_t xfer_mu, pend_mu;
@@ -92,7 +95,8 @@ kiln_status kiln_cuda_temp(kiln_cuda_ctx *c, kiln_dtype dt, int ndim, const int6
 /* t as contiguous data of dtype dt: t's own data when it already is, else a copy in
  * *tmp (free it with kiln_tensor_free; NULL when none was needed). */
 kiln_status kiln_cuda_as(kiln_cuda_ctx *c, const kiln_tensor *t, kiln_dtype dt, kiln_tensor **tmp, const void **data);
-/* Raw scratch from the device allocator (may evict as any allocation). */
+/* Raw scratch from the device's memory (kiln_device_scratch_alloc: may evict as any
+ * allocation). */
 kiln_status kiln_cuda_scratch(kiln_cuda_ctx *c, size_t n, void **p);
 /* Scratch only if it fits the budget without evicting anything; 0 when it does not. */
 int kiln_cuda_try_scratch(kiln_cuda_ctx *c, size_t n, void **p);

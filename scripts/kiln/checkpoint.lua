@@ -16,6 +16,7 @@
 -- kiln.heads.clip, kiln.heads.clip_g, kiln.clip.activation, kiln.clip_g.activation,
 -- kiln.clip.layer, kiln.scale_factor, kiln.shift_factor, kiln.prediction.
 local kiln = require "kiln"
+local lfs = require "lfs"
 local unet = require "kiln.unet"
 local vae = require "kiln.vae"
 local clip = require "kiln.clip"
@@ -26,20 +27,32 @@ local fmt = string.format
 
 -- ---------------------------------------------------------------- small helpers
 
-local function file_exists(p)
-  local f = io.open(p, "rb")
-  if not f then return false end
-  local _, _, code = f:read(0)
+-- (symbolic links followed: lfs.attributes stats the target)
+local function file_exists(p) return lfs.attributes(p, "mode") == "file" end
+
+local function is_dir(p) return lfs.attributes(p, "mode") == "directory" end
+
+-- A JSON file's value (kiln.json, the runtime's strict parser), or nil when the
+-- file is absent; a malformed file is an error naming it.
+local function read_json(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local text = f:read("a")
   f:close()
-  return code == nil
+  local ok, v = pcall(kiln.json.decode, text)
+  if not ok then error(fmt("%s: %s", path, tostring(v)), 0) end
+  return v
 end
 
-local function is_dir(p)
-  local f = io.open(p, "rb")
-  if not f then return false end
-  local _, _, code = f:read(1)
-  f:close()
-  return code == 21 -- EISDIR
+-- A string field of a decoded JSON object (nil when absent, null or another type).
+local function json_string(t, k)
+  local v = type(t) == "table" and t[k]
+  return type(v) == "string" and v or nil
+end
+
+local function json_number(t, k)
+  local v = type(t) == "table" and t[k]
+  return type(v) == "number" and v or nil
 end
 
 local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b end
@@ -529,21 +542,59 @@ local function open_tokenizer(path, where)
   return t
 end
 
+-- The folders a checkpoint file's tokenizer may sit in: its own, then, when the path
+-- is a symbolic link, the folder of each file the link leads to (a model folder of
+-- links to files kept elsewhere, the tokenizer beside the real file).
+local function beside_dirs(path)
+  local function dirname(p) return p:match("^(.*)/[^/]*$") or "." end
+  local dirs, seen = { dirname(path) }, {}
+  seen[dirs[1]] = true
+  local p = path
+  for _ = 1, 40 do -- as the kernel's limit on nested links; a loop of links ends here
+    local target = lfs.symlinkattributes(p, "target")
+    if type(target) ~= "string" then break end
+    p = target:sub(1, 1) == "/" and target or join(dirname(p), target)
+    local d = dirname(p)
+    if not seen[d] then
+      seen[d] = true
+      dirs[#dirs + 1] = d
+    end
+  end
+  return dirs
+end
+
+-- The tokenizer of a checkpoint, first found of: the tokenizer option; vocab.json +
+-- merges.txt or bpe_simple_vocab_16e6.txt.gz in one of dir_candidates; the path in
+-- $KILN_TOKENIZER; CLIP's vocabulary built into the library. Returns it and a line
+-- saying which it is (also a "tokenizer" mark in kiln.mem.events and the trace).
+local builtin_tok
 local function find_tokenizer(opts, dir_candidates)
+  local function found(tok, why)
+    local src = fmt("%s (%s)", tok.source and tok:source() or tostring(tok), why)
+    if kiln.trace and kiln.trace.mark then kiln.trace.mark("tokenizer", src) end
+    return tok, src
+  end
   if opts.tokenizer then
-    if type(opts.tokenizer) ~= "string" then return opts.tokenizer end -- an open tokenizer object
-    return open_tokenizer(opts.tokenizer, " (option tokenizer)")
+    if type(opts.tokenizer) ~= "string" then return found(opts.tokenizer, "option tokenizer") end
+    return found(open_tokenizer(opts.tokenizer, " (option tokenizer)"), "option tokenizer")
   end
   if not kiln.tokenizer then return nil end
   for _, d in ipairs(dir_candidates) do
     if file_exists(join(d, "vocab.json")) and file_exists(join(d, "merges.txt")) then
-      return open_tokenizer(d)
+      return found(open_tokenizer(d), "beside the checkpoint")
     end
     if file_exists(join(d, "bpe_simple_vocab_16e6.txt.gz")) then
-      return open_tokenizer(join(d, "bpe_simple_vocab_16e6.txt.gz"))
+      return found(open_tokenizer(join(d, "bpe_simple_vocab_16e6.txt.gz")), "beside the checkpoint")
     end
   end
-  return nil
+  local env = os.getenv("KILN_TOKENIZER")
+  if env and env ~= "" then
+    return found(open_tokenizer(env, " (environment variable KILN_TOKENIZER)"), "KILN_TOKENIZER")
+  end
+  -- one built-in tokenizer per Lua state, shared by its checkpoints (opening it
+  -- inflates and parses the vocabulary); reopened if a script freed it
+  if not (builtin_tok and pcall(builtin_tok.vocab_size, builtin_tok)) then builtin_tok = kiln.tokenizer() end
+  return found(builtin_tok, "no tokenizer beside the checkpoint or named")
 end
 
 -- ---------------------------------------------------------------- building parts
@@ -660,26 +711,36 @@ local function file_source(path, prefix)
   return { path = path, paths = { path }, tensors = tensors, shapes = shapes_of(tensors), meta = meta, prefix = prefix or "" }
 end
 
--- diffusers component folder: its safetensors file(s), sharded or not.
+-- The names of the files in a folder (none when it is not one).
+local function list_dir(dir)
+  local names = {}
+  if not is_dir(dir) then return names end
+  for name in lfs.dir(dir) do
+    if name ~= "." and name ~= ".." then names[name] = true end
+  end
+  return names
+end
+
+-- diffusers component folder: its safetensors file(s), sharded or not (the index's
+-- weight_map names the shards).
 local function diffusers_files(dir, stem)
+  local have = list_dir(dir)
   for _, name in ipairs({ stem .. ".safetensors", stem .. ".fp16.safetensors" }) do
-    if file_exists(join(dir, name)) then return { join(dir, name) } end
+    if have[name] and file_exists(join(dir, name)) then return { join(dir, name) } end
   end
   for _, idx in ipairs({ stem .. ".safetensors.index.json", stem .. ".safetensors.index.fp16.json" }) do
-    local f = io.open(join(dir, idx), "rb")
-    if f then
-      local text = f:read("a")
-      f:close()
+    local index = have[idx] and read_json(join(dir, idx))
+    if index then
       local seen, files = {}, {}
-      for file in text:gmatch('"([^"/]+%.safetensors)"') do
-        if not seen[file] then seen[file] = true; files[#files + 1] = join(dir, file) end
+      for _, file in pairs(type(index.weight_map) == "table" and index.weight_map or {}) do
+        if type(file) == "string" and not seen[file] then seen[file] = true; files[#files + 1] = join(dir, file) end
       end
       table.sort(files)
       if #files > 0 then return files end
     end
   end
   for _, name in ipairs({ stem .. ".bin", stem .. ".fp16.bin", stem .. ".ckpt" }) do
-    if file_exists(join(dir, name)) then fail(join(dir, name), PICKLE_HELP) end
+    if have[name] then fail(join(dir, name), PICKLE_HELP) end
   end
   return nil
 end
@@ -829,10 +890,10 @@ local function load_single(path, opts)
     encs[1] = { src = esrc, cfg = cfg, use = encoder_use(family, "l", cfg, src.meta) }
   end
   if #encs > 0 then
-    local dir = path:match("^(.*)/[^/]*$") or "."
-    local tok = find_tokenizer(opts, { dir })
+    local tok, tok_src = find_tokenizer(opts, beside_dirs(path))
     ckpt.clip = build_clip(encs, family, tok,
       kiln.tokenizer and "" or " (this build has no kiln.tokenizer binding)")
+    ckpt.clip.tokenizer_source = tok_src
   end
 
   ckpt.scale_factor = scale
@@ -859,9 +920,7 @@ local function load_diffusers(dir, opts)
       ({ [768] = "sd1", [1024] = "sd2", [2048] = "sdxl" })[ctx or 0]
   if not family then
     -- an unusual width: CLIP-L's QuickGELU says SD 1.x, OpenCLIP's GELU SD 2.x
-    local cf = io.open(join(join(dir, "text_encoder"), "config.json"), "rb")
-    local act = cf and cf:read("a"):match('"hidden_act"%s*:%s*"([%w_]+)"')
-    if cf then cf:close() end
+    local act = json_string(read_json(join(join(dir, "text_encoder"), "config.json")), "hidden_act")
     family = act == "quick_gelu" and "sd1" or act == "gelu" and "sd2" or nil
   end
   if not family then
@@ -891,13 +950,8 @@ local function load_diffusers(dir, opts)
       vsrc.map = M.diffusers_vae_map(vsrc.shapes)
       vsub = {}
       for orig, real in pairs(vsrc.map) do vsub[orig] = vsrc.shapes[real] end
-      local cfgf = io.open(join(join(dir, "vae"), "config.json"), "rb")
-      if cfgf then
-        local text = cfgf:read("a")
-        cfgf:close()
-        local sf = text:match('"scaling_factor"%s*:%s*([%d%.eE+-]+)')
-        if sf and not opts.scale_factor then scale = tonumber(sf) or scale end
-      end
+      local sf = json_number(read_json(join(join(dir, "vae"), "config.json")), "scaling_factor")
+      if sf and not opts.scale_factor then scale = sf end
     end
   end
   if vsrc then
@@ -919,12 +973,10 @@ local function load_diffusers(dir, opts)
       return
     end
     local act, nheads
-    local cf = files and io.open(join(files[1]:match("^(.*)/[^/]*$"), "config.json"), "rb")
-    if cf then
-      local text = cf:read("a")
-      cf:close()
-      act = text:match('"hidden_act"%s*:%s*"([%w_]+)"')
-      nheads = tonumber(text:match('"num_attention_heads"%s*:%s*(%d+)') or "")
+    local config = files and read_json(join(files[1]:match("^(.*)/[^/]*$"), "config.json"))
+    if config then
+      act = json_string(config, "hidden_act")
+      nheads = math.tointeger(json_number(config, "num_attention_heads"))
       if act and act ~= "quick_gelu" and act ~= "gelu" then
         fail(files[1], fmt("unsupported text-encoder activation %q (config.json)", act))
       end
@@ -940,19 +992,15 @@ local function load_diffusers(dir, opts)
     add_encoder(diffusers_files(join(dir, "text_encoder"), "model"), family == "sd2" and "h" or "l", opts.clip)
   end
   if #encs > 0 then
-    local tok = find_tokenizer(opts, { join(dir, "tokenizer"), dir })
+    local tok, tok_src = find_tokenizer(opts, { join(dir, "tokenizer"), dir })
     ckpt.clip = build_clip(encs, family, tok, "")
+    ckpt.clip.tokenizer_source = tok_src
   end
   ckpt.scale_factor = scale
   local pred = opts.prediction
   if not pred then
-    local sf = io.open(join(join(dir, "scheduler"), "scheduler_config.json"), "rb")
-    if sf then
-      local text = sf:read("a")
-      sf:close()
-      local p = text:match('"prediction_type"%s*:%s*"([%w_]+)"')
-      pred = p == "v_prediction" and "v" or nil
-    end
+    local p = json_string(read_json(join(join(dir, "scheduler"), "scheduler_config.json")), "prediction_type")
+    pred = p == "v_prediction" and "v" or nil
   end
   ckpt.prediction = pred or "eps"
   ckpt.zsnr = opts.zsnr or false
@@ -961,7 +1009,9 @@ end
 
 -- kiln.load_checkpoint(path [, opts]) -> {clip, unet, vae, family, prediction,
 -- scale_factor, metadata, path, config}; opts: tokenizer (folder with vocab.json +
--- merges.txt, or bpe_simple_vocab_16e6.txt.gz, or an open kiln.tokenizer), vae (a VAE
+-- merges.txt, or bpe_simple_vocab_16e6.txt.gz, or an open kiln.tokenizer; see
+-- find_tokenizer for the order it is looked for in; clip.tokenizer_source says which
+-- was used), vae (a VAE
 -- file), clip / clip_l / clip_g (text encoder files), prediction ("eps" | "v"),
 -- zsnr (boolean: the model was trained with a zero-terminal-SNR schedule; read
 -- from the kiln.zsnr metadata otherwise), family (force "sd1" | "sd2" | "sdxl"),

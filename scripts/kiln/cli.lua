@@ -1,6 +1,10 @@
--- kiln.cli: the command-line options every example workflow shares, and the
--- runtime settings they imply (device, memory mode, budget).
+-- kiln.cli: the command-line options every example workflow shares, the runtime
+-- settings they imply (device, memory mode, budget), and the checks that turn a
+-- mistake on the command line into one usage line ("kiln: --width 100: ...").
+local kiln = require "kiln"
 local util = require "kiln.util"
+local sample = require "kiln.sample"
+local pipeline = require "kiln.pipeline"
 
 local cli = {}
 
@@ -10,12 +14,17 @@ local COMMON = {
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
 }
 
---- Parses a size such as 6G, 512M, 1.5GiB, 300000000 into bytes.
+-- Options naming a file or folder that must exist when given.
+local PATH_OPTIONS = { model = true, input = true }
+
+--- Parses a size such as 6G, 512M, 1.5GiB, 300000000 into bytes (kiln.parse_size,
+-- the one size parser); a usage error when it is not one.
 function cli.parse_size(s)
-  local num, unit = tostring(s):match("^%s*([%d%.]+)%s*([KkMmGgTt]?)[iI]?[Bb]?%s*$")
-  if not num then error(("invalid size '%s' (examples: 6G, 512M, 1.5GiB)"):format(s), 2) end
-  local mult = ({ [""] = 1, k = 1024, m = 1024 ^ 2, g = 1024 ^ 3, t = 1024 ^ 4 })[unit:lower()]
-  return math.floor(tonumber(num) * mult)
+  local ok, n = pcall(kiln.parse_size, s)
+  if not ok or type(n) ~= "number" then
+    util.usage_error(("'%s' is not a size (examples: 6G, 512M, 1.5GiB)"):format(tostring(s)))
+  end
+  return n
 end
 
 --- The folder of the running script (for paths relative to the example).
@@ -24,30 +33,45 @@ function cli.script_dir()
   return s:match("^(.*)/[^/]*$") or "."
 end
 
+local function exists(p)
+  local ok, lfs = pcall(require, "lfs")
+  if ok then return lfs.attributes(p, "mode") ~= nil end
+  local f = io.open(p, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
 --- The bundled demo model.
 function cli.default_model()
   local here = cli.script_dir()
   for _, p in ipairs({ here .. "/models/kiln-shapes.safetensors", "examples/models/kiln-shapes.safetensors" }) do
-    local f = io.open(p, "rb")
-    if f then f:close(); return p end
+    if exists(p) then return p end
   end
   return "examples/models/kiln-shapes.safetensors"
 end
 
-local HELP = {
-  prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
-  cfg = "classifier-free guidance scale (default: the model's kiln.cfg, else 7)", sampler = "euler, euler_ancestral, heun, dpm_2, dpmpp_2m, lms, ddim, ...",
-  scheduler = "normal, karras, exponential, simple, sgm_uniform, ddim_uniform, beta",
-  width = "image width (default: the model's size)", height = "image height (default: the model's size)",
-  denoise = "strength below 1 keeps part of the input", out = "PNG to write",
-  model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",
-  device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
-  vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
-  tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
-}
+-- The help line of each option; sampler and scheduler list the registry (kiln.sample).
+local function help_of(k)
+  if k == "sampler" then return table.concat(sample.names(), ", ") end
+  if k == "scheduler" then return table.concat(sample.scheduler_names(), ", ") end
+  return ({
+    prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
+    cfg = "classifier-free guidance scale (default: the model's kiln.cfg, else 7)",
+    width = "image width in pixels (default: the model's size)",
+    height = "image height in pixels (default: the model's size)",
+    denoise = "strength below 1 keeps part of the input", out = "PNG to write",
+    model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",
+    device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
+    vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
+    tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
+  })[k]
+end
 
---- The usage text of a script: its header comment's first lines and the options.
-function cli.usage(defaults)
+local function flag(k) return "--" .. k:gsub("_", "-") end
+
+--- The usage text of a script: its options with what they do (help: name -> text
+-- for a script's own options) and their defaults.
+function cli.usage(defaults, help)
   local lines = { ("usage: kiln %s [options]"):format(arg and arg[0] or "script.lua"), "options:" }
   local keys = {}
   for k in pairs(defaults) do keys[#keys + 1] = k end
@@ -55,30 +79,83 @@ function cli.usage(defaults)
   for _, k in ipairs(keys) do
     local v = defaults[k]
     local d = (v == "" or v == 0 or v == false) and "" or (" (default %s)"):format(tostring(v))
-    lines[#lines + 1] = ("  --%-10s %s%s"):format(k, HELP[k] or "", d)
+    lines[#lines + 1] = ("  %-15s %s%s"):format(flag(k), help and help[k] or help_of(k) or "", d)
   end
   return table.concat(lines, "\n")
 end
 
---- Parses args with the common options plus `extra` defaults; applies --device,
--- --mode, --vram and --quiet to the runtime. Returns the options table. --help (or
--- -h) prints the usage and exits.
-function cli.parse(args, extra)
+-- The checks of the common options' values (the parser checked their types).
+local function check_values(o)
+  local function whole(k, min)
+    local v = math.tointeger(o[k])
+    if not v then util.usage_error(("%s %s: must be a whole number"):format(flag(k), tostring(o[k]))) end
+    if v < min then util.usage_error(("%s %d: must be at least %d"):format(flag(k), v, min)) end
+    o[k] = v
+  end
+  whole("steps", 1)
+  whole("seed", math.mininteger)
+  for _, k in ipairs({ "width", "height" }) do whole(k, 0) end
+  whole("tile", 0)
+  whole("overlap", 0)
+  if not (o.denoise >= 0 and o.denoise <= 1) then
+    util.usage_error(("--denoise %g: must be between 0 and 1"):format(o.denoise))
+  end
+  if not sample.sampler_info(o.sampler) then
+    util.usage_error(("--sampler %s: unknown (known: %s)"):format(o.sampler, table.concat(sample.names(), ", ")))
+  end
+  if not sample.scheduler_info(o.scheduler) then
+    util.usage_error(("--scheduler %s: unknown (known: %s)"):format(o.scheduler,
+      table.concat(sample.scheduler_names(), ", ")))
+  end
+  for k in pairs(PATH_OPTIONS) do
+    local p = o[k]
+    if type(p) == "string" and p ~= "" and not exists(p) then
+      util.usage_error(("%s %s: no such file or folder"):format(flag(k), p))
+    end
+  end
+end
+
+-- --device, --mode ("auto": kiln.planner decides per run), --vram and --quiet
+-- applied to the runtime through kiln.configure, the one setup path. A refusal (an
+-- unknown device, a malformed size) is the command line's mistake.
+local function apply_runtime(o)
+  local cfg = {
+    device = o.device ~= "" and o.device or nil,
+    mode = o.mode ~= "" and o.mode or nil,
+    budget = o.vram ~= "" and o.vram or nil,
+    quiet = o.quiet or nil,
+  }
+  local ok, err = pcall(kiln.configure, cfg)
+  if not ok then
+    -- kiln.configure names the field ({field =, message = "field: detail"}); say it
+    -- as the command line did
+    local field = type(err) == "table" and err.field
+    local msg = util.is_usage_error(err) and err.message or tostring(err):gsub("^[^:]*:%d+: ", "")
+    if field then msg = msg:gsub("^" .. field .. ": ", "") end
+    local what = ({ device = "--device " .. o.device, mode = "--mode " .. o.mode, budget = "--vram " .. o.vram })[field]
+      or cfg.device and ("--device " .. cfg.device) or cfg.mode and ("--mode " .. cfg.mode) or "--vram " .. o.vram
+    util.usage_error(("%s: %s"):format(what, msg))
+  end
+end
+
+--- Parses args with the common options plus `extra` defaults; checks their values
+-- (a mistake is a usage error: kiln prints "kiln: <message>" and exits with 2),
+-- applies --device, --mode, --vram and --quiet to the runtime. Returns the options
+-- table. --help (or -h) prints the usage (help: name -> text of the extra options)
+-- and exits.
+function cli.parse(args, extra, help)
   local defaults = {}
   for k, v in pairs(COMMON) do defaults[k] = v end
   for k, v in pairs(extra or {}) do defaults[k] = v end
   for _, a in ipairs(args or {}) do
     if a == "--help" or a == "-h" then
-      print(cli.usage(defaults))
+      print(cli.usage(defaults, help))
       os.exit(0)
     end
   end
-  local o = util.parse_args(args, defaults)
-  if o.quiet then kiln.set_quiet(true) end
-  if o.device ~= "" then kiln.set_default_device(o.device) end
-  -- "auto" is decided per run by kiln.planner (the pipelines call it), the others now
-  if o.mode ~= "" and o.mode ~= "auto" then kiln.memory_mode(o.mode) end
-  if o.vram ~= "" then kiln.mem.set_budget(kiln.default_device(), cli.parse_size(o.vram)) end
+  local o = util.parse_args(args or {}, defaults)
+  check_values(o)
+  apply_runtime(o)
   if o.model == "" then o.model = cli.default_model() end
   for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg" }) do
     if o[k] == 0 then o[k] = nil end
@@ -86,6 +163,31 @@ function cli.parse(args, extra)
   if o.tile == nil then o.overlap = nil
   elseif o.overlap == nil then o.overlap = o.tile // 4 end
   o.device = kiln.default_device()
+  return o
+end
+
+--- Fills o.width / o.height with the checkpoint's native size where the command
+-- line gave none, and checks them against what its networks need, in pixels (a
+-- usage error such as "--width 100: must be a multiple of 8 (96 or 104 would do)").
+-- `scale` (hires fix) also checks the sizes scaled by it. Returns o.
+function cli.image_size(o, ckpt, scale)
+  o.width = o.width or pipeline.image_size(ckpt)
+  o.height = o.height or pipeline.image_size(ckpt)
+  local m = pipeline.size_multiple(ckpt)
+  for _, k in ipairs({ "width", "height" }) do
+    local v = o[k]
+    if v % m ~= 0 then
+      local lo = v // m * m
+      util.usage_error(("--%s %d: must be a multiple of %d (%s%d would do)"):format(k, v, m,
+        lo > 0 and (lo .. " or ") or "", lo + m))
+    end
+    if scale then
+      local s = math.floor(v * scale)
+      if s % m ~= 0 then
+        util.usage_error(("--%s %d at --scale %g is %d pixels: must be a multiple of %d"):format(k, v, scale, s, m))
+      end
+    end
+  end
   return o
 end
 

@@ -5,17 +5,12 @@
 --
 --   local ckpt <close> = kiln.load_checkpoint(path)
 --   local img = pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 20, seed = 1 })
+local kiln = require "kiln"
+local lfs = require "lfs"
 local sample = require "kiln.sample"
 local progress = require "kiln.progress"
 
 local pipeline = {}
-
--- ComfyUI / A1111 display names of samplers, for the PNG "parameters" text.
-local A1111_NAMES = {
-  euler = "Euler", euler_ancestral = "Euler a", heun = "Heun", dpm_2 = "DPM2",
-  dpm_2_ancestral = "DPM2 a", lms = "LMS", dpmpp_2s_ancestral = "DPM++ 2S a",
-  dpmpp_2m = "DPM++ 2M", dpmpp_sde = "DPM++ SDE", ddim = "DDIM", lcm = "LCM",
-}
 
 local DEFAULTS = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = nil, sampler = "euler", -- cfg: default_cfg
@@ -53,10 +48,8 @@ end
 -- file costs seconds).
 function pipeline.model_hash(ckpt, force)
   if ckpt._hash == nil and ckpt.path then
-    local f = io.open(ckpt.path, "rb")
-    local size = f and f:seek("end") or 0
-    if f then f:close() end
-    if f and (force or size <= 512 * 1024 * 1024) then
+    local a = lfs.attributes(ckpt.path)   -- nil when missing; a diffusers folder has no hash
+    if a and a.mode == "file" and (force or a.size <= 512 * 1024 * 1024) then
       ckpt._hash = kiln.sha256_file(ckpt.path):sub(1, 10)
     else
       ckpt._hash = false
@@ -161,11 +154,20 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
   end
 end
 
+--- The number of pixels an image's width and height must be a multiple of: the
+-- VAE's factor times the UNet's downsampling (2 per level below the first).
+function pipeline.size_multiple(ckpt)
+  local f = math.tointeger(ckpt.vae.factor or 8) or 8
+  local levels = ckpt.unet and ckpt.unet.config and ckpt.unet.config.levels or 1
+  return math.tointeger(f * 2 ^ (levels - 1))
+end
+
 --- Latent size of an image size for the checkpoint's VAE.
 local function latent_size(ckpt, w, h)
   local f = ckpt.vae.factor or 8
-  if w % f ~= 0 or h % f ~= 0 then
-    error(("image size %dx%d must be a multiple of %d (the VAE's factor)"):format(w, h, f), 3)
+  local m = pipeline.size_multiple(ckpt)
+  if w % m ~= 0 or h % m ~= 0 then
+    error(("image size %dx%d pixels: width and height must be multiples of %d"):format(w, h, m), 3)
   end
   return w // f, h // f
 end
@@ -337,6 +339,9 @@ function pipeline.hires_fix(ckpt, opts)
   return img, lat2
 end
 
+-- The A1111 label of a registry entry (kiln.sample), else the name as given.
+local function label_of(info, name) return info and info.label or tostring(name) end
+
 --- The A1111 "parameters" text for a PNG (other tools read it).
 function pipeline.parameters(opts, ckpt, extra)
   local o = setmetatable({}, { __index = function(_, k)
@@ -349,8 +354,8 @@ function pipeline.parameters(opts, ckpt, extra)
   if o.negative and o.negative ~= "" then lines[#lines + 1] = "Negative prompt: " .. o.negative end
   local f = {
     ("Steps: %d"):format(o.steps),
-    ("Sampler: %s"):format(A1111_NAMES[o.sampler] or o.sampler),
-    ("Schedule type: %s"):format(o.scheduler),
+    ("Sampler: %s"):format(label_of(sample.sampler_info(o.sampler), o.sampler)),
+    ("Schedule type: %s"):format(label_of(sample.scheduler_info(o.scheduler), o.scheduler)),
     ("CFG scale: %g"):format(o.cfg),
     ("Seed: %d"):format(o.seed),
     ("Size: %dx%d"):format(o.width or 0, o.height or 0),

@@ -32,11 +32,7 @@ local fmt = string.format
 local SAFETY = 0.9 -- plan with 90% of the budget (fragmentation)
 local GRAIN = 2 * 1024 * 1024
 
-local function human(b)
-  if b >= 1024 ^ 3 then return fmt("%.2f GiB", b / 1024 ^ 3) end
-  if b >= 1024 ^ 2 then return fmt("%.1f MiB", b / 1024 ^ 2) end
-  return fmt("%.1f KiB", b / 1024)
-end
+local human = kiln.format_bytes
 
 -- Stored weight bytes of a network part and its streaming window (a text model
 -- with several encoders, SDXL's: their sum, and the largest window).

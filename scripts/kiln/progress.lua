@@ -1,7 +1,10 @@
--- kiln.progress_bar: the progress display of long loops (sampling steps, tiles).
+-- kiln.progress (require "kiln.progress"; the kiln.progress function is the
+-- binding's event): the progress display of long loops (sampling steps, tiles).
 -- A bar with step i/n, it/s and ETA on stderr when it is a terminal, a plain line
 -- every few seconds otherwise, nothing when kiln is quiet (--quiet). Hosts that
 -- embed kiln receive the same events through kiln.progress when it exists.
+local kiln = require "kiln"
+
 local progress = {}
 
 --- Starts a display for n steps labelled `label`; returns an object with

@@ -8,6 +8,14 @@
 -- opts.noise(shape) (kiln.randn with a seeded counter by default). Every step
 -- calls opts.callback({i=, n=, sigma=, x=, denoised=}) when given; returning
 -- false from it (or kiln.cancel) stops at the step boundary.
+--
+-- This file is the one registry of samplers and schedulers: each is added once,
+-- below its function, with the label A1111 writes in a PNG's "parameters" text
+-- (and, for samplers, whether it draws noise). The pipelines, the CLI's help, the
+-- PNG parameters, the editor definitions (bindings/kiln.meta.lua, checked by
+-- tests/lua/meta_test.lua) and the tests all read it.
+local kiln = require "kiln"
+
 local sample = {}
 
 ---------------------------------------------------------------------------
@@ -80,7 +88,20 @@ end
 ---------------------------------------------------------------------------
 -- samplers
 ---------------------------------------------------------------------------
-local samplers = {}
+
+-- name -> function(denoise, x, s, opts, noise, step); and name -> registry entry
+local samplers, sampler_info, sampler_order = {}, {}, {}
+
+--- Adds a sampler to the registry: name (k-diffusion / ComfyUI), fn, the A1111
+-- label, and whether it draws noise at every step (ancestral and SDE samplers;
+-- the others draw none unless s_churn asks for it).
+function sample.add_sampler(name, fn, label, noise)
+  assert(type(name) == "string" and type(fn) == "function" and type(label) == "string",
+    "sample.add_sampler(name, fn, label, noise)")
+  if not sampler_info[name] then sampler_order[#sampler_order + 1] = name end
+  samplers[name] = fn
+  sampler_info[name] = { name = name, fn = fn, label = label, noise = noise and true or false }
+end
 
 function samplers.euler(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -93,6 +114,7 @@ function samplers.euler(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("euler", samplers.euler, "Euler", false)
 
 function samplers.euler_ancestral(denoise, x, s, opts, noise, step)
   local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
@@ -105,6 +127,7 @@ function samplers.euler_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("euler_ancestral", samplers.euler_ancestral, "Euler a", true)
 
 function samplers.heun(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -125,6 +148,7 @@ function samplers.heun(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("heun", samplers.heun, "Heun", false)
 
 function samplers.dpm_2(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -145,6 +169,7 @@ function samplers.dpm_2(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("dpm_2", samplers.dpm_2, "DPM2", false)
 
 function samplers.dpm_2_ancestral(denoise, x, s, opts, noise, step)
   local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
@@ -165,6 +190,7 @@ function samplers.dpm_2_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("dpm_2_ancestral", samplers.dpm_2_ancestral, "DPM2 a", true)
 
 -- Integral over [a, b] of the Lagrange basis polynomial j of the nodes t[i-k]
 -- (k-diffusion's linear_multistep_coeff). The integrand is a polynomial of degree
@@ -200,6 +226,7 @@ function samplers.lms(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("lms", samplers.lms, "LMS", false)
 
 local function t_fn(sigma) return -math.log(sigma) end
 local function sigma_fn(t) return math.exp(-t) end
@@ -224,6 +251,7 @@ function samplers.dpmpp_2s_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("dpmpp_2s_ancestral", samplers.dpmpp_2s_ancestral, "DPM++ 2S a", true)
 
 function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -246,6 +274,7 @@ function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("dpmpp_2m", samplers.dpmpp_2m, "DPM++ 2M", false)
 
 -- DPM-Solver++(2S) SDE step pair. k-diffusion draws the noise from a Brownian
 -- tree; kiln draws it from opts.noise (seeded, independent per call), which keeps
@@ -276,9 +305,10 @@ function samplers.dpmpp_sde(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("dpmpp_sde", samplers.dpmpp_sde, "DPM++ SDE", true)
 
 -- ComfyUI's "ddim" is Euler in sigma space (identical to DDIM with eta = 0).
-samplers.ddim = samplers.euler
+sample.add_sampler("ddim", samplers.euler, "DDIM", false)
 
 -- Latent consistency models: jump to the prediction, re-noise to the next sigma.
 function samplers.lcm(denoise, x, s, opts, noise, step)
@@ -291,20 +321,30 @@ function samplers.lcm(denoise, x, s, opts, noise, step)
   end
   return x
 end
+sample.add_sampler("lcm", samplers.lcm, "LCM", true)
 
 sample.samplers = samplers
 
-function sample.names()
-  local t = {}
-  for k in pairs(samplers) do t[#t + 1] = k end
-  table.sort(t)
-  return t
+local function sorted(t)
+  local r = {}
+  for i = 1, #t do r[i] = t[i] end
+  table.sort(r)
+  return r
+end
+
+--- The sampler names, sorted.
+function sample.names() return sorted(sampler_order) end
+
+--- The registry entry of a sampler: {name, fn, label, noise}, or nil.
+function sample.sampler_info(name)
+  local e = sampler_info[name]
+  return e and { name = e.name, fn = e.fn, label = e.label, noise = e.noise }
 end
 
 --- Runs sampler `name` (k-diffusion / ComfyUI names) from x over sigmas.
 function sample.run(name, denoise, x, sigmas, opts)
   opts = opts or {}
-  local fn = samplers[name]
+  local fn = sampler_info[name] and sampler_info[name].fn
   if not fn then
     error(("unknown sampler '%s' (known: %s)"):format(tostring(name), table.concat(sample.names(), ", ")), 2)
   end
@@ -379,7 +419,19 @@ local function with_zero(list)
   return kiln.tensor(list)
 end
 
-local schedules = {}
+-- name -> function(steps, opts); and name -> registry entry
+local schedules, schedule_info, schedule_order = {}, {}, {}
+
+--- Adds a scheduler to the registry: name (ComfyUI's), fn(steps, opts) -> sigmas,
+-- the A1111 label ("Schedule type"), and whether it reads the model's discrete
+-- schedule (opts.model_sampling) rather than sigma_min / sigma_max alone.
+function sample.add_scheduler(name, fn, label, needs_model)
+  assert(type(name) == "string" and type(fn) == "function" and type(label) == "string",
+    "sample.add_scheduler(name, fn, label, needs_model)")
+  if not schedule_info[name] then schedule_order[#schedule_order + 1] = name end
+  schedules[name] = fn
+  schedule_info[name] = { name = name, fn = fn, label = label, needs_model = needs_model and true or false }
+end
 
 function schedules.karras(steps, o)
   local rho = o.rho or 7
@@ -391,6 +443,7 @@ function schedules.karras(steps, o)
   end
   return with_zero(out)
 end
+sample.add_scheduler("karras", schedules.karras, "Karras", false)
 
 function schedules.exponential(steps, o)
   local a, b = math.log(o.sigma_max), math.log(o.sigma_min)
@@ -401,6 +454,7 @@ function schedules.exponential(steps, o)
   end
   return with_zero(out)
 end
+sample.add_scheduler("exponential", schedules.exponential, "Exponential", false)
 
 local function need_model(o, name)
   local ms = o.model_sampling
@@ -421,7 +475,9 @@ local function normal_like(steps, o, sgm)
 end
 
 function schedules.normal(steps, o) return normal_like(steps, o, false) end
+sample.add_scheduler("normal", schedules.normal, "Normal", true)
 function schedules.sgm_uniform(steps, o) return normal_like(steps, o, true) end
+sample.add_scheduler("sgm_uniform", schedules.sgm_uniform, "SGM Uniform", true)
 
 function schedules.simple(steps, o)
   local s = need_model(o, "simple").sigmas
@@ -430,6 +486,7 @@ function schedules.simple(steps, o)
   for x = 0, steps - 1 do out[#out + 1] = s[#s - math.floor(x * ss)] end
   return with_zero(out)
 end
+sample.add_scheduler("simple", schedules.simple, "Simple", true)
 
 function schedules.ddim_uniform(steps, o)
   local s = need_model(o, "ddim_uniform").sigmas
@@ -441,12 +498,10 @@ function schedules.ddim_uniform(steps, o)
   end
   return with_zero(out)
 end
+sample.add_scheduler("ddim_uniform", schedules.ddim_uniform, "DDIM", true)
 
 sample.schedules = schedules
 
---- sigmas(name, steps, opts) -> 1-D f32 tensor of steps + 1 values ending in 0.
--- karras / exponential take sigma_min, sigma_max (and rho); normal, simple,
--- sgm_uniform and ddim_uniform take opts.model_sampling (defaults: SD's schedule).
 -- The beta distribution's quantile function for the "beta" schedule: the regularized
 -- incomplete beta function I_x(a, b) by its continued fraction (modified Lentz), log
 -- Gamma by Lanczos' approximation (g = 7, 9 terms), and the inverse by bisection to
@@ -531,23 +586,35 @@ function schedules.beta(steps, o)
   end
   return with_zero(out)
 end
+sample.add_scheduler("beta", schedules.beta, "Beta", true)
 
+--- The scheduler names, sorted.
+function sample.scheduler_names() return sorted(schedule_order) end
+
+--- The registry entry of a scheduler: {name, fn, label, needs_model}, or nil.
+function sample.scheduler_info(name)
+  local e = schedule_info[name]
+  return e and { name = e.name, fn = e.fn, label = e.label, needs_model = e.needs_model }
+end
+
+--- sigmas(name, steps, opts) -> 1-D f32 tensor of steps + 1 values ending in 0.
+-- karras / exponential take sigma_min, sigma_max (and rho); the schedulers that
+-- need the model take opts.model_sampling (defaults: SD's schedule).
 function sample.sigmas(name, steps, opts)
   opts = opts or {}
-  local fn = schedules[name]
-  if not fn then
-    local known = {}
-    for k in pairs(schedules) do known[#known + 1] = k end
-    table.sort(known)
-    error(("unknown schedule '%s' (known: %s)"):format(tostring(name), table.concat(known, ", ")), 2)
+  local info = schedule_info[name]
+  if not info then
+    error(("unknown schedule '%s' (known: %s)"):format(tostring(name),
+      table.concat(sample.scheduler_names(), ", ")), 2)
   end
+  local fn = info.fn
   if math.type(steps) ~= "integer" or steps < 1 then error("sample.sigmas: steps must be a positive integer", 2) end
-  if (name == "karras" or name == "exponential") and not (opts.sigma_min and opts.sigma_max) then
+  if not info.needs_model and not (opts.sigma_min and opts.sigma_max) then
     local ms = opts.model_sampling or sample.discrete_schedule()
     opts = setmetatable({ sigma_min = opts.sigma_min or ms.sigma_min, sigma_max = opts.sigma_max or ms.sigma_max },
       { __index = opts })
   end
-  if name ~= "karras" and name ~= "exponential" and not opts.model_sampling then
+  if info.needs_model and not opts.model_sampling then
     opts = setmetatable({ model_sampling = sample.discrete_schedule() }, { __index = opts })
   end
   return fn(steps, opts)

@@ -52,20 +52,15 @@
 -- device's peak counter (kiln.mem.reset_peak). auto_tile caches the fit per vae
 -- (or opts.cache object), stage, device, batch, channels and dtype.
 local kiln = require "kiln"
+local util = require "kiln.util"
 
 local M = {}
 local fmt = string.format
 
-local function is_oom(e) return type(e) == "table" and e.kind == "oom" end
+local is_oom = util.is_oom
 
-local function human(b)
-  if b == nil then return "?" end
-  local u = { "B", "KiB", "MiB", "GiB", "TiB" }
-  local i = 1
-  while b >= 1024 and i < #u do b = b / 1024; i = i + 1 end
-  return i == 1 and fmt("%d B", b) or fmt("%.1f %s", b, u[i])
-end
-M.human = human
+-- an OOM error from an older runtime may lack a field: "?" rather than a crash
+local function human(b) return b == nil and "?" or kiln.format_bytes(b) end
 
 local function shape_str(t) return "[" .. table.concat(t.shape, ",") .. "]" end
 

@@ -1,8 +1,25 @@
--- kiln.util: small helpers shared by the shipped scripts.
+-- kiln.util: small helpers shared by the shipped scripts: command-line parsing and
+-- its usage errors, the out-of-memory test, and reading a network's shapes.
 local util = {}
 
+-- A usage error says the command line is wrong, not the script: the kiln program
+-- prints "kiln: <message>" and exits with status 2, without a traceback.
+local USAGE_MT = { __tostring = function(e) return e.message end }
+
+--- Raises a usage error: the table {kind = "usage", message = msg}.
+function util.usage_error(msg)
+  error(setmetatable({ kind = "usage", message = tostring(msg) }, USAGE_MT), 0)
+end
+
+--- True when e is a usage error raised by util.usage_error.
+function util.is_usage_error(e) return type(e) == "table" and e.kind == "usage" end
+
+--- True when e is the runtime's out-of-memory error (a table with kind "oom").
+function util.is_oom(e) return type(e) == "table" and e.kind == "oom" end
+
 -- Parses "--name value" / "--flag" command-line arguments into a table, with
--- defaults; unknown options are an error that lists the known ones.
+-- defaults; a mistake (an unknown option, which lists the known ones, a missing or
+-- malformed value) is a usage error.
 function util.parse_args(args, defaults)
   local opts = {}
   for k, v in pairs(defaults) do opts[k] = v end
@@ -10,22 +27,22 @@ function util.parse_args(args, defaults)
   while i <= #args do
     local a = args[i]
     local name = a:match("^%-%-([%w_%-]+)$")
-    if not name then error(("unexpected argument '%s'"):format(a), 2) end
+    if not name then util.usage_error(("unexpected argument '%s'"):format(a)) end
     local key = name:gsub("%-", "_")
     if defaults[key] == nil then
       local known = {}
       for k in pairs(defaults) do known[#known + 1] = "--" .. k:gsub("_", "-") end
       table.sort(known)
-      error(("unknown option '--%s' (known: %s)"):format(name, table.concat(known, " ")), 2)
+      util.usage_error(("unknown option '--%s' (known: %s)"):format(name, table.concat(known, " ")))
     end
     if type(defaults[key]) == "boolean" then
       opts[key] = true
       i = i + 1
     else
       local v = args[i + 1]
-      if v == nil then error(("option '--%s' needs a value"):format(name), 2) end
+      if v == nil then util.usage_error(("option '--%s' needs a value"):format(name)) end
       if type(defaults[key]) == "number" then
-        v = tonumber(v) or error(("option '--%s' needs a number, got '%s'"):format(name, args[i + 1]), 2)
+        v = tonumber(v) or util.usage_error(("--%s %s: not a number"):format(name, args[i + 1]))
       end
       opts[key] = v
       i = i + 2

@@ -513,7 +513,7 @@ function VAE:_unscale(z)
   return zs, dev
 end
 
-local function is_oom(e) return type(e) == "table" and e.kind == "oom" end
+local is_oom = util.is_oom
 local HOST = "cpu"
 
 -- A tiled decode with the untiled decode's GroupNorm statistics (kiln.tiling's
@@ -666,7 +666,7 @@ function VAE:_decode_untiled(z)
       local side = math.max(z.shape[3], z.shape[4])
       local ok, rec = pcall(self._record_gn, self, full, math.max(side, 32))
       if not ok then
-        if not (type(rec) == "table" and rec.kind == "oom") or side >= 32 then error(rec, 0) end
+        if not is_oom(rec) or side >= 32 then error(rec, 0) end
         collectgarbage()
         rec = self:_record_gn(full, side)
       end

@@ -246,7 +246,7 @@ static void blas_quiet(void) { nanosleep(&(struct timespec){0, 300000000}, NULL)
 
 int main(void)
 {
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     const char *pk = getenv("KILN_PEAK_GFLOPS");
     double peak = pk && atof(pk) > 0 ? atof(pk) : 185.0;
     const char *full_e = getenv("KILN_BENCH_FULL");

@@ -93,7 +93,7 @@ static double run_case(const bench_case *c)
 
 int main(void)
 {
-    int threads = kiln_threads();
+    int threads = kiln_cpu_threads();
     double torch_sec[NCASES];
     for (size_t i = 0; i < NCASES; i++) torch_sec[i] = -1;
 

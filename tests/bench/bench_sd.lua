@@ -14,9 +14,9 @@
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
 -- unet,vae,clip,modes,pipeline. --warmup: untimed evaluations before the timed ones, on
 -- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
--- mapped weights also maps their pages, +0.25 s, as PyTorch's load reads them; 0 times
--- the first evaluation too). The weights (2.1 GB f16, names and shapes from
--- ../shared/sd-keys/sd15.txt) are generated once into a temporary file and reused by
+-- mapped weights also maps their pages, as PyTorch's load reads them; 0 times
+-- the first evaluation too). The weights (SD 1.5's UNet in f16, names and shapes from
+-- $KILN_SHARED/sd-keys/sd15.txt) are generated once into a temporary file and reused by
 -- later runs (--fresh regenerates, --clean removes it at the end, --weights names it).
 -- Tensors up to 1 Mi elements are kiln.randn with their own seed; larger ones repeat
 -- a seeded 1 Mi-element randn block (random enough for timing, and 5x faster to

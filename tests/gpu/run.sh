@@ -53,7 +53,7 @@ else
   B=$ROOT/build/gpu-direct
   mkdir -p "$B/obj"
   {
-    for f in runtime/*.c kernels/cpu/*.c; do
+    for f in runtime/*.c kernels/*.c kernels/cpu/*.c; do
       echo "gcc -std=c11 -Wall -Wextra -O2 -g -c $f -o $B/obj/$(echo "$f" | tr / _).o"
     done
     echo "gcc -std=c11 -Wall -Wextra -O2 -g -I$CUDA_HOME/include -c kernels/cuda/cuda_backend.c -o $B/obj/cuda_backend.o"

@@ -138,6 +138,35 @@ test("every method of the kiln userdata classes is declared", function()
   check(live, "methods (of " .. table.concat(seen, ", ") .. ")")
 end)
 
+-- The string literals of a `---@alias kiln.NAME "a"|"b"|...` line, sorted.
+local function alias_values(name)
+  for _, line in ipairs(meta_lines) do
+    local body = line:match("^%-%-%-@alias%s+kiln%." .. name .. "%s+(.*)$")
+    if body then
+      local vals = {}
+      for v in body:gmatch('"([^"]*)"') do vals[#vals + 1] = v end
+      table.sort(vals)
+      return vals
+    end
+  end
+end
+
+-- The registries of kiln.sample are the one list of samplers and schedulers: the
+-- editor's name aliases must list exactly their names.
+for _, c in ipairs({ { "SamplerName", "names" }, { "SchedulerName", "scheduler_names" } }) do
+  test(("---@alias kiln.%s lists kiln.sample.%s()"):format(c[1], c[2]), function()
+    local want = table.concat(kiln.sample[c[2]](), "|")
+    local have = alias_values(c[1])
+    H.truthy(have, ("no ---@alias kiln.%s in %s"):format(c[1], META))
+    if table.concat(have, "|") ~= want then
+      local quoted = {}
+      for name in want:gmatch("[^|]+") do quoted[#quoted + 1] = '"' .. name .. '"' end
+      error(("%s's kiln.%s is out of step with the registry; write:\n---@alias kiln.%s %s")
+        :format(META, c[1], c[1], table.concat(quoted, "|")), 0)
+    end
+  end)
+end
+
 test("the tensor methods seen from a tensor are declared", function()
   local t = kiln.zeros({ 1 })
   local live = {}

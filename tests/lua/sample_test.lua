@@ -23,20 +23,40 @@ end
 
 local function maxdiff(a, b) return (a - b):abs():max() end
 
-local names = { "euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral", "lms",
-  "dpmpp_2s_ancestral", "dpmpp_2m", "dpmpp_sde", "lcm" }
-for _, name in ipairs(names) do
-  H.test("sampler " .. name .. " matches k-diffusion (NumPy)", function()
-    local x = sample.run(name, denoise, G.x0, G.sched_karras, { noise = injected() })
-    local d = maxdiff(x, G["out_" .. name])
-    if d > 1e-5 then error(("max difference %g > 1e-5"):format(d)) end
+-- Every sampler of the registry: against its golden output, or, when it shares
+-- another's function (ComfyUI's ddim is euler), against that one's.
+for _, name in ipairs(sample.names()) do
+  local info = sample.sampler_info(name)
+  local same
+  for _, other in ipairs(sample.names()) do
+    if other ~= name and G["out_" .. other] and sample.sampler_info(other).fn == info.fn then same = other end
+  end
+  if G["out_" .. name] then
+    H.test("sampler " .. name .. " matches k-diffusion (NumPy)", function()
+      local x = sample.run(name, denoise, G.x0, G.sched_karras, { noise = injected() })
+      local d = maxdiff(x, G["out_" .. name])
+      if d > 1e-5 then error(("max difference %g > 1e-5"):format(d)) end
+    end)
+  elseif same then
+    H.test(("sampler %s is %s (ComfyUI)"):format(name, same), function()
+      local a = sample.run(name, denoise, G.x0, G.sched_karras)
+      H.eq(maxdiff(a, sample.run(same, denoise, G.x0, G.sched_karras)), 0)
+    end)
+  else
+    H.test("sampler " .. name .. " matches k-diffusion (NumPy)", function()
+      error("no golden output: add it to tests/golden/gen_samplers.py and regenerate", 0)
+    end)
+  end
+  H.test(("sampler %s: registry entry (A1111 label, draws noise = %s)"):format(name, tostring(info.noise)), function()
+    H.truthy(info.label ~= "" and info.label ~= name, "an A1111 label such as \"DPM++ 2M\"")
+    local draws = 0
+    sample.run(name, denoise, G.x0, G.sched_karras, { noise = function(shape)
+      draws = draws + 1
+      return kiln.zeros(shape)
+    end })
+    H.eq(draws > 0, info.noise, "draws noise")
   end)
 end
-
-H.test("ddim is euler (ComfyUI)", function()
-  local a = sample.run("ddim", denoise, G.x0, G.sched_karras)
-  H.eq(maxdiff(a, sample.run("euler", denoise, G.x0, G.sched_karras)), 0)
-end)
 
 local ms = sample.discrete_schedule()
 local cases = {
@@ -45,6 +65,16 @@ local cases = {
   { "normal", {}, 10 }, { "sgm_uniform", {}, 10 }, { "simple", {}, 10 }, { "ddim_uniform", {}, 10 },
   { "beta", {}, 10 }, { "beta", {}, 40, "beta_40" }, { "beta", { alpha = 0.5, beta = 0.7 }, 25, "beta_custom" },
 }
+H.test("every scheduler of the registry is checked here", function()
+  local listed = {}
+  for _, c in ipairs(cases) do listed[c[1]] = true end
+  for _, name in ipairs(sample.scheduler_names()) do
+    H.truthy(listed[name], "no golden case for scheduler " .. name)
+    local info = sample.scheduler_info(name)
+    H.truthy(info.label ~= "" and info.label ~= name, name .. ": an A1111 label such as \"Karras\"")
+  end
+end)
+
 for _, c in ipairs(cases) do
   H.test("schedule " .. (c[4] or c[1]) .. " matches ComfyUI (NumPy, SciPy)", function()
     local s = sample.sigmas(c[1], c[3], c[2])

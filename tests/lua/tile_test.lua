@@ -225,8 +225,8 @@ test("peak of a tiled map on sim does not grow with the image", function()
     local u = net(x)
     local upeak = kiln.mem.stats("sim").peak - base
     u:free(); x:free()
-    line[#line + 1] = ("%dx%d: tiled %s (result %s + %s), untiled %s"):format(n, n, tiling.human(peak), tiling.human(rb),
-      tiling.human(peak - rb), tiling.human(upeak))
+    line[#line + 1] = ("%dx%d: tiled %s (result %s + %s), untiled %s"):format(n, n, kiln.format_bytes(peak), kiln.format_bytes(rb),
+      kiln.format_bytes(peak - rb), kiln.format_bytes(upeak))
   end
   note("peak over the input on sim, tile 64 overlap 16: %s", table.concat(line, "; "))
   -- 160 px takes 3 full tiles of 64; 96 px (2 tiles of 56) and 224 px (5 of 58) take
@@ -322,7 +322,7 @@ test("tile = \"auto\" under a tight sim budget: no OOM, peak <= budget", functio
   local p = psnr(r, full)
   truthy(p >= 40, "psnr " .. p)
   note("auto tile on sim, budget %s over the input: tile %d, peak %s, model %.0f + %.1f B/px, PSNR %.1f dB",
-    tiling.human(budget - base), tile, tiling.human(st.peak - base), model.a, model.b, p)
+    kiln.format_bytes(budget - base), tile, kiln.format_bytes(st.peak - base), model.a, model.b, p)
   -- the fit is cached per owner and key: no more probes
   local before = n
   tiling.auto_tile(counted, x, { cache = owner, key = "net", multiple = 8 })
@@ -352,7 +352,7 @@ test("kiln.mem.estimate is within 25% of the measured peak", function()
     eq(info.method, "measured")
     truthy(err <= 0.25, ("%s: estimate %d, measured %d (%.1f%%)"):format(table.concat(case, "/"), est, real, 100 * err))
     note("estimate %s conv %d-%d-%d at %dx%d (probes 8/16/24): predicted %s, measured %s (%+.1f%%)", dev, case[2], case[3],
-      case[4], case[5], case[5], tiling.human(est), tiling.human(real), 100 * (est - real) / real)
+      case[4], case[5], case[5], kiln.format_bytes(est), kiln.format_bytes(real), 100 * (est - real) / real)
   end
   -- memory quadratic in the pixels (a materialized attention matrix): opts.quadratic
   local function attn_like(x)
@@ -369,7 +369,7 @@ test("kiln.mem.estimate is within 25% of the measured peak", function()
   local real = kiln.mem.stats("cpu").peak - base
   truthy(info.c > 0, "quadratic term")
   truthy(math.abs(est - real) / real <= 0.25, ("quadratic: estimate %d, real %d"):format(est, real))
-  note("estimate with quadratic = true, L x L scores at 40x40: predicted %s, measured %s", tiling.human(est), tiling.human(real))
+  note("estimate with quadratic = true, L x L scores at 40x40: predicted %s, measured %s", kiln.format_bytes(est), kiln.format_bytes(real))
   -- a small input is simply run: exact
   local net = conv_net(2, 4, 2, 60, "cpu")
   local _, info = kiln.mem.estimate(net, kiln.randn({ 1, 2, 8, 8 }))
@@ -464,7 +464,7 @@ test("tiled VAE decode / encode (stand-in VAE), tile = N and \"auto\"", function
   local chosen = info.tile
   truthy(chosen and chosen < 48, "auto tiled: " .. tostring(chosen))
   note("stand-in VAE 48x40 latents: decode tile 16 PSNR %.1f dB, encode tile 24 PSNR %.1f dB, auto decode under %s: tile %d, PSNR %.1f dB",
-    p, pe, tiling.human(6 * MiB), chosen, pa)
+    p, pe, kiln.format_bytes(6 * MiB), chosen, pa)
   raises(function() tiling.encode(vae, kiln.rand({ 1, 3, 60, 64 }), { tile = 8 }) end, "not a multiple of 8")
   raises(function() tiling.decode(vae, z, { tile = 0 }) end, "tile must be a positive integer")
 end)

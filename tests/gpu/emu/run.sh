@@ -6,16 +6,22 @@
 # cuBLAS/cuDNN-argument mistakes on a machine without a GPU (about a minute);
 # stream ordering, real numerics and speed need tests/gpu/run.sh on a GPU.
 # Usage: bash tests/gpu/emu/run.sh [test names...]      (x86-64, g++, CUDA headers)
+#   B=FOLDER puts the objects and the test program elsewhere (default build/gpu-emu).
 set -eu
 cd "$(dirname "$0")/../../.."
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-B=build/gpu-emu
+B=${B:-build/gpu-emu}
 E=tests/gpu/emu
 mkdir -p "$B/obj"
 pids=()
-for f in runtime/*.c kernels/cpu/*.c; do
+for f in runtime/*.c kernels/*.c kernels/cpu/*.c; do
   gcc -std=c11 -O1 -g -c "$f" -o "$B/obj/$(echo "$f" | tr / _).o" & pids+=($!)
 done
+# the runtime's compiled-in data (the built-in CLIP vocabulary), made as the Makefile makes it
+if [ -f runtime/data/gen_blob.lua ]; then
+  lua5.4 runtime/data/gen_blob.lua "$B/clip_vocab.c" kiln_clip_vocab_gz runtime/data/bpe_simple_vocab_16e6.txt.gz
+  gcc -std=c11 -O1 -c "$B/clip_vocab.c" -o "$B/obj/clip_vocab.o" & pids+=($!)
+fi
 gcc -std=c11 -Wall -Wextra -O1 -g -I"$CUDA_HOME/include" -c kernels/cuda/cuda_backend.c -o "$B/obj/cuda_backend.o" & pids+=($!)
 g++ -std=c++17 -O1 -g -ffp-contract=off -I"$CUDA_HOME/include" -c "$E/emu_runtime.cpp" -o "$B/obj/emu_runtime.o" & pids+=($!)
 for f in kernels/cuda/*.cu; do

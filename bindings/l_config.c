@@ -1,0 +1,369 @@
+/* l_config.c - the one setup path of a runtime (kiln.configure, used by the kiln
+ * program, kiln.h contexts and scripts), kiln.parse_size (the only size parser), and
+ * the allocators' pressure hook: a GC of the Lua state running on the calling thread. */
+#define _POSIX_C_SOURCE 200809L
+#include "l_config.h"
+#include "l_kiln.h"
+#include "../runtime/events.h"
+#include "../runtime/model.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- sizes */
+
+int l_parse_size(const char *s, uint64_t *bytes)
+{
+    static const char units[] = "KMGT";
+    /* by hand rather than strtod: no hex, no inf/nan, no locale's decimal comma */
+    while (*s == ' ' || *s == '\t') s++;
+    double v = 0;
+    int digits = 0;
+    for (; *s >= '0' && *s <= '9'; s++, digits++) v = v * 10 + (*s - '0');
+    if (*s == '.') {
+        double scale = 0.1;
+        for (s++; *s >= '0' && *s <= '9'; s++, digits++, scale /= 10) v += (*s - '0') * scale;
+    }
+    if (digits == 0) return 0;
+    while (*s == ' ' || *s == '\t') s++;
+    double mult = 1;
+    char u = *s >= 'a' && *s <= 'z' ? (char)(*s - 'a' + 'A') : *s;
+    const char *p = u != '\0' ? strchr(units, u) : NULL;
+    if (p != NULL) {
+        for (int k = 0; k <= p - units; k++) mult *= 1024;
+        s++;
+        if (*s == 'i' || *s == 'I') s++; /* KiB */
+    }
+    if (*s == 'b' || *s == 'B') s++;
+    while (*s == ' ' || *s == '\t') s++;
+    if (*s != '\0') return 0;
+    v = v * mult + 0.5;
+    if (v >= 9.2e18) return 0; /* beyond a Lua integer */
+    *bytes = (uint64_t)v;
+    return 1;
+}
+
+/* The size at idx (bytes as a number, or a size string); raises with what in the
+ * message when it is neither. */
+static int check_size(lua_State *L, int idx, uint64_t *out)
+{
+    if (lua_type(L, idx) == LUA_TNUMBER) {
+        lua_Number n = lua_tonumber(L, idx);
+        if (n >= 0 && n < 9.2e18) {
+            *out = (uint64_t)(n + 0.5);
+            return 1;
+        }
+        return 0;
+    }
+    if (lua_type(L, idx) == LUA_TSTRING) return l_parse_size(lua_tostring(L, idx), out);
+    return 0;
+}
+
+#define SIZE_EXAMPLES "bytes or a size such as 6G, 512M, 1.5GiB"
+
+/* kiln.parse_size(s) -> bytes: "6G", "512M", "1.5GiB", "100000" (binary units). */
+static int l_parse_size_lua(lua_State *L)
+{
+    uint64_t bytes;
+    if (!check_size(L, 1, &bytes))
+        return luaL_argerror(L, 1, lua_pushfstring(L, "invalid size '%s' (expected " SIZE_EXAMPLES ")",
+                                                   luaL_tolstring(L, 1, NULL)));
+    lua_pushinteger(L, (lua_Integer)bytes);
+    return 1;
+}
+
+/* ---------------------------------------------------------------- configure */
+
+/* ORDER FIELDS: the order configure applies them in (the quiet flag and the trace
+ * first, so that what the others do is quiet and traced). */
+static const char *const fields[] = {"quiet", "trace", "threads", "device", "mode", "budget", NULL};
+#define MAX_THREADS 256 /* as kiln.set_threads */
+
+static int error_message(lua_State *L)
+{
+    lua_getfield(L, 1, "message");
+    return 1;
+}
+
+/* Raises {kind = "usage", field = field, message = "field: detail"} (a kiln.Error):
+ * a bad option value is the caller's mistake, and the kiln program reports such an
+ * error on one line, without a traceback. */
+static int config_error(lua_State *L, const char *field, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    const char *detail = lua_pushvfstring(L, fmt, ap);
+    va_end(ap);
+    lua_createtable(L, 0, 4);
+    lua_pushliteral(L, "usage");
+    lua_setfield(L, -2, "kind");
+    lua_pushstring(L, field);
+    lua_setfield(L, -2, "field");
+    lua_pushstring(L, detail);
+    lua_setfield(L, -2, "detail");
+    lua_pushfstring(L, "%s: %s", field, detail);
+    lua_setfield(L, -2, "message");
+    if (luaL_newmetatable(L, KILN_ERROR_MT)) { /* no typed error was raised before */
+        lua_pushcfunction(L, error_message);
+        lua_setfield(L, -2, "__tostring");
+    }
+    lua_setmetatable(L, -2);
+    return lua_error(L);
+}
+
+/* Pushes kiln.<name> (name may be "mem.set_budget") from the kiln table at kidx. */
+static void push_setter(lua_State *L, int kidx, const char *name)
+{
+    const char *dot = strchr(name, '.');
+    if (dot) {
+        lua_pushlstring(L, name, (size_t)(dot - name));
+        lua_gettable(L, kidx);
+        lua_getfield(L, -1, dot + 1);
+        lua_remove(L, -2);
+    } else {
+        lua_getfield(L, kidx, name);
+    }
+    if (!lua_isfunction(L, -1)) luaL_error(L, "kiln.configure: kiln.%s is missing", name);
+}
+
+/* Calls the setter under its nargs arguments; its failure is the field's. */
+static void call_setter(lua_State *L, const char *field, int nargs, int nres)
+{
+    if (lua_pcall(L, nargs, nres, 0) != LUA_OK) config_error(L, field, "%s", luaL_tolstring(L, -1, NULL));
+}
+
+/* kiln.configure{device=, mode=, budget=, threads=, quiet=, trace=}: checks every
+ * field, then applies them through the kiln table's own setters. Absent fields are
+ * left as they are. budget is bytes or a size string, for the device given (else the
+ * default device); mode "auto" leaves the mode to the planner of each run; trace =
+ * false stops a running trace. A bad field raises a usage error naming it.
+ *                                                                    [-0, +0, e] */
+static int l_configure(lua_State *L)
+{
+    const int kidx = lua_upvalueindex(1);
+    luaL_checktype(L, 1, LUA_TTABLE);
+    lua_settop(L, 1);
+    /* unknown fields first: a misspelt option must not be silently ignored */
+    lua_pushnil(L);
+    while (lua_next(L, 1) != 0) {
+        lua_pop(L, 1);
+        int known = 0;
+        if (lua_type(L, -1) == LUA_TSTRING)
+            for (int i = 0; fields[i]; i++) known |= strcmp(lua_tostring(L, -1), fields[i]) == 0;
+        if (!known) {
+            luaL_Buffer b;
+            luaL_buffinit(L, &b);
+            for (int i = 0; fields[i]; i++) {
+                if (i) luaL_addstring(&b, ", ");
+                luaL_addstring(&b, fields[i]);
+            }
+            luaL_pushresult(&b);
+            const char *list = lua_tostring(L, -1);
+            return config_error(L, luaL_tolstring(L, -2, NULL), "unknown field (expected one of: %s)", list);
+        }
+    }
+    /* 2 quiet, 3 trace, 4 threads, 5 device, 6 mode, 7 budget */
+    for (int i = 0; fields[i]; i++) lua_getfield(L, 1, fields[i]);
+    const int quiet = 2, trace = 3, threads = 4, device = 5, mode = 6, budget = 7;
+
+    if (!lua_isnil(L, quiet) && !lua_isboolean(L, quiet))
+        config_error(L, "quiet", "expected a boolean, got %s", luaL_typename(L, quiet));
+    if (!lua_isnil(L, trace) && lua_type(L, trace) != LUA_TSTRING && !(lua_isboolean(L, trace) && !lua_toboolean(L, trace)))
+        config_error(L, "trace", "expected a file name or false, got %s", luaL_typename(L, trace));
+    if (!lua_isnil(L, threads)) {
+        int ok;
+        lua_Integer n = lua_tointegerx(L, threads, &ok);
+        if (!ok || lua_type(L, threads) != LUA_TNUMBER)
+            config_error(L, "threads", "expected an integer, got %s", luaL_tolstring(L, threads, NULL));
+        if (n < 0 || n > MAX_THREADS)
+            config_error(L, "threads", "%I is out of range (0 = one per core, up to %d)", n, MAX_THREADS);
+    }
+    if (!lua_isnil(L, device)) {
+        if (lua_type(L, device) != LUA_TSTRING)
+            config_error(L, "device", "expected a device name, got %s", luaL_typename(L, device));
+        if (!kiln_device_get(lua_tostring(L, device))) config_error(L, "device", "%s", kiln_last_error());
+    }
+    if (!lua_isnil(L, mode)) {
+        if (lua_type(L, mode) != LUA_TSTRING)
+            config_error(L, "mode", "expected a memory mode, got %s", luaL_typename(L, mode));
+        const char *m = lua_tostring(L, mode);
+        if (strcmp(m, "auto") != 0 && kiln_memory_mode_from_name(m) < 0) {
+            luaL_Buffer b;
+            luaL_buffinit(L, &b);
+            for (int i = 0; i < KILN_MEM_MODE_COUNT; i++) {
+                luaL_addstring(&b, kiln_memory_mode_name((kiln_memory_mode)i));
+                luaL_addstring(&b, ", ");
+            }
+            luaL_addstring(&b, "auto");
+            luaL_pushresult(&b);
+            config_error(L, "mode", "unknown memory mode '%s' (expected one of: %s)", m, lua_tostring(L, -1));
+        }
+    }
+    uint64_t budget_bytes = 0;
+    if (!lua_isnil(L, budget) && !check_size(L, budget, &budget_bytes))
+        config_error(L, "budget", "invalid size '%s' (expected " SIZE_EXAMPLES ")", luaL_tolstring(L, budget, NULL));
+
+    if (!lua_isnil(L, quiet)) {
+        push_setter(L, kidx, "set_quiet");
+        lua_pushvalue(L, quiet);
+        call_setter(L, "quiet", 1, 0);
+    }
+    if (lua_toboolean(L, trace)) {
+        push_setter(L, kidx, "trace.start");
+        lua_pushvalue(L, trace);
+        call_setter(L, "trace", 1, 0);
+    } else if (!lua_isnil(L, trace)) {
+        push_setter(L, kidx, "trace.stop");
+        call_setter(L, "trace", 0, 0);
+    }
+    if (!lua_isnil(L, threads)) {
+        push_setter(L, kidx, "set_threads");
+        lua_pushvalue(L, threads);
+        call_setter(L, "threads", 1, 0);
+    }
+    if (!lua_isnil(L, device)) {
+        push_setter(L, kidx, "set_default_device");
+        lua_pushvalue(L, device);
+        call_setter(L, "device", 1, 0);
+    }
+    if (!lua_isnil(L, mode) && strcmp(lua_tostring(L, mode), "auto") != 0) {
+        push_setter(L, kidx, "memory_mode");
+        lua_pushvalue(L, mode);
+        call_setter(L, "mode", 1, 0);
+    }
+    if (!lua_isnil(L, budget)) {
+        push_setter(L, kidx, "mem.set_budget");
+        if (!lua_isnil(L, device)) {
+            lua_pushvalue(L, device);
+        } else {
+            push_setter(L, kidx, "default_device");
+            call_setter(L, "budget", 0, 1);
+        }
+        lua_pushinteger(L, (lua_Integer)budget_bytes);
+        call_setter(L, "budget", 2, 0);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- pressure hook
+ * The allocators are the process's; Lua states are not. One hook function serves
+ * every state, so installing it again never replaces another state's: it collects
+ * the state a kiln.h call has entered on this thread, else the state most recently
+ * opened on this thread. Another thread's state is never touched: its objects are
+ * not ours to collect while it runs. */
+
+#define MAX_STATES 64 /* open states tracked at once; beyond, a state's GC is not run on pressure */
+
+typedef struct {
+    lua_State *L;    /* the main thread of a state that opened kiln */
+    uint64_t thread; /* thread_number() of the thread that opened kiln in it */
+} tracked_state;
+
+static tracked_state states[MAX_STATES];
+static int n_states;
+static pthread_mutex_t states_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Thread_local lua_State *entered;
+
+/* A number no other thread ever has (a pthread_t may be reused once its thread ends,
+ * and a state may outlive the thread that opened it). */
+static uint64_t thread_number(void)
+{
+    static atomic_uint_fast64_t next = 1;
+    static _Thread_local uint64_t mine;
+    if (mine == 0) mine = (uint64_t)atomic_fetch_add(&next, 1);
+    return mine;
+}
+
+lua_State *l_pressure_enter(lua_State *L)
+{
+    lua_State *previous = entered;
+    entered = L;
+    return previous;
+}
+
+void l_pressure_leave(lua_State *previous)
+{
+    entered = previous;
+}
+
+static lua_State *pressure_target(void)
+{
+    if (entered) return entered;
+    lua_State *L = NULL;
+    uint64_t self = thread_number();
+    pthread_mutex_lock(&states_lock);
+    for (int i = n_states - 1; i >= 0 && !L; i--)
+        if (states[i].thread == self) L = states[i].L;
+    pthread_mutex_unlock(&states_lock);
+    return L;
+}
+
+/* Before reporting out-of-memory, a full GC may free tensors nobody references. It
+ * is skipped on the runtime's copy threads and while a finalizer runs (never collect
+ * from inside __gc). */
+static int gc_pressure(void *unused)
+{
+    (void)unused;
+    if (kiln_thread_is_worker()) return 0;
+    lua_State *L = pressure_target();
+    if (!L || lua_gc(L, LUA_GCISRUNNING) == 0) return 0;
+    lua_gc(L, LUA_GCCOLLECT);
+    return 1;
+}
+
+/* __gc of the state's registry sentinel: the state is closing. */
+static int forget_state(lua_State *L)
+{
+    lua_State *state = *(lua_State **)lua_touserdata(L, 1);
+    pthread_mutex_lock(&states_lock);
+    for (int i = 0; i < n_states; i++)
+        if (states[i].L == state) {
+            memmove(&states[i], &states[i + 1], (size_t)(n_states - i - 1) * sizeof states[0]);
+            n_states--;
+            break;
+        }
+    pthread_mutex_unlock(&states_lock);
+    if (entered == state) entered = NULL;
+    return 0;
+}
+
+#define SENTINEL_KEY "kiln.pressure_sentinel"
+
+static void track_state(lua_State *L)
+{
+    if (lua_getfield(L, LUA_REGISTRYINDEX, SENTINEL_KEY) != LUA_TNIL) { /* kiln opened twice */
+        lua_pop(L, 1);
+        return;
+    }
+    lua_pop(L, 1);
+    lua_rawgeti(L, LUA_REGISTRYINDEX, LUA_RIDX_MAINTHREAD);
+    lua_State *state = lua_tothread(L, -1);
+    lua_pop(L, 1);
+    *(lua_State **)lua_newuserdatauv(L, sizeof state, 0) = state;
+    lua_createtable(L, 0, 1);
+    lua_pushcfunction(L, forget_state);
+    lua_setfield(L, -2, "__gc");
+    lua_setmetatable(L, -2);
+    lua_setfield(L, LUA_REGISTRYINDEX, SENTINEL_KEY);
+
+    pthread_mutex_lock(&states_lock);
+    if (n_states < MAX_STATES) states[n_states++] = (tracked_state){state, thread_number()};
+    pthread_mutex_unlock(&states_lock);
+    for (int i = 0; i < kiln_device_count(); i++)
+        kiln_allocator_set_pressure_hook(kiln_device_at(i)->alloc, gc_pressure, NULL);
+}
+
+/* ---------------------------------------------------------------- open */
+
+void l_open_config(lua_State *L)
+{
+    lua_pushvalue(L, -1); /* the kiln table, upvalue of configure */
+    lua_pushcclosure(L, l_configure, 1);
+    lua_setfield(L, -2, "configure");
+    lua_pushcfunction(L, l_parse_size_lua);
+    lua_setfield(L, -2, "parse_size");
+    track_state(L);
+}

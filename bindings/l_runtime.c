@@ -1,0 +1,115 @@
+#define _POSIX_C_SOURCE 200809L
+/* l_runtime.c - the kiln table's process-wide facts and switches: kiln.version,
+ * the devices and the default one, the CPU thread count, a monotonic clock,
+ * isatty, the quiet flag, and kiln.format_bytes. Also kiln.h's kiln_version(). */
+#include "l_kiln.h"
+#include "kiln.h"
+#include "../runtime/device.h"
+
+#include <time.h>
+#include <unistd.h>
+
+#define KILN_STR_(x) #x
+#define KILN_STR(x) KILN_STR_(x)
+
+const char *kiln_version(void)
+{
+    return KILN_STR(KILN_VERSION_MAJOR) "." KILN_STR(KILN_VERSION_MINOR) "." KILN_STR(KILN_VERSION_PATCH);
+}
+
+const char *kiln_version_string(void) { return kiln_version(); }
+
+/* kiln.devices() -> {"cpu", "sim", ...} */
+static int l_devices(lua_State *L)
+{
+    int n = kiln_device_count();
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        lua_pushstring(L, kiln_device_at(i)->name);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_set_default_device_fn(lua_State *L)
+{
+    l_set_default_device(L, l_check_device(L, 1));
+    return 0;
+}
+
+static int l_default_device_name(lua_State *L)
+{
+    lua_pushstring(L, l_default_device(L)->name);
+    return 1;
+}
+
+static int l_set_threads(lua_State *L)
+{
+    lua_Integer n = luaL_checkinteger(L, 1);
+    if (n < 0 || n > 256) luaL_argerror(L, 1, "thread count must be 0 (default) to 256");
+    kiln_set_threads((int)n);
+    return 0;
+}
+
+static int l_threads(lua_State *L)
+{
+    lua_pushinteger(L, kiln_threads());
+    return 1;
+}
+
+/* kiln.time() -> seconds on a monotonic wall clock (os.clock is CPU time, which
+ * counts every thread) */
+static int l_time(lua_State *L)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
+    return 1;
+}
+
+/* kiln.isatty("stdout"|"stderr"|"stdin") */
+static int l_isatty(lua_State *L)
+{
+    static const char *const names[] = {"stdin", "stdout", "stderr", NULL};
+    int fd = luaL_checkoption(L, 1, "stderr", names);
+    lua_pushboolean(L, isatty(fd));
+    return 1;
+}
+
+/* kiln.set_quiet(flag) / kiln.quiet(): progress displays and chatter off */
+static int l_set_quiet(lua_State *L)
+{
+    lua_pushboolean(L, lua_toboolean(L, 1));
+    lua_setfield(L, LUA_REGISTRYINDEX, "kiln.quiet");
+    return 0;
+}
+
+static int l_quiet(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, "kiln.quiet");
+    lua_pushboolean(L, lua_toboolean(L, -1));
+    return 1;
+}
+
+/* kiln.format_bytes(n) -> "1.50 GiB": the runtime's one byte formatter, so scripts
+ * print sizes as the memory summary and error messages do. [-0, +1, v] */
+static int l_format_bytes(lua_State *L)
+{
+    l_push_bytes(L, (double)luaL_checknumber(L, 1));
+    return 1;
+}
+
+static const luaL_Reg runtime_funcs[] = {
+    {"time", l_time}, {"isatty", l_isatty}, {"set_quiet", l_set_quiet}, {"quiet", l_quiet},
+    {"devices", l_devices}, {"set_default_device", l_set_default_device_fn},
+    {"default_device", l_default_device_name}, {"set_threads", l_set_threads}, {"threads", l_threads},
+    {"format_bytes", l_format_bytes},
+    {NULL, NULL},
+};
+
+void l_open_runtime(lua_State *L)
+{
+    lua_pushstring(L, kiln_version());
+    lua_setfield(L, -2, "version");
+    luaL_setfuncs(L, runtime_funcs, 0);
+}

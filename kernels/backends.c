@@ -1,0 +1,11 @@
+/* backends.c - the backends this build links, in the order the runtime meets them:
+ * the runtime's one hook into kernels/ (kiln_backends_register_all, declared in
+ * runtime/backend.h). A new backend adds its registrar here and nowhere else. */
+#include "cpu/cpu_backend.h"
+#include "cuda/cuda_register.h"
+
+void kiln_backends_register_all(void)
+{
+    kiln_cpu_backend_register();  /* first: it computes for the host devices */
+    kiln_cuda_backend_register(); /* the GPUs, or a table that says why there are none */
+}
