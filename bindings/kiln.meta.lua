@@ -3,7 +3,7 @@
 -- lua-language-server (LuaLS): completion, signatures and type checks in editors.
 -- Installed as PREFIX/share/kiln/kiln.meta.lua; point LuaLS at it with
 --   "workspace.library": ["/usr/local/share/kiln"]   (.luarc.json)
--- tests/lua/meta_test.lua checks that every function the live module exports is
+-- tests/lua/test_meta.lua checks that every function the live module exports is
 -- declared here: module functions as `function kiln.NAME(` / `function kiln.SUB.NAME(`,
 -- methods as `function Class:NAME(` under `---@class kiln.Class` + `local Class = {}`.
 -- Dimensions count from 1; negative dimensions count from the end (-1 is the last).
@@ -367,7 +367,7 @@ function kiln.nn.linear(x, w, b) end
 ---@param b? kiln.Tensor [K]
 ---opts.upsample = 2 upsamples x 2x (nearest) first, as upsample_nearest(x, 2) would, fused with
 ---the convolution where it can be (3x3, stride 1, padding 1, on the CPU): the upsampled
----image (4x the input) is never made, and the decoders' Upsample blocks run ~25% faster.
+---image (4x the input) is never made, and the decoders' Upsample blocks run faster (README: speed).
 ---@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer, upsample?: integer}
 ---@return kiln.Tensor
 function kiln.nn.conv2d(x, w, b, opts) end
@@ -631,7 +631,7 @@ function kiln.trace.counters() end
 
 ---@alias kiln.Denoiser fun(x: kiln.Tensor, sigma: number): kiln.Tensor
 
--- The names of kiln.sample's registry; tests/lua/meta_test.lua keeps them equal to
+-- The names of kiln.sample's registry; tests/lua/test_meta.lua keeps them equal to
 -- kiln.sample.names() and kiln.sample.scheduler_names().
 ---@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2s_ancestral"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"
 ---@alias kiln.SchedulerName "beta"|"ddim_uniform"|"exponential"|"karras"|"normal"|"sgm_uniform"|"simple"

@@ -4,6 +4,7 @@
  * lock: the allocator, storage and model locks may be held by callers. */
 #define _GNU_SOURCE
 #include "events.h"
+#include "atomic_file.h"
 #include "format_bytes.h"
 
 #include <errno.h>
@@ -43,7 +44,8 @@ static int n_thread_names;
 /* trace state (under ev_mu; trace_on is read without it as a fast path) */
 static atomic_int trace_on;
 static FILE *trace_file;
-static char *trace_path, *trace_tmp;
+static char *trace_path;       /* the target, owned here (the atomic file borrows it) */
+static kiln_atomic_file trace_af; /* the temporary the trace streams into until stop */
 static double trace_t0;
 static uint64_t trace_counters, trace_dropped;
 
@@ -351,25 +353,27 @@ kiln_status kiln_trace_start(const char *path)
         return st;
     }
     size_t n = strlen(path);
-    char *tmp = malloc(n + 16), *dst = malloc(n + 1);
-    if (!tmp || !dst) {
-        free(tmp); free(dst);
+    char *dst = malloc(n + 1);
+    if (!dst) {
         pthread_mutex_unlock(&ev_mu);
         return kiln_error(KILN_ERR_OOM, "trace.start: out of host memory");
     }
     memcpy(dst, path, n + 1);
-    snprintf(tmp, n + 16, "%s.tmp.XXXXXX", path);
-    int fd = mkstemp(tmp);
+    /* the events stream through stdio into the atomic file's temporary: a trace that
+     * cannot be finished never replaces an earlier one */
+    kiln_status st = kiln_atomic_file_open(&trace_af, dst);
+    int fd = st == KILN_OK ? dup(trace_af.fd) : -1;
     FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!f) {
         int err = errno;
-        if (fd >= 0) { close(fd); unlink(tmp); }
-        free(tmp); free(dst);
+        if (fd >= 0) close(fd);
+        kiln_atomic_file_abort(&trace_af);
+        free(dst);
         pthread_mutex_unlock(&ev_mu);
-        return kiln_error(KILN_ERR_IO, "trace.start: cannot create %s: %s", path, strerror(err));
+        return st != KILN_OK ? kiln_error(st, "trace.start: %s", kiln_last_error())
+                             : kiln_error(KILN_ERR_IO, "trace.start: cannot create %s: %s", path, strerror(err));
     }
     trace_file = f;
-    trace_tmp = tmp;
     trace_path = dst;
     trace_t0 = kiln_events_now();
     trace_counters = trace_dropped = 0;
@@ -398,18 +402,17 @@ kiln_status kiln_trace_stop(void)
     fprintf(f, "\n],\n\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"kiln\",\"dropped_counter_samples\":%llu}}\n",
             (unsigned long long)trace_dropped);
     int bad = ferror(f) || fflush(f) != 0;
-    if (!bad) fsync(fileno(f));
     bad |= fclose(f) != 0;
     int err = errno;
     kiln_status st = KILN_OK;
-    if (!bad && rename(trace_tmp, trace_path) != 0) { bad = 1; err = errno; }
     if (bad) {
-        unlink(trace_tmp);
+        kiln_atomic_file_abort(&trace_af);
         st = kiln_error(KILN_ERR_IO, "trace.stop: cannot write %s: %s", trace_path, strerror(err));
+    } else if ((st = kiln_atomic_file_commit(&trace_af)) != KILN_OK) {
+        st = kiln_error(st, "trace.stop: %s", kiln_last_error());
     }
-    free(trace_tmp);
     free(trace_path);
-    trace_tmp = trace_path = NULL;
+    trace_path = NULL;
     trace_file = NULL;
     pthread_mutex_unlock(&ev_mu);
     return st;

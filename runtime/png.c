@@ -25,8 +25,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* Reading uses the classic API, not the simplified png_image_* one (STYLE.md asks
- * for the latter where it fits): the simplified reader cannot return 16-bit
+/* Reading uses the classic API, not the simplified png_image_* one (the house style
+ * prefers the latter where it fits): the simplified reader cannot return 16-bit
  * samples as stored (its 16-bit formats are linear light, gamma-decoded and with
  * premultiplied alpha), and it converts files tagged with an unusual gamma (gAMA
  * 1.0, as linear data such as depth maps is often written) to sRGB. kiln returns

@@ -25,10 +25,14 @@ const char *kiln_status_name(kiln_status s)
 
 kiln_status kiln_error(kiln_status code, const char *fmt, ...)
 {
+    /* formatted aside first: the arguments may include kiln_last_error() itself, to
+     * prefix what a callee reported */
+    char buf[sizeof tl_msg];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tl_msg, sizeof tl_msg, fmt, ap);
+    vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    memcpy(tl_msg, buf, sizeof buf);
     tl_status = code;
     return code;
 }
@@ -40,10 +44,12 @@ kiln_status kiln_error_oom(const char *device, uint64_t requested, uint64_t free
     tl_oom.requested = requested;
     tl_oom.free = free;
     tl_oom.budget = budget;
+    char buf[sizeof tl_msg];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tl_msg, sizeof tl_msg, fmt, ap);
+    vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    memcpy(tl_msg, buf, sizeof buf);
     tl_status = KILN_ERR_OOM;
     return KILN_ERR_OOM;
 }

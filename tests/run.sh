@@ -48,7 +48,7 @@ for t in tests/test_*.sh; do
   [ -f "$t" ] || continue
   run_one "$(basename "$t")" bash "$t" "$BUILD/kiln"
 done
-for t in tests/lua/*_test.lua; do
+for t in tests/lua/test_*.lua; do
   [ -f "$t" ] || continue
   run_one "$(basename "$t")" "$BUILD/kiln" "$t"
 done

@@ -3,6 +3,7 @@
  * that cannot happen) leaves the existing file byte-identical and no temporary. */
 #define _POSIX_C_SOURCE 200809L
 #include "test.h"
+#include "test_files.h"
 #include "atomic_file.h"
 
 #include <dirent.h>
@@ -11,41 +12,6 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-static char tmpdir[256];
-
-static const char *tmp_path(const char *name)
-{
-    static char buf[4][512];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s", tmpdir, name);
-    return buf[k];
-}
-
-static unsigned char *read_file(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *buf = malloc(len > 0 ? (size_t)len : 1);
-    *n = fread(buf, 1, (size_t)len, f);
-    fclose(f);
-    return buf;
-}
-
-static int count_tmp_files(void)
-{
-    DIR *d = opendir(tmpdir);
-    int n = 0;
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (strstr(e->d_name, ".tmp")) n++;
-    if (d) closedir(d);
-    return n;
-}
 
 static int same_file(const char *path, const char *want, size_t n)
 {
@@ -155,29 +121,14 @@ static void t_missing_folder(void)
     kiln_atomic_file_abort(&f); /* a failed open leaves it closed */
 }
 
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    while (d && (e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        char p[600];
-        snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name);
-        unlink(p);
-    }
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
-
 int main(void)
 {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/kiln_test_atomic_XXXXXX");
-    if (!mkdtemp(tmpdir)) { perror("mkdtemp"); return 1; }
+    if (!test_tmpdir_make("atomic")) return 1;
     RUN(t_commit);
     RUN(t_abort_keeps_existing);
     RUN(t_failed_write_keeps_existing);
     RUN(t_failed_rename_removes_temp);
     RUN(t_missing_folder);
-    cleanup();
+    test_tmpdir_remove();
     return test_summary();
 }

@@ -3,6 +3,7 @@
  * tRNS), and clean errors for missing, foreign, truncated and corrupt files. */
 #define _POSIX_C_SOURCE 200809L
 #include "test.h"
+#include "test_files.h"
 #include "png_io.h"
 
 #include <dirent.h>
@@ -24,49 +25,6 @@
 
 #define GOLDEN "tests/golden/png/"
 enum { GW = 7, GH = 5 };
-
-static char tmpdir[256];
-
-static const char *tmp_path(const char *name)
-{
-    static char buf[4][512];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s", tmpdir, name);
-    return buf[k];
-}
-
-static unsigned char *read_file(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *buf = malloc(len > 0 ? (size_t)len : 1);
-    *n = fread(buf, 1, (size_t)len, f);
-    fclose(f);
-    return buf;
-}
-
-static void write_file(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f) return;
-    if (n) fwrite(data, 1, n, f);
-    fclose(f);
-}
-
-static int count_tmp_files(void)
-{
-    DIR *d = opendir(tmpdir);
-    int n = 0;
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (strstr(e->d_name, ".tmp")) n++;
-    if (d) closedir(d);
-    return n;
-}
 
 static double now_ms(void)
 {
@@ -491,24 +449,9 @@ static void t_speed(void)
     free(px);
 }
 
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    char p[600];
-    while (d && (e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name);
-        unlink(p);
-    }
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
-
 int main(void)
 {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/kiln_test_png_XXXXXX");
-    if (!mkdtemp(tmpdir)) { perror("mkdtemp"); return 1; }
+    if (!test_tmpdir_make("png")) return 1;
     RUN(t_roundtrip);
     RUN(t_clamp_round);
     RUN(t_text);
@@ -520,6 +463,6 @@ int main(void)
     RUN(t_gamma1);
     RUN(t_bad_files);
     RUN(t_speed);
-    cleanup();
+    test_tmpdir_remove();
     return test_summary();
 }

@@ -3,6 +3,7 @@
  * saves are atomic (a failing save leaves the old file byte-identical). */
 #define _POSIX_C_SOURCE 200809L
 #include "test.h"
+#include "test_files.h"
 #include "safetensors.h"
 #include "json.h"
 
@@ -13,38 +14,6 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-static char tmpdir[256];
-
-static const char *tmp_path(const char *name)
-{
-    static char buf[4][512];
-    static int k;
-    k = (k + 1) % 4;
-    snprintf(buf[k], sizeof buf[k], "%s/%s", tmpdir, name);
-    return buf[k];
-}
-
-static int write_file(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f) return 0;
-    size_t w = n ? fwrite(data, 1, n, f) : 0;
-    return fclose(f) == 0 && w == n;
-}
-
-static unsigned char *read_file(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *buf = malloc(len > 0 ? (size_t)len : 1);
-    *n = fread(buf, 1, (size_t)len, f);
-    fclose(f);
-    return buf;
-}
 
 /* Writes u64 hlen, the header text, then data_size bytes of 0x5a. */
 static const char *make_st(const char *name, uint64_t hlen, const char *header, size_t data_size)
@@ -58,17 +27,6 @@ static const char *make_st(const char *name, uint64_t hlen, const char *header, 
     write_file(path, b, n);
     free(b);
     return path;
-}
-
-static int count_tmp_files(void)
-{
-    DIR *d = opendir(tmpdir);
-    int n = 0;
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (strstr(e->d_name, ".tmp")) n++;
-    if (d) closedir(d);
-    return n;
 }
 
 static void t_golden(void)
@@ -465,30 +423,15 @@ static void t_save_errors(void)
     free(before);
 }
 
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    char p[600];
-    while (d && (e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name);
-        unlink(p);
-    }
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
-
 int main(void)
 {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/kiln_test_st_XXXXXX");
-    if (!mkdtemp(tmpdir)) { perror("mkdtemp"); return 1; }
+    if (!test_tmpdir_make("st")) return 1;
     RUN(t_golden);
     RUN(t_roundtrip);
     RUN(t_header_json);
     RUN(t_malformed);
     RUN(t_truncated);
     RUN(t_save_errors);
-    if (!getenv("KEEP")) cleanup(); else printf("# kept %s\n", tmpdir);
+    test_tmpdir_remove();
     return test_summary();
 }

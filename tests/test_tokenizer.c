@@ -1,5 +1,5 @@
 /* test_tokenizer.c - the CLIP tokenizer against openai/CLIP's own ids
- * (../shared/clip-tokenizer/reference-ids.tsv) in both vocabulary formats and the
+ * ($KILN_SHARED/clip-tokenizer/reference-ids.tsv) in both vocabulary formats and the
  * built-in vocabulary, plus loading from memory, text cleaning, a small hand-made
  * vocabulary, bad files and hostile input. */
 #define _POSIX_C_SOURCE 200809L
@@ -16,7 +16,7 @@
 
 #define WINDOW 77
 
-static char g_dir[512];     /* ../shared/clip-tokenizer, "" when absent */
+static char g_dir[512];     /* $KILN_SHARED/clip-tokenizer, "" when absent */
 static char g_tmp[256];     /* scratch folder of this run */
 
 static double now_ms(void)

@@ -2,7 +2,7 @@
 
 This file is kiln's reference for what an SD 1.x single-file checkpoint
 means: the module tree is built so that `state_dict()` gives exactly the
-names of an original checkpoint (see /work/shared/sd-keys/sd15.txt):
+names of an original checkpoint (the shared key list sd-keys/sd15.txt, under $KILN_SHARED):
 
     betas, alphas_cumprod, ...                 noise-schedule buffers
     model.diffusion_model.*                    CompVis UNetModel (openaimodel.py)

@@ -1,5 +1,5 @@
 /* cpu_kernels.h - the CPU compute kernels over raw, contiguous buffers.
- * Argument order (STYLE.md): output first (allocated by the caller), then inputs,
+ * Argument order (the house's, for every kernel): output first (allocated by the caller), then inputs,
  * weights, scratch, scalar parameters. Activations are f32; weights may be f32, f16
  * or bf16 and are converted to f32 block by block inside the kernel (never the
  * whole tensor at once). All kernels use the shared thread pool (threadpool.h).

@@ -268,7 +268,7 @@ local function encoder_use(family, role, cfg, meta)
 end
 
 -- Header-only analysis: name -> shape (+ metadata) -> {family, unet = cfg, vae = cfg,
--- clip = {cfg, ...}, prefixes}. Works on the lists in ../shared/sd-keys as well as on
+-- clip = {cfg, ...}, prefixes}. Works on the real key lists (name and shape per line) as well as on
 -- real files.
 function M.inspect(shapes, meta, path)
   meta = meta or {}

@@ -13,7 +13,7 @@
 -- below its function, with the label A1111 writes in a PNG's "parameters" text
 -- (and, for samplers, whether it draws noise). The pipelines, the CLI's help, the
 -- PNG parameters, the editor definitions (bindings/kiln.meta.lua, checked by
--- tests/lua/meta_test.lua) and the tests all read it.
+-- tests/lua/test_meta.lua) and the tests all read it.
 local kiln = require "kiln"
 
 local sample = {}
@@ -89,19 +89,27 @@ end
 -- samplers
 ---------------------------------------------------------------------------
 
+-- A registry: name -> function, name -> entry {name, fn, label, [flag] = boolean},
+-- and the names in the order they were added; `add` puts one in (or replaces it).
+local function registry(what, flag)
+  local fns, info, order = {}, {}, {}
+  local usage = ("sample.add_%s(name, fn, label, %s)"):format(what, flag)
+  local function add(name, fn, label, on)
+    assert(type(name) == "string" and type(fn) == "function" and type(label) == "string", usage)
+    if not info[name] then order[#order + 1] = name end
+    fns[name] = fn
+    info[name] = { name = name, fn = fn, label = label, [flag] = on and true or false }
+  end
+  return fns, info, order, add
+end
+
 -- name -> function(denoise, x, s, opts, noise, step); and name -> registry entry
-local samplers, sampler_info, sampler_order = {}, {}, {}
+local samplers, sampler_info, sampler_order, add_sampler = registry("sampler", "noise")
 
 --- Adds a sampler to the registry: name (k-diffusion / ComfyUI), fn, the A1111
 -- label, and whether it draws noise at every step (ancestral and SDE samplers;
 -- the others draw none unless s_churn asks for it).
-function sample.add_sampler(name, fn, label, noise)
-  assert(type(name) == "string" and type(fn) == "function" and type(label) == "string",
-    "sample.add_sampler(name, fn, label, noise)")
-  if not sampler_info[name] then sampler_order[#sampler_order + 1] = name end
-  samplers[name] = fn
-  sampler_info[name] = { name = name, fn = fn, label = label, noise = noise and true or false }
-end
+function sample.add_sampler(name, fn, label, noise) add_sampler(name, fn, label, noise) end
 
 function samplers.euler(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -420,18 +428,12 @@ local function with_zero(list)
 end
 
 -- name -> function(steps, opts); and name -> registry entry
-local schedules, schedule_info, schedule_order = {}, {}, {}
+local schedules, schedule_info, schedule_order, add_scheduler = registry("scheduler", "needs_model")
 
 --- Adds a scheduler to the registry: name (ComfyUI's), fn(steps, opts) -> sigmas,
 -- the A1111 label ("Schedule type"), and whether it reads the model's discrete
 -- schedule (opts.model_sampling) rather than sigma_min / sigma_max alone.
-function sample.add_scheduler(name, fn, label, needs_model)
-  assert(type(name) == "string" and type(fn) == "function" and type(label) == "string",
-    "sample.add_scheduler(name, fn, label, needs_model)")
-  if not schedule_info[name] then schedule_order[#schedule_order + 1] = name end
-  schedules[name] = fn
-  schedule_info[name] = { name = name, fn = fn, label = label, needs_model = needs_model and true or false }
-end
+function sample.add_scheduler(name, fn, label, needs_model) add_scheduler(name, fn, label, needs_model) end
 
 function schedules.karras(steps, o)
   local rho = o.rho or 7

@@ -22,7 +22,7 @@
 --                            [B, c, H/f, W/f]
 --   vae.factor or vae.config.factor   f, the spatial factor (default 8)
 -- and vae:decode(z, opts) is expected to be `return tiling.decode(self, z, opts)`.
--- opts (sizes in latent units, as DESIGN.md's contract says):
+-- opts (sizes in latent units, as vae:decode / vae:encode take them):
 --   tile     nil: untiled, and on an out-of-memory error retried tiled from half the
 --            latent size, halving until it fits or min_tile is reached;
 --            an integer: tiled (and halved likewise on OOM); "auto": chosen from the

@@ -272,8 +272,8 @@ end
 -- consume: the caller drops x after the block (its free is then a no-op). With a 1x1
 -- shortcut and untiled GroupNorm, the shortcut is computed first and the first
 -- GroupNorm overwrites x: one activation less at the block's peak, which is the whole
--- decode's peak (the first block at full size, 256 -> 128 channels at 512x512:
--- 640 -> 512 MiB).
+-- decode's peak (the first block at full size, 256 -> 128 channels; README's memory
+-- section has the bytes).
 function VAE:_resblock(p, x, consume)
   local st = self._gn_stats
   local s, h

@@ -10,7 +10,7 @@ transformers' modeling_clip.py, open_clip's TextTransformer, sgm's SDXL
 conditioner), with the original attribute names and creation order, so that
 state_dict() gives the original single-file names. Only hyper-parameters are
 small. The SD 1.x configuration is exactly the one listed in
-../shared/sd-keys/tiny-{unet,vae,clip-text}.txt (checked below when that folder
+$KILN_SHARED/sd-keys/tiny-{unet,vae,clip-text}.txt (checked below when that folder
 exists); the SD 2.x and SDXL ones reuse the real name patterns of sd21.txt and
 sdxl.txt (also checked).
 

@@ -151,7 +151,7 @@ fi
 section "tiled VAE on cuda:0 against the untiled decode (lockstep GroupNorm)"
 if [ -z "$KILN" ] || [ ! -f examples/models/kiln-shapes.safetensors ]; then
   echo "skipped: no kiln binary or no demo model"
-elif KILN_TEST_DEVICE=cuda:0 timeout 300 "$KILN" tests/lua/vae_tiled_test.lua >"$OUT/vae_tiled.log" 2>&1; then
+elif KILN_TEST_DEVICE=cuda:0 timeout 300 "$KILN" tests/lua/test_vae_tiled.lua >"$OUT/vae_tiled.log" 2>&1; then
   sed 's/^/  /' "$OUT/vae_tiled.log"
 else
   sed 's/^/  /' "$OUT/vae_tiled.log"; fail "tiled VAE on cuda:0"

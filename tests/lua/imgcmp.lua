@@ -1,5 +1,5 @@
 -- Comparing a tiled result with the untiled one: PSNR and the seam check of the
--- tiling tests (tile_test.lua, vae_tiled_test.lua).
+-- tiling tests (test_tile.lua, test_vae_tiled.lua).
 local M = {}
 
 -- PSNR of a against the reference b, with b's value range as the peak.

@@ -137,7 +137,7 @@ test("close, <close> and __gc release memory; use after close says where", funct
   eq(t:sum() == t:sum(), true)
   t:free()
   eq(alloc("sim"), sim0)
-  raises(function() return m2:tensor("ids") end, "model 'alpha' was closed at", "model_test.lua:" .. (closed_line))
+  raises(function() return m2:tensor("ids") end, "model 'alpha' was closed at", "test_model.lua:" .. (closed_line))
   raises(function() m2:load("sim") end, "was closed")
   eq(tostring(m2), "model(alpha, closed)")
   eq(m2.closed, true)

@@ -197,6 +197,22 @@ test("summary lists models per device", function()
   truthy(s:find("\n  vae%s+%-%s+%-%s+%-%s+mapped"), s)
 end)
 
+test("trace file: replaced only when complete; a folder that is missing is named", function()
+  local path = dir .. "/kept.json"
+  local f = assert(io.open(path, "wb")); f:write("earlier trace"); f:close()
+  kiln.trace.start(path)
+  eq(read_file(path), "earlier trace") -- the old file stays until stop
+  local lfs = require "lfs"
+  local temps = 0
+  for name in lfs.dir(dir) do if name:find("kept.json", 1, true) and name ~= "kept.json" then temps = temps + 1 end end
+  eq(temps, 1) -- the one temporary, beside the target
+  eq(kiln.trace.stop(), true)
+  truthy(read_file(path):find("traceEvents", 1, true))
+  for name in lfs.dir(dir) do truthy(name:find("%.tmp$") == nil, "temporary left: " .. name) end
+  raises(function() kiln.trace.start(dir .. "/no/such/folder/t.json") end, "no/such/folder/t.json")
+  truthy(not kiln.trace.active())
+end)
+
 test("trace file: valid JSON with counters, model events and spans", function()
   reset()
   local path = dir .. "/trace.json"

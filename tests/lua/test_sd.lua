@@ -2,7 +2,7 @@
 -- checkpoints rebuilt from the recipes of tests/golden/gen_sd_golden.py (seeded
 -- kiln.randn = torch.randn), loaded with kiln.load_checkpoint and compared with the
 -- PyTorch reference outputs; family detection and hyper-parameters on the real key
--- lists of ../shared/sd-keys; the prompt parser; diffusers folders; bad input.
+-- lists of $KILN_SHARED/sd-keys; the prompt parser; diffusers folders; bad input.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"

@@ -1,4 +1,4 @@
--- Tensor core through the Lua API: the DESIGN.md contract, views, arithmetic
+-- Tensor core through the Lua API: the API contract outside checks use, views, arithmetic
 -- against PyTorch goldens (tests/golden/gen_tensor_ops.py), lifetimes, bad input.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
@@ -155,7 +155,7 @@ test("free, use after free names the line, <close>", function()
   local t = kiln.zeros({ 4 })
   t:free()
   local line = debug.getinfo(1, "l").currentline - 1
-  raises(function() return t + 1 end, "tensor was freed at", "tensor_test.lua:" .. line)
+  raises(function() return t + 1 end, "tensor was freed at", "test_tensor.lua:" .. line)
   raises(function() return t:table() end, "freed")
   t:free() -- idempotent
   local before = kiln.mem.stats("sim").allocated

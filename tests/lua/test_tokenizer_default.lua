@@ -1,4 +1,4 @@
--- tokenizer_default_test.lua - where a checkpoint's tokenizer comes from: the built-in
+-- test_tokenizer_default.lua - where a checkpoint's tokenizer comes from: the built-in
 -- CLIP vocabulary (kiln.tokenizer() with no path) for a file with nothing beside it,
 -- files beside the checkpoint or beside the file a symbolic link leads to, the
 -- tokenizer option, and $KILN_TOKENIZER (set in a child process, since a script cannot
