@@ -950,6 +950,54 @@ function kiln.cli.default_model() end
 ---@param opts table
 function kiln.cli.report(path, opts) end
 
+---The kiln.load_checkpoint options the command line sets (--loras, --embeddings).
+---@param opts table
+---@return table
+function kiln.cli.checkpoint_options(opts) end
+
+---A1111's extra-network prompt syntax (<lora:NAME:W>) and the run's LoRAs.
+kiln.extra_networks = {}
+
+---@class kiln.LoraUse
+---@field name string
+---@field unet number
+---@field clip number
+---@field path? string
+
+---The prompt without its <lora:...> tags, and the LoRAs they name.
+---@param prompt string
+---@return string prompt
+---@return kiln.LoraUse[]
+function kiln.extra_networks.parse(prompt) end
+
+---"NAME", "NAME:W" or "NAME:TE:UNET" (the --lora option).
+---@param s string
+---@return kiln.LoraUse
+function kiln.extra_networks.parse_option(s) end
+
+---A LoRA file's short hash for A1111's "Lora hashes" (12 hex digits), nil when not safetensors.
+---@param path string
+---@return string?
+function kiln.extra_networks.lora_hash(path) end
+
+---Applies LoRAs to a checkpoint; closing the result removes them.
+---@param ckpt kiln.Checkpoint
+---@param list kiln.LoraUse[]
+---@return table
+function kiln.extra_networks.apply(ckpt, list) end
+
+---The LoRAs of a run: opts.lora, then the prompt's tags.
+---@param opts table
+---@return string prompt
+---@return kiln.LoraUse[]
+function kiln.extra_networks.of_run(opts) end
+
+---The `Lora hashes: "..."` field of a run's PNG parameters, or nil.
+---@param ckpt kiln.Checkpoint
+---@param opts table
+---@return string?
+function kiln.extra_networks.hashes_field(ckpt, opts) end
+
 -- ---------------------------------------------------------------- kiln.Tensor
 
 ---A view of a reference-counted storage: dtype, shape, strides, device. Operators

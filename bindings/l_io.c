@@ -160,11 +160,15 @@ static int l_save_png(lua_State *L)
     return 1;
 }
 
-/* kiln.sha256_file(path) -> hex digest (A1111's "Model hash" is its first 10 digits) */
+/* kiln.sha256_file(path [, skip]) -> hex digest of the file from byte skip (A1111's
+ * "Model hash" is the first 10 digits of the whole file's; its LoRA hashes skip the
+ * safetensors header) */
 static int l_sha256_file(lua_State *L)
 {
     char hex[65];
-    L_TRY(L, kiln_sha256_file(luaL_checkstring(L, 1), hex));
+    lua_Integer skip = luaL_optinteger(L, 2, 0);
+    luaL_argcheck(L, skip >= 0, 2, "a byte offset >= 0");
+    L_TRY(L, kiln_sha256_file(luaL_checkstring(L, 1), (uint64_t)skip, hex));
     lua_pushstring(L, hex);
     return 1;
 }

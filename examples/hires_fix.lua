@@ -22,7 +22,7 @@ if not UPSCALERS[o.upscale] then
   util.usage_error(("--upscale %s: unknown (known: latent-bilinear, latent-nearest, image)"):format(o.upscale))
 end
 
-local ckpt <close> = kiln.load_checkpoint(o.model)
+local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.image_size(o, ckpt, o.scale)                       -- both passes' sizes checked
 
 local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need

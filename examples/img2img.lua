@@ -10,7 +10,7 @@ if o.input == "" then util.usage_error("img2img needs --input IMAGE.png") end
 if o.out == "" then o.out = "img2img.png" end
 if o.denoise == 1.0 then o.denoise = 0.6 end
 
-local ckpt <close> = kiln.load_checkpoint(o.model)
+local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 if o.width and o.height then cli.image_size(o, ckpt) end -- checked before the work starts
 local function load_input()
   local image = kiln.load_png(o.input)

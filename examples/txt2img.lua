@@ -10,7 +10,7 @@ local pipeline = require "kiln.pipeline"
 local o = cli.parse(arg)
 if o.out == "" then o.out = "txt2img.png" end
 
-local ckpt <close> = kiln.load_checkpoint(o.model)      -- nothing is read yet: files are mapped
+local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o)) -- nothing read yet: files are mapped
 cli.image_size(o, ckpt)                                -- the model's size unless given; checked
 
 local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded

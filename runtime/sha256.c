@@ -1,6 +1,8 @@
 /* sha256.c - SHA-256 as FIPS 180-4 specifies it (see sha256.h). */
 #include "sha256.h"
 
+#include <limits.h>
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,10 +82,14 @@ void kiln_sha256_final(kiln_sha256 *c, uint8_t out[32])
     }
 }
 
-kiln_status kiln_sha256_file(const char *path, char hex[65])
+kiln_status kiln_sha256_file(const char *path, uint64_t skip, char hex[65])
 {
     FILE *f = fopen(path, "rb");
     if (!f) return kiln_error(KILN_ERR_IO, "%s: %s", path, strerror(errno));
+    if (skip > (uint64_t)LONG_MAX || fseek(f, (long)skip, SEEK_SET) != 0) {
+        fclose(f);
+        return kiln_error(KILN_ERR_IO, "%s: cannot seek to byte %llu", path, (unsigned long long)skip);
+    }
     kiln_sha256 c;
     kiln_sha256_init(&c);
     size_t cap = 1 << 20, n;

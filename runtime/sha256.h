@@ -15,7 +15,8 @@ typedef struct {
 void kiln_sha256_init(kiln_sha256 *c);
 void kiln_sha256_update(kiln_sha256 *c, const void *data, size_t n);
 void kiln_sha256_final(kiln_sha256 *c, uint8_t out[32]);
-/* Hex digest (65 bytes with NUL) of a whole file. */
-kiln_status kiln_sha256_file(const char *path, char hex[65]);
+/* Hex digest (65 bytes with NUL) of a file from byte `skip` to its end (0: the
+ * whole file; LoRA hashes skip a safetensors file's header). */
+kiln_status kiln_sha256_file(const char *path, uint64_t skip, char hex[65]);
 
 #endif

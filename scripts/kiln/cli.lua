@@ -5,6 +5,7 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 local sample = require "kiln.sample"
 local pipeline = require "kiln.pipeline"
+local extra_networks = require "kiln.extra_networks"
 
 local cli = {}
 
@@ -12,10 +13,11 @@ local COMMON = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = 0.0, sampler = "euler", -- cfg 0: the model's
   scheduler = "normal", width = 0, height = 0, denoise = 1.0, out = "", model = "",
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
+  lora = {}, loras = "", embeddings = "",
 }
 
 -- Options naming a file or folder that must exist when given.
-local PATH_OPTIONS = { model = true, input = true }
+local PATH_OPTIONS = { model = true, input = true, loras = true, embeddings = true }
 
 --- Parses a size such as 6G, 512M, 1.5GiB, 300000000 into bytes (kiln.parse_size,
 -- the one size parser); a usage error when it is not one.
@@ -64,6 +66,8 @@ local function help_of(k)
     device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
     vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
     tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
+    lora = "NAME[:W] or NAME:TE:UNET, a LoRA of the --loras folder (repeatable; also <lora:NAME:W> in the prompt)",
+    loras = "folder of LoRA files (found by name)", embeddings = "folder of embeddings (embedding:NAME in a prompt)",
   })[k]
 end
 
@@ -78,7 +82,7 @@ function cli.usage(defaults, help)
   table.sort(keys)
   for _, k in ipairs(keys) do
     local v = defaults[k]
-    local d = (v == "" or v == 0 or v == false) and "" or (" (default %s)"):format(tostring(v))
+    local d = (v == "" or v == 0 or v == false or type(v) == "table") and "" or (" (default %s)"):format(tostring(v))
     lines[#lines + 1] = ("  %-15s %s%s"):format(flag(k), help and help[k] or help_of(k) or "", d)
   end
   return table.concat(lines, "\n")
@@ -106,6 +110,10 @@ local function check_values(o)
   if not sample.scheduler_info(o.scheduler) then
     util.usage_error(("--scheduler %s: unknown (known: %s)"):format(o.scheduler,
       table.concat(sample.scheduler_names(), ", ")))
+  end
+  for _, s in ipairs(o.lora or {}) do
+    local ok, err = pcall(extra_networks.parse_option, s)
+    if not ok then util.usage_error(tostring(err)) end
   end
   for k in pairs(PATH_OPTIONS) do
     local p = o[k]
@@ -164,6 +172,12 @@ function cli.parse(args, extra, help)
   elseif o.overlap == nil then o.overlap = o.tile // 4 end
   o.device = kiln.default_device()
   return o
+end
+
+--- The options of kiln.load_checkpoint that the command line sets (--loras,
+-- --embeddings: the folders LoRAs and embeddings are found in by name).
+function cli.checkpoint_options(o)
+  return { loras = o.loras ~= "" and o.loras or nil, embeddings = o.embeddings ~= "" and o.embeddings or nil }
 end
 
 --- Fills o.width / o.height with the checkpoint's native size where the command

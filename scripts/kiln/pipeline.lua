@@ -9,6 +9,7 @@ local kiln = require "kiln"
 local lfs = require "lfs"
 local sample = require "kiln.sample"
 local progress = require "kiln.progress"
+local extra_networks = require "kiln.extra_networks"
 
 local pipeline = {}
 
@@ -223,6 +224,14 @@ local function conditioning(ckpt, o, W, H)
   return cond, uncond
 end
 
+-- The run's LoRAs (opts.loras and the prompt's <lora:NAME:W> tags) applied for the
+-- run: o.prompt loses the tags; closing the result removes them.
+local function run_loras(ckpt, o)
+  local prompt, list = extra_networks.of_run(o)
+  o.prompt = prompt
+  return extra_networks.apply(ckpt, list)
+end
+
 local function free_y(o)
   if o.y_cond then o.y_cond:free(); o.y_uncond:free() end
   o.y_cond, o.y_uncond = nil, nil
@@ -236,6 +245,7 @@ function pipeline.txt2img(ckpt, opts)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
   plan_memory(ckpt, o, W, H)
+  local loras <close> = run_loras(ckpt, o)
 
   ckpt.clip:load(dev)
   local cond, uncond = conditioning(ckpt, o, W, H)
@@ -260,6 +270,7 @@ function pipeline.img2img(ckpt, image, opts)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
   plan_memory(ckpt, o, W, H)
+  local loras <close> = run_loras(ckpt, o)
 
   ckpt.vae:load(dev)
   local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
@@ -293,6 +304,7 @@ function pipeline.hires_fix(ckpt, opts)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
+  local loras <close> = run_loras(ckpt, o)
 
   ckpt.clip:load(dev)
   local cond, uncond = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size
@@ -366,6 +378,7 @@ function pipeline.parameters(opts, ckpt, extra)
     f[#f + 1] = "Model: " .. ckpt.path:gsub("^.*/", ""):gsub("%.safetensors$", "")
   end
   if o.denoise and o.denoise < 1 then f[#f + 1] = ("Denoising strength: %g"):format(o.denoise) end
+  f[#f + 1] = extra_networks.hashes_field(ckpt, o)
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end
   f[#f + 1] = "Version: kiln " .. kiln.version
   lines[#lines + 1] = table.concat(f, ", ")

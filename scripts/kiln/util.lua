@@ -22,7 +22,7 @@ function util.is_oom(e) return type(e) == "table" and e.kind == "oom" end
 -- malformed value) is a usage error.
 function util.parse_args(args, defaults)
   local opts = {}
-  for k, v in pairs(defaults) do opts[k] = v end
+  for k, v in pairs(defaults) do opts[k] = type(v) == "table" and {} or v end -- lists: repeatable
   local i = 1
   while i <= #args do
     local a = args[i]
@@ -44,7 +44,7 @@ function util.parse_args(args, defaults)
       if type(defaults[key]) == "number" then
         v = tonumber(v) or util.usage_error(("--%s %s: not a number"):format(name, args[i + 1]))
       end
-      opts[key] = v
+      if type(defaults[key]) == "table" then table.insert(opts[key], v) else opts[key] = v end
       i = i + 2
     end
   end
