@@ -331,16 +331,50 @@ function kiln.cancelled() end
 
 ---A weight store over one or more .safetensors files: nothing is read until used.
 ---@param paths string|string[]
----@param opts? {name?: string, prefix?: string|string[]}
+---owner "lora" accounts its memory to "lora:NAME" (a LoRA file's factors) instead of "model:NAME".
+---@param paths string|string[]
+---@param opts? {name?: string, prefix?: string|string[], owner?: "model"|"lora"}
 ---@return kiln.Model
 function kiln.model(paths, opts) end
 
 ---Loads a Stable Diffusion checkpoint (a .safetensors file or a diffusers folder) as
 ---{clip, unet, vae, family}; nothing is read yet.
+---loras / embeddings name the folders ckpt:find_lora and prompts' embedding:NAME look in.
 ---@param path string
----@param opts? {tokenizer?: string, vae?: string, clip?: string}
+---@param opts? {tokenizer?: string, vae?: string, clip?: string, loras?: string, embeddings?: string}
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
+
+-- ---------------------------------------------------------------- LoRA
+
+---@class kiln.LoraInfo
+---@field format string "kohya", "peft", "diffusers", "lycoris-loha", "lycoris-lokr", "lycoris-full" (joined with "+" when mixed; "+dora" with DoRA scales)
+---@field family? "sd1"|"sd2"|"sdxl" nil when the shapes do not say (non-standard widths)
+---@field family_reason? string the shapes that told the family
+---@field parts {unet: integer, clip: integer} adapted modules per part
+---@field keys integer tensors in the file
+---@field modules integer adapted modules
+
+kiln.lora = {}
+
+---What a LoRA file is, without a checkpoint (format, family, parts); raises when the
+---file is not a LoRA, saying what it looks like.
+---@param path string
+---@return kiln.LoraInfo
+function kiln.lora.inspect(path) end
+
+---ckpt:add_lora(path, opts) as a function.
+---@param ckpt kiln.Checkpoint
+---@param path string
+---@param opts? {unet?: number, clip?: number, name?: string}
+---@return kiln.Lora
+function kiln.lora.add(ckpt, path, opts) end
+
+---ckpt:find_lora(name) as a function.
+---@param ckpt kiln.Checkpoint
+---@param name string
+---@return string
+function kiln.lora.find(ckpt, name) end
 
 ---CLIP's byte-level BPE tokenizer: a folder with vocab.json + merges.txt, a vocab.json,
 ---or CLIP's bpe_simple_vocab_16e6.txt.gz; no path: CLIP's vocabulary built into kiln.
@@ -1305,6 +1339,27 @@ function Model:where(name) end
 ---@return kiln.ModelStats
 function Model:stats() end
 
+---A weight patch: every copy of `target` is built as f32(file) + each patch's delta
+---(in the order added; DoRA normalizes), cast to the copy's dtype; existing copies are
+---rebuilt now. spec: kind ("lora"|"loha"|"lokr"|"diff"), scale (strength and alpha/rank
+---folded in; default 1), strength (DoRA's mix, default 1), factors as tensors (lora: up,
+---down, mid; loha: w1a, w1b, w2a, w2b, t1, t2; lokr: w1 or w1a+w1b, w2 or w2a+w2b, t2;
+---diff: diff), dora_scale, rows = {first, count} (rows of dim 1). Returns the patch's id.
+---@param target string
+---@param spec table
+---@return integer
+function Model:add_patch(target, spec) end
+
+---Removes a patch; the tensor's copies are rebuilt from the file, bit for bit.
+---@param id integer
+---@return kiln.Model
+function Model:remove_patch(id) end
+
+---Patches on one tensor, or in the whole model.
+---@param target? string
+---@return integer
+function Model:patch_count(target) end
+
 ---Releases the model (also <close> and the garbage collector).
 function Model:close() end
 
@@ -1354,10 +1409,51 @@ function Tokenizer:free() end
 ---@field family "sd1"|"sd2"|"sdxl"
 ---@field path string
 ---@field image_size integer
+---@field lora_dir? string the {loras = DIR} folder
+---@field embedding_dir? string the {embeddings = DIR} folder
+---@field loras_applied? kiln.Lora[] the LoRAs added and not removed
 local Checkpoint = {}
 
 ---Closes clip, unet and vae (also <close>).
 function Checkpoint:close() end
+
+---Applies a LoRA-family file (kohya, PEFT / diffusers, LyCORIS LoHa / LoKr / full, DoRA)
+---as patches of the UNet's and text encoders' weight stores: before or after load, in
+---every memory mode; several stack. Unmatched keys give a warning (and h.unmatched).
+---@param path string a .safetensors file
+---@param opts? {unet?: number, clip?: number, name?: string}
+---@return kiln.Lora
+function Checkpoint:add_lora(path, opts) end
+
+---The path of NAME.safetensors in the folder given as load_checkpoint's {loras = DIR}
+---(subfolders searched, case-sensitive); an error naming the folder when missing.
+---@param name string
+---@return string
+function Checkpoint:find_lora(name) end
+
+---An applied LoRA (ckpt:add_lora); also <close>, which removes it.
+---@class kiln.Lora
+---@field name string
+---@field path string
+---@field format string
+---@field family? "sd1"|"sd2"|"sdxl"
+---@field patched integer weights it changes
+---@field unmatched string[] its keys that match no weight
+---@field unet number
+---@field clip number
+local Lora = {}
+
+---Takes the LoRA's patches off (the weights come back bit for bit); idempotent.
+---@return kiln.Lora
+function Lora:remove() end
+
+---Adds a textual-inversion embedding (.safetensors: emb_params, string_to_param.*, or
+---SDXL's clip_l + clip_g), checked against the text encoders' widths; prompts use it
+---as embedding:NAME (NAME defaults to the file's stem). .pt files are refused.
+---@param path string
+---@param name? string
+---@return {name: string, path: string, count: integer}
+function Checkpoint:add_embedding(path, name) end
 
 ---The text encoder(s); also a kiln.Model (load, offload, unload, bytes, close).
 ---@class kiln.CLIP: kiln.Model
@@ -1371,7 +1467,8 @@ local CLIP = {}
 function CLIP:tokenize(text) end
 
 ---Conditioning [1, 77 k, dim] (and the pooled vector where the family has one);
----parses the emphasis syntax (word:1.2).
+---parses the emphasis syntax (word:1.2) and embedding:NAME (added with
+---ckpt:add_embedding, else NAME.safetensors in the {embeddings = DIR} folder).
 ---@param text string
 ---@param opts? table
 ---@return kiln.Tensor cond

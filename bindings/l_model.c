@@ -1,6 +1,7 @@
 /* l_model.c - kiln.model and the kiln.Model userdata: a weight store over mapped
  * safetensors files with load / offload / unload / pin, tensor access (m:tensor(name),
- * m[name]) and streaming (fetch / prefetch / release). Lifecycle as liolib's files:
+ * m[name]), streaming (fetch / prefetch / release) and weight patches (add_patch /
+ * remove_patch / patch_count: LoRA and its family). Lifecycle as liolib's files:
  * :close(), __close and __gc share one idempotent release; later use says where the
  * model was closed. */
 #include "l_tensor.h"
@@ -55,9 +56,11 @@ static int m_gc(lua_State *L)
     return 0;
 }
 
-/* kiln.model(path_or_list [, {name = "unet", prefix = "model.diffusion_model."}])
- * -> kiln.Model [-0, +1, e]; prefix (a string or a list) keeps only the tensors whose
- * names start with it (one part of a single-file checkpoint). */
+/* kiln.model(path_or_list [, {name = "unet", prefix = "model.diffusion_model.",
+ * owner = "lora"}]) -> kiln.Model [-0, +1, e]; prefix (a string or a list) keeps only
+ * the tensors whose names start with it (one part of a single-file checkpoint);
+ * owner "lora" accounts the model's memory to "lora:<name>" (a LoRA file's factors),
+ * "model" (the default) to "model:<name>". */
 static int l_model_new(lua_State *L)
 {
     int n = 0;
@@ -67,6 +70,9 @@ static int l_model_new(lua_State *L)
     if (n < 1) return luaL_argerror(L, 1, "the list of files is empty");
     if (!lua_isnoneornil(L, 2)) luaL_checktype(L, 2, LUA_TTABLE);
     const char *name = l_opt_str_field(L, 2, "name", NULL);
+    static const char *const owners[] = {"model", "lora", NULL};
+    const char *owner = l_opt_str_field(L, 2, "owner", "model");
+    if (strcmp(owner, "model") != 0 && strcmp(owner, "lora") != 0) return l_enum_error(L, 2, "owner", owner, owners);
     const char **paths = lua_newuserdatauv(L, sizeof(char *) * (size_t)n, 0);
     if (lua_type(L, 1) == LUA_TSTRING) {
         paths[0] = lua_tostring(L, 1);
@@ -103,6 +109,7 @@ static int l_model_new(lua_State *L)
     kiln_model *m;
     L_TRY(L, kiln_model_open_prefixed(paths, n, name, prefixes, n_prefixes, &m));
     u->m = m;
+    if (strcmp(owner, "model") != 0) L_TRY(L, kiln_model_set_owner_kind(m, owner));
     snprintf(u->name, sizeof u->name, "%s", kiln_model_name(m));
     return 1;
 }
@@ -248,6 +255,121 @@ static int m_where(lua_State *L)
     return 1;
 }
 
+/* ---- patches ---- */
+
+/* m:add_patch(target, spec) -> id [-0, +1, e]
+ * spec = {kind = "lora"|"loha"|"lokr"|"diff", scale = 1, strength = 1 (DoRA's mix),
+ *         up =, down =, mid =, w1a =, ..., diff =, dora_scale = (tensors),
+ *         rows = {first, count} (1-based rows of dim 1)} */
+static int m_add_patch(lua_State *L)
+{
+    kiln_model *m = check_model(L, 1);
+    const char *target = luaL_checkstring(L, 2);
+    luaL_checktype(L, 3, LUA_TTABLE);
+    const char *mn = kiln_model_name(m);
+    if (kiln_model_find(m, target) < 0) {
+        kiln_tensor *t;
+        L_TRY(L, kiln_model_tensor(m, target, &t)); /* raises naming the closest names */
+        kiln_tensor_free(t);
+    }
+    /* every key known: a misspelt factor would otherwise be a silent no-op */
+    lua_pushnil(L);
+    while (lua_next(L, 3)) {
+        lua_pop(L, 1);
+        int ok = lua_type(L, -1) == LUA_TSTRING;
+        const char *k = ok ? lua_tostring(L, -1) : "";
+        ok = ok && (strcmp(k, "kind") == 0 || strcmp(k, "scale") == 0 || strcmp(k, "strength") == 0 ||
+                    strcmp(k, "rows") == 0);
+        for (int f = 0; !ok && lua_type(L, -1) == LUA_TSTRING && f < KILN_AF_COUNT; f++)
+            ok = strcmp(k, kiln_adapter_factor_name((kiln_adapter_factor)f)) == 0;
+        if (!ok)
+            return luaL_error(L, "model '%s': add_patch on '%s': unknown spec field '%s' (fields: kind, scale, strength, "
+                              "rows, up, down, mid, w1a, w1b, w2a, w2b, t1, t2, w1, w2, diff, dora_scale)", mn, target,
+                              lua_type(L, -1) == LUA_TSTRING ? k : luaL_tolstring(L, -1, NULL));
+    }
+    kiln_adapter a;
+    memset(&a, 0, sizeof a);
+    if (lua_getfield(L, 3, "kind") != LUA_TSTRING)
+        return luaL_error(L, "model '%s': add_patch on '%s': field 'kind' must be one of lora, loha, lokr, diff (got %s)",
+                          mn, target, luaL_typename(L, -1));
+    int kind = kiln_adapter_kind_from_name(lua_tostring(L, -1));
+    if (kind < 0)
+        return luaL_error(L, "model '%s': add_patch on '%s': field 'kind' is '%s', expected one of lora, loha, lokr, diff",
+                          mn, target, lua_tostring(L, -1));
+    lua_pop(L, 1);
+    a.kind = (kiln_adapter_kind)kind;
+    static const char *const nums[2] = {"scale", "strength"};
+    double *dst[2] = {&a.scale, &a.strength};
+    for (int k = 0; k < 2; k++) {
+        int ty = lua_getfield(L, 3, nums[k]);
+        if (ty == LUA_TNIL) *dst[k] = k == 0 ? 1.0 : 0.0;
+        else if (ty == LUA_TNUMBER) *dst[k] = lua_tonumber(L, -1);
+        else return luaL_error(L, "model '%s': add_patch on '%s': field '%s' must be a number, got %s", mn, target,
+                               nums[k], luaL_typename(L, -1));
+        lua_pop(L, 1);
+    }
+    for (int f = 0; f < KILN_AF_COUNT; f++) {
+        const char *fname = kiln_adapter_factor_name((kiln_adapter_factor)f);
+        if (lua_getfield(L, 3, fname) == LUA_TNIL) { lua_pop(L, 1); continue; }
+        kiln_tensor *t = l_test_tensor(L, -1);
+        if (!t) {
+            if (luaL_testudata(L, -1, KILN_TENSOR_MT)) l_check_tensor(L, -1); /* says where it was freed */
+            return luaL_error(L, "model '%s': add_patch on '%s': field '%s' must be a tensor, got %s", mn, target, fname,
+                              luaL_typename(L, -1));
+        }
+        a.f[f] = t; /* anchored by the spec table */
+        lua_pop(L, 1);
+    }
+    lua_Integer first = 0, count = 0;
+    int ty = lua_getfield(L, 3, "rows");
+    if (ty != LUA_TNIL) {
+        int good = ty == LUA_TTABLE;
+        if (good) {
+            lua_geti(L, -1, 1);
+            lua_geti(L, -2, 2);
+            good = lua_isinteger(L, -2) && lua_isinteger(L, -1);
+            first = lua_tointeger(L, -2);
+            count = lua_tointeger(L, -1);
+            lua_pop(L, 2);
+            good = good && first >= 1 && count >= 1;
+        }
+        if (!good)
+            return luaL_error(L, "model '%s': add_patch on '%s': field 'rows' must be {first, count} with integers >= 1",
+                              mn, target);
+    }
+    lua_pop(L, 1);
+    int id;
+    L_TRY(L, kiln_model_add_patch(m, target, &a, count > 0 ? (int64_t)first - 1 : 0, (int64_t)count, &id));
+    lua_pushinteger(L, id);
+    return 1;
+}
+
+/* m:remove_patch(id) -> m [-0, +1, e] */
+static int m_remove_patch(lua_State *L)
+{
+    kiln_model *m = check_model(L, 1);
+    lua_Integer id = luaL_checkinteger(L, 2);
+    if (id < 1 || id > 0x7fffffff) return luaL_error(L, "model '%s': no patch with id %d", kiln_model_name(m), (int)id);
+    L_TRY(L, kiln_model_remove_patch(m, (int)id));
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* m:patch_count([target]) -> patches on that tensor, or in the model [-0, +1, e] */
+static int m_patch_count(lua_State *L)
+{
+    kiln_model *m = check_model(L, 1);
+    const char *target = luaL_optstring(L, 2, NULL);
+    int n = kiln_model_patch_count(m, target);
+    if (n < 0) {
+        kiln_tensor *t;
+        L_TRY(L, kiln_model_tensor(m, target, &t)); /* raises naming the closest names */
+        kiln_tensor_free(t);
+    }
+    lua_pushinteger(L, n);
+    return 1;
+}
+
 #define SET_INT(L, name, v) (lua_pushinteger((L), (lua_Integer)(v)), lua_setfield((L), -2, (name)))
 
 static void push_residency(lua_State *L, const kiln_model_info *in)
@@ -322,6 +444,7 @@ static const luaL_Reg model_methods[] = {
     {"load", m_load}, {"offload", m_offload}, {"unload", m_unload}, {"pin", m_pin}, {"unpin", m_unpin},
     {"bytes", m_bytes}, {"fetch", m_fetch}, {"release", m_release}, {"prefetch", m_prefetch},
     {"where", m_where}, {"stats", m_stats},
+    {"add_patch", m_add_patch}, {"remove_patch", m_remove_patch}, {"patch_count", m_patch_count},
     {NULL, NULL},
 };
 

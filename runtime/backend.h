@@ -75,6 +75,13 @@ struct kiln_backend {
     kiln_status (*resample)(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x);
     /* pads = left, right, top, bottom; mode kiln_pad_mode */
     kiln_status (*pad2d)(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value);
+    /* C[M,N] = alpha op(A) op(B) + beta C on raw row-major f32 host buffers (BLAS sgemm
+     * semantics; op transposes when trans_x). For the runtime's own host arithmetic
+     * (weight adapters), which may run on a copy thread while another thread computes:
+     * the entry must be callable from any thread. Optional, host backends only. */
+    kiln_status (*gemm_f32)(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
+                            float *C, int64_t ldc);
     /* Kernel workspace, one policy for every backend: the scratch its kernels keep
      * between calls (the CPU's GEMM and Winograd blocks, the cuBLAS workspace) shows
      * in the device's statistics (workspace_bytes -> kiln_mem_stats.workspace through

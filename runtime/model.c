@@ -1,7 +1,8 @@
 /* model.c - model weight stores: residency of every tensor (mapped / host /
  * device), load / offload / unload, LRU eviction through the allocators' evict hook,
- * memory modes, and streaming (fetch / prefetch on a copy thread per device /
- * release).
+ * memory modes, streaming (fetch / prefetch on a copy thread per device / release),
+ * and the patch lists every copy of a weight is built with (adapter_delta.c has the
+ * arithmetic).
  *
  * Locking: one registry mutex (reg_mu) guards every model's state, the registry and
  * the copy queues. Nothing allocates from a device allocator while holding it: an
@@ -14,6 +15,7 @@
 #include "format_bytes.h"
 #include "safetensors.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -36,7 +38,28 @@ typedef struct {
     unsigned char fetched;   /* in use after fetch: not evictable until release */
     unsigned char prefetched;/* dev came from the copy thread and was not fetched yet */
     unsigned char inflight;  /* a prefetch is queued or copying */
+    unsigned char patch_host;/* host exists only to show patched values (model_tensor) */
+    struct patchset *ps;     /* patches, NULL when none (replaced whole, never edited) */
+    unsigned gen;            /* bumped when ps changes: a copy built from an older ps is stale */
 } mtensor;
+
+/* A patch: an adapter over views it owns, on rows [row0, row0 + rows) of dim 0
+ * (rows 0: the whole tensor). Shared by the patch sets that hold it. */
+typedef struct patch {
+    int id;
+    atomic_int refs;
+    kiln_adapter a;
+    kiln_tensor *own[KILN_AF_COUNT];
+    int64_t row0, rows;
+} patch;
+
+/* The patches of a tensor, in the order added. Immutable once published, so a copy
+ * thread builds from a retained set without holding the registry lock. */
+typedef struct patchset {
+    atomic_int refs;
+    int n;
+    patch *p[];
+} patchset;
 
 struct kiln_model {
     char name[58];
@@ -53,6 +76,7 @@ struct kiln_model {
     uint64_t last_used;
     uint64_t n_fetch, n_prefetch, n_waits, n_hits;
     int prefetch_tid;
+    int next_patch_id;
     kiln_model *prev, *next;
 };
 
@@ -216,6 +240,8 @@ static void count_transfer(kiln_device *dev, int to_device, size_t n, double sec
     pthread_mutex_unlock(&xfer_mu);
 }
 
+static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt);
+
 /* A new copy of src on dev in dtype dt, accounted to owner. Host sources (the file
  * or a host copy) are converted straight into the new copy (through a bounded
  * staging buffer for devices with their own memory); anything else goes through
@@ -234,14 +260,70 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
     }
     if ((st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r))) return st;
     kiln_storage_set_owner(r->storage, owner);
-    size_t n = (size_t)kiln_tensor_numel(src);
     double t0 = kiln_events_now();
-    if (n == 0) {
-        /* nothing to copy */
-    } else if (!dev->backend->to_device) {
-        kiln_convert(kiln_tensor_data(r), dt, kiln_tensor_data(src), src->dtype, n);
-    } else if (dt == src->dtype) {
-        st = dev->backend->to_device(kiln_tensor_data(r), kiln_tensor_data(src), kiln_tensor_nbytes(r));
+    st = fill_from_host(r, kiln_tensor_data(src), src->dtype);
+    if (st) { kiln_tensor_free(r); return st; }
+    count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
+    *out = r;
+    return KILN_OK;
+}
+
+/* ---- patches ---- */
+
+static void patch_release(patch *p)
+{
+    if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
+    for (int f = 0; f < KILN_AF_COUNT; f++) kiln_tensor_free(p->own[f]);
+    free(p);
+}
+
+static patchset *ps_retain(patchset *ps)
+{
+    if (ps) atomic_fetch_add(&ps->refs, 1);
+    return ps;
+}
+
+static void ps_release(patchset *ps)
+{
+    if (!ps || atomic_fetch_sub(&ps->refs, 1) != 1) return;
+    for (int i = 0; i < ps->n; i++) patch_release(ps->p[i]);
+    free(ps);
+}
+
+/* A new set: old's patches without `drop`, plus `add` at the end (either may be NULL). */
+static patchset *ps_edit(const patchset *old, const patch *drop, patch *add)
+{
+    int n = old ? old->n : 0;
+    patchset *ps = malloc(sizeof *ps + sizeof(patch *) * (size_t)(n + 1));
+    if (!ps) return NULL;
+    atomic_init(&ps->refs, 1);
+    ps->n = 0;
+    for (int i = 0; i < n; i++) {
+        if (old->p[i] == drop) continue;
+        atomic_fetch_add(&old->p[i]->refs, 1);
+        ps->p[ps->n++] = old->p[i];
+    }
+    if (add) {
+        atomic_fetch_add(&add->refs, 1);
+        ps->p[ps->n++] = add;
+    }
+    return ps;
+}
+
+/* dst (contiguous, on any device) = n elements at src (host memory, dtype sdt),
+ * converted to dst's dtype; devices with their own memory get them through a
+ * bounded staging buffer. */
+static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt)
+{
+    kiln_device *dev = tensor_device(dst);
+    kiln_dtype dt = dst->dtype;
+    size_t n = (size_t)kiln_tensor_numel(dst);
+    kiln_status st = KILN_OK;
+    if (n == 0) return KILN_OK;
+    if (!dev->backend->to_device) {
+        kiln_convert(kiln_tensor_data(dst), dt, src, sdt, n);
+    } else if (dt == sdt) {
+        st = dev->backend->to_device(kiln_tensor_data(dst), src, kiln_tensor_nbytes(dst));
     } else {
         size_t esz = kiln_dtype_size(dt), chunk = STAGE_BYTES / esz;
         if (chunk > n) chunk = n;
@@ -249,12 +331,73 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
         st = kiln_allocator_alloc(kiln_device_cpu()->alloc, chunk * esz, &stage);
         for (size_t off = 0; !st && off < n; off += chunk) {
             size_t k = n - off < chunk ? n - off : chunk;
-            kiln_convert(stage, dt, (const char *)kiln_tensor_data(src) + off * kiln_dtype_size(src->dtype), src->dtype, k);
-            st = dev->backend->to_device((char *)kiln_tensor_data(r) + off * esz, stage, k * esz);
+            kiln_convert(stage, dt, (const char *)src + off * kiln_dtype_size(sdt), sdt, k);
+            st = dev->backend->to_device((char *)kiln_tensor_data(dst) + off * esz, stage, k * esz);
         }
         if (stage) kiln_allocator_release(kiln_device_cpu()->alloc, stage);
     }
-    if (st) { kiln_tensor_free(r); return st; }
+    return st;
+}
+
+/* dst (a copy of the tensor whose file view is `mapped`: same shape, contiguous, any
+ * dtype and device) = f32(mapped) + the deltas of ps, cast to dst's dtype. In place:
+ * views of dst see the new values. The f32 sum is built in dst itself when dst is
+ * f32 in host memory, else in scratch from the cpu allocator, freed before return.
+ * Must not be called with reg_mu held (it allocates). */
+static kiln_status build_into(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
+{
+    if (!ps || ps->n == 0) return fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
+    int64_t n = kiln_tensor_numel(dst);
+    if (n == 0) return KILN_OK;
+    kiln_device *cpu = kiln_device_cpu();
+    int direct = dst->dtype == KILN_F32 && !tensor_device(dst)->backend->to_device;
+    float *w = NULL;
+    kiln_status st = KILN_OK;
+    if (direct) w = kiln_tensor_data(dst);
+    else if ((st = kiln_device_scratch_alloc(cpu, (size_t)n * sizeof(float), 0, (void **)&w))) return st;
+    kiln_convert(w, KILN_F32, kiln_tensor_data(mapped), mapped->dtype, (size_t)n);
+    int64_t row = mapped->shape[0] ? n / mapped->shape[0] : 0;
+    for (int i = 0; i < ps->n && !st; i++) {
+        const patch *p = ps->p[i];
+        int64_t shape[KILN_MAX_DIMS];
+        memcpy(shape, mapped->shape, sizeof(int64_t) * (size_t)mapped->ndim);
+        float *region = w;
+        if (p->rows > 0) {
+            shape[0] = p->rows;
+            region += p->row0 * row;
+        }
+        st = kiln_adapter_apply(&p->a, region, mapped->ndim, shape);
+    }
+    if (!st && !direct) st = fill_from_host(dst, w, KILN_F32);
+    if (!direct) kiln_device_scratch_free(cpu, w);
+    return st;
+}
+
+/* Under reg_mu: what a new copy of t in dtype want is made from. Unpatched: the host
+ * copy, else the file. Patched: the host copy when it already has that dtype (it
+ * carries the patches), else the file plus the patch set (*ps retained). */
+static kiln_tensor *source_locked(const mtensor *t, kiln_dtype want, patchset **ps)
+{
+    *ps = NULL;
+    if (t->ps && !(t->host && t->host->dtype == want)) {
+        *ps = ps_retain(t->ps);
+        return kiln_tensor_view_of(t->mapped);
+    }
+    return kiln_tensor_view_of(source_of(t));
+}
+
+/* A new copy on dev in dtype dt from what source_locked gave. */
+static kiln_status make_copy(const kiln_tensor *src, const patchset *ps, kiln_device *dev, kiln_dtype dt,
+                             const char *owner, kiln_tensor **out)
+{
+    if (!ps) return copy_to(src, dev, dt, owner, out);
+    *out = NULL;
+    kiln_tensor *r;
+    kiln_status st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r);
+    if (st) return st;
+    kiln_storage_set_owner(r->storage, owner);
+    double t0 = kiln_events_now();
+    if ((st = build_into(r, src, ps))) { kiln_tensor_free(r); return st; }
     count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
     *out = r;
     return KILN_OK;
@@ -375,6 +518,7 @@ static void model_free_all(kiln_model *m)
         kiln_tensor_free(t->dev);
         kiln_tensor_free(t->host);
         kiln_tensor_free(t->mapped);
+        ps_release(t->ps);
     }
     for (int i = 0; i < m->n_files; i++) kiln_st_release(m->files[i]);
     free(m->files);
@@ -568,6 +712,33 @@ kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out
     if (i < 0) return missing_error(m, name);
     pthread_mutex_lock(&reg_mu);
     mtensor *t = &m->t[i];
+    if (t->ps && !t->dev && !t->host) {
+        /* the file's view would show the weight without its patches: build a host
+         * copy (accounted to the model) and hand that out */
+        patchset *ps;
+        kiln_tensor *src = source_locked(t, t->mapped->dtype, &ps);
+        m->busy++;
+        pthread_mutex_unlock(&reg_mu);
+        kiln_tensor *r = NULL;
+        kiln_status st = src ? make_copy(src, ps, kiln_device_cpu(), src->dtype, m->owner, &r)
+                             : kiln_error(KILN_ERR_OOM, "out of host memory");
+        kiln_tensor_free(src);
+        ps_release(ps);
+        pthread_mutex_lock(&reg_mu);
+        m->busy--;
+        if (st) {
+            pthread_mutex_unlock(&reg_mu);
+            char prefix[200];
+            snprintf(prefix, sizeof prefix, "model '%s': patched tensor '%s': ", m->name, name);
+            return prefix_error(st, prefix);
+        }
+        if (!t->dev && !t->host) {
+            t->host = r;
+            t->patch_host = 1;
+        } else {
+            kiln_tensor_free(r);
+        }
+    }
     const kiln_tensor *best = t->dev ? t->dev : t->host ? t->host : t->mapped;
     kiln_tensor *v = kiln_tensor_view_of(best);
     m->last_used = ++lru_clock;
@@ -746,18 +917,21 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
                 have = 1;
             }
         }
-        kiln_tensor *src = have ? NULL : kiln_tensor_view_of(source_of(t));
+        patchset *ps = NULL;
+        kiln_tensor *src = have ? NULL : source_locked(t, want, &ps);
         pthread_mutex_unlock(&reg_mu);
         if (have) continue;
-        if (!src) { st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
+        if (!src) { ps_release(ps); st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
         kiln_tensor *r;
-        st = copy_to(src, to, want, m->owner, &r);
+        st = make_copy(src, ps, to, want, m->owner, &r);
         kiln_tensor_free(src);
+        ps_release(ps);
         if (st) break;
         pthread_mutex_lock(&reg_mu);
         kiln_tensor **slot = low ? &t->host : &t->dev;
         kiln_tensor_free(*slot);
         *slot = r;
+        if (low) t->patch_host = 0;
         if (!low) { t->streamed = t->fetched = t->prefetched = 0; made[i] = 1; }
         pthread_mutex_unlock(&reg_mu);
         copied++;
@@ -808,6 +982,7 @@ kiln_status kiln_model_offload(kiln_model *m)
             kiln_tensor_free(t->host);
             t->host = t->dev;
             t->dev = NULL;
+            t->patch_host = 0;
             t->streamed = t->fetched = t->prefetched = 0;
             moved++;
         } else if (t->dev) {
@@ -825,6 +1000,7 @@ kiln_status kiln_model_offload(kiln_model *m)
         pthread_mutex_lock(&reg_mu);
         kiln_tensor_free(t->host);
         t->host = h;
+        t->patch_host = 0;
         drop(&t->dev);
         t->streamed = t->fetched = t->prefetched = 0;
         pthread_mutex_unlock(&reg_mu);
@@ -937,12 +1113,14 @@ kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
             continue;
         }
         kiln_dtype want = want_dtype(dtype, source_of(t)->dtype);
-        kiln_tensor *src = kiln_tensor_view_of(source_of(t));
+        patchset *ps;
+        kiln_tensor *src = source_locked(t, want, &ps);
         pthread_mutex_unlock(&reg_mu);
-        if (!src) { st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
+        if (!src) { ps_release(ps); st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
         kiln_tensor *r;
-        st = copy_to(src, dev, want, m->owner, &r);
+        st = make_copy(src, ps, dev, want, m->owner, &r);
         kiln_tensor_free(src);
+        ps_release(ps);
         if (st) break;
         pthread_mutex_lock(&reg_mu);
         if (t->dev && tensor_device(t->dev) == dev) {
@@ -1028,16 +1206,20 @@ static void *copy_thread(void *arg)
         kiln_device *dev = w->dev;
         if (m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
             kiln_dtype want = want_dtype(m->dtype, source_of(t)->dtype);
-            kiln_tensor *src = kiln_tensor_view_of(source_of(t));
+            patchset *ps;
+            kiln_tensor *src = source_locked(t, want, &ps);
+            unsigned gen = t->gen;
             pthread_mutex_unlock(&reg_mu);
             kiln_tensor *r = NULL;
             kiln_status st = KILN_ERR_OOM;
             double t0 = kiln_events_now();
             if (src) {
+                /* the patches' arithmetic runs here too, overlapping the compute */
                 kiln_events_set_context(m->owner);
-                st = copy_to(src, dev, want, m->owner, &r);
+                st = make_copy(src, ps, dev, want, m->owner, &r);
                 kiln_tensor_free(src);
             }
+            ps_release(ps);
             if (!st && kiln_trace_active()) {
                 char args[160];
                 snprintf(args, sizeof args, "\"model\":\"%s\",\"bytes\":%llu", m->name,
@@ -1046,7 +1228,7 @@ static void *copy_thread(void *arg)
             }
             pthread_mutex_lock(&reg_mu);
             /* a failed prefetch is not an error: fetch copies the tensor itself */
-            if (!st && m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+            if (!st && t->gen == gen && m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
                 kiln_tensor_free(t->dev);
                 t->dev = r;
                 r = NULL;
@@ -1108,3 +1290,219 @@ kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n)
     free(idx);
     return st;
 }
+
+/* ---- patches: add / remove / count, the owner's kind ---- */
+
+/* Rebuilds copies[0..n) of t from the file and ps, in place; a copy that fails is
+ * dropped from t (if still t's) so nothing stale stays. Returns the first error. */
+static kiln_status rebuild_copies(mtensor *t, kiln_tensor **copies, int n, const patchset *ps)
+{
+    kiln_status first = KILN_OK;
+    char msg[800] = "";
+    for (int k = 0; k < n; k++) {
+        if (!copies[k]) continue;
+        kiln_status st = build_into(copies[k], t->mapped, ps);
+        if (!st) continue;
+        if (!first) {
+            first = st;
+            snprintf(msg, sizeof msg, "%s", kiln_last_error());
+        }
+        pthread_mutex_lock(&reg_mu);
+        if (t->host && t->host->storage == copies[k]->storage) drop(&t->host);
+        if (t->dev && t->dev->storage == copies[k]->storage) {
+            drop(&t->dev);
+            t->streamed = t->fetched = t->prefetched = 0;
+        }
+        pthread_mutex_unlock(&reg_mu);
+    }
+    if (first) kiln_error(first, "%s", msg);
+    return first;
+}
+
+kiln_status kiln_model_add_patch(kiln_model *m, const char *target, const kiln_adapter *a, int64_t row_first,
+                                 int64_t row_count, int *id)
+{
+    if (id) *id = 0;
+    if (!m || !target || !a || !id) return kiln_error(KILN_ERR_ARG, "model add_patch: model, target, adapter and id are required");
+    int i = kiln_model_find(m, target);
+    if (i < 0) return prefix_error(missing_error(m, target), "add_patch: ");
+    mtensor *t = &m->t[i];
+    const kiln_tensor *w = t->mapped;
+    char ws[96], ds_str[96], rs[96];
+    kiln_shape_str(w, ws, sizeof ws);
+    if (!kiln_dtype_is_float(w->dtype))
+        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: tensor '%s' is %s, not a floating-point weight", m->name,
+                          target, kiln_dtype_name(w->dtype));
+    int nd;
+    int64_t ds[KILN_MAX_DIMS];
+    kiln_status st = kiln_adapter_delta_shape(a, &nd, ds);
+    if (st) {
+        char prefix[300];
+        snprintf(prefix, sizeof prefix, "model '%s': add_patch on '%s': ", m->name, target);
+        return prefix_error(st, prefix);
+    }
+    if (!isfinite(a->scale) || !isfinite(a->strength))
+        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch on '%s': scale and strength must be finite numbers", m->name, target);
+    kiln_tensor region = *w;
+    rs[0] = 0;
+    if (row_count < 0 || (row_count > 0 && (w->ndim < 1 || row_first < 0 || row_first + row_count > w->shape[0])))
+        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: rows %lld..%lld (counting from 1) are outside dim 1 of tensor '%s' %s",
+                          m->name, (long long)row_first + 1, (long long)(row_first + row_count), target, ws);
+    if (row_count > 0) {
+        region.shape[0] = row_count;
+        char b[96];
+        snprintf(rs, sizeof rs, " (rows %lld..%lld: %s)", (long long)row_first + 1, (long long)(row_first + row_count),
+                 kiln_shape_str(&region, b, sizeof b));
+    }
+    int64_t dn = 1;
+    for (int d = 0; d < nd; d++) dn *= ds[d];
+    kiln_tensor dshape = {0};
+    dshape.ndim = nd;
+    memcpy(dshape.shape, ds, sizeof(int64_t) * (size_t)nd);
+    kiln_shape_str(&dshape, ds_str, sizeof ds_str);
+    if (dn != kiln_tensor_numel(&region))
+        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: the %s delta %s does not fit tensor '%s' %s%s", m->name,
+                          kiln_adapter_kind_name(a->kind), ds_str, target, ws, rs);
+    const kiln_tensor *dora = a->f[KILN_AF_DORA_SCALE];
+    if (dora && (region.ndim < 2 || kiln_tensor_numel(dora) != region.shape[1])) {
+        char b[96];
+        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: 'dora_scale' %s does not fit tensor '%s' %s%s: it needs "
+                          "one value per column (dim 2)", m->name, kiln_shape_str(dora, b, sizeof b), target, ws, rs);
+    }
+    patch *p = calloc(1, sizeof *p);
+    if (!p) return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name);
+    atomic_init(&p->refs, 1);
+    p->a = *a;
+    p->row0 = row_count > 0 ? row_first : 0;
+    p->rows = row_count > 0 ? row_count : 0;
+    for (int f = 0; f < KILN_AF_COUNT; f++) {
+        if (!a->f[f]) continue;
+        p->own[f] = kiln_tensor_view_of(a->f[f]);
+        p->a.f[f] = p->own[f];
+        if (!p->own[f]) { patch_release(p); return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name); }
+    }
+
+    pthread_mutex_lock(&reg_mu);
+    m->busy++;
+    while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu); /* a prefetch builds from the old set */
+    patchset *old = t->ps, *cur = ps_edit(old, NULL, p);
+    if (!cur) {
+        m->busy--;
+        pthread_mutex_unlock(&reg_mu);
+        patch_release(p);
+        return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name);
+    }
+    p->id = ++m->next_patch_id;
+    t->ps = ps_retain(cur);
+    t->gen++;
+    kiln_tensor *copies[2] = {t->host ? kiln_tensor_view_of(t->host) : NULL, t->dev ? kiln_tensor_view_of(t->dev) : NULL};
+    pthread_mutex_unlock(&reg_mu);
+
+    kiln_events_set_context(m->owner);
+    st = rebuild_copies(t, copies, 2, cur);
+    kiln_events_set_context(NULL);
+    pthread_mutex_lock(&reg_mu);
+    if (st) {
+        /* nothing added: the old set back; the copies that were rebuilt are dropped
+         * (the file gives them back when needed) */
+        ps_release(t->ps);
+        t->ps = old;
+        old = NULL;
+        t->gen++;
+        drop(&t->host);
+        drop(&t->dev);
+        t->streamed = t->fetched = t->prefetched = 0;
+    } else {
+        *id = p->id;
+    }
+    m->busy--;
+    pthread_mutex_unlock(&reg_mu);
+    kiln_tensor_free(copies[0]);
+    kiln_tensor_free(copies[1]);
+    ps_release(old);
+    ps_release(cur);
+    patch_release(p);
+    if (st) {
+        char prefix[300];
+        snprintf(prefix, sizeof prefix, "model '%s': add_patch on '%s': ", m->name, target);
+        return prefix_error(st, prefix);
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln_model_remove_patch(kiln_model *m, int id)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "model remove_patch: model is NULL");
+    pthread_mutex_lock(&reg_mu);
+    mtensor *t = NULL;
+    patch *p = NULL;
+    for (int i = 0; i < m->n && !p; i++) {
+        patchset *ps = m->t[i].ps;
+        for (int k = 0; ps && k < ps->n; k++)
+            if (ps->p[k]->id == id) { t = &m->t[i]; p = ps->p[k]; break; }
+    }
+    if (!p) {
+        pthread_mutex_unlock(&reg_mu);
+        return kiln_error(KILN_ERR_ARG, "model '%s': no patch with id %d (removed already?)", m->name, id);
+    }
+    m->busy++;
+    while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
+    patchset *old = t->ps, *cur = NULL;
+    if (old->n > 1 && !(cur = ps_edit(old, p, NULL))) {
+        m->busy--;
+        pthread_mutex_unlock(&reg_mu);
+        return kiln_error(KILN_ERR_OOM, "model '%s': remove_patch: out of host memory", m->name);
+    }
+    t->ps = ps_retain(cur);
+    t->gen++;
+    if (!cur && t->host && t->patch_host) drop(&t->host); /* the file's view serves again */
+    kiln_tensor *copies[2] = {t->host ? kiln_tensor_view_of(t->host) : NULL, t->dev ? kiln_tensor_view_of(t->dev) : NULL};
+    pthread_mutex_unlock(&reg_mu);
+    /* a copy that cannot be rebuilt is dropped: the removal itself always holds */
+    kiln_events_set_context(m->owner);
+    rebuild_copies(t, copies, 2, cur);
+    kiln_events_set_context(NULL);
+    pthread_mutex_lock(&reg_mu);
+    m->busy--;
+    pthread_mutex_unlock(&reg_mu);
+    kiln_tensor_free(copies[0]);
+    kiln_tensor_free(copies[1]);
+    ps_release(old);
+    ps_release(cur);
+    return KILN_OK;
+}
+
+int kiln_model_patch_count(kiln_model *m, const char *target)
+{
+    if (!m) return -1;
+    int i = target ? kiln_model_find(m, target) : -1;
+    if (target && i < 0) return -1;
+    int n = 0;
+    pthread_mutex_lock(&reg_mu);
+    for (int k = target ? i : 0; k < (target ? i + 1 : m->n); k++)
+        if (m->t[k].ps) n += m->t[k].ps->n;
+    pthread_mutex_unlock(&reg_mu);
+    return n;
+}
+
+kiln_status kiln_model_set_owner_kind(kiln_model *m, const char *kind)
+{
+    if (!m || !kind || !*kind) return kiln_error(KILN_ERR_ARG, "model owner: model and kind are required");
+    for (const char *c = kind; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '_' || *c == '-'))
+            return kiln_error(KILN_ERR_ARG, "model '%s': owner kind '%s': letters, digits, '_' and '-' only", m->name, kind);
+    if (strlen(kind) + 1 + strlen(m->name) >= sizeof m->owner)
+        return kiln_error(KILN_ERR_ARG, "model '%s': owner kind '%s' is too long", m->name, kind);
+    pthread_mutex_lock(&reg_mu);
+    snprintf(m->owner, sizeof m->owner, "%s:%s", kind, m->name);
+    for (int i = 0; i < m->n; i++) {
+        mtensor *t = &m->t[i];
+        kiln_storage_set_owner(t->mapped->storage, m->owner);
+        if (t->host) kiln_storage_set_owner(t->host->storage, m->owner);
+        if (t->dev) kiln_storage_set_owner(t->dev->storage, m->owner);
+    }
+    pthread_mutex_unlock(&reg_mu);
+    return KILN_OK;
+}
+
+const char *kiln_model_owner(const kiln_model *m) { return m ? m->owner : "?"; }

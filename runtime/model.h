@@ -13,7 +13,16 @@
 #ifndef KILN_MODEL_H
 #define KILN_MODEL_H
 
+#include "adapter_delta.h"
 #include "tensor.h"
+
+/* Patches (weight adapters: LoRA and its family). The mapped file is never written
+ * and no patched copy is kept to undo from: a tensor carries a list of patches, and
+ * every copy of it (host copy, device load, low-mode fetch / prefetch on the copy
+ * thread) is built as f32(mapped) + each patch's delta in the order added (DoRA
+ * normalizing where a patch has a dora_scale), then cast to the copy's dtype. A
+ * patched tensor's mapped view is never handed out. Adding or removing a patch
+ * rebuilds the copies that exist in place, so a removal gives back the file's bits. */
 
 /* ORDER MEMMODE: keep memory_mode_names in model.c in this order */
 typedef enum {
@@ -84,6 +93,27 @@ kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *ou
 kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
+
+/* Adds a patch to tensor `target` (a floating-point tensor of m): the store keeps
+ * views of a's factors (their storages stay alive until the patch goes). row_count
+ * > 0 restricts the delta to rows row_first .. row_first + row_count - 1 (0-based)
+ * of dim 0 (a q, k or v slice of a fused in_proj weight or bias); 0 means the whole
+ * tensor. The delta is reshaped to the target's (or slice's) shape when the element
+ * counts agree. Waits for a prefetch of the tensor in flight, then rebuilds its
+ * copies; on failure nothing is added (copies that could not be rebuilt are
+ * dropped: the file gives them back). *id: the patch's id, > 0, unique in m. */
+kiln_status kiln_model_add_patch(kiln_model *m, const char *target, const kiln_adapter *a, int64_t row_first,
+                                 int64_t row_count, int *id);
+/* Removes patch id and rebuilds the tensor's copies from the file (a host copy that
+ * existed only to show the patched values goes instead). Unknown id: an error. */
+kiln_status kiln_model_remove_patch(kiln_model *m, int id);
+/* Patches on tensor target, or in the whole model when target is NULL; -1 when
+ * target is not a tensor of m. */
+int kiln_model_patch_count(kiln_model *m, const char *target);
+/* Accounts the model's memory to "<kind>:<name>" instead of "model:<name>" (a LoRA
+ * file opened as a model: "lora:<name>"). kind: letters, digits, '_' or '-'. */
+kiln_status kiln_model_set_owner_kind(kiln_model *m, const char *kind);
+const char *kiln_model_owner(const kiln_model *m);
 
 typedef struct {
     int n_tensors;

@@ -277,6 +277,16 @@ static void cpu_workspace_release(kiln_device *dev)
     kiln_cpu_scratch_trim();
 }
 
+/* The pool takes one job at a time (a second submitter waits for the first), so a
+ * copy thread's product and the compute thread's ops only take turns. */
+static kiln_status cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                                const float *A, int64_t lda, const float *B, int64_t ldb, float beta,
+                                float *C, int64_t ldc)
+{
+    kiln_cpu_gemm_f32(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return KILN_OK;
+}
+
 static const kiln_backend cpu_backend = {
     .name = "cpu",
     .supports = cpu_supports,
@@ -297,6 +307,7 @@ static const kiln_backend cpu_backend = {
     .geglu = cpu_geglu,
     .resample = cpu_resample,
     .pad2d = cpu_pad2d,
+    .gemm_f32 = cpu_gemm_f32,
     .workspace_bytes = cpu_workspace_bytes,
     .workspace_release = cpu_workspace_release,
     .threads = kiln_cpu_threads,

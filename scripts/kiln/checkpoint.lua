@@ -111,6 +111,8 @@ local PICKLE_HELP = "kiln reads .safetensors only: a .ckpt/.pt/.pth/.bin file is
     "safetensors:\n  python -c \"import torch, safetensors.torch as s; d = torch.load('IN.ckpt', " ..
     "map_location='cpu'); d = d.get('state_dict', d); s.save_file({k: v.contiguous() for k, v in " ..
     "d.items() if isinstance(v, torch.Tensor)}, 'OUT.safetensors')\""
+-- shared with kiln.embedding, which refuses .pt embeddings with the same hint
+M.PICKLE_HELP = PICKLE_HELP
 
 local function sniff(path)
   local f, err = io.open(path, "rb")
@@ -802,7 +804,7 @@ local function check_opts(opts)
   if opts == nil then return {} end
   if type(opts) ~= "table" then error("kiln.load_checkpoint: options must be a table", 3) end
   local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, prediction = true,
-    family = true, scale_factor = true, zsnr = true }
+    family = true, scale_factor = true, zsnr = true, loras = true, embeddings = true }
   for k in pairs(opts) do
     if not known[k] then
       error(fmt("kiln.load_checkpoint: unknown option '%s' (known: %s)", tostring(k),
@@ -815,7 +817,23 @@ local function check_opts(opts)
   if opts.prediction and opts.prediction ~= "eps" and opts.prediction ~= "v" then
     error(fmt("kiln.load_checkpoint: prediction must be \"eps\" or \"v\", got %q", tostring(opts.prediction)), 3)
   end
+  for _, k in ipairs({ "loras", "embeddings" }) do
+    if opts[k] ~= nil and type(opts[k]) ~= "string" then
+      error(fmt("kiln.load_checkpoint: %s must be a folder name, got %s", k, type(opts[k])), 3)
+    end
+  end
   return opts
+end
+
+-- The adapter side of a checkpoint: ckpt:add_lora / ckpt:find_lora (kiln.lora) and
+-- the folders LoRAs and embeddings are found in by name (opts.loras, opts.embeddings).
+local function with_adapters(ckpt, opts)
+  ckpt.add_lora = function(self, path, o) return require("kiln.lora").add(self, path, o) end
+  ckpt.find_lora = function(self, name) return require("kiln.lora").find(self, name) end
+  ckpt.lora_dir, ckpt.embedding_dir = opts.loras, opts.embeddings
+  local text = rawget(ckpt, "clip")
+  if text and opts.embeddings then rawset(text, "embedding_dir", opts.embeddings) end
+  return ckpt
 end
 
 -- ComfyUI's heuristic for SD 2.x: v-prediction models have a large spread in one
@@ -831,6 +849,8 @@ local function guess_v(src, prefix)
 end
 
 local function finish(ckpt)
+  -- textual inversion: ckpt:add_embedding(path [, name]) (see kiln.embedding)
+  ckpt.add_embedding = function(self, path, name) return require("kiln.embedding").add(self, path, name) end
   ckpt.close = function(self)
     for _, k in ipairs({ "clip", "unet", "vae" }) do
       local p = rawget(self, k)
@@ -1015,17 +1035,17 @@ end
 -- file), clip / clip_l / clip_g (text encoder files), prediction ("eps" | "v"),
 -- zsnr (boolean: the model was trained with a zero-terminal-SNR schedule; read
 -- from the kiln.zsnr metadata otherwise), family (force "sd1" | "sd2" | "sdxl"),
--- scale_factor.
+-- scale_factor, loras / embeddings (folders ckpt:find_lora and embedding:NAME look in).
 function M.load_checkpoint(path, opts)
   if type(path) ~= "string" then error("kiln.load_checkpoint: path must be a string, got " .. type(path), 2) end
   opts = check_opts(opts)
-  if is_dir(path) then return load_diffusers(path:gsub("/+$", ""), opts) end
+  if is_dir(path) then return with_adapters(load_diffusers((path:gsub("/+$", "")), opts), opts) end
   if not file_exists(path) then
     local f, err = io.open(path, "rb")
     if f then f:close() end
     fail(nil, err or (path .. ": cannot open"))
   end
-  return load_single(path, opts)
+  return with_adapters(load_single(path, opts), opts)
 end
 
 -- kiln.load_checkpoint is this function (bindings/l_kiln.c loads this module lazily)

@@ -12,6 +12,7 @@
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
+local embedding = require "kiln.embedding"
 local nn = kiln.nn
 
 local M = {}
@@ -168,13 +169,34 @@ function Encoder:_qkv(n, j)
 end
 
 -- Token ids (a Lua list, or a list of lists for a batch) -> embeddings [B, L, W] f32.
-function Encoder:embed(ids)
+-- vectors (optional): {{pos = p, vectors = [n, W]}, ...}: rows p..p+n-1 of every
+-- sequence take those vectors instead of their tokens' (textual inversion; the
+-- position embedding is added to them as to any token).
+function Encoder:embed(ids, vectors)
   local cfg = self.config
   if type(ids[1]) == "number" then ids = { ids } end
   local tok = self:w(cfg.layout == "hf" and "text_model.embeddings.token_embedding.weight" or "token_embedding.weight")
   local pos = self:w(cfg.layout == "hf" and "text_model.embeddings.position_embedding.weight" or "positional_embedding")
   local L = #ids[1]
-  local function drop_all() tok:free(); pos:free() end
+  -- the vectors in the token table's dtype and device, and the row each position takes
+  local subst, converted = {}, {}
+  for _, f in ipairs(vectors or {}) do
+    local v = f.vectors
+    if v.shape[2] ~= cfg.width then
+      error(fmt("CLIP: embedding vectors of width %d, the encoder takes %d", v.shape[2], cfg.width), 3)
+    end
+    if v.dtype ~= tok.dtype then v = v:to(tok.dtype); converted[#converted + 1] = v end
+    if v.device ~= tok.device then
+      local d = v:to(tok.device)
+      converted[#converted + 1] = d
+      v = d
+    end
+    for k = 1, v.shape[1] do subst[f.pos + k - 1] = { v, k } end
+  end
+  local function drop_all()
+    tok:free(); pos:free()
+    for _, v in ipairs(converted) do v:free() end
+  end
   if L > cfg.positions then
     drop_all()
     error(fmt("CLIP: %d tokens, but the encoder has %d positions", L, cfg.positions), 3)
@@ -188,7 +210,8 @@ function Encoder:embed(ids)
         drop_all()
         error(fmt("CLIP: token id %s at position %d is outside the vocabulary (0..%d)", tostring(id), i, cfg.vocab - 1), 3)
       end
-      r[i] = tok:narrow(1, id + 1, 1)
+      local sv = subst[i]
+      if sv then r[i] = sv[1]:narrow(1, sv[2], 1) else r[i] = tok:narrow(1, id + 1, 1) end
     end
     local c = kiln.cat(r, 1)
     for _, v in ipairs(r) do v:free() end
@@ -266,6 +289,8 @@ end
 --   final_norm = true|false (apply the final layer norm to that state), default true
 --   pooled = true: also return the pooled vector (final norm of the last layer at the
 --           first end-of-text token, the highest id as CLIP's argmax, times the projection)
+--   vectors = {{pos = p, vectors = [n, W]}, ...}: textual-inversion vectors that replace
+--           the token embeddings at positions p..p+n-1 (see Encoder:embed)
 -- Returns hidden [B, L, W] (f32) [, pooled [B, P]].
 function Encoder:forward(ids, opts)
   opts = opts or {}
@@ -284,7 +309,7 @@ function Encoder:forward(ids, opts)
   if final_norm or want_pooled then order[#order + 1] = "final" end
   local pass <close> = self.streamer:pass(order)
   local dev = self:_device()
-  local x = self:embed(batch)
+  local x = self:embed(batch, opts.vectors)
   if x.device ~= dev then
     local xd = x:to(dev)
     x:free()
@@ -449,15 +474,22 @@ end
 -- Splits weighted tokens into 75-token chunks as A1111's tokenize_line: a BREAK ends
 -- the chunk; when a chunk fills up and a comma was seen in its last `backtrack`
 -- tokens, the tokens after the comma move to the next chunk. Each chunk becomes
--- {ids = 77 ids, weights = 77 multipliers}: start, tokens, padding, end.
+-- {ids = 77 ids, weights = 77 multipliers, fixes = list}: start, tokens, padding, end.
+-- opts.embedding(name) -> vector count turns `embedding:NAME` in the text into that many
+-- placeholder ids (0, as A1111) with a fix {pos = index in ids, name =, count =}: the
+-- encoder puts the embedding's vectors there. As A1111 does, an embedding is never
+-- split across chunks: one that does not fit in what is left of a chunk starts the
+-- next (the rest of that chunk is padding). A1111 leaves the fixes behind when the
+-- comma backtrack moves tokens; here they move with their placeholders.
 function M.chunks(pieces, tok, opts)
   opts = opts or {}
   local bos, eos = opts.bos or 49406, opts.eos or 49407
   local pad = opts.pad or eos
   local comma = opts.comma
   local backtrack = opts.backtrack or 20
+  local resolve = opts.embedding
   local chunks = {}
-  local cur_t, cur_w = {}, {}
+  local cur_t, cur_w, cur_f = {}, {}, {}
   local last_comma = -1
   local function next_chunk(is_last)
     local ids, ws = { bos }, { 1.0 }
@@ -470,33 +502,65 @@ function M.chunks(pieces, tok, opts)
       ids[#cur_t + 2] = eos
       ids[77] = pad
     end
-    chunks[#chunks + 1] = { ids = ids, weights = ws }
-    cur_t, cur_w = {}, {}
+    local fixes = {}
+    for i, f in ipairs(cur_f) do fixes[i] = { pos = f.at + 1, name = f.name, count = f.count } end
+    chunks[#chunks + 1] = { ids = ids, weights = ws, fixes = fixes }
+    cur_t, cur_w, cur_f = {}, {}, {}
     last_comma = -1
     return is_last
+  end
+  -- a piece's units: token ids, and {name =, count =} for an embedding
+  local function units_of(text)
+    if not resolve then return tok(text) end
+    local units = {}
+    for _, part in ipairs(embedding.split(text)) do
+      if type(part) == "table" then
+        units[#units + 1] = { name = part.embedding, count = resolve(part.embedding) }
+      elseif part ~= "" then
+        for _, id in ipairs(tok(part)) do units[#units + 1] = id end
+      end
+    end
+    return units
   end
   for _, piece in ipairs(pieces) do
     local text, w = piece[1], piece[2]
     if text == "BREAK" and w == -1 then
       next_chunk(false)
     else
-      local ids = tok(text)
+      local units = units_of(text)
       local i = 1
-      while i <= #ids do
-        local t = ids[i]
+      while i <= #units do
+        local t = units[i]
         if comma and t == comma then
           last_comma = #cur_t + 1
         elseif backtrack > 0 and #cur_t == 75 and last_comma ~= -1 and #cur_t - (last_comma - 1) <= backtrack then
           local break_at = last_comma + 1
-          local rt, rw = {}, {}
+          local rt, rw, rf, keep = {}, {}, {}, {}
           for k = break_at, #cur_t do rt[#rt + 1] = cur_t[k]; rw[#rw + 1] = cur_w[k] end
           for k = #cur_t, break_at, -1 do cur_t[k] = nil; cur_w[k] = nil end
+          for _, f in ipairs(cur_f) do
+            if f.at >= break_at then
+              rf[#rf + 1] = { at = f.at - break_at + 1, name = f.name, count = f.count }
+            else
+              keep[#keep + 1] = f
+            end
+          end
+          cur_f = keep
           next_chunk(false)
-          cur_t, cur_w = rt, rw
+          cur_t, cur_w, cur_f = rt, rw, rf
         end
         if #cur_t == 75 then next_chunk(false) end
-        cur_t[#cur_t + 1] = t
-        cur_w[#cur_w + 1] = w
+        if type(t) == "table" then
+          if #cur_t + t.count > 75 then next_chunk(false) end
+          cur_f[#cur_f + 1] = { at = #cur_t + 1, name = t.name, count = t.count }
+          for _ = 1, t.count do
+            cur_t[#cur_t + 1] = 0
+            cur_w[#cur_w + 1] = w
+          end
+        else
+          cur_t[#cur_t + 1] = t
+          cur_w[#cur_w + 1] = w
+        end
         i = i + 1
       end
     end
@@ -576,14 +640,28 @@ function Text:encode_pieces(pieces, opts)
   local tok = function(s) return t:encode(s) end
   local per_encoder, pooled = {}, nil
   local clip_skip = opts.clip_skip or self.clip_skip or 1
+  -- `embedding:NAME`: resolved once per name (added ones, else the embeddings folder)
+  local found = {}
+  local function resolve(name)
+    found[name] = found[name] or embedding.resolve(self, name, "clip:encode")
+    return found[name].count
+  end
   for ei, e in ipairs(self.encoders) do
     local chunks = M.chunks(pieces, tok, { bos = bos, eos = eos, pad = e.pad or eos, comma = comma,
-      backtrack = opts.comma_backtrack })
+      backtrack = opts.comma_backtrack, embedding = resolve })
     local zs = {}
+    local cfg = e.enc.config
     for ci, c in ipairs(chunks) do
       local layer = e.layer
       if ei == 1 and #self.encoders == 1 and clip_skip > 1 then layer = -clip_skip end
-      local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1 })
+      local vectors
+      for _, f in ipairs(c.fixes) do
+        vectors = vectors or {}
+        vectors[#vectors + 1] = { pos = f.pos,
+          vectors = embedding.vectors_for(found[f.name], cfg.role or "l", cfg.width, #self.encoders, "clip:encode") }
+      end
+      local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1,
+        vectors = vectors })
       if p then pooled = p end
       local zw = opts.weighting == "none" and z or M.apply_weights(z, c.weights)
       if zw ~= z then z:free() end
@@ -603,7 +681,9 @@ end
 -- \( \) literal, BREAK starts a new chunk; each chunk's hidden states are multiplied
 -- by the token weights and rescaled to keep their mean. opts: clip_skip (SD 1.x:
 -- 2 = penultimate layer), emphasis = false (plain text), weighting = "none",
--- comma_backtrack (default 20, as A1111).
+-- comma_backtrack (default 20, as A1111). `embedding:NAME` (or NAME.safetensors) puts a
+-- textual-inversion embedding's vectors in the prompt, weighted like any token
+-- ("(embedding:NAME:1.2)"); see kiln.embedding for where names are found.
 function Text:encode(text, opts)
   if type(text) ~= "string" then error("clip:encode: text must be a string, got " .. type(text), 2) end
   opts = opts or {}
