@@ -129,16 +129,79 @@ __attribute__((target("f16c,avx2"))) static void f16_to_f32_f16c(float *dst, con
 }
 #endif
 
-static void f16_to_f32_array(float *dst, const uint16_t *s, size_t n)
+/* f32 -> f16 for arrays, the reverse trip (every weight a LoRA patches, every f16 copy
+ * of an f32 tensor): the hardware rounds to nearest even and makes subnormals and
+ * infinities as kiln_f32_to_f16 does; a group holding an inf or a NaN goes through the
+ * scalar code, which decides the NaN's payload. */
+static void f32_to_f16_scalar(uint16_t *dst, const float *s, size_t n)
 {
+    for (size_t i = 0; i < n; i++) dst[i] = kiln_f32_to_f16(s[i]);
+}
+
 #ifdef KILN_F16_SIMD
-    /* 0 unknown, 1 scalar, 2 F16C, 3 AVX-512 (a benign race: every thread computes the same) */
+__attribute__((target("avx512f,avx2"))) static void f32_to_f16_avx512(uint16_t *dst, const float *s, size_t n)
+{
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(s + i);
+        if (_mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), abs_mask), inf))
+            f32_to_f16_scalar(dst + i, s + i, 16);
+        else
+            _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    f32_to_f16_scalar(dst + i, s + i, n - i);
+}
+
+__attribute__((target("f16c,avx2"))) static void f32_to_f16_f16c(uint16_t *dst, const float *s, size_t n)
+{
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(s + i);
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(x), abs_mask);
+        /* a >= inf  <=>  a > inf - 1 (both non-negative as signed 32-bit) */
+        if (!_mm256_testz_si256(_mm256_cmpgt_epi32(a, _mm256_sub_epi32(inf, _mm256_set1_epi32(1))), _mm256_set1_epi32(-1)))
+            f32_to_f16_scalar(dst + i, s + i, 8);
+        else
+            _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    f32_to_f16_scalar(dst + i, s + i, n - i);
+}
+#endif
+
+/* 0 unknown, 1 scalar, 2 F16C, 3 AVX-512 (a benign race: every thread computes the same) */
+static int f16_isa(void)
+{
     static int isa;
+#ifdef KILN_F16_SIMD
     if (!isa) {
         __builtin_cpu_init();
         isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") ? 3
             : __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2") ? 2 : 1;
     }
+#else
+    isa = 1;
+#endif
+    return isa;
+}
+
+static void f32_to_f16_array(uint16_t *dst, const float *s, size_t n)
+{
+#ifdef KILN_F16_SIMD
+    int isa = f16_isa();
+    if (isa == 3 && n >= 16) { f32_to_f16_avx512(dst, s, n); return; }
+    if (isa >= 2 && n >= 8) { f32_to_f16_f16c(dst, s, n); return; }
+#endif
+    f32_to_f16_scalar(dst, s, n);
+}
+
+void kiln_f32_to_f16_array(uint16_t *dst, const float *src, size_t n) { f32_to_f16_array(dst, src, n); }
+
+static void f16_to_f32_array(float *dst, const uint16_t *s, size_t n)
+{
+#ifdef KILN_F16_SIMD
+    int isa = f16_isa();
     if (isa == 3 && n >= 16) { f16_to_f32_avx512(dst, s, n); return; }
     if (isa >= 2 && n >= 8) { f16_to_f32_f16c(dst, s, n); return; }
 #endif
@@ -173,6 +236,7 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
 {
     if (ddt == sdt) { memmove(dst, src, n * kiln_dtype_size(ddt)); return; }
     if (ddt == KILN_F32) { kiln_to_f32(dst, src, sdt, n); return; }
+    if (ddt == KILN_F16 && sdt == KILN_F32) { f32_to_f16_array(dst, src, n); return; }
     if (ddt == KILN_I64 && sdt == KILN_I32) {
         for (size_t i = 0; i < n; i++) ((int64_t *)dst)[i] = ((const int32_t *)src)[i];
         return;

@@ -24,6 +24,9 @@ int kiln_dtype_is_float(kiln_dtype dt);
 
 float kiln_f16_to_f32(uint16_t h);
 uint16_t kiln_f32_to_f16(float f);
+/* n values at once, bit for bit as kiln_f32_to_f16 (the hardware conversion where the
+ * CPU has one) */
+void kiln_f32_to_f16_array(uint16_t *dst, const float *src, size_t n);
 float kiln_bf16_to_f32(uint16_t h);
 uint16_t kiln_f32_to_bf16(float f);
 

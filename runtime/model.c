@@ -842,7 +842,8 @@ int kiln_model_usage_list(kiln_model_usage *out, int max)
             if (rows < max) {
                 kiln_model_usage *u = &out[rows];
                 memset(u, 0, sizeof *u);
-                snprintf(u->model, sizeof u->model, "%s", m->name);
+                /* a model by its name; other owners (LoRA files) by their owner tag */
+                snprintf(u->model, sizeof u->model, "%s", strncmp(m->owner, "model:", 6) == 0 ? m->name : m->owner);
                 snprintf(u->device, sizeof u->device, "%s", dev ? dev->name : "");
                 u->bytes = dev ? b : 0;
                 u->tensors = count;

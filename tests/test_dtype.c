@@ -222,6 +222,35 @@ static void t_f32_to_half(void)
     free(bb);
 }
 
+/* The array conversion f32 -> f16 against the scalar one on random bit patterns (every
+ * exponent, so normals, subnormals, overflow, inf and NaN all occur, at every offset of
+ * the vector groups). */
+static void t_f32_to_half_array_random(void)
+{
+    size_t n = 1 << 22;
+    float *x = malloc(n * 4);
+    uint16_t *h = malloc(n * 2);
+    if (!x || !h) { free(x); free(h); CHECK(0, "out of memory"); return; }
+    uint64_t st = 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; i < n; i++) {
+        st ^= st << 13; st ^= st >> 7; st ^= st << 17; /* xorshift64 */
+        uint32_t u = (uint32_t)(st >> 32);
+        if (i % 3 == 0) u = (u & 0x807fffffu) | ((uint32_t)(100 + (st >> 8) % 60) << 23); /* f16's range */
+        memcpy(&x[i], &u, 4);
+    }
+    for (size_t off = 0; off < 3; off++) {
+        kiln_f32_to_f16_array(h, x + off, n - off);
+        int bad = 0;
+        for (size_t i = 0; i < n - off; i++) {
+            uint16_t want = kiln_f32_to_f16(x[off + i]);
+            if (h[i] != want && bad++ < 5) CHECK(0, "f32 %.9g -> f16 0x%04x, scalar 0x%04x", x[off + i], h[i], want);
+        }
+        CHECK(bad == 0, "offset %zu: %d mismatches of %zu", off, bad, n - off);
+    }
+    free(x);
+    free(h);
+}
+
 /* f32 -> integers: truncation toward zero, saturation, nan -> 0. */
 static void t_f32_to_int(void)
 {
@@ -383,6 +412,7 @@ int main(void)
     RUN(t_half_to_f32_all);
     RUN(t_half_to_half_all);
     RUN(t_f32_to_half);
+    RUN(t_f32_to_half_array_random);
     RUN(t_f32_to_int);
     RUN(t_half_to_int_all);
     RUN(t_int_to_float);

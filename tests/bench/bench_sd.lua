@@ -3,8 +3,10 @@
 -- decode of a 64x64 latent (512x512 image), CLIP-L encode; time, GFLOP/s, peak memory
 -- and the ratio to PyTorch (tests/bench/torch_sd.py, the original modules in f32 on
 -- the same weights and inputs); low vs high memory mode for one UNet step on sim;
--- and text encode + one UNet step with CFG + VAE decode in low mode inside a 512 MiB
--- sim budget.
+-- text encode + one UNet step with CFG + VAE decode in low mode inside a 512 MiB
+-- sim budget; and a rank-32 kohya LoRA over the UNet's transformer layers and the text
+-- encoder: the time to apply it to resident weights, and one low-mode UNet step with it
+-- against one without.
 --
 --   build/kiln tests/bench/bench_sd.lua [--quick] [--repeat N] [--only LIST]
 --       [--no-torch] [--weights PATH] [--fresh] [--clean] [--threads N] [--budget MIB]
@@ -12,7 +14,7 @@
 --
 -- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
--- unet,vae,clip,modes,pipeline. --warmup: untimed evaluations before the timed ones, on
+-- unet,vae,clip,modes,pipeline,lora. --warmup: untimed evaluations before the timed ones, on
 -- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
 -- mapped weights also maps their pages, as PyTorch's load reads them; 0 times
 -- the first evaluation too). The weights (SD 1.5's UNet in f16, names and shapes from
@@ -25,7 +27,7 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 
 local opts = util.parse_args(arg or {}, {
-  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline", no_torch = false, weights = "",
+  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline,lora", no_torch = false, weights = "",
   fresh = false, clean = false, threads = 0, budget = 512, warmup = 1,
 })
 if opts.threads > 0 then kiln.set_threads(opts.threads) end
@@ -498,6 +500,95 @@ if only.pipeline and has_sim then
   end
 end
 
+-- 4. a rank-32 kohya LoRA (the layers kohya's trainer targets by default: the UNet's
+-- transformer linears and 1x1 projections, the text encoder's attention and MLP)
+local lora_rows
+local function make_lora(lpath, rank)
+  local ws = kiln.load_safetensors(path) -- mapped: only shapes are read
+  local out, n, bytes, seed = {}, 0, 0, 500000
+  local names = {}
+  for name in pairs(ws) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local w = ws[name]
+    local key
+    local u = name:match("^model%.diffusion_model%.(.+)%.weight$")
+    if u and (u:match("transformer_blocks%.%d+%.attn%d%.to_[qkv]$") or u:match("transformer_blocks%.%d+%.attn%d%.to_out%.0$")
+        or u:match("transformer_blocks%.%d+%.ff%.net%.0%.proj$") or u:match("transformer_blocks%.%d+%.ff%.net%.2$")
+        or u:match("%.proj_in$") or u:match("%.proj_out$")) then
+      key = "lora_unet_" .. u:gsub("%.", "_")
+    end
+    local c = name:match("^cond_stage_model%.transformer%.(text_model%.encoder%.layers%.%d+%..+)%.weight$")
+    if c and (c:match("self_attn%.[qkvo]%a*_proj$") or c:match("mlp%.fc%d$")) then
+      key = "lora_te_" .. c:gsub("%.", "_")
+    end
+    if key then
+      local sh = w.shape
+      local din, dout = sh[2], sh[1]
+      local tail = #sh == 4 and { 1, 1 } or {}
+      local dshape, ushape = { rank, din, table.unpack(tail) }, { dout, rank, table.unpack(tail) }
+      local d = kiln.randn(dshape, { seed = seed }) * (1 / math.sqrt(din))
+      local up = kiln.randn(ushape, { seed = seed + 1 }) * 0.01
+      out[key .. ".lora_down.weight"] = d:to("f16"); d:free()
+      out[key .. ".lora_up.weight"] = up:to("f16"); up:free()
+      out[key .. ".alpha"] = kiln.tensor({ rank }):to("f16")
+      seed = seed + 2
+      n = n + 1
+      bytes = bytes + (din + dout) * rank * 2
+    end
+  end
+  kiln.save_safetensors(lpath, out)
+  for _, t in pairs(out) do t:free() end
+  return n, bytes
+end
+
+if only.lora and has_sim then
+  local rank = 32
+  local lpath = tmpdir .. "/kiln-bench-sd15-lora-r32.safetensors"
+  local nmod, lbytes = make_lora(lpath, rank)
+  say("\nA rank-%d kohya LoRA: %d modules (UNet transformer layers, text encoder), %s f16", rank, nmod, human(lbytes))
+  lora_rows = {}
+  -- resident: the UNet and the text encoder loaded on sim, then the LoRA applied (every
+  -- patched copy rebuilt from the file plus its delta)
+  kiln.memory_mode("normal")
+  ck.unet:load("sim"); ck.clip:load("sim")
+  local t0 = kiln.time()
+  local h = ck:add_lora(lpath)
+  lora_rows.apply = kiln.time() - t0
+  say("  applied to the resident UNet and text encoder in %.2f s (%d weights; target <= 1.5 s %s)", lora_rows.apply,
+    h.patched, lora_rows.apply <= 1.5 and "met" or "NOT met")
+  t0 = kiln.time()
+  h:remove()
+  say("  removed (copies rebuilt from the file) in %.2f s", kiln.time() - t0)
+  ck.unet:unload(); ck.clip:unload()
+  -- low mode: one UNet step without and with the LoRA (patched as each block streams in)
+  local x, t, ctx = inputs(1, SIZE)
+  kiln.memory_mode("low")
+  for _, with in ipairs({ false, true }) do
+    collectgarbage(); collectgarbage()
+    kiln.mem.empty_cache("sim")
+    local base = kiln.mem.stats("sim").allocated
+    ck.unet:load("sim")
+    local hl = with and ck:add_lora(lpath, { clip = 0 }) or nil
+    kiln.mem.reset_peak("sim")
+    local sec, out, cpu = time_best(REPEAT, function() return ck.unet:forward(x, t, ctx) end)
+    out:free()
+    local peak = kiln.mem.stats("sim").peak - base
+    lora_rows[with and "with" or "without"] = { sec = sec, cpu = cpu, peak = peak }
+    row(fmt("unet step, low mode, %s LoRA", with and "with" or "without"), sec, cpu,
+      unet_flops(ucfg, 1, SIZE, SIZE, 77), peak, nil, nil)
+    if hl then hl:remove() end
+    ck.unet:unload()
+  end
+  kiln.memory_mode("normal")
+  x:free(); t:free(); ctx:free()
+  local r = lora_rows.with.sec / lora_rows.without.sec
+  say("  with / without: time x%.3f (target <= 1.15 %s), peak on sim %s vs %s (growth %s; the LoRA's factors %s)",
+    r, r <= 1.15 and "met" or "NOT met", human(lora_rows.with.peak), human(lora_rows.without.peak),
+    human(math.max(0, lora_rows.with.peak - lora_rows.without.peak)), human(lbytes))
+  if opts.clean then os.remove(lpath) end
+end
+
 -- ---------------------------------------------------------------- summary
 
 say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak alloc / RSS | torch s (cpu s) | torch RSS | kiln/torch wall (cpu) | rel.err |")
@@ -547,6 +638,10 @@ for _, r in ipairs(results) do
   end
 end
 if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
+if lora_rows then
+  say("  LoRA apply %.2f s (target <= 1.5 s), low-mode step with / without x%.3f (target <= 1.15)", lora_rows.apply,
+    lora_rows.with.sec / lora_rows.without.sec)
+end
 if pipe then say("  512 MiB budget: %s", pipe.ok and (pipe.peak <= pipe.budget and "respected" or "exceeded") or "failed") end
 say("# load average at end %s", loadavg())
 os.remove(out_path)
