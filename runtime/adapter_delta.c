@@ -459,6 +459,58 @@ static kiln_status add_delta(const kiln_adapter *a, float *w, int64_t n, float a
     }
 }
 
+struct kiln_adapter_rows {
+    const kiln_adapter *a;
+    fview up, down, diff;
+    int64_t rank, row_len;
+};
+
+kiln_status kiln_adapter_rows_begin(const kiln_adapter *a, int64_t nrows, int64_t row_len, kiln_adapter_rows **out)
+{
+    *out = NULL;
+    if (a->f[KILN_AF_DORA_SCALE] || row_len <= 0 || a->scale == 0) return KILN_ERR_UNSUPPORTED;
+    const kiln_tensor *up = a->f[KILN_AF_UP], *down = a->f[KILN_AF_DOWN], *diff = a->f[KILN_AF_DIFF];
+    int64_t rank = 0;
+    if (a->kind == KILN_ADAPTER_LORA) {
+        if (a->f[KILN_AF_MID] || !up || !down || down->shape[0] <= 0) return KILN_ERR_UNSUPPORTED;
+        rank = down->shape[0];
+        if (numel(down) != rank * row_len || numel(up) != nrows * rank || up->shape[1] != rank) return KILN_ERR_UNSUPPORTED;
+    } else if (a->kind != KILN_ADAPTER_DIFF || !diff || numel(diff) != nrows * row_len) {
+        return KILN_ERR_UNSUPPORTED;
+    }
+    kiln_adapter_rows *r = calloc(1, sizeof *r);
+    if (!r) return kiln_error(KILN_ERR_OOM, "adapter: out of host memory");
+    r->a = a;
+    r->rank = rank;
+    r->row_len = row_len;
+    kiln_status st = a->kind == KILN_ADAPTER_LORA ? fget(up, &r->up) : fget(diff, &r->diff);
+    if (!st && a->kind == KILN_ADAPTER_LORA) st = fget(down, &r->down);
+    if (st) { kiln_adapter_rows_end(r); return st; }
+    *out = r;
+    return KILN_OK;
+}
+
+void kiln_adapter_rows_add(kiln_adapter_rows *r, float *w, int64_t r0, int64_t nrows)
+{
+    float alpha = (float)r->a->scale;
+    int64_t N = r->row_len;
+    if (r->a->kind == KILN_ADAPTER_LORA) {
+        gemm(0, 0, nrows, N, r->rank, alpha, r->up.p + r0 * r->rank, r->rank, r->down.p, N, 1.0f, w, N);
+    } else {
+        const float *d = r->diff.p + r0 * N;
+        for (int64_t i = 0; i < nrows * N; i++) w[i] += alpha * d[i];
+    }
+}
+
+void kiln_adapter_rows_end(kiln_adapter_rows *r)
+{
+    if (!r) return;
+    fput(&r->up);
+    fput(&r->down);
+    fput(&r->diff);
+    free(r);
+}
+
 kiln_status kiln_adapter_apply(const kiln_adapter *a, float *w, int ndim, const int64_t *shape)
 {
     int nd;

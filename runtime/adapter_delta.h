@@ -54,4 +54,16 @@ kiln_status kiln_adapter_delta_shape(const kiln_adapter *a, int *ndim, int64_t s
  * thread; must not be called with a lock the allocators' evict hook takes. */
 kiln_status kiln_adapter_apply(const kiln_adapter *a, float *w, int ndim, const int64_t *shape);
 
+/* Row by row: a patch whose delta's rows are independent (a LoRA without a CP mid, or a
+ * full difference; no DoRA, whose norm needs every row) can add its delta a block of
+ * rows at a time, so a copy is built in cache-sized pieces instead of through a whole
+ * f32 tensor. begin converts the factors once (nrows x row_len: the weight region the
+ * delta covers; KILN_ERR_UNSUPPORTED when the patch is not row by
+ * row or its factors do not have that row length: then use kiln_adapter_apply); add
+ * does w[0 .. nrows*row_len) += scale * delta rows r0 .. r0+nrows-1; end frees. */
+typedef struct kiln_adapter_rows kiln_adapter_rows;
+kiln_status kiln_adapter_rows_begin(const kiln_adapter *a, int64_t nrows, int64_t row_len, kiln_adapter_rows **out);
+void kiln_adapter_rows_add(kiln_adapter_rows *r, float *w, int64_t r0, int64_t nrows);
+void kiln_adapter_rows_end(kiln_adapter_rows *r);
+
 #endif

@@ -344,9 +344,55 @@ static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype 
  * views of dst see the new values. The f32 sum is built in dst itself when dst is
  * f32 in host memory, else in scratch from the cpu allocator, freed before return.
  * Must not be called with reg_mu held (it allocates). */
+/* build_into a block of rows at a time, for a copy in host memory whose patches are all
+ * row by row (kiln_adapter_rows): the f32 rows stay in cache between the conversion from
+ * the file, the deltas and the conversion to the copy's dtype. KILN_ERR_UNSUPPORTED
+ * (nothing written) when a patch is not row by row. */
+static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
+{
+    enum { MAX_PATCHES = 16, BLOCK_FLOATS = 1 << 18 };
+    if (ps->n > MAX_PATCHES || mapped->ndim < 1 || tensor_device(dst)->backend->to_device) return KILN_ERR_UNSUPPORTED;
+    int64_t n = kiln_tensor_numel(dst), rows = mapped->shape[0];
+    int64_t row = rows ? n / rows : 0;
+    if (row <= 0) return KILN_ERR_UNSUPPORTED;
+    kiln_adapter_rows *pr[MAX_PATCHES] = {0};
+    kiln_status st = KILN_OK;
+    char saved[512];
+    kiln_status saved_st = kiln_last_status();
+    snprintf(saved, sizeof saved, "%s", kiln_last_error());
+    for (int i = 0; i < ps->n && !st; i++)
+        st = kiln_adapter_rows_begin(&ps->p[i]->a, ps->p[i]->rows > 0 ? ps->p[i]->rows : rows, row, &pr[i]);
+    float *w = NULL;
+    int64_t block = BLOCK_FLOATS / row > 0 ? BLOCK_FLOATS / row : 1;
+    if (!st) st = kiln_device_scratch_alloc(kiln_device_cpu(), (size_t)(block * row) * sizeof(float), 0, (void **)&w);
+    if (st == KILN_ERR_UNSUPPORTED) kiln_error(saved_st, "%s", saved); /* not an error: the caller goes the other way */
+    size_t isz = kiln_dtype_size(mapped->dtype), osz = kiln_dtype_size(dst->dtype);
+    for (int64_t r0 = 0; !st && r0 < rows; r0 += block) {
+        int64_t nr = rows - r0 < block ? rows - r0 : block;
+        kiln_convert(w, KILN_F32, (const char *)kiln_tensor_data(mapped) + (size_t)(r0 * row) * isz, mapped->dtype,
+                     (size_t)(nr * row));
+        for (int i = 0; i < ps->n; i++) {
+            const patch *p = ps->p[i];
+            int64_t lo = r0, hi = r0 + nr; /* the rows of this block the patch covers */
+            if (p->rows > 0) {
+                if (lo < p->row0) lo = p->row0;
+                if (hi > p->row0 + p->rows) hi = p->row0 + p->rows;
+            }
+            if (lo < hi) kiln_adapter_rows_add(pr[i], w + (lo - r0) * row, lo - (p->rows > 0 ? p->row0 : 0), hi - lo);
+        }
+        kiln_convert((char *)kiln_tensor_data(dst) + (size_t)(r0 * row) * osz, dst->dtype, w, KILN_F32,
+                     (size_t)(nr * row));
+    }
+    if (w) kiln_device_scratch_free(kiln_device_cpu(), w);
+    for (int i = 0; i < ps->n; i++) kiln_adapter_rows_end(pr[i]);
+    return st;
+}
+
 static kiln_status build_into(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
 {
     if (!ps || ps->n == 0) return fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
+    kiln_status rs = build_rows(dst, mapped, ps);
+    if (rs != KILN_ERR_UNSUPPORTED) return rs;
     int64_t n = kiln_tensor_numel(dst);
     if (n == 0) return KILN_OK;
     kiln_device *cpu = kiln_device_cpu();
