@@ -925,6 +925,11 @@ function kiln.util.is_usage_error(e) end
 ---@return boolean
 function kiln.util.is_oom(e) end
 
+---The keys of a table, sorted.
+---@param t table
+---@return any[]
+function kiln.util.sorted_keys(t) end
+
 --- Number of distinct indices matched by `pattern`'s capture in a name -> shape table
 --- (max index + 1): how many blocks, layers or levels a checkpoint has.
 ---@param shapes table<string, integer[]>

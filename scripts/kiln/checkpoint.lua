@@ -17,6 +17,7 @@
 -- kiln.clip.layer, kiln.scale_factor, kiln.shift_factor, kiln.prediction.
 local kiln = require "kiln"
 local lfs = require "lfs"
+local util = require "kiln.util"
 local unet = require "kiln.unet"
 local vae = require "kiln.vae"
 local clip = require "kiln.clip"
@@ -67,12 +68,7 @@ local function copy_shape(s)
   return r
 end
 
-local function sorted_keys(t)
-  local k = {}
-  for n in pairs(t) do k[#k + 1] = n end
-  table.sort(k)
-  return k
-end
+local sorted_keys = util.sorted_keys
 
 -- Top-level prefixes of a name set, for "found ..." messages: "first_stage_model.* (248)".
 local function summarize(shapes, depth)

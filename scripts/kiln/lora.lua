@@ -15,6 +15,7 @@
 -- kohya key ("to_q" vs a block index), an exact lookup is not.
 local kiln = require "kiln"
 local lfs = require "lfs"
+local util = require "kiln.util"
 local checkpoint = require "kiln.checkpoint"
 local unet = require "kiln.unet"
 local clip = require "kiln.clip"
@@ -35,12 +36,7 @@ local function numel(s)
   return n
 end
 
-local function sorted_keys(t)
-  local k = {}
-  for n in pairs(t) do k[#k + 1] = n end
-  table.sort(k)
-  return k
-end
+local sorted_keys = util.sorted_keys
 
 local function stem(path) return (path:match("([^/]+)$") or path):gsub("%.[^.]*$", "") end
 

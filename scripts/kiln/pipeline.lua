@@ -244,8 +244,8 @@ function pipeline.txt2img(ckpt, opts)
   local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
+  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
   plan_memory(ckpt, o, W, H)
-  local loras <close> = run_loras(ckpt, o)
 
   ckpt.clip:load(dev)
   local cond, uncond = conditioning(ckpt, o, W, H)
@@ -269,8 +269,8 @@ function pipeline.img2img(ckpt, image, opts)
   local dev = device_of(o)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
+  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
   plan_memory(ckpt, o, W, H)
-  local loras <close> = run_loras(ckpt, o)
 
   ckpt.vae:load(dev)
   local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
@@ -303,8 +303,8 @@ function pipeline.hires_fix(ckpt, opts)
   local lw, lh = latent_size(ckpt, W, H)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
+  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
-  local loras <close> = run_loras(ckpt, o)
 
   ckpt.clip:load(dev)
   local cond, uncond = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size

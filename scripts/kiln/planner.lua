@@ -147,6 +147,14 @@ function M.choose(ckpt, o)
     line("  %-5s %12s %12s %12s", p.name, human(p.bytes), human(p.window),
       p.work and human(p.work) or ("? (" .. tostring(p.why) .. ")"))
   end
+  -- LoRAs in use: their factors stay in the mapped file (owner lora:NAME); their deltas
+  -- are built into the copies of the weights they patch, which the rows above count
+  for _, h in ipairs(rawget(ckpt, "loras_applied") or {}) do
+    local file = rawget(h, "_file")
+    local ok, st = pcall(function() return file:stats() end)
+    line("  %-5s %12s  factors mapped from the file; patched weights built at each copy", "lora:" .. tostring(h.name),
+      ok and st and human(st.file_bytes) or "?")
+  end
   line("  all weights + largest work %s; largest stage (weights + work) %s; low mode needs %s",
     human(all + worst_work), human(worst_stage), human(worst_low))
   line("  -> mode %s%s", plan.mode, plan.vae_tile and ", VAE tiled (tile auto)" or "")

@@ -17,6 +17,14 @@ function util.is_usage_error(e) return type(e) == "table" and e.kind == "usage" 
 --- True when e is the runtime's out-of-memory error (a table with kind "oom").
 function util.is_oom(e) return type(e) == "table" and e.kind == "oom" end
 
+--- The keys of a table, sorted (messages and files list names in a stable order).
+function util.sorted_keys(t)
+  local k = {}
+  for n in pairs(t) do k[#k + 1] = n end
+  table.sort(k)
+  return k
+end
+
 -- Parses "--name value" / "--flag" command-line arguments into a table, with
 -- defaults; a mistake (an unknown option, which lists the known ones, a missing or
 -- malformed value) is a usage error.

@@ -87,4 +87,14 @@ test("the demo pipeline runs unchanged when the prompt has no tags", function()
   eq(img.shape[3], 32)
 end)
 
+test("the planner's table lists the LoRAs in use (owner lora:NAME)", function()
+  local T = require "tiny_sd"
+  local ck <close> = kiln.load_checkpoint(T.ckpt_file("sd1"), { loras = "tests/golden/lora" })
+  local h <close> = ck:add_lora(ck:find_lora("sd1_kohya"))
+  local plan = require("kiln.planner").choose(ck, { width = 64, height = 64, device = "sim", steps = 1 })
+  local text = table.concat(plan.lines, "\n")
+  truthy(text:find("lora:sd1_kohya", 1, true), text)
+  T.cleanup()
+end)
+
 H.done()
