@@ -34,6 +34,7 @@
 ---@field util kiln.util
 ---@field cli kiln.cli
 ---@field json kiln.json
+---@field image kiln.image
 kiln = {}
 
 -- ---------------------------------------------------------------- tensors
@@ -376,6 +377,19 @@ function kiln.lora.add(ckpt, path, opts) end
 ---@return string
 function kiln.lora.find(ckpt, name) end
 
+-- ---------------------------------------------------------------- kiln.image
+
+---@class kiln.image
+kiln.image = {}
+
+---Canny edges as ComfyUI's Canny node computes them (kornia.filters.canny: grey,
+---Gaussian blur 5/1, Sobel, non-maximum suppression, double threshold, hysteresis).
+---@param img kiln.Tensor [N, 1|3, H, W] f32 in [0, 1]
+---@param low number threshold on the gradient magnitude, in [0, 1] (ComfyUI's default 0.4)
+---@param high number in [low, 1] (ComfyUI's default 0.8)
+---@return kiln.Tensor edges [N, 3, H, W]: 1 on edges, 0 elsewhere
+function kiln.image.canny(img, low, high) end
+
 ---CLIP's byte-level BPE tokenizer: a folder with vocab.json + merges.txt, a vocab.json,
 ---or CLIP's bpe_simple_vocab_16e6.txt.gz; no path: CLIP's vocabulary built into kiln.
 ---@param path? string
@@ -667,7 +681,7 @@ function kiln.trace.counters() end
 
 -- The names of kiln.sample's registry; tests/lua/test_meta.lua keeps them equal to
 -- kiln.sample.names() and kiln.sample.scheduler_names().
----@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2s_ancestral"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"
+---@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2m_sde"|"dpmpp_2s_ancestral"|"dpmpp_3m_sde"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"|"uni_pc"|"uni_pc_bh2"
 ---@alias kiln.SchedulerName "beta"|"ddim_uniform"|"exponential"|"karras"|"normal"|"sgm_uniform"|"simple"
 
 ---A sampler's registry entry.
@@ -693,7 +707,7 @@ function kiln.trace.counters() end
 
 ---@class kiln.SampleOptions
 ---@field seed? integer
----@field noise? fun(shape: kiln.Shape): kiln.Tensor the noise ancestral and SDE samplers add
+---@field noise? fun(shape: kiln.Shape, sigma?: number, sigma_next?: number): kiln.Tensor the noise ancestral and SDE samplers add (SDE samplers pass the two sigmas it bridges; default for them: sample.brownian_noise seeded by seed)
 ---@field callback? fun(step: kiln.SampleStep): boolean|nil return false to stop
 ---@field eta? number
 ---@field s_churn? number
@@ -752,10 +766,36 @@ function kiln.sample.scheduler_info(name) end
 
 ---Adds (or replaces) a sampler: the one place a sampler is registered.
 ---@param name string
----@param fn fun(denoise: kiln.Denoiser, x: kiln.Tensor, sigmas: number[], opts: table, noise: fun(shape: kiln.Shape): kiln.Tensor, step: function): kiln.Tensor
+---@param fn fun(denoise: kiln.Denoiser, x: kiln.Tensor, sigmas: number[], opts: table, noise: fun(shape: kiln.Shape, sigma?: number, sigma_next?: number): kiln.Tensor, step: function): kiln.Tensor
 ---@param label string A1111's name for it
----@param noise boolean whether it draws noise at every step
+---@param noise boolean|"brownian" whether it draws noise at every step; "brownian": an SDE sampler whose default noise is sample.brownian_noise
 function kiln.sample.add_sampler(name, fn, label, noise) end
+
+---ComfyUI's Brownian noise for the SDE samplers (k-diffusion's BrownianTreeNoiseSampler
+---over torchsde's BrownianTree, same draws for the same seed):
+---noise(shape, sigma, sigma_next) = (W(sigma_next) - W(sigma)) / sqrt(|sigma_next - sigma|).
+---@param shape kiln.Shape
+---@param sigmas kiln.Tensor|number[] the run's sigmas (the tree spans the smallest > 0 to the largest)
+---@param seed integer
+---@return fun(shape: kiln.Shape, sigma: number, sigma_next: number): kiln.Tensor
+function kiln.sample.brownian_noise(shape, sigmas, seed) end
+
+---torchsde's BrownianTree(t0, 0, t1, entropy = seed) (halfway tree, tol 1e-6, pool 24):
+---returns increment(ta, tb) = W(tb) - W(ta) for t0 <= ta <= tb <= t1.
+---@param shape kiln.Shape
+---@param t0 number
+---@param t1 number
+---@param seed integer
+---@return fun(ta: number, tb: number): kiln.Tensor
+function kiln.sample.brownian_tree(shape, t0, t1, seed) end
+
+---numpy.random.SeedSequence(entropy, spawn_key, pool_size).generate_state(n) as uint32 integers.
+---@param entropy integer non-negative
+---@param spawn_key? integer[]
+---@param pool_size integer
+---@param n integer
+---@return integer[]
+function kiln.sample.seed_sequence(entropy, spawn_key, pool_size, n) end
 
 ---Adds (or replaces) a scheduler: the one place a scheduler is registered.
 ---@param name string
@@ -792,12 +832,14 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field denoise? number
 ---@field device? kiln.DeviceName
 ---@field tile? integer|"auto"
+---@field batch? integer images per run (noise randn([batch, 4, h, w]) from the one seed)
+---@field clip_skip? integer text encoder layer from the end: 1 the last, 2 the penultimate (nil: the family's)
 
 ---Staged workflows: each stage loads what it needs and releases what the next does not.
 ---@class kiln.pipeline
 kiln.pipeline = {}
 
----Text to image: [1, 3, H, W] in [0, 1], and the final latents.
+---Text to image: [batch, 3, H, W] in [0, 1], and the final latents.
 ---@param ckpt kiln.Checkpoint
 ---@param opts kiln.PipelineOptions
 ---@return kiln.Tensor image
@@ -830,7 +872,7 @@ function kiln.pipeline.model_sampling(ckpt) end
 function kiln.pipeline.image_size(ckpt) end
 
 ---The number of pixels an image's width and height must be a multiple of: the VAE's
----factor times the UNet's downsampling.
+---factor (the UNet takes any latent size).
 ---@param ckpt kiln.Checkpoint
 ---@return integer
 function kiln.pipeline.size_multiple(ckpt) end
@@ -858,11 +900,12 @@ function kiln.pipeline.sigmas(ckpt, scheduler, steps, denoise) end
 ---@param ckpt kiln.Checkpoint
 ---@param prompt string
 ---@param negative? string
+---@param enc_opts? table options of clip:encode (clip_skip, ...)
 ---@return kiln.Tensor cond
 ---@return kiln.Tensor uncond
 ---@return kiln.Tensor? pooled
 ---@return kiln.Tensor? upooled
-function kiln.pipeline.encode_prompts(ckpt, prompt, negative) end
+function kiln.pipeline.encode_prompts(ckpt, prompt, negative, enc_opts) end
 
 ---The denoiser the samplers call: classifier-free guidance around the UNet.
 ---@param ckpt kiln.Checkpoint
@@ -985,9 +1028,31 @@ function kiln.cli.script_dir() end
 function kiln.cli.default_model() end
 
 ---Prints what a run wrote and where the memory went (unless quiet).
----@param path string
+---@param path string|string[]
 ---@param opts table
 function kiln.cli.report(path, opts) end
+
+-----clip-skip against the checkpoint's text encoders (a usage error past their layers).
+---@param opts table
+---@param ckpt kiln.Checkpoint
+---@return table opts
+function kiln.cli.check_clip_skip(opts, ckpt) end
+
+---The files a run of n images writes: out for one, else out with _1, _2... before
+---its extension.
+---@param out string
+---@param n integer
+---@return string[]
+function kiln.cli.out_paths(out, n) end
+
+---Saves each image of a batch [N, C, H, W] with its parameters at
+---cli.out_paths(opts.out, N).
+---@param image kiln.Tensor
+---@param opts table
+---@param ckpt kiln.Checkpoint
+---@param extra? table
+---@return string[] paths
+function kiln.cli.save(image, opts, ckpt, extra) end
 
 ---The kiln.load_checkpoint options the command line sets (--loras, --embeddings).
 ---@param opts table

@@ -3,6 +3,7 @@
 --     [--hires-denoise 0.5] [--hires-steps N] [--hires-tile T] [options of txt2img]
 -- --hires-tile T samples the upscaled pass in overlapping latent tiles of T
 -- (MultiDiffusion), so a pass larger than the budget allows still fits.
+-- --batch N writes N pictures, OUT with _1, _2... before the extension (hires_fix_1.png...).
 local kiln = require "kiln"
 local cli = require "kiln.cli"
 local util = require "kiln.util"
@@ -24,9 +25,10 @@ end
 
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.image_size(o, ckpt, o.scale)                       -- both passes' sizes checked
+cli.check_clip_skip(o, ckpt)
 
 local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need
 local final = { width = img.shape[4], height = img.shape[3] }
 setmetatable(final, { __index = o })
-pipeline.save(img, o.out, final, ckpt, { ("Hires upscale: %g"):format(o.scale), "Hires upscaler: " .. o.upscale })
-cli.report(o.out, o)
+local paths = cli.save(img, final, ckpt, { ("Hires upscale: %g"):format(o.scale), "Hires upscaler: " .. o.upscale })
+cli.report(paths, o)

@@ -1,5 +1,6 @@
 -- examples/img2img.lua - re-draws an input image guided by a prompt.
 --   kiln examples/img2img.lua --input in.png --prompt "..." [--denoise 0.6] [options of txt2img]
+-- --batch N writes N pictures, OUT with _1, _2... before the extension (img2img_1.png...).
 local kiln = require "kiln"
 local cli = require "kiln.cli"
 local util = require "kiln.util"
@@ -12,6 +13,7 @@ if o.denoise == 1.0 then o.denoise = 0.6 end
 
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 if o.width and o.height then cli.image_size(o, ckpt) end -- checked before the work starts
+cli.check_clip_skip(o, ckpt)
 local function load_input()
   local image = kiln.load_png(o.input)
   if not (o.width and o.height) then
@@ -30,5 +32,4 @@ local image <close> = load_input()
 o.width, o.height = image.shape[4], image.shape[3]
 
 local img <close> = pipeline.img2img(ckpt, image, o)
-pipeline.save(img, o.out, o, ckpt)
-cli.report(o.out, o)
+cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

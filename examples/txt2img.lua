@@ -3,6 +3,8 @@
 --     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
 --     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
 --     [--mode high|normal|low|none|auto] [--vram 6G] [--tile T] [--quiet]
+--     [--batch N] [--clip-skip N]
+-- --batch N writes N pictures, OUT with _1, _2... before the extension (txt2img_1.png...).
 local kiln = require "kiln"
 local cli = require "kiln.cli"
 local pipeline = require "kiln.pipeline"
@@ -12,7 +14,7 @@ if o.out == "" then o.out = "txt2img.png" end
 
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o)) -- nothing read yet: files are mapped
 cli.image_size(o, ckpt)                                -- the model's size unless given; checked
+cli.check_clip_skip(o, ckpt)
 
 local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded
-pipeline.save(img, o.out, o, ckpt)
-cli.report(o.out, o)
+cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

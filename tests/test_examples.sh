@@ -15,6 +15,11 @@ check() { # name, expected output file, command...
 }
 
 check demo "$tmp/demo.png" "$KILN" examples/demo.lua --out "$tmp/demo.png" --size 64
+check "canny edges of the demo picture" "$tmp/edges.png" "$KILN" examples/canny.lua --input "$tmp/demo.png" \
+  --low 0.1 --high 0.3 --out "$tmp/edges.png"
+"$KILN" examples/canny.lua --input "$tmp/demo.png" --low 0.9 --high 0.2 >"$tmp/log" 2>&1
+if [ $? -eq 2 ] && grep -q "^kiln: --low 0.9 is above --high 0.2" "$tmp/log"; then echo "PASS canny --low above --high is a usage error"
+else echo "FAIL canny --low above --high is a usage error"; sed 's/^/    /' "$tmp/log"; fi
 if [ ! -f "$MODEL" ]; then
   echo "SKIP examples on the demo model: $MODEL is missing"
   exit 0

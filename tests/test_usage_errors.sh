@@ -29,7 +29,7 @@ usage() {
 }
 
 T="examples/txt2img.lua --quiet --steps 1 --out $tmp/out.png"
-usage "unknown option lists the known ones" "unknown option '--bogus' (known: --cfg" $T --bogus 1
+usage "unknown option lists the known ones" "unknown option '--bogus' (known: --batch --cfg" $T --bogus 1
 usage "option without its value" "option '--seed' needs a value" $T --seed
 usage "a number option given a word" "--steps many: not a number" $T --steps many
 usage "a whole number" "--seed 1.5: must be a whole number" $T --seed 1.5
@@ -42,16 +42,23 @@ usage "unknown device" "--device nope:" $T --device nope
 usage "malformed --vram" "--vram 6X:" $T --vram 6X
 usage "missing --model file" "--model $tmp/none.safetensors: no such file or folder" $T --model "$tmp/none.safetensors"
 usage "stray argument" "unexpected argument 'extra'" $T extra
+usage "batch at least 1" "--batch 0: must be at least 1" $T --batch 0
+usage "batch a whole number" "--batch 2.5: must be a whole number" $T --batch 2.5
+usage "batch a number" "--batch many: not a number" $T --batch many
+usage "clip skip not negative" "--clip-skip -1: must be at least 0" $T --clip-skip -1
+usage "clip skip a whole number" "--clip-skip 1.5: must be a whole number" $T --clip-skip 1.5
 usage "img2img without --input" "img2img needs --input IMAGE.png" examples/img2img.lua --quiet --out "$tmp/out.png"
 usage "img2img --input missing" "--input $tmp/none.png: no such file or folder" \
   examples/img2img.lua --quiet --input "$tmp/none.png" --out "$tmp/out.png"
 
 if [ -f "$MODEL" ]; then
-  # the demo model works on 16-pixel blocks (VAE factor 4, three UNet levels)
-  usage "width in pixels" "--width 100: must be a multiple of 16 (96 or 112 would do)" $T --width 100
-  usage "height smaller than a block" "--height 8: must be a multiple of 16 (16 would do)" $T --height 8
-  usage "hires fix: the scaled size" "--width 64 at --scale 1.3 is 83 pixels: must be a multiple of 16" \
+  # the demo model's sizes are multiples of its VAE factor, 4 pixels (the UNet takes
+  # any latent size)
+  usage "width in pixels" "--width 102: must be a multiple of 4 (100 or 104 would do)" $T --width 102
+  usage "height smaller than a block" "--height 2: must be a multiple of 4 (4 would do)" $T --height 2
+  usage "hires fix: the scaled size" "--width 64 at --scale 1.3 is 83 pixels: must be a multiple of 4" \
     examples/hires_fix.lua --quiet --steps 1 --scale 1.3 --out "$tmp/out.png"
+  usage "clip skip past the text encoder" "--clip-skip 40: the text encoder has" $T --clip-skip 40
   usage "hires fix: unknown upscaler" "--upscale bicubic: unknown" \
     examples/hires_fix.lua --quiet --steps 1 --upscale bicubic --out "$tmp/out.png"
 else

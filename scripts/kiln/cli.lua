@@ -13,7 +13,7 @@ local COMMON = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = 0.0, sampler = "euler", -- cfg 0: the model's
   scheduler = "normal", width = 0, height = 0, denoise = 1.0, out = "", model = "",
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
-  lora = {}, loras = "", embeddings = "",
+  lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0,
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -68,6 +68,8 @@ local function help_of(k)
     tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
     lora = "NAME[:W] or NAME:TE:UNET, a LoRA of the --loras folder (repeatable; also <lora:NAME:W> in the prompt)",
     loras = "folder of LoRA files (found by name)", embeddings = "folder of embeddings (embedding:NAME in a prompt)",
+    batch = "images per run, noise from the one seed; several are written as OUT_1.png, OUT_2.png...",
+    clip_skip = "text encoder layer from the end: 1 the last, 2 the penultimate (default: the model family's)",
   })[k]
 end
 
@@ -101,6 +103,8 @@ local function check_values(o)
   for _, k in ipairs({ "width", "height" }) do whole(k, 0) end
   whole("tile", 0)
   whole("overlap", 0)
+  whole("batch", 1)
+  whole("clip_skip", 0)
   if not (o.denoise >= 0 and o.denoise <= 1) then
     util.usage_error(("--denoise %g: must be between 0 and 1"):format(o.denoise))
   end
@@ -165,7 +169,7 @@ function cli.parse(args, extra, help)
   check_values(o)
   apply_runtime(o)
   if o.model == "" then o.model = cli.default_model() end
-  for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg" }) do
+  for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg", "clip_skip" }) do
     if o[k] == 0 then o[k] = nil end
   end
   if o.tile == nil then o.overlap = nil
@@ -205,8 +209,46 @@ function cli.image_size(o, ckpt, scale)
   return o
 end
 
+--- --clip-skip against the checkpoint's text encoders (a usage error when one has
+-- fewer layers). Returns o.
+function cli.check_clip_skip(o, ckpt)
+  local n = o.clip_skip
+  if not n then return o end
+  for _, e in ipairs(ckpt.clip and ckpt.clip.encoders or {}) do
+    local layers = e.enc and e.enc.config and e.enc.config.layers
+    if layers and n > layers then
+      util.usage_error(("--clip-skip %d: the text encoder has %d layers"):format(n, layers))
+    end
+  end
+  return o
+end
+
+--- The files a run of n images writes: out itself for one, else out with _1, _2...
+-- before its extension ("out.png" -> "out_1.png", "out_2.png").
+function cli.out_paths(out, n)
+  if n <= 1 then return { out } end
+  local stem, ext = out:match("^(.-)(%.[^./]*)$")
+  if not stem then stem, ext = out, "" end
+  local list = {}
+  for i = 1, n do list[i] = ("%s_%d%s"):format(stem, i, ext) end
+  return list
+end
+
+--- Saves each image of a batch [N, C, H, W] with its parameters (pipeline.save) at
+-- cli.out_paths(o.out, N). Returns the list of paths.
+function cli.save(img, o, ckpt, extra)
+  local paths = cli.out_paths(o.out, img.shape[1])
+  for i, p in ipairs(paths) do
+    local one = img.shape[1] == 1 and img or img:narrow(1, i, 1)
+    pipeline.save(one, p, o, ckpt, extra)
+    if one ~= img then one:free() end
+  end
+  return paths
+end
+
 --- Prints what a run wrote and where the memory went (unless quiet).
 function cli.report(path, o)
+  if type(path) == "table" then path = table.concat(path, ", ") end
   print(("wrote %s"):format(path))
   if not kiln.quiet() then
     if o and o._seconds_per_step then print(("%.3f s per step"):format(o._seconds_per_step)) end

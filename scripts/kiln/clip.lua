@@ -639,7 +639,13 @@ function Text:encode_pieces(pieces, opts)
   if comma and comma < 0 then comma = nil end
   local tok = function(s) return t:encode(s) end
   local per_encoder, pooled = {}, nil
-  local clip_skip = opts.clip_skip or self.clip_skip or 1
+  -- clip_skip N (A1111's "Clip skip", ComfyUI's CLIPSetLastLayer -N): every encoder
+  -- takes the hidden state N layers from the end; nil keeps the family's choice
+  -- (SD 1.x the last layer, SD 2.x and SDXL the penultimate)
+  local clip_skip = opts.clip_skip or self.clip_skip
+  if clip_skip ~= nil and (math.tointeger(clip_skip) == nil or clip_skip < 1) then
+    error(fmt("clip:encode: clip_skip %s: must be a whole number from 1", tostring(clip_skip)), 3)
+  end
   -- `embedding:NAME`: resolved once per name (added ones, else the embeddings folder)
   local found = {}
   local function resolve(name)
@@ -653,7 +659,7 @@ function Text:encode_pieces(pieces, opts)
     local cfg = e.enc.config
     for ci, c in ipairs(chunks) do
       local layer = e.layer
-      if ei == 1 and #self.encoders == 1 and clip_skip > 1 then layer = -clip_skip end
+      if clip_skip then layer = -clip_skip end
       local vectors
       for _, f in ipairs(c.fixes) do
         vectors = vectors or {}
@@ -679,8 +685,8 @@ end
 -- text -> conditioning [1, 77k, dim] (and the pooled vector [1, P] for SDXL).
 -- The emphasis syntax of A1111 is applied: (word:1.2), (word) = x1.1, [word] = /1.1,
 -- \( \) literal, BREAK starts a new chunk; each chunk's hidden states are multiplied
--- by the token weights and rescaled to keep their mean. opts: clip_skip (SD 1.x:
--- 2 = penultimate layer), emphasis = false (plain text), weighting = "none",
+-- by the token weights and rescaled to keep their mean. opts: clip_skip (1 = the last
+-- layer, 2 = the penultimate, ...; default the family's), emphasis = false (plain text), weighting = "none",
 -- comma_backtrack (default 20, as A1111). `embedding:NAME` (or NAME.safetensors) puts a
 -- textual-inversion embedding's vectors in the prompt, weighted like any token
 -- ("(embedding:NAME:1.2)"); see kiln.embedding for where names are found.

@@ -17,6 +17,8 @@ local DEFAULTS = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = nil, sampler = "euler", -- cfg: default_cfg
   scheduler = "normal", width = nil, height = nil, denoise = 1.0, device = nil,
   batch_cfg = nil, -- nil: one batched UNet call for cond+uncond unless mode is "low"
+  batch = 1,        -- images per run, their noise drawn from one seed as randn([N, 4, h, w])
+  clip_skip = nil,  -- 1 the text encoder's last layer, 2 the penultimate...; nil the family's
 }
 
 --- The guidance scale a checkpoint is sampled with when the caller gives none: its
@@ -83,10 +85,10 @@ end
 
 --- Conditioning for a prompt and a negative prompt: cond, uncond (and pooled
 -- vectors where the family has them).
-function pipeline.encode_prompts(ckpt, prompt, negative)
+function pipeline.encode_prompts(ckpt, prompt, negative, enc_opts)
   local clip = ckpt.clip
-  local cond, pooled = clip:encode(prompt)
-  local uncond, upooled = clip:encode(negative or "")
+  local cond, pooled = clip:encode(prompt, enc_opts)
+  local uncond, upooled = clip:encode(negative or "", enc_opts)
   -- different prompt lengths (75-token chunks): pad the shorter with its last chunk
   local lc, lu = cond.shape[2], uncond.shape[2]
   if lc ~= lu then
@@ -156,19 +158,32 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
 end
 
 --- The number of pixels an image's width and height must be a multiple of: the
--- VAE's factor times the UNet's downsampling (2 per level below the first).
+-- VAE's factor (the UNet takes any latent size, as ComfyUI's: its downsamplers
+-- round odd sizes up and its upsamplers meet the skip connection's size).
 function pipeline.size_multiple(ckpt)
-  local f = math.tointeger(ckpt.vae.factor or 8) or 8
-  local levels = ckpt.unet and ckpt.unet.config and ckpt.unet.config.levels or 1
-  return math.tointeger(f * 2 ^ (levels - 1))
+  return math.tointeger(ckpt.vae.factor or 8) or 8
+end
+
+--- t [1, ...] repeated to n along the batch (t itself when n is 1 or it has n).
+local function repeat_batch(t, n)
+  if not t or n == 1 or t.shape[1] == n then return t end
+  local parts = {}
+  for i = 1, n do parts[i] = t end
+  return kiln.cat(parts, 1)
+end
+
+--- The batch size of a run's options, checked.
+local function batch_of(o)
+  local n = math.tointeger(o.batch or 1)
+  if not n or n < 1 then error(("batch %s: must be a whole number from 1"):format(tostring(o.batch)), 3) end
+  return n
 end
 
 --- Latent size of an image size for the checkpoint's VAE.
 local function latent_size(ckpt, w, h)
-  local f = ckpt.vae.factor or 8
-  local m = pipeline.size_multiple(ckpt)
-  if w % m ~= 0 or h % m ~= 0 then
-    error(("image size %dx%d pixels: width and height must be multiples of %d"):format(w, h, m), 3)
+  local f = pipeline.size_multiple(ckpt)
+  if w % f ~= 0 or h % f ~= 0 then
+    error(("image size %dx%d pixels: width and height must be multiples of %d"):format(w, h, f), 3)
   end
   return w // f, h // f
 end
@@ -180,7 +195,16 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local noise = kiln.randn(shape, { seed = o.seed })
   local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
   noise:free()
-  local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, o)
+  -- a batch: the same conditioning for every image (copies freed after sampling)
+  local n, copies = shape[1], {}
+  local function rep(t)
+    local r = repeat_batch(t, n)
+    if r ~= t then copies[#copies + 1] = r end
+    return r
+  end
+  cond, uncond = rep(cond), rep(uncond)
+  local od = setmetatable({ y_cond = rep(o.y_cond), y_uncond = rep(o.y_uncond) }, { __index = o })
+  local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4 })
   end
@@ -195,6 +219,7 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
+  for _, c in ipairs(copies) do c:free() end
   return out
 end
 
@@ -211,7 +236,8 @@ end
 -- conditioning (SDXL) y = pooled text + the size embeddings of a W x H picture
 -- (uncropped, original = target size, as ComfyUI's default) in o.y_cond / o.y_uncond.
 local function conditioning(ckpt, o, W, H)
-  local cond, uncond, pooled, upooled = pipeline.encode_prompts(ckpt, o.prompt, o.negative)
+  local cond, uncond, pooled, upooled = pipeline.encode_prompts(ckpt, o.prompt, o.negative,
+    { clip_skip = o.clip_skip })
   if ckpt.unet.config.adm_in_channels then
     if not (pooled and upooled) then
       error("this UNet needs a pooled text vector (SDXL), but the text encoder gave none", 3)
@@ -237,9 +263,10 @@ local function free_y(o)
   o.y_cond, o.y_uncond = nil, nil
 end
 
---- txt2img: text -> image [1, 3, H, W] in [0, 1] (and the final latents).
+--- txt2img: text -> images [batch, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
   local o = opts_with_defaults(opts, ckpt)
+  local n = batch_of(o)
   local W = o.width or pipeline.image_size(ckpt)
   local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
@@ -252,7 +279,7 @@ function pipeline.txt2img(ckpt, opts)
   ckpt.clip:unload()                       -- the text encoder is not needed again
 
   ckpt.unet:load(dev)
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
   cond:free(); uncond:free(); free_y(o)
   ckpt.unet:unload()                       -- make room for the decoder
 
@@ -262,9 +289,11 @@ function pipeline.txt2img(ckpt, opts)
   return img, lat
 end
 
---- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise.
+--- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
+-- (o.batch times, each from its own noise of the one seed).
 function pipeline.img2img(ckpt, image, opts)
   local o = opts_with_defaults(opts, ckpt)
+  local n = batch_of(o)
   if (opts or {}).denoise == nil then o.denoise = 0.6 end
   local dev = device_of(o)
   local H, W = image.shape[3], image.shape[4]
@@ -274,6 +303,11 @@ function pipeline.img2img(ckpt, image, opts)
 
   ckpt.vae:load(dev)
   local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
+  if n > 1 and x0.shape[1] == 1 then
+    local r = repeat_batch(x0, n)
+    x0:free()
+    x0 = r
+  end
   ckpt.vae:offload()                       -- needed again for the decode; keep it on the host
 
   ckpt.clip:load(dev)
@@ -295,6 +329,7 @@ end
 -- image), then sample again at a partial denoise.
 function pipeline.hires_fix(ckpt, opts)
   local o = opts_with_defaults(opts, ckpt)
+  local n = batch_of(o)
   local scale = o.scale or 2
   local upscale = o.upscale or "latent-bilinear"
   local dev = device_of(o)
@@ -314,7 +349,7 @@ function pipeline.hires_fix(ckpt, opts)
   local first = opts_with_defaults(opts, ckpt)
   first.denoise = 1
   first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { 1, ckpt.vae.latent_channels or 4, lh, lw })
+  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
 
   local up
   if upscale == "latent-nearest" or upscale == "latent-bilinear" then
@@ -378,6 +413,8 @@ function pipeline.parameters(opts, ckpt, extra)
     f[#f + 1] = "Model: " .. ckpt.path:gsub("^.*/", ""):gsub("%.safetensors$", "")
   end
   if o.denoise and o.denoise < 1 then f[#f + 1] = ("Denoising strength: %g"):format(o.denoise) end
+  if o.clip_skip then f[#f + 1] = ("Clip skip: %d"):format(o.clip_skip) end
+  if (o.batch or 1) > 1 then f[#f + 1] = ("Batch size: %d"):format(o.batch) end
   f[#f + 1] = extra_networks.hashes_field(ckpt, o)
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end
   f[#f + 1] = "Version: kiln " .. kiln.version

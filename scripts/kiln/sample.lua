@@ -5,7 +5,9 @@
 -- A sampler is run(denoise, x, sigmas, opts): denoise(x, sigma) returns the
 -- denoised prediction for tensor x at the Lua number sigma; sigmas is a 1-D tensor
 -- (or a Lua list) ending in 0. Ancestral and SDE samplers draw noise from
--- opts.noise(shape) (kiln.randn with a seeded counter by default). Every step
+-- opts.noise(shape, sigma, sigma_next) (the sigmas it bridges; ancestral
+-- samplers pass none): by default kiln.randn with a seeded counter, and for the
+-- SDE samplers the increments of a Brownian tree seeded by opts.seed. Every step
 -- calls opts.callback({i=, n=, sigma=, x=, denoised=}) when given; returning
 -- false from it (or kiln.cancel) stops at the step boundary.
 --
@@ -41,6 +43,9 @@ local function ancestral_step(sigma_from, sigma_to, eta)
 end
 sample.ancestral_step = ancestral_step
 
+-- a double rounded to f32 (as PyTorch front ends store sigmas)
+local function f32(v) return string.unpack("f", string.pack("f", v)) end
+
 local function expm1(x)
   if math.abs(x) < 1e-5 then return x + x * x / 2 + x * x * x / 6 end
   return math.exp(x) - 1
@@ -54,6 +59,159 @@ local function default_noise(opts)
   return function(shape)
     k = k + 1
     return kiln.randn(shape, { seed = seed + 1000003 * k })
+  end
+end
+
+-- The Brownian noise of the SDE samplers, as ComfyUI draws it: k-diffusion's
+-- BrownianTreeNoiseSampler over torchsde's BrownianTree (a BrownianInterval with
+-- halfway_tree = true, tol = 1e-6, pool_size = 24, no Levy area), rebuilt here
+-- step for step so that a seed gives the same draws:
+-- - times are rounded to 6 decimals (Python's round(t, 6));
+-- - the root [t0, t1] holds W ~ sqrt(t1 - t0) N(0, 1); a node splits at its
+--   rounded halfway point, and its left child's increment is the Brownian bridge
+--   l/h W + sqrt(l r / h) N(0, 1), the right child's W minus that;
+-- - every normal draw is torch.manual_seed(s); torch.randn(shape) (kiln.randn),
+--   s the first word of numpy's SeedSequence(entropy = seed, spawn_key = (path
+--   bits, depth), pool_size = 24) for a node (no spawn key for the root);
+-- - the increment over [ta, tb] is the sum, left to right, of the nodes that
+--   tile it.
+
+-- numpy.random.SeedSequence(entropy, spawn_key, pool_size).generate_state(n),
+-- uint32 words (numpy's bit_generator.pyx: hashmix, mix and the output hash).
+local M32 = 0xFFFFFFFF
+local function u32_words(v, out)          -- a non-negative integer, low word first
+  out[#out + 1] = v & M32
+  v = v >> 32
+  while v ~= 0 do
+    out[#out + 1] = v & M32
+    v = v >> 32
+  end
+  return out
+end
+
+function sample.seed_sequence(entropy, spawn_key, pool_size, n)
+  local ent = u32_words(entropy, {})
+  local spawn = {}
+  for _, k in ipairs(spawn_key or {}) do u32_words(k, spawn) end
+  if #spawn > 0 then for i = #ent + 1, pool_size do ent[i] = 0 end end
+  for _, w in ipairs(spawn) do ent[#ent + 1] = w end
+  local hc = 0x43b0d7e5
+  local function hashmix(v)
+    v = v ~ hc
+    hc = (hc * 0x931e8875) & M32
+    v = (v * hc) & M32
+    return v ~ (v >> 16)
+  end
+  local function mix(x, y)
+    local r = (0xca01f9dd * x - 0x4973f715 * y) & M32
+    return r ~ (r >> 16)
+  end
+  local pool = {}
+  for i = 1, pool_size do pool[i] = hashmix(ent[i] or 0) end
+  for s = 1, pool_size do
+    for d = 1, pool_size do
+      if s ~= d then pool[d] = mix(pool[d], hashmix(pool[s])) end
+    end
+  end
+  for s = pool_size + 1, #ent do
+    for d = 1, pool_size do pool[d] = mix(pool[d], hashmix(ent[s])) end
+  end
+  local out, hb = {}, 0x8b51f9dd
+  for i = 1, n do
+    local v = pool[(i - 1) % pool_size + 1] ~ hb
+    hb = (hb * 0x58f38ded) & M32
+    v = (v * hb) & M32
+    out[i] = v ~ (v >> 16)
+  end
+  return out
+end
+
+local function round6(t) return tonumber(("%.6f"):format(t)) end
+
+--- A Brownian tree over [t0, t1] (torchsde's BrownianTree(t0, 0, t1, entropy =
+-- seed), see above): returns increment(ta, tb) = W(tb) - W(ta), t0 <= ta <= tb <= t1.
+function sample.brownian_tree(shape, t0, t1, seed)
+  assert(t1 > t0, "sample.brownian_tree: need t0 < t1")
+  local POOL = 24
+  local function draw(state) return kiln.randn(shape, { seed = state }) end
+  local root = { s = round6(t0), e = round6(t1), key = 0, depth = 0 }
+  root.W = draw(sample.seed_sequence(seed, nil, POOL, 1)[1]) * math.sqrt(t1 - t0)
+  local function split(node)
+    if node.left then return end
+    local m = round6(0.5 * (node.e + node.s))
+    node.m = m
+    node.seed = sample.seed_sequence(seed, { node.key, node.depth }, POOL, 1)[1]
+    node.left = { s = node.s, e = m, parent = node, is_left = true, key = 2 * node.key, depth = node.depth + 1 }
+    node.right = { s = m, e = node.e, parent = node, is_left = false, key = 2 * node.key + 1, depth = node.depth + 1 }
+  end
+  -- the W of nodes away from the root: recent ones are kept in two generations
+  -- (a query reuses its neighbours' ancestors; when the young one fills up it
+  -- becomes the old one), the rest recomputed from their parents. A parent's
+  -- draw gives both children, so both are kept together.
+  local young, old, count, GEN = {}, {}, 0, 96
+  local function keep(node, w)
+    if count >= GEN then young, old, count = {}, young, 0 end
+    young[node], count = w, count + 1
+  end
+  local function W(node)
+    if node.W then return node.W end
+    local w = young[node]
+    if w then return w end
+    w = old[node]
+    if w then keep(node, w) return w end
+    local p = node.parent
+    local pw = W(p)
+    local h_rec = 1 / (p.e - p.s)
+    local l, r = p.m - p.s, p.e - p.m
+    local left = pw * l * h_rec + draw(p.seed) * math.sqrt(l * r * h_rec)
+    local right = pw - left
+    keep(p.left, left)
+    keep(p.right, right)
+    return node.is_left and left or right
+  end
+  -- the nodes that tile [ta, tb], left to right
+  local function tile(node, ta, tb, out)
+    while true do
+      if ta == node.s and tb == node.e then out[#out + 1] = node return out end
+      split(node)
+      if tb <= node.m then node = node.left
+      elseif ta >= node.m then node = node.right
+      else
+        tile(node.left, ta, node.m, out)
+        node, ta = node.right, node.m
+      end
+    end
+  end
+  return function(ta, tb)
+    ta = round6(math.min(math.max(ta, root.s), root.e))
+    tb = round6(math.min(math.max(tb, root.s), root.e))
+    assert(ta <= tb, "brownian tree: need ta <= tb")
+    if ta == tb then return kiln.zeros(shape) end
+    local nodes = tile(root, ta, tb, {})
+    local w = W(nodes[1])
+    for i = 2, #nodes do w = w + W(nodes[i]) end
+    return w
+  end
+end
+
+--- The SDE samplers' noise: noise(shape, sigma, sigma_next) =
+-- (W(sigma_next) - W(sigma)) / sqrt(|sigma_next - sigma|), W the Brownian tree
+-- over [smallest sigma > 0, largest sigma] seeded by seed, as ComfyUI's
+-- BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed).
+function sample.brownian_noise(shape, sigmas, seed)
+  local s = list_of(sigmas)
+  local lo, hi = math.huge, -math.huge
+  for _, v in ipairs(s) do
+    if v > 0 then lo, hi = math.min(lo, v), math.max(hi, v) end
+  end
+  if not (hi > lo) then hi = lo + 1 end
+  local increment = sample.brownian_tree(shape, lo, hi, seed)
+  return function(_, sigma, sigma_next)
+    assert(sigma and sigma_next, "the Brownian noise needs the two sigmas it bridges")
+    if sigma == sigma_next then return kiln.zeros(shape) end
+    local w
+    if sigma <= sigma_next then w = increment(sigma, sigma_next) else w = -increment(sigma_next, sigma) end
+    return w / f32(math.sqrt(f32(math.abs(sigma_next - sigma))))
   end
 end
 
@@ -98,7 +256,7 @@ local function registry(what, flag)
     assert(type(name) == "string" and type(fn) == "function" and type(label) == "string", usage)
     if not info[name] then order[#order + 1] = name end
     fns[name] = fn
-    info[name] = { name = name, fn = fn, label = label, [flag] = on and true or false }
+    info[name] = { name = name, fn = fn, label = label, [flag] = on and true or false, brownian = on == "brownian" }
   end
   return fns, info, order, add
 end
@@ -108,7 +266,8 @@ local samplers, sampler_info, sampler_order, add_sampler = registry("sampler", "
 
 --- Adds a sampler to the registry: name (k-diffusion / ComfyUI), fn, the A1111
 -- label, and whether it draws noise at every step (ancestral and SDE samplers;
--- the others draw none unless s_churn asks for it).
+-- the others draw none unless s_churn asks for it): true, or "brownian" for the
+-- SDE samplers whose default noise is the Brownian tree (sample.brownian_noise).
 function sample.add_sampler(name, fn, label, noise) add_sampler(name, fn, label, noise) end
 
 function samplers.euler(denoise, x, s, opts, noise, step)
@@ -284,9 +443,8 @@ function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
 end
 sample.add_sampler("dpmpp_2m", samplers.dpmpp_2m, "DPM++ 2M", false)
 
--- DPM-Solver++(2S) SDE step pair. k-diffusion draws the noise from a Brownian
--- tree; kiln draws it from opts.noise (seeded, independent per call), which keeps
--- each increment standard normal but not correlated across the two half steps.
+-- DPM-Solver++(2S) SDE step pair; the noise of each half step is the Brownian
+-- increment between its two sigmas (noise(shape, sigma, sigma_next)).
 function samplers.dpmpp_sde(denoise, x, s, opts, noise, step)
   local n, eta, s_noise, r = #s - 1, opts.eta or 1, opts.s_noise or 1, opts.r or 0.5
   for i = 1, n do
@@ -302,18 +460,198 @@ function samplers.dpmpp_sde(denoise, x, s, opts, noise, step)
       local sd, su = ancestral_step(sigma_fn(t), sigma_fn(sm), eta)
       local s_ = t_fn(sd)
       local x2 = x * (sigma_fn(s_) / sigma_fn(t)) - denoised * expm1(t - s_)
-      x2 = x2 + noise(x.shape) * (s_noise * su)
+      x2 = x2 + noise(x.shape, sigma_fn(t), sigma_fn(sm)) * (s_noise * su)
       local denoised2 = denoise(x2, sigma_fn(sm))
       sd, su = ancestral_step(sigma_fn(t), sigma_fn(t_next), eta)
       local tn_ = t_fn(sd)
       local dd = denoised * (1 - fac) + denoised2 * fac
       x = x * (sigma_fn(tn_) / sigma_fn(t)) - dd * expm1(t - tn_)
-      x = x + noise(x.shape) * (s_noise * su)
+      x = x + noise(x.shape, sigma_fn(t), sigma_fn(t_next)) * (s_noise * su)
     end
   end
   return x
 end
-sample.add_sampler("dpmpp_sde", samplers.dpmpp_sde, "DPM++ SDE", true)
+sample.add_sampler("dpmpp_sde", samplers.dpmpp_sde, "DPM++ SDE", "brownian")
+
+-- DPM-Solver++(2M) SDE (k-diffusion's sample_dpmpp_2m_sde, midpoint solver):
+-- the 2M update with eta of each step's log-SNR change spent on fresh noise.
+function samplers.dpmpp_2m_sde(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
+  local old, h_last
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    local h
+    if s[i + 1] == 0 then
+      x = denoised
+    else
+      h = t_fn(s[i + 1]) - t_fn(s[i])
+      local eta_h = eta * h
+      x = x * (s[i + 1] / s[i] * math.exp(-eta_h)) - denoised * expm1(-h - eta_h)
+      if old then
+        x = x - (denoised - old) * (0.5 * expm1(-h - eta_h) * h / h_last)
+      end
+      if eta ~= 0 then
+        x = x + noise(x.shape, s[i], s[i + 1]) * (s[i + 1] * math.sqrt(-expm1(-2 * eta_h)) * s_noise)
+      end
+    end
+    old, h_last = denoised, h
+  end
+  return x
+end
+sample.add_sampler("dpmpp_2m_sde", samplers.dpmpp_2m_sde, "DPM++ 2M SDE", "brownian")
+
+-- DPM-Solver++(3M) SDE (k-diffusion's sample_dpmpp_3m_sde): third-order
+-- multistep in log sigma from the last three denoised predictions.
+function samplers.dpmpp_3m_sde(denoise, x, s, opts, noise, step)
+  local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
+  local d_1, d_2, h, h_1, h_2
+  for i = 1, n do
+    local denoised = denoise(x, s[i])
+    step(i, s[i], x, denoised)
+    if s[i + 1] == 0 then
+      x = denoised
+    else
+      h = t_fn(s[i + 1]) - t_fn(s[i])
+      local h_eta = h * (eta + 1)
+      x = x * math.exp(-h_eta) - denoised * expm1(-h_eta)
+      local phi_2 = expm1(-h_eta) / h_eta + 1
+      if h_2 then
+        local r0, r1 = h_1 / h, h_2 / h
+        local d1_0 = (denoised - d_1) / r0
+        local d1_1 = (d_1 - d_2) / r1
+        local d1 = d1_0 + (d1_0 - d1_1) * (r0 / (r0 + r1))
+        local d2 = (d1_0 - d1_1) / (r0 + r1)
+        local phi_3 = phi_2 / h_eta - 0.5
+        x = x + d1 * phi_2 - d2 * phi_3
+      elseif h_1 then
+        x = x + (denoised - d_1) * (phi_2 * h / h_1)
+      end
+      if eta ~= 0 then
+        x = x + noise(x.shape, s[i], s[i + 1]) * (s[i + 1] * math.sqrt(-expm1(-2 * h * eta)) * s_noise)
+      end
+    end
+    d_1, d_2 = denoised, d_1
+    h_1, h_2 = h, h_1
+  end
+  return x
+end
+sample.add_sampler("dpmpp_3m_sde", samplers.dpmpp_3m_sde, "DPM++ 3M SDE", "brownian")
+
+-- Solves the small dense system A y = b (Gaussian elimination, partial pivoting).
+local function solve(A, b)
+  local n = #b
+  local M = {}
+  for i = 1, n do
+    M[i] = {}
+    for j = 1, n do M[i][j] = A[i][j] end
+    M[i][n + 1] = b[i]
+  end
+  for c = 1, n do
+    local p = c
+    for r = c + 1, n do if math.abs(M[r][c]) > math.abs(M[p][c]) then p = r end end
+    M[c], M[p] = M[p], M[c]
+    for r = c + 1, n do
+      local f = M[r][c] / M[c][c]
+      for j = c, n + 1 do M[r][j] = M[r][j] - f * M[c][j] end
+    end
+  end
+  local y = {}
+  for i = n, 1, -1 do
+    local acc = M[i][n + 1]
+    for j = i + 1, n do acc = acc - M[i][j] * y[j] end
+    y[i] = acc / M[i][i]
+  end
+  return y
+end
+
+-- UniPC (Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework"),
+-- multistep, data prediction, B(h) = h ("bh1") or e^h - 1 ("bh2"), order
+-- min(3, steps - 1) lowered at the first and last steps, as ComfyUI runs it
+-- (sample_unipc). ComfyUI works on VP-scaled x; in sigma space the scalings
+-- cancel and each update is x_t = (sigma_t / sigma_s) x - expm1(-h) m0 - B(h) res.
+-- A final sigma of 0 is replaced by 0.001, as there.
+local function unipc_update(variant, denoise, x, ms, ts, t, order, corrector)
+  local m0, tp = ms[#ms], ts[#ts]
+  local h = math.log(tp) - math.log(t)
+  local rks, D1s = {}, {}
+  for i = 1, order - 1 do
+    rks[i] = (math.log(tp) - math.log(ts[#ts - i])) / h
+    D1s[i] = (ms[#ms - i] - m0) / rks[i]
+  end
+  rks[order] = 1
+  local hh = -h
+  local h_phi_1 = expm1(hh)
+  local h_phi_k = h_phi_1 / hh - 1
+  local B_h = variant == "bh2" and expm1(hh) or hh
+  local R, b, fact = {}, {}, 1
+  for i = 1, order do
+    R[i] = {}
+    for c = 1, order do R[i][c] = rks[c] ^ (i - 1) end
+    b[i] = h_phi_k * fact / B_h
+    fact = fact * (i + 1)
+    h_phi_k = h_phi_k / hh - 1 / fact
+  end
+  local x_t_ = x * (t / tp) - m0 * h_phi_1
+  local x_t = x_t_
+  if order > 1 then
+    local rhos_p
+    if order == 2 then
+      rhos_p = { 0.5 }
+    else
+      local Rp, bp = {}, {}
+      for i = 1, order - 1 do
+        Rp[i] = { table.unpack(R[i], 1, order - 1) }
+        bp[i] = b[i]
+      end
+      rhos_p = solve(Rp, bp)
+    end
+    local res = D1s[1] * rhos_p[1]
+    for k = 2, order - 1 do res = res + D1s[k] * rhos_p[k] end
+    x_t = x_t_ - res * B_h
+  end
+  local model_t
+  if corrector then
+    local rhos_c = order == 1 and { 0.5 } or solve(R, b)
+    model_t = denoise(x_t, t)
+    local res = (model_t - m0) * rhos_c[order]
+    for k = 1, order - 1 do res = res + D1s[k] * rhos_c[k] end
+    x_t = x_t_ - res * B_h
+  end
+  return x_t, model_t
+end
+
+local function unipc(variant)
+  return function(denoise, x, s, opts, noise, step)
+    local n = #s - 1
+    local ts = {}
+    for i = 1, n + 1 do ts[i] = s[i] end
+    if ts[n + 1] == 0 then ts[n + 1] = 0.001 end
+    -- (one step, where ComfyUI's order would be 0 and fail: a first-order step)
+    local order = math.max(1, math.min(3, n - 1))
+    local m = denoise(x, ts[1])
+    local ms, tl = { m }, { ts[1] }
+    for j = 1, n do            -- from ts[j] to ts[j + 1]
+      step(j, s[j], x, ms[#ms])
+      local model_x
+      if j < order then
+        x, model_x = unipc_update(variant, denoise, x, ms, tl, ts[j + 1], j, true)
+        ms[#ms + 1], tl[#tl + 1] = model_x, ts[j + 1]
+      else
+        local last = j == n
+        x, model_x = unipc_update(variant, denoise, x, ms, tl, ts[j + 1], math.min(order, n + 1 - j), not last)
+        for i = 1, #ms - 1 do ms[i], tl[i] = ms[i + 1], tl[i + 1] end
+        tl[#tl] = ts[j + 1]
+        if not last then ms[#ms] = model_x or denoise(x, ts[j + 1]) end
+      end
+    end
+    return x
+  end
+end
+samplers.uni_pc = unipc("bh1")
+sample.add_sampler("uni_pc", samplers.uni_pc, "UniPC", false)
+samplers.uni_pc_bh2 = unipc("bh2")
+sample.add_sampler("uni_pc_bh2", samplers.uni_pc_bh2, "UniPC BH2", false)
 
 -- ComfyUI's "ddim" is Euler in sigma space (identical to DDIM with eta = 0).
 sample.add_sampler("ddim", samplers.euler, "DDIM", false)
@@ -359,7 +697,11 @@ function sample.run(name, denoise, x, sigmas, opts)
   if type(denoise) ~= "function" then error("sample.run: denoise must be a function(x, sigma)", 2) end
   local s = list_of(sigmas)
   if #s < 2 then error("sample.run: need at least 2 sigmas (steps + 1, ending in 0)", 2) end
-  local noise = opts.noise or default_noise(opts)
+  local noise = opts.noise
+  if not noise and sampler_info[name].brownian then
+    noise = sample.brownian_noise(x.shape, s, opts.seed or 0)
+  end
+  noise = noise or default_noise(opts)
   return fn(denoise, x, s, opts, noise, stepper(opts, #s - 1))
 end
 
@@ -377,7 +719,6 @@ end
 -- trained that way (the bundled demo model; ComfyUI's ModelSamplingDiscrete
 -- zsnr). abar_T = 0 would make sigma_max infinite, so it is replaced by
 -- 4.8973451890853435e-08 (sigma_max ~ 4519), the value ComfyUI uses.
-local function f32(v) return string.unpack("f", string.pack("f", v)) end
 
 local ZSNR_LAST = 4.8973451890853435e-08
 

@@ -357,23 +357,32 @@ function UNet:_spatial_transformer(ly, x, context)
   return r
 end
 
-function UNet:_layer(ly, x, emb_silu, context)
+-- up_hw {h, w}: the size of the skip connection the next output block concatenates,
+-- which an "up" layer upsamples to (nearest), as ComfyUI's Upsample with output_shape;
+-- it is twice x's size except where a downsampler rounded an odd size up.
+function UNet:_layer(ly, x, emb_silu, context, up_hw)
   local p = ly.prefix
   if ly.kind == "res" then return self:_resblock(ly, x, emb_silu) end
   if ly.kind == "attn" then return self:_spatial_transformer(ly, x, context) end
   if ly.kind == "conv" then return nn.conv2d(x, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1 }) end
   if ly.kind == "down" then return nn.conv2d(x, self:w(p .. "op.weight"), self:w(p .. "op.bias"), { stride = 2, padding = 1 }) end
   if ly.kind == "up" then -- nearest 2x then the conv, fused where that is faster
+    if up_hw and (up_hw[1] ~= 2 * x.shape[3] or up_hw[2] ~= 2 * x.shape[4]) then
+      local u = nn.interpolate(x, { size = up_hw, mode = "nearest" })
+      local r = nn.conv2d(u, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1 })
+      u:free()
+      return r
+    end
     return nn.conv2d(x, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1, upsample = 2 })
   end
   error("UNet: unknown layer kind " .. tostring(ly.kind))
 end
 
 -- Runs one block; frees every intermediate but never the block's input.
-function UNet:_block(blk, x, emb_silu, context)
+function UNet:_block(blk, x, emb_silu, context, up_hw)
   local h = x
   for _, ly in ipairs(blk) do
-    local nxt = self:_layer(ly, h, emb_silu, context)
+    local nxt = self:_layer(ly, h, emb_silu, context, up_hw)
     if h ~= x then h:free() end
     h = nxt
   end
@@ -397,10 +406,6 @@ function UNet:forward(x, t, context, y)
   local cfg = self.config
   if #x.shape ~= 4 or x.shape[2] ~= cfg.in_channels then
     error(fmt("unet:forward: x must be [B, %d, h, w], got [%s]", cfg.in_channels, table.concat(x.shape, ", ")), 2)
-  end
-  local levels_div = 2 ^ (cfg.levels - 1)
-  if x.shape[3] % levels_div ~= 0 or x.shape[4] % levels_div ~= 0 then
-    error(fmt("unet:forward: latent size %dx%d must be a multiple of %d", x.shape[3], x.shape[4], levels_div), 2)
   end
   if not context or #context.shape ~= 3 or context.shape[3] ~= cfg.context_dim then
     error(fmt("unet:forward: context must be [B, L, %d], got %s", cfg.context_dim,
@@ -443,7 +448,9 @@ function UNet:forward(x, t, context, y)
     local skip = table.remove(hs)
     local cat = kiln.cat({ h, skip }, 2)
     h:free(); skip:free()
-    h = pass:run(blk.prefix, self._block, self, blk, cat, emb_silu, context)
+    local nxt = hs[#hs]   -- any size: downsamplers round odd sizes up, "up" layers follow
+    local up_hw = nxt and { nxt.shape[3], nxt.shape[4] } or nil
+    h = pass:run(blk.prefix, self._block, self, blk, cat, emb_silu, context, up_hw)
     cat:free()
   end
   emb_silu:free()

@@ -111,6 +111,68 @@ H.test("SD discrete schedule endpoints", function()
   H.near(ms.sigma(999), ms.sigma_max, 1e-4)
 end)
 
+-- The Brownian noise of the SDE samplers against ComfyUI's: the generator ports
+-- torchsde's BrownianTree over numpy's SeedSequence and torch's seeded randn.
+H.test("seed_sequence matches numpy.random.SeedSequence", function()
+  local want = {  -- numpy: SeedSequence(entropy, spawn_key, pool_size).generate_state(n)
+    { 0, {}, 24, { 4025752534, 2687548107, 2326983537, 1576567101 } },
+    { 12345, { 0, 0 }, 24, { 3924261748, 2174456085, 2149736121, 3248841855 } },
+    { 2 ^ 40 // 1 | 7, { 5, 3 }, 24, { 274823170, 1995610858, 3082670851 } },
+    { 99, { 1, 1 }, 8, { 4154551953, 1846650754 } },
+  }
+  for _, c in ipairs(want) do
+    local got = sample.seed_sequence(c[1], c[2], c[3], #c[4])
+    for i = 1, #c[4] do H.eq(got[i], c[4][i], ("entropy %d word %d"):format(c[1], i)) end
+  end
+end)
+
+H.test("Brownian noise is ComfyUI's (torchsde BrownianTree port), bit for bit", function()
+  local noise = sample.brownian_noise(G.x0.shape, G.sched_karras, 42)
+  for k, p in ipairs(G.bt_pairs:table()) do
+    local d = maxdiff(noise(G.x0.shape, p[1], p[2]), G.bt_noise:select(1, k))
+    if d ~= 0 then error(("pair %d (%g, %g): max difference %g"):format(k, p[1], p[2], d)) end
+  end
+end)
+
+H.test("dpmpp_2m_sde with seed 42 draws ComfyUI's Brownian noise", function()
+  local x = sample.run("dpmpp_2m_sde", denoise, G.x0, G.sched_karras, { seed = 42 })
+  local d = maxdiff(x, G.out_dpmpp_2m_sde_bt)
+  if d > 1e-5 then error(("max difference %g > 1e-5"):format(d)) end
+end)
+
+H.test("Brownian tree: a Brownian motion, the same for a seed in any query order", function()
+  local shape = { 4096 }
+  local inc = sample.brownian_tree(shape, 0.03, 14.6, 7)
+  local cuts = { 0.03, 0.2, 0.9, 3.1, 7.5, 14.6 }
+  local parts = {}
+  for i = 1, #cuts - 1 do
+    parts[i] = inc(cuts[i], cuts[i + 1])
+    local var = (parts[i] * parts[i]):mean()
+    local dt = cuts[i + 1] - cuts[i]
+    -- 4096 draws: the sample variance is within 4 standard errors (sqrt(2/n))
+    H.truthy(math.abs(var / dt - 1) < 4 * math.sqrt(2 / 4096), ("variance %g over dt %g"):format(var, dt))
+  end
+  for i = 1, #parts - 1 do       -- disjoint intervals: uncorrelated
+    local a, b = parts[i], parts[i + 1]
+    local corr = (a * b):mean() / math.sqrt((a * a):mean() * (b * b):mean())
+    H.truthy(math.abs(corr) < 4 / math.sqrt(4096), ("correlation %g of neighbours %d, %d"):format(corr, i, i + 1))
+  end
+  local sum = parts[1]
+  for i = 2, #parts do sum = sum + parts[i] end
+  H.truthy(maxdiff(sum, inc(cuts[1], cuts[#cuts])) < 1e-4, "increments add up")
+  local again = sample.brownian_tree(shape, 0.03, 14.6, 7)   -- other order, fresh tree
+  for i = #cuts - 1, 1, -1 do H.eq(maxdiff(again(cuts[i], cuts[i + 1]), parts[i]), 0, "same path") end
+  H.truthy(maxdiff(sample.brownian_tree(shape, 0.03, 14.6, 8)(0.2, 0.9), parts[2]) > 0.1, "another seed, another path")
+end)
+
+H.test("the SDE samplers' noise follows opts.seed, and opts.noise replaces it", function()
+  for _, name in ipairs({ "dpmpp_sde", "dpmpp_2m_sde", "dpmpp_3m_sde" }) do
+    local a = sample.run(name, denoise, G.x0, G.sched_karras, { seed = 3 })
+    H.eq(maxdiff(a, sample.run(name, denoise, G.x0, G.sched_karras, { seed = 3 })), 0, name .. " same seed")
+    H.truthy(maxdiff(a, sample.run(name, denoise, G.x0, G.sched_karras, { seed = 4 })) > 0, name .. " other seed")
+  end
+end)
+
 H.test("same seed gives bit-identical results", function()
   local a = sample.run("euler_ancestral", denoise, G.x0, G.sched_karras, { seed = 5 })
   local b = sample.run("euler_ancestral", denoise, G.x0, G.sched_karras, { seed = 5 })

@@ -239,6 +239,9 @@ test("SD 1.x golden: UNet", function()
   local x, t, ctx = inputs(64)
   note("sd1.unet", close(ck.unet:forward(x, t, ctx), G.sd1["unet.out"], TOL, "unet"))
   eq(ck.unet.config.heads, 2)
+  -- an odd latent size: the downsampler rounds up, Upsample meets the skip's size
+  local odd = kiln.randn({ 2, 4, 7, 5 }, { seed = 5 })
+  note("sd1.unet.odd", close(ck.unet:forward(odd, t, ctx), G.sd1["unet.odd"], TOL, "unet at 7x5"))
 end)
 
 test("SD 1.x golden: VAE decode and encode", function()
