@@ -346,6 +346,28 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
+---@class kiln.ControlNet: kiln.Model
+---@field config table hyper-parameters read from the shapes (unet.config's, plus hint_channels)
+local ControlNet = {}
+
+---Runs the ControlNet: the residuals to add to the UNet (one per input block, then the
+---middle block), as unet:forward(x, t, context, y, {control = residuals}) takes them.
+---hint [B or 1, 3, 8h, 8w] in [0, 1]; opts.strength scales every residual (default 1).
+---@param x kiln.Tensor
+---@param t kiln.Tensor|number|number[]
+---@param context kiln.Tensor
+---@param hint kiln.Tensor
+---@param y? kiln.Tensor
+---@param opts? {strength?: number}
+---@return kiln.Tensor[]
+function ControlNet:forward(x, t, context, hint, y, opts) end
+
+---Loads a ControlNet (.safetensors: the original layout with or without control_model.,
+---or the diffusers layout) as a model like the checkpoint's parts; nothing is read yet.
+---@param path string
+---@return kiln.ControlNet
+function kiln.load_controlnet(path) end
+
 -- ---------------------------------------------------------------- LoRA
 
 ---@class kiln.LoraInfo
@@ -834,6 +856,7 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field tile? integer|"auto"
 ---@field batch? integer images per run (noise randn([batch, 4, h, w]) from the one seed)
 ---@field clip_skip? integer text encoder layer from the end: 1 the last, 2 the penultimate (nil: the family's)
+---@field weighting? "a1111"|"comfy" how prompt weights apply (clip:encode; nil: "a1111")
 
 ---Staged workflows: each stage loads what it needs and releases what the next does not.
 ---@class kiln.pipeline
@@ -853,6 +876,20 @@ function kiln.pipeline.txt2img(ckpt, opts) end
 ---@return kiln.Tensor image
 ---@return kiln.Tensor latents
 function kiln.pipeline.img2img(ckpt, image, opts) end
+
+---Inpainting: image [1, 3, H, W] in [0, 1] re-drawn where mask [1, 1, H, W] (1 = repaint) is
+---above 0, with a latent noise mask at every step (ComfyUI's SetLatentNoiseMask); denoise
+---defaults to 1; the result is pasted onto the input through the mask feathered inward by
+---opts.mask_blur pixels (default 4), so pixels where the mask is 0 come back unchanged.
+---A 9-channel inpainting UNet gets ComfyUI's VAEEncodeForInpaint (grey fill, the noise mask
+---grown by opts.grow_mask pixels, default 6) and the mask + masked latent after x's channels.
+---@param ckpt kiln.Checkpoint
+---@param image kiln.Tensor
+---@param mask kiln.Tensor
+---@param opts kiln.PipelineOptions|{mask_blur?: integer, grow_mask?: integer}
+---@return kiln.Tensor image
+---@return kiln.Tensor latents
+function kiln.pipeline.inpaint(ckpt, image, mask, opts) end
 
 ---Samples small, upscales, samples again at a partial denoise.
 ---@param ckpt kiln.Checkpoint
@@ -1539,8 +1576,10 @@ function CLIP:tokenize(text) end
 ---Conditioning [1, 77 k, dim] (and the pooled vector where the family has one);
 ---parses the emphasis syntax (word:1.2) and embedding:NAME (added with
 ---ckpt:add_embedding, else NAME.safetensors in the {embeddings = DIR} folder).
+---opts: clip_skip, emphasis = false, comma_backtrack, weighting = "a1111" (default:
+---scale, keep the mean) | "comfy" (ComfyUI's parse; (z - z_empty) * w + z_empty) | "none".
 ---@param text string
----@param opts? table
+---@param opts? {clip_skip?: integer, emphasis?: boolean, comma_backtrack?: integer, weighting?: "a1111"|"comfy"|"none"}
 ---@return kiln.Tensor cond
 ---@return kiln.Tensor? pooled
 function CLIP:encode(text, opts) end
@@ -1554,8 +1593,9 @@ local UNet = {}
 ---@param t kiln.Tensor timesteps [B] (0-999)
 ---@param context kiln.Tensor [B, L, dim]
 ---@param y? kiln.Tensor SDXL's pooled / size vector
+---@param opts? {control?: kiln.Tensor[]} a ControlNet's residuals (cn:forward)
 ---@return kiln.Tensor
-function UNet:forward(x, t, context, y) end
+function UNet:forward(x, t, context, y, opts) end
 
 ---The autoencoder; also a kiln.Model.
 ---@class kiln.VAE: kiln.Model

@@ -11,6 +11,7 @@
  * from the kiln table, as the documented API names them. */
 static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_checkpoint", "kiln.checkpoint", "load"},
+    {"load_controlnet", "kiln.controlnet", "load"},
     {"show", "kiln.repl", "show"},
     {NULL, NULL, NULL},
 };

@@ -39,6 +39,18 @@ check img2img "$tmp/i.png" "$KILN" examples/img2img.lua $Q --input "$tmp/t.png" 
 check "hires fix (latent)" "$tmp/h.png" "$KILN" examples/hires_fix.lua $Q --prompt "a yellow square" --out "$tmp/h.png"
 check "hires fix (image)" "$tmp/h2.png" "$KILN" examples/hires_fix.lua $Q --upscale image --prompt "a blue triangle" \
   --out "$tmp/h2.png"
+# inpainting: a mask half the picture's size (resized, with a note); outpainting grows it
+"$KILN" -e "local k = require 'kiln'; local m = k.zeros({ 1, 1, 32, 32 }); m:narrow(3, 9, 16):narrow(4, 9, 16):fill(1); k.save_png(m, '$tmp/m.png')"
+check inpaint "$tmp/ip.png" "$KILN" examples/inpaint.lua $Q --input "$tmp/t.png" --mask "$tmp/m.png" --prompt "a green star" \
+  --out "$tmp/ip.png"
+check outpaint "$tmp/op.png" "$KILN" examples/outpaint.lua $Q --input "$tmp/t.png" --right 32 --top 8 --feather 8 \
+  --prompt "a green star" --out "$tmp/op.png"
+"$KILN" examples/inpaint.lua --input "$tmp/t.png" --mask examples/inpaint.lua >"$tmp/log" 2>&1
+if [ $? -eq 2 ] && grep -q "^kiln: --mask examples/inpaint.lua: not a PNG image" "$tmp/log"; then echo "PASS inpaint --mask not a PNG is a usage error"
+else echo "FAIL inpaint --mask not a PNG is a usage error"; sed 's/^/    /' "$tmp/log"; fi
+"$KILN" examples/outpaint.lua --input "$tmp/t.png" >"$tmp/log" 2>&1
+if [ $? -eq 2 ] && grep -q "^kiln: outpaint needs at least one of" "$tmp/log"; then echo "PASS outpaint without a side is a usage error"
+else echo "FAIL outpaint without a side is a usage error"; sed 's/^/    /' "$tmp/log"; fi
 if [ -x "$BUILD/examples/art_tool" ]; then
   check "embedding host (art_tool)" "$tmp/a.png" "$BUILD/examples/art_tool" --out "$tmp/a.png"
 else

@@ -47,6 +47,7 @@ usage "batch a whole number" "--batch 2.5: must be a whole number" $T --batch 2.
 usage "batch a number" "--batch many: not a number" $T --batch many
 usage "clip skip not negative" "--clip-skip -1: must be at least 0" $T --clip-skip -1
 usage "clip skip a whole number" "--clip-skip 1.5: must be a whole number" $T --clip-skip 1.5
+usage "unknown weighting" "--weighting auto: must be a1111 or comfy" $T --weighting auto
 usage "img2img without --input" "img2img needs --input IMAGE.png" examples/img2img.lua --quiet --out "$tmp/out.png"
 usage "img2img --input missing" "--input $tmp/none.png: no such file or folder" \
   examples/img2img.lua --quiet --input "$tmp/none.png" --out "$tmp/out.png"

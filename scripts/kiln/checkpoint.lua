@@ -1047,4 +1047,10 @@ end
 -- kiln.load_checkpoint is this function (bindings/l_kiln.c loads this module lazily)
 M.load = M.load_checkpoint
 
+-- The loading steps other model kinds share (kiln.controlnet).
+M.internal = {
+  validate = validate, open_store = open_store, as_model = as_model, names_of = names_of,
+  shapes_of = shapes_of, has_prefix = has_prefix, fail = fail,
+}
+
 return M

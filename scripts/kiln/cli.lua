@@ -13,7 +13,7 @@ local COMMON = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = 0.0, sampler = "euler", -- cfg 0: the model's
   scheduler = "normal", width = 0, height = 0, denoise = 1.0, out = "", model = "",
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
-  lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0,
+  lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -70,6 +70,7 @@ local function help_of(k)
     loras = "folder of LoRA files (found by name)", embeddings = "folder of embeddings (embedding:NAME in a prompt)",
     batch = "images per run, noise from the one seed; several are written as OUT_1.png, OUT_2.png...",
     clip_skip = "text encoder layer from the end: 1 the last, 2 the penultimate (default: the model family's)",
+    weighting = "prompt weights (word:1.2) as a1111 (scale, keep the mean) or comfy (away from the empty prompt)",
   })[k]
 end
 
@@ -105,6 +106,9 @@ local function check_values(o)
   whole("overlap", 0)
   whole("batch", 1)
   whole("clip_skip", 0)
+  if o.weighting ~= "a1111" and o.weighting ~= "comfy" then
+    util.usage_error(("--weighting %s: must be a1111 or comfy"):format(tostring(o.weighting)))
+  end
   if not (o.denoise >= 0 and o.denoise <= 1) then
     util.usage_error(("--denoise %g: must be between 0 and 1"):format(o.denoise))
   end

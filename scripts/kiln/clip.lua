@@ -1,5 +1,5 @@
 -- kiln.clip: the CLIP text encoders of Stable Diffusion over kiln.nn, and the prompt
--- front end (A1111's emphasis syntax, 75-token chunks).
+-- front end (A1111's emphasis syntax and weighting, or ComfyUI's; 75-token chunks).
 --   Encoder (one text transformer) in either layout:
 --     "hf"       transformers' CLIPTextModel: text_model.embeddings.token_embedding,
 --                encoder.layers.N.self_attn.{q,k,v,out}_proj, mlp.fc1/fc2, final_layer_norm
@@ -469,6 +469,67 @@ function M.parse_emphasis(text)
   return res
 end
 
+-- ComfyUI's prompt parse (its token_weights), used with weighting = "comfy". Where it
+-- differs from A1111's (M.parse_emphasis): "(text:w)" sets the weight to w instead of
+-- multiplying the enclosing one; only \( and \) are escapes (a "\\" or "\[" stays as
+-- typed); [ ] are plain text (no de-emphasis); BREAK is a plain word; an unclosed "("
+-- is plain text, not a 1.1 to the end; adjacent pieces are not merged (ComfyUI
+-- tokenizes each piece on its own). The weight is read as tonumber reads it (Python's
+-- float also takes "inf", "nan" and "1_0"; those stay text here).
+local function comfy_parentheses(s)
+  local out, cur, level = {}, "", 0
+  for ch in s:gmatch(".") do
+    if ch == "(" then
+      if level == 0 then
+        if cur ~= "" then out[#out + 1] = cur end
+        cur = "("
+      else
+        cur = cur .. ch
+      end
+      level = level + 1
+    elseif ch == ")" then
+      level = level - 1
+      if level == 0 then
+        out[#out + 1] = cur .. ")"
+        cur = ""
+      else
+        cur = cur .. ch
+      end
+    else
+      cur = cur .. ch
+    end
+  end
+  if cur ~= "" then out[#out + 1] = cur end
+  return out
+end
+
+local function comfy_weights(s, current, out)
+  for _, x in ipairs(comfy_parentheses(s)) do
+    if #x >= 2 and x:sub(1, 1) == "(" and x:sub(-1) == ")" then
+      x = x:sub(2, -2)
+      local w = current * 1.1
+      local colon = x:match(".*():")
+      if colon and colon > 1 then
+        local num = x:sub(colon + 1)
+        local v = num:match("^%s*[+-]?%d*%.?%d*[eE]?[+-]?%d*%s*$") and tonumber(num)
+        if v then w, x = v, x:sub(1, colon - 1) end
+      end
+      comfy_weights(x, w, out)
+    else
+      out[#out + 1] = { x, current }
+    end
+  end
+  return out
+end
+
+function M.parse_comfy(text)
+  local s = text:gsub("\\%)", "\0\1"):gsub("\\%(", "\0\2")
+  local res = comfy_weights(s, 1.0, {})
+  for _, p in ipairs(res) do p[1] = p[1]:gsub("\0\1", ")"):gsub("\0\2", "(") end
+  if #res == 0 then res = { { "", 1.0 } } end
+  return res
+end
+
 -- ---------------------------------------------------------------- chunking
 
 -- Splits weighted tokens into 75-token chunks as A1111's tokenize_line: a BREAK ends
@@ -586,6 +647,29 @@ function M.apply_weights(z, weights)
   return r
 end
 
+-- ComfyUI's weighting: each weighted token's hidden state moves away from (w > 1) or
+-- towards (w < 1) the empty prompt's at the same position, (z - z_empty) * w + z_empty;
+-- no mean restoration. Written z + (z - z_empty) * (w - 1) so that unweighted tokens
+-- keep z exactly, as ComfyUI leaves them untouched.
+function M.apply_weights_comfy(z, z_empty, weights)
+  local L = z.shape[2]
+  local w1 = {}
+  for i, w in ipairs(weights) do w1[i] = w - 1.0 end
+  local flat = kiln.tensor(w1)
+  local wt = flat:reshape({ 1, L, 1 })
+  flat:free()
+  if wt.device ~= z.device then
+    local d = wt:to(z.device)
+    wt:free()
+    wt = d
+  end
+  local d = z - z_empty
+  local s = d * wt
+  local r = z + s
+  d:free(); s:free(); wt:free()
+  return r
+end
+
 -- ---------------------------------------------------------------- the clip part
 
 -- The text side of a checkpoint: one encoder (SD 1.x, 2.x) or two (SDXL), sharing a
@@ -643,6 +727,10 @@ function Text:encode_pieces(pieces, opts)
   -- takes the hidden state N layers from the end; nil keeps the family's choice
   -- (SD 1.x the last layer, SD 2.x and SDXL the penultimate)
   local clip_skip = opts.clip_skip or self.clip_skip
+  local weighting = opts.weighting or "a1111"
+  if weighting ~= "a1111" and weighting ~= "comfy" and weighting ~= "none" then
+    error(fmt("clip:encode: weighting %s: must be \"a1111\", \"comfy\" or \"none\"", tostring(weighting)), 3)
+  end
   if clip_skip ~= nil and (math.tointeger(clip_skip) == nil or clip_skip < 1) then
     error(fmt("clip:encode: clip_skip %s: must be a whole number from 1", tostring(clip_skip)), 3)
   end
@@ -657,9 +745,23 @@ function Text:encode_pieces(pieces, opts)
       backtrack = opts.comma_backtrack, embedding = resolve })
     local zs = {}
     local cfg = e.enc.config
+    local layer = e.layer
+    if clip_skip then layer = -clip_skip end
+    -- ComfyUI encodes the empty prompt (start, end, padding) once when any token of
+    -- the prompt is weighted
+    local z_empty
+    if weighting == "comfy" then
+      local weighted = false
+      for _, c in ipairs(chunks) do
+        for _, w in ipairs(c.weights) do if w ~= 1.0 then weighted = true end end
+      end
+      if weighted then
+        local ids = { bos, eos }
+        while #ids < #chunks[1].ids do ids[#ids + 1] = e.pad or eos end
+        z_empty = e.enc:forward(ids, { layer = layer, final_norm = e.final_norm })
+      end
+    end
     for ci, c in ipairs(chunks) do
-      local layer = e.layer
-      if clip_skip then layer = -clip_skip end
       local vectors
       for _, f in ipairs(c.fixes) do
         vectors = vectors or {}
@@ -669,10 +771,16 @@ function Text:encode_pieces(pieces, opts)
       local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1,
         vectors = vectors })
       if p then pooled = p end
-      local zw = opts.weighting == "none" and z or M.apply_weights(z, c.weights)
+      local zw = z
+      if weighting == "a1111" then
+        zw = M.apply_weights(z, c.weights)
+      elseif z_empty then
+        zw = M.apply_weights_comfy(z, z_empty, c.weights)
+      end
       if zw ~= z then z:free() end
       zs[ci] = zw
     end
+    if z_empty then z_empty:free() end
     per_encoder[ei] = #zs == 1 and zs[1] or kiln.cat(zs, 2)
     if #zs > 1 then for _, z in ipairs(zs) do z:free() end end
   end
@@ -686,14 +794,23 @@ end
 -- The emphasis syntax of A1111 is applied: (word:1.2), (word) = x1.1, [word] = /1.1,
 -- \( \) literal, BREAK starts a new chunk; each chunk's hidden states are multiplied
 -- by the token weights and rescaled to keep their mean. opts: clip_skip (1 = the last
--- layer, 2 = the penultimate, ...; default the family's), emphasis = false (plain text), weighting = "none",
+-- layer, 2 = the penultimate, ...; default the family's), emphasis = false (plain text),
+-- weighting = "a1111" (the default, above) | "comfy" (ComfyUI's parse, M.parse_comfy, and
+-- its weighting, M.apply_weights_comfy) | "none" (A1111's parse, weights ignored),
 -- comma_backtrack (default 20, as A1111). `embedding:NAME` (or NAME.safetensors) puts a
 -- textual-inversion embedding's vectors in the prompt, weighted like any token
 -- ("(embedding:NAME:1.2)"); see kiln.embedding for where names are found.
 function Text:encode(text, opts)
   if type(text) ~= "string" then error("clip:encode: text must be a string, got " .. type(text), 2) end
   opts = opts or {}
-  local pieces = opts.emphasis == false and { { text, 1.0 } } or M.parse_emphasis(text)
+  local pieces
+  if opts.emphasis == false then
+    pieces = { { text, 1.0 } }
+  elseif opts.weighting == "comfy" then
+    pieces = M.parse_comfy(text)
+  else
+    pieces = M.parse_emphasis(text)
+  end
   return self:encode_pieces(pieces, opts)
 end
 

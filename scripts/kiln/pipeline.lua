@@ -19,6 +19,7 @@ local DEFAULTS = {
   batch_cfg = nil, -- nil: one batched UNet call for cond+uncond unless mode is "low"
   batch = 1,        -- images per run, their noise drawn from one seed as randn([N, 4, h, w])
   clip_skip = nil,  -- 1 the text encoder's last layer, 2 the penultimate...; nil the family's
+  weighting = nil,  -- prompt weights as "a1111" (nil) or "comfy" computes them (clip:encode)
 }
 
 --- The guidance scale a checkpoint is sampled with when the caller gives none: its
@@ -117,11 +118,21 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
   local y_c, y_u = o.y_cond, o.y_uncond
   local ctx_both = batch and cfg ~= 1 and kiln.cat({ uncond, cond }, 1) or nil
   local y_both = batch and cfg ~= 1 and y_c and kiln.cat({ y_u, y_c }, 1) or nil
+  -- an inpainting UNet's mask + masked latent [B, 5, h, w], after x's channels (kiln.inpaint)
+  local cc = o.concat
+  local cc_both = batch and cfg ~= 1 and cc and kiln.cat({ cc, cc }, 1) or nil
 
   local function predict(xin, sigma, ctx, y, n)
     local t = kiln.full({ n }, ms.timestep(sigma))
     local c_in = 1 / math.sqrt(sigma * sigma + 1)
-    local out = unet:forward(xin * c_in, t, ctx, y)
+    local xs = xin * c_in
+    if cc then
+      local xc = kiln.cat({ xs, n == cc.shape[1] and cc or cc_both }, 2)
+      xs:free()
+      xs = xc
+    end
+    local out = unet:forward(xs, t, ctx, y)
+    if out ~= xs then xs:free() end
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
       local o = out:to(xin.device)
       out:free()
@@ -194,7 +205,6 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local s = sigmas:table()
   local noise = kiln.randn(shape, { seed = o.seed })
   local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
-  noise:free()
   -- a batch: the same conditioning for every image (copies freed after sampling)
   local n, copies = shape[1], {}
   local function rep(t)
@@ -204,9 +214,16 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   end
   cond, uncond = rep(cond), rep(uncond)
   local od = setmetatable({ y_cond = rep(o.y_cond), y_uncond = rep(o.y_uncond) }, { __index = o })
+  if o.concat_mask and x0 then  -- an inpainting UNet (kiln.inpaint): mask and masked latent
+    od.concat = kiln.cat({ rep(o.concat_mask), x0 }, 2)
+    copies[#copies + 1] = od.concat
+  end
   local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4 })
+  end
+  if o.denoise_mask and x0 then -- inpainting: the kept region follows the input (kiln.inpaint)
+    den = require("kiln.inpaint").masked_denoiser(den, o.denoise_mask, x0, noise)
   end
   local bar = progress.start("sample", #s - 1)
   local t0 = kiln.time()
@@ -219,6 +236,7 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
+  noise:free()
   for _, c in ipairs(copies) do c:free() end
   return out
 end
@@ -237,7 +255,7 @@ end
 -- (uncropped, original = target size, as ComfyUI's default) in o.y_cond / o.y_uncond.
 local function conditioning(ckpt, o, W, H)
   local cond, uncond, pooled, upooled = pipeline.encode_prompts(ckpt, o.prompt, o.negative,
-    { clip_skip = o.clip_skip })
+    { clip_skip = o.clip_skip, weighting = o.weighting })
   if ckpt.unet.config.adm_in_channels then
     if not (pooled and upooled) then
       error("this UNet needs a pooled text vector (SDXL), but the text encoder gave none", 3)
@@ -324,6 +342,9 @@ function pipeline.img2img(ckpt, image, opts)
   ckpt.vae:unload()
   return img, lat
 end
+
+--- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
+function pipeline.inpaint(ckpt, image, mask, opts) return require("kiln.inpaint").run(ckpt, image, mask, opts) end
 
 --- hires fix: sample small, upscale (latent nearest/bilinear or the decoded
 -- image), then sample again at a partial denoise.
@@ -414,6 +435,7 @@ function pipeline.parameters(opts, ckpt, extra)
   end
   if o.denoise and o.denoise < 1 then f[#f + 1] = ("Denoising strength: %g"):format(o.denoise) end
   if o.clip_skip then f[#f + 1] = ("Clip skip: %d"):format(o.clip_skip) end
+  if o.weighting and o.weighting ~= "a1111" then f[#f + 1] = "Weighting: " .. o.weighting end
   if (o.batch or 1) > 1 then f[#f + 1] = ("Batch size: %d"):format(o.batch) end
   f[#f + 1] = extra_networks.hashes_field(ckpt, o)
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end

@@ -402,8 +402,16 @@ end
 
 -- x [B, in_channels, h, w], t (1-D, B timesteps 0..999), context [B, L, context_dim],
 -- y [B, adm_in_channels] (SDXL). Returns the raw network output [B, out_channels, h, w].
-function UNet:forward(x, t, context, y)
+-- opts.control: a ControlNet's residuals (one per input block, then the middle block),
+-- added as ControlledUnetModel does: the last to the middle block's output, the others
+-- to the skip connections the output blocks take.
+function UNet:forward(x, t, context, y, opts)
   local cfg = self.config
+  local control = opts and opts.control
+  if control and #control ~= #self.plan.input + 1 then
+    error(fmt("unet:forward: control has %d residuals, this UNet takes %d (one per input block and the middle block)",
+      #control, #self.plan.input + 1), 2)
+  end
   if #x.shape ~= 4 or x.shape[2] ~= cfg.in_channels then
     error(fmt("unet:forward: x must be [B, %d, h, w], got [%s]", cfg.in_channels, table.concat(x.shape, ", ")), 2)
   end
@@ -444,8 +452,18 @@ function UNet:forward(x, t, context, y)
     hs[#hs + 1] = h
   end
   h = pass:run(self.plan.middle.prefix, self._block, self, self.plan.middle, h, emb_silu, context)
+  local function add_control(v, i)
+    local r = control[i]
+    if r.device ~= dev then r = own(r:to(dev)) end
+    if r.dtype ~= v.dtype then r = own(r:to(v.dtype)) end
+    local o = v + r
+    v:free()
+    return o
+  end
+  if control then h = add_control(h, #control) end
   for _, blk in ipairs(self.plan.output) do
     local skip = table.remove(hs)
+    if control then skip = add_control(skip, #hs + 1) end
     local cat = kiln.cat({ h, skip }, 2)
     h:free(); skip:free()
     local nxt = hs[#hs]   -- any size: downsamplers round odd sizes up, "up" layers follow
