@@ -857,6 +857,15 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field batch? integer images per run (noise randn([batch, 4, h, w]) from the one seed)
 ---@field clip_skip? integer text encoder layer from the end: 1 the last, 2 the penultimate (nil: the family's)
 ---@field weighting? "a1111"|"comfy" how prompt weights apply (clip:encode; nil: "a1111")
+---@field control? kiln.ControlEntry[] ControlNets for txt2img / img2img / hires_fix, applied to cond and uncond, their residuals summed
+
+---A ControlNet of a pipeline run (ComfyUI's ControlNetApplyAdvanced).
+---@class kiln.ControlEntry
+---@field net kiln.ControlNet from kiln.load_controlnet; loaded with the UNet, unloaded after sampling
+---@field image kiln.Tensor the hint [1, 3, H, W] in [0, 1], resized (bilinear) to 8x the latent size
+---@field strength? number scales the residuals (1; 0 leaves the run as without)
+---@field start? number fraction of the schedule (0..1) where it starts applying (0)
+---@field stop? number fraction of the schedule where it stops (1; 0 never applies)
 
 ---Staged workflows: each stage loads what it needs and releases what the next does not.
 ---@class kiln.pipeline

@@ -29,11 +29,14 @@ function pipeline.default_cfg(ckpt)
   return m or 7.0
 end
 
+local check_controls -- below, with the ControlNet pieces
+
 local function opts_with_defaults(opts, ckpt)
   local o = {}
   for k, v in pairs(DEFAULTS) do o[k] = v end
   for k, v in pairs(opts or {}) do o[k] = v end
   if o.cfg == nil then o.cfg = pipeline.default_cfg(ckpt) end
+  check_controls(o.control)
   return o
 end
 
@@ -105,10 +108,93 @@ function pipeline.encode_prompts(ckpt, prompt, negative, enc_opts)
   return cond, uncond, pooled, upooled
 end
 
+local function is_tensor(v)
+  local mt = type(v) == "userdata" and getmetatable(v)
+  return type(mt) == "table" and mt.__name == "kiln.Tensor"
+end
+
+--- Checks a run's ControlNets (opts.control): a list of {net = kiln.load_controlnet(..),
+-- image = [1, 3|4, H, W] in [0, 1], strength = 1, start = 0, stop = 1}, as ComfyUI's
+-- ControlNetApplyAdvanced takes them (one image serves the whole batch).
+function check_controls(list)
+  if list == nil then return end
+  if type(list) ~= "table" then
+    error("kiln.pipeline: control must be a list of {net =, image =, ...}, got " .. type(list), 0)
+  end
+  for i, c in ipairs(list) do
+    local where = ("kiln.pipeline: control[%d]"):format(i)
+    if type(c) ~= "table" then error(where .. " must be a table {net =, image =, ...}, got " .. type(c), 0) end
+    local net = c.net
+    if not ((type(net) == "table" or type(net) == "userdata") and net.forward) then
+      error(where .. ": net must be a ControlNet (kiln.load_controlnet), got " .. type(net), 0)
+    end
+    local img = c.image
+    if not is_tensor(img) or #img.shape ~= 4 or img.shape[1] ~= 1 or (img.shape[2] ~= 3 and img.shape[2] ~= 4) then
+      error(where .. ": image must be an image tensor [1, 3, H, W] in [0, 1], got "
+        .. (is_tensor(img) and "[" .. table.concat(img.shape, ", ") .. "]" or type(img)), 0)
+    end
+    for _, k in ipairs({ "strength", "start", "stop" }) do
+      if c[k] ~= nil and type(c[k]) ~= "number" then error(("%s: %s must be a number"):format(where, k), 0) end
+    end
+    for _, k in ipairs({ "start", "stop" }) do
+      if c[k] and (c[k] < 0 or c[k] > 1) then error(("%s: %s must lie in [0, 1]"):format(where, k), 0) end
+    end
+  end
+end
+
+-- ComfyUI's ModelSamplingDiscrete.percent_to_sigma: 0 -> above every sigma, 1 -> 0,
+-- else the sigma at timestep (1 - p) * 999.
+local function percent_to_sigma(ms, p)
+  if p <= 0 then return math.huge end
+  if p >= 1 then return 0 end
+  return ms.sigma((1 - p) * 999)
+end
+
+--- The run's ControlNets ready for a sampling of latents of `shape`: each net loaded
+-- to the run's device, its image resized (bilinear) to 8x the latent size, and its
+-- sigma range. As ComfyUI's ControlBase (set_cond_hint, timestep_percent_range,
+-- get_control): a net applies at a step whose sigma s has
+-- percent_to_sigma(stop) <= s <= percent_to_sigma(start), so stop = 0 never applies;
+-- strength 0 leaves the conditioning unchanged (ControlNetApplyAdvanced returns it
+-- as given), so such a net is dropped. Closing the result frees the resized images
+-- and unloads the nets.
+local function prepare_controls(ckpt, o, shape)
+  local list = setmetatable({}, { __close = function(l)
+    local seen = {}
+    for _, c in ipairs(l) do
+      c.hint:free()
+      if not seen[c.net] then seen[c.net] = true; c.net:unload() end
+    end
+  end })
+  if not o.control then return list end
+  local ms, dev = pipeline.model_sampling(ckpt), device_of(o)
+  local h, w = 8 * shape[3], 8 * shape[4]
+  for _, c in ipairs(o.control) do
+    local strength = c.strength or 1
+    if strength ~= 0 then
+      local img = c.image
+      if img.shape[2] ~= 3 then img = img:narrow(2, 1, 3):contiguous() end
+      local hint = kiln.nn.interpolate(img, { size = { h, w }, mode = "bilinear" })
+      if img ~= c.image then img:free() end
+      if hint.device ~= dev then
+        local d = hint:to(dev)
+        hint:free()
+        hint = d
+      end
+      c.net:load(dev)
+      list[#list + 1] = { net = c.net, hint = hint, strength = strength,
+        sigma_hi = percent_to_sigma(ms, c.start or 0), sigma_lo = percent_to_sigma(ms, c.stop or 1) }
+    end
+  end
+  return list
+end
+
 --- The denoiser the samplers call: classifier-free guidance around the UNet.
 -- cond and uncond go through one batched UNet call ([uncond; cond]), or two calls
 -- when opts.batch_cfg is false (the default in "low" mode, where it lowers the
--- peak). Returns function(x, sigma) -> denoised.
+-- peak). o.controls: ControlNets as prepare_controls readies them ({net, hint,
+-- strength, sigma_hi, sigma_lo}), their residuals summed into each UNet call (cond and
+-- uncond alike). Returns function(x, sigma) -> denoised.
 function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
   local unet = ckpt.unet
   local ms = pipeline.model_sampling(ckpt)
@@ -121,17 +207,41 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
   -- an inpainting UNet's mask + masked latent [B, 5, h, w], after x's channels (kiln.inpaint)
   local cc = o.concat
   local cc_both = batch and cfg ~= 1 and cc and kiln.cat({ cc, cc }, 1) or nil
+  local controls = o.controls or {}
+
+  -- the summed residuals of the ControlNets active at sigma (nil: none), each net
+  -- given the scaled x (without an inpainting UNet's extra channels), as the UNet
+  local function control_of(xs, sigma, t, ctx, y)
+    local sum
+    for _, c in ipairs(controls) do
+      if sigma <= c.sigma_hi and sigma >= c.sigma_lo then
+        local r = c.net:forward(xs, t, ctx, c.hint, y, { strength = c.strength })
+        if not sum then
+          sum = r
+        else
+          for i = 1, #sum do
+            local s = sum[i] + r[i]
+            sum[i]:free(); r[i]:free()
+            sum[i] = s
+          end
+        end
+      end
+    end
+    return sum
+  end
 
   local function predict(xin, sigma, ctx, y, n)
     local t = kiln.full({ n }, ms.timestep(sigma))
     local c_in = 1 / math.sqrt(sigma * sigma + 1)
     local xs = xin * c_in
+    local control = #controls > 0 and control_of(xs, sigma, t, ctx, y) or nil
     if cc then
       local xc = kiln.cat({ xs, n == cc.shape[1] and cc or cc_both }, 2)
       xs:free()
       xs = xc
     end
-    local out = unet:forward(xs, t, ctx, y)
+    local out = unet:forward(xs, t, ctx, y, control and { control = control } or nil)
+    if control then for _, r in ipairs(control) do r:free() end end
     if out ~= xs then xs:free() end
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
       local o = out:to(xin.device)
@@ -218,6 +328,8 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
     od.concat = kiln.cat({ rep(o.concat_mask), x0 }, 2)
     copies[#copies + 1] = od.concat
   end
+  local controls <close> = prepare_controls(ckpt, o, shape)
+  od.controls = controls
   local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4 })
