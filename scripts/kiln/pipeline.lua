@@ -36,7 +36,7 @@ local function opts_with_defaults(opts, ckpt)
   for k, v in pairs(DEFAULTS) do o[k] = v end
   for k, v in pairs(opts or {}) do o[k] = v end
   if o.cfg == nil then o.cfg = pipeline.default_cfg(ckpt) end
-  check_controls(o.control)
+  check_controls(o.control, ckpt)
   return o
 end
 
@@ -116,7 +116,7 @@ end
 --- Checks a run's ControlNets (opts.control): a list of {net = kiln.load_controlnet(..),
 -- image = [1, 3|4, H, W] in [0, 1], strength = 1, start = 0, stop = 1}, as ComfyUI's
 -- ControlNetApplyAdvanced takes them (one image serves the whole batch).
-function check_controls(list)
+function check_controls(list, ckpt)
   if list == nil then return end
   if type(list) ~= "table" then
     error("kiln.pipeline: control must be a list of {net =, image =, ...}, got " .. type(list), 0)
@@ -127,6 +127,12 @@ function check_controls(list)
     local net = c.net
     if not ((type(net) == "table" or type(net) == "userdata") and net.forward) then
       error(where .. ": net must be a ControlNet (kiln.load_controlnet), got " .. type(net), 0)
+    end
+    -- a ControlNet for another family would fail deep inside the UNet: say so here
+    local names = { sd1 = "SD 1.x", sd2 = "SD 2.x", sdxl = "SDXL" }
+    local fam, cfam = net.config and net.config.family, ckpt and ckpt.family
+    if fam and cfam and fam ~= cfam then
+      error(("%s: a ControlNet for %s on an %s checkpoint"):format(where, names[fam] or fam, names[cfam] or cfam), 0)
     end
     local img = c.image
     if not is_tensor(img) or #img.shape ~= 4 or img.shape[1] ~= 1 or (img.shape[2] ~= 3 and img.shape[2] ~= 4) then

@@ -114,6 +114,11 @@ test("control pipeline: bad entries are named", function()
     "image must be an image tensor")
   raises(function() pipeline.txt2img(ck, with({ control = { { net = cn, image = kiln.zeros({ 3, 8, 8 }) } } })) end,
     "image must be an image tensor")
+  local xl = { forward = cn.forward, config = { family = "sdxl" } } -- an SDXL ControlNet's config, on SD 1.x
+  if ck.family == "sd1" then
+    raises(function() pipeline.txt2img(ck, with({ control = { { net = xl, image = IMG } } })) end,
+      "control[1]: a ControlNet for SDXL on an SD 1.x checkpoint")
+  end
   raises(function() pipeline.txt2img(ck, with({ control = { { net = cn, image = IMG, stop = 2 } } })) end,
     "stop must lie in")
 end)
