@@ -14,7 +14,7 @@
 --
 -- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
--- unet,vae,clip,modes,pipeline,lora. --warmup: untimed evaluations before the timed ones, on
+-- unet,vae,clip,modes,pipeline,lora,control. --warmup: untimed evaluations before the timed ones, on
 -- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
 -- mapped weights also maps their pages, as PyTorch's load reads them; 0 times
 -- the first evaluation too). The weights (SD 1.5's UNet in f16, names and shapes from
@@ -27,7 +27,7 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 
 local opts = util.parse_args(arg or {}, {
-  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline,lora", no_torch = false, weights = "",
+  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline,lora,control", no_torch = false, weights = "",
   fresh = false, clean = false, threads = 0, budget = 512, warmup = 1,
 })
 if opts.threads > 0 then kiln.set_threads(opts.threads) end
@@ -597,6 +597,58 @@ if only.lora and has_sim then
   if opts.clean then os.remove(lpath) end
 end
 
+-- 5. one CFG step (batch 2) with an SD 1.5 ControlNet (random f16 weights from the
+-- ControlNet key list) against the same step without, measured alternately
+local control_rows
+if only.control then
+  local keys = SHARED .. "/sd-keys/controlnet-sd15.txt"
+  local cpath = tmpdir .. "/kiln-bench-controlnet-sd15-f16.safetensors"
+  if io.open(keys) then
+    if not io.open(cpath) then
+      local tensors, i = {}, 0
+      for line in io.lines(keys) do
+        local name, sh = line:match("^([^\t]+)\t(.*)$")
+        i = i + 1
+        if name then tensors[name] = gen_tensor(name, parse_shape(sh), 900000 + i) end
+      end
+      kiln.save_safetensors(cpath, tensors)
+      for _, t in pairs(tensors) do t:free() end
+      collectgarbage()
+    end
+    local cn <close> = kiln.load_controlnet(cpath)
+    local x, t, ctx = inputs(2, SIZE)
+    local hint = kiln.rand({ 1, 3, SIZE * 8, SIZE * 8 }, { seed = 13 })
+    local flops = unet_flops(ucfg, 2, SIZE, SIZE, 77)
+    control_rows = { without = { sec = math.huge }, with = { sec = math.huge } }
+    for round = 1, REPEAT do
+      for _, with in ipairs({ false, true }) do
+        local sec, out, cpu = time_best(1, function()
+          if not with then return ck.unet:forward(x, t, ctx) end
+          local res = cn:forward(x, t, ctx, hint)
+          local o = ck.unet:forward(x, t, ctx, nil, { control = res })
+          for _, r in ipairs(res) do r:free() end
+          return o
+        end, round == 1 and WARMUP or 0)
+        out:free()
+        local r = control_rows[with and "with" or "without"]
+        if sec < r.sec then r.sec, r.cpu = sec, cpu end
+      end
+    end
+    say("\nOne CFG step (batch 2, %dx%d) with an SD 1.5 ControlNet (random f16 weights, %s)", SIZE, SIZE,
+      human(cn.model and cn.model:stats().file_bytes or 0))
+    for _, with in ipairs({ false, true }) do
+      local r = control_rows[with and "with" or "without"]
+      row(fmt("unet b2 step, %s ControlNet", with and "with" or "without"), r.sec, r.cpu, flops, nil, nil, nil)
+    end
+    local rr = control_rows.with.sec / control_rows.without.sec
+    say("  with / without: x%.3f (target <= 1.5 %s)", rr, rr <= 1.5 and "met" or "NOT met")
+    x:free(); t:free(); ctx:free(); hint:free()
+    if opts.clean then os.remove(cpath) end
+  else
+    say("# control: %s is missing (set KILN_SHARED): stage skipped", keys)
+  end
+end
+
 -- ---------------------------------------------------------------- summary
 
 say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak alloc / RSS | torch s (cpu s) | torch RSS | kiln/torch wall (cpu) | rel.err |")
@@ -646,6 +698,9 @@ for _, r in ipairs(results) do
   end
 end
 if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
+if control_rows then
+  say("  controlled CFG step / uncontrolled x%.3f (target <= 1.5)", control_rows.with.sec / control_rows.without.sec)
+end
 if lora_rows then
   say("  LoRA apply %.2f s (target <= 1.5 s), low-mode step with / without x%.3f (target <= 1.15)", lora_rows.apply,
     lora_rows.with.sec / lora_rows.without.sec)
