@@ -150,10 +150,10 @@ test: all $(C_TESTS)
 bench: all
 	@BUILD=$(BUILD) bash tests/bench/run.sh
 
-# text to image with the bundled demo model: writes kiln-demo.png and prints the memory summary
+# text to image with the bundled demo model: writes $(BUILD)/kiln-demo.png (build output stays under the build folder) and prints the memory summary
 DEMO_PROMPT ?= a red circle on a blue background
 demo: all
-	$(BUILD)/kiln examples/txt2img.lua --prompt "$(DEMO_PROMPT)" --seed 1 --out kiln-demo.png
+	$(BUILD)/kiln examples/txt2img.lua --prompt "$(DEMO_PROMPT)" --seed 1 --out $(BUILD)/kiln-demo.png
 
 clean:
 	rm -rf build build-san

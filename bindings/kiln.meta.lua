@@ -1019,6 +1019,12 @@ function kiln.util.is_oom(e) end
 ---@return any[]
 function kiln.util.sorted_keys(t) end
 
+---file in dir or below it (the shallowest match, first in sorted order), or nil.
+---@param dir string
+---@param file string
+---@return string?
+function kiln.util.find_file(dir, file) end
+
 --- Number of distinct indices matched by `pattern`'s capture in a name -> shape table
 --- (max index + 1): how many blocks, layers or levels a checkpoint has.
 ---@param shapes table<string, integer[]>

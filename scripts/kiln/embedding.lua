@@ -8,6 +8,7 @@
 --   as ComfyUI does.
 local kiln = require "kiln"
 local lfs = require "lfs"
+local util = require "kiln.util"
 
 local M = {}
 local fmt = string.format
@@ -17,7 +18,6 @@ local ROLE_NAME = { l = "CLIP ViT-L", g = "OpenCLIP ViT-bigG", h = "OpenCLIP ViT
 local FLOAT = { f32 = true, f16 = true, bf16 = true }
 
 local function is_file(p) return lfs.attributes(p, "mode") == "file" end
-local function is_dir(p) return lfs.attributes(p, "mode") == "directory" end
 
 -- The name a file gives by default: its base name without the extension.
 function M.stem(path)
@@ -147,36 +147,8 @@ function M.table_of(text)
   return t
 end
 
-local function join(a, b) return (a:gsub("/+$", "")) .. "/" .. b end
-
--- NAME.safetensors in dir or below it (case-sensitive, first in sorted order at the
--- shallowest depth); a pickle of that name is reported so the hint can be given.
-local function search(dir, file)
-  local direct = join(dir, file)
-  if is_file(direct) then return direct end
-  if file:find("/", 1, true) then return nil end
-  local level = { dir }
-  for _ = 1, 16 do
-    local next_level, hits = {}, {}
-    for _, d in ipairs(level) do
-      local ok, iter, state = pcall(lfs.dir, d)
-      if ok then
-        local names = {}
-        for n in iter, state do if n ~= "." and n ~= ".." then names[#names + 1] = n end end
-        table.sort(names)
-        for _, n in ipairs(names) do
-          local p = join(d, n)
-          if n == file and is_file(p) then hits[#hits + 1] = p
-          elseif is_dir(p) then next_level[#next_level + 1] = p end
-        end
-      end
-    end
-    if #hits > 0 then return hits[1] end
-    if #next_level == 0 then return nil end
-    level = next_level
-  end
-  return nil
-end
+-- NAME.safetensors in dir or below it: util.find_file.
+local search = util.find_file
 
 -- A prompt's embedding name (`embedding:NAME`, `embedding:NAME.safetensors`) -> the
 -- embedding checked against text's encoders: an added one, else NAME.safetensors in

@@ -838,37 +838,8 @@ end
 
 -- ---------------------------------------------------------------- finding by name
 
-local function is_file(p) return lfs.attributes(p, "mode") == "file" end
 local function is_dir(p) return lfs.attributes(p, "mode") == "directory" end
-local function join(a, b) return (a:gsub("/+$", "")) .. "/" .. b end
-
--- file in dir or below it: the shallowest, first in sorted order (case-sensitive).
-local function search(dir, file)
-  local direct = join(dir, file)
-  if is_file(direct) then return direct end
-  if file:find("/", 1, true) then return nil end
-  local level = { dir }
-  for _ = 1, 16 do
-    local next_level, hits = {}, {}
-    for _, d in ipairs(level) do
-      local ok, iter, state = pcall(lfs.dir, d)
-      if ok then
-        local entries = {}
-        for n in iter, state do if n ~= "." and n ~= ".." then entries[#entries + 1] = n end end
-        table.sort(entries)
-        for _, n in ipairs(entries) do
-          local p = join(d, n)
-          if n == file and is_file(p) then hits[#hits + 1] = p
-          elseif is_dir(p) then next_level[#next_level + 1] = p end
-        end
-      end
-    end
-    if #hits > 0 then return hits[1] end
-    if #next_level == 0 then return nil end
-    level = next_level
-  end
-  return nil
-end
+local search = util.find_file
 
 -- ckpt:find_lora(NAME) -> path of NAME.safetensors in the checkpoint's LoRA folder
 -- (subfolders searched); an error naming the folder when it is not there.

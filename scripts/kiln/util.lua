@@ -17,6 +17,38 @@ function util.is_usage_error(e) return type(e) == "table" and e.kind == "usage" 
 --- True when e is the runtime's out-of-memory error (a table with kind "oom").
 function util.is_oom(e) return type(e) == "table" and e.kind == "oom" end
 
+--- file (a name, no folder part) in dir or below it: the shallowest match, the first
+-- in sorted order (case-sensitive); a name with a '/' only directly under dir. nil
+-- when there is none. How LoRAs, embeddings and other models are found by name.
+function util.find_file(dir, file)
+  local lfs = require "lfs"
+  local function join(a, b) return (a:gsub("/+$", "")) .. "/" .. b end
+  local function mode(p) return lfs.attributes(p, "mode") end
+  local direct = join(dir, file)
+  if mode(direct) == "file" then return direct end
+  if file:find("/", 1, true) then return nil end
+  local level = { dir }
+  for _ = 1, 16 do
+    local next_level = {}
+    for _, d in ipairs(level) do
+      local ok, iter, state = pcall(lfs.dir, d)
+      if ok then
+        local entries = {}
+        for n in iter, state do if n ~= "." and n ~= ".." then entries[#entries + 1] = n end end
+        table.sort(entries)
+        for _, n in ipairs(entries) do
+          local p = join(d, n)
+          if n == file and mode(p) == "file" then return p end
+          if mode(p) == "directory" then next_level[#next_level + 1] = p end
+        end
+      end
+    end
+    if #next_level == 0 then return nil end
+    level = next_level
+  end
+  return nil
+end
+
 --- The keys of a table, sorted (messages and files list names in a stable order).
 function util.sorted_keys(t)
   local k = {}
