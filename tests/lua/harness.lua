@@ -61,6 +61,21 @@ function H.maxdiff(a, b)
   return d
 end
 
+-- A tensor's shape as "1,4,8,8".
+function H.shape_of(t) return table.concat(t.shape, ",") end
+
+-- Checks the shapes agree and max |a - b| / max(1, max |b|) <= tol (a golden's scale
+-- sets what "close" means); returns that relative difference.
+function H.close_rel(a, b, tol, what)
+  H.eq(H.shape_of(a), H.shape_of(b), (what or "") .. " shape")
+  local d = (a:to("f32") - b:to("f32")):abs():max()
+  local scale = math.max(1, b:to("f32"):abs():max())
+  if not (d / scale <= tol) then
+    error(("%s: max difference %g (relative %g) > %g"):format(what or "", d, d / scale, tol), 3)
+  end
+  return d / scale
+end
+
 function H.done()
   os.exit(failed == 0 and 0 or 1)
 end

@@ -18,18 +18,10 @@ local SHARED = os.getenv("KILN_SHARED") or "../shared"
 local GOLD = T.GOLD
 local tmp = T.tmp
 
-local function shape_of(t) return table.concat(t.shape, ",") end
+local shape_of = H.shape_of
 
 -- max |a - b| / max(1, max |b|), after checking shapes
-local function close(a, b, tol, what)
-  eq(shape_of(a), shape_of(b), (what or "") .. " shape")
-  local d = (a:to("f32") - b:to("f32")):abs():max()
-  local scale = math.max(1, b:to("f32"):abs():max())
-  if not (d / scale <= tol) then
-    error(("%s: max difference %g (relative %g) > %g"):format(what or "", d, d / scale, tol), 2)
-  end
-  return d / scale
-end
+local close = H.close_rel -- (a, b, tol, what)
 
 local report = {}
 local function note(name, err) report[#report + 1] = ("%s %.2g"):format(name, err) end

@@ -14,16 +14,9 @@ local T = require "tiny_sd"
 local G = kiln.load_safetensors("tests/golden/weighting/golden.safetensors")
 local TOL = 1e-4
 
-local function shape_of(t) return table.concat(t.shape, ",") end
+local shape_of = H.shape_of
 
-local function close(a, b, what)
-  eq(shape_of(a), shape_of(b), (what or "") .. " shape")
-  local d = (a:to("f32") - b:to("f32")):abs():max()
-  local scale = math.max(1, b:to("f32"):abs():max())
-  if not (d / scale <= TOL) then
-    error(("%s: max difference %g (relative %g) > %g"):format(what or "", d, d / scale, TOL), 2)
-  end
-end
+local function close(a, b, what) return H.close_rel(a, b, TOL, what) end
 
 -- The golden's ids are the built-in CLIP vocabulary's (a 320, photo 1125, of 539,
 -- cat 2368); a whitespace tokenizer over those words stands in for the binding.
