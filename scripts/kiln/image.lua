@@ -1,6 +1,7 @@
 -- scripts/kiln/image.lua - image operations over kiln's tensor ops (kiln.image):
 -- a Canny edge detector that gives the edge maps ComfyUI's Canny node gives
--- (kornia.filters.canny), for ControlNet hints without another model.
+-- (kornia.filters.canny), for ControlNet hints without another model, and the
+-- resize with an optional centre crop that ComfyUI's nodes share (common_upscale).
 --
 -- Canny, step by step as kornia computes it:
 --   1. grey = 0.299 R + 0.587 G + 0.114 B;
@@ -114,6 +115,41 @@ end
 --- Canny edges of img [N, 1|3, H, W] (f32 in [0, 1]) with thresholds low <= high in
 -- [0, 1] on the gradient magnitude; returns [N, 3, H, W]: 1 on edges, 0 elsewhere
 -- (ComfyUI's Canny node returns the edge map as an RGB image).
+-- Python's round(): halves to the even neighbour (ComfyUI's crop offsets use it)
+local function round_half_even(x)
+  local f = math.floor(x)
+  local d = x - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
+  return math.tointeger(f)
+end
+
+--- img [B, C, H, W] resized to w x h as ComfyUI's common_upscale does: with
+-- opts.crop = "center" the image is first cut to the target's aspect ratio (the
+-- same rows or columns off each side), then interpolated (opts.mode "nearest-exact"
+-- by default, "nearest" or "bilinear"). Returns a new tensor (img stays the caller's).
+function image.resize(img, w, h, opts)
+  opts = opts or {}
+  if mt_name(img) ~= "kiln.Tensor" or #img.shape ~= 4 then
+    error("kiln.image.resize: img must be an image tensor [B, C, H, W], got " .. type(img), 2)
+  end
+  if not (math.tointeger(w) and math.tointeger(h) and w > 0 and h > 0) then
+    error(("kiln.image.resize: size %s x %s must be whole numbers above 0"):format(tostring(w), tostring(h)), 2)
+  end
+  local src = img
+  local oh, ow = img.shape[3], img.shape[4]
+  if opts.crop == "center" then
+    local old, new = ow / oh, w / h
+    local x, y = 0, 0
+    if old > new then x = round_half_even((ow - ow * (new / old)) / 2)
+    elseif old < new then y = round_half_even((oh - oh * (old / new)) / 2) end
+    if x > 0 or y > 0 then src = img:narrow(3, y + 1, oh - 2 * y):narrow(4, x + 1, ow - 2 * x) end
+  elseif opts.crop ~= nil and opts.crop ~= "disabled" then
+    error(("kiln.image.resize: crop '%s' (\"center\" or \"disabled\")"):format(tostring(opts.crop)), 2)
+  end
+  if src.shape[3] == h and src.shape[4] == w then return src:clone() end
+  return kiln.nn.interpolate(src, { size = { h, w }, mode = opts.mode or "nearest-exact" })
+end
+
 function image.canny(img, low, high)
   check_args(img, low, high)
   local n, h, w = img.shape[1], img.shape[3], img.shape[4]

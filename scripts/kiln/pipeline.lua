@@ -157,8 +157,9 @@ local function percent_to_sigma(ms, p)
 end
 
 --- The run's ControlNets ready for a sampling of latents of `shape`: each net loaded
--- to the run's device, its image resized (bilinear) to 8x the latent size, and its
--- sigma range. As ComfyUI's ControlBase (set_cond_hint, timestep_percent_range,
+-- to the run's device, its image brought to 8x the latent size as ComfyUI's
+-- ControlBase does (cut to the output's aspect ratio about the centre, then
+-- nearest-exact), and its sigma range. As ComfyUI's ControlBase (set_cond_hint, timestep_percent_range,
 -- get_control): a net applies at a step whose sigma s has
 -- percent_to_sigma(stop) <= s <= percent_to_sigma(start), so stop = 0 never applies;
 -- strength 0 leaves the conditioning unchanged (ControlNetApplyAdvanced returns it
@@ -179,9 +180,8 @@ local function prepare_controls(ckpt, o, shape)
     local strength = c.strength or 1
     if strength ~= 0 then
       local img = c.image
-      if img.shape[2] ~= 3 then img = img:narrow(2, 1, 3):contiguous() end
-      local hint = kiln.nn.interpolate(img, { size = { h, w }, mode = "bilinear" })
-      if img ~= c.image then img:free() end
+      if img.shape[2] ~= 3 then img = img:narrow(2, 1, 3) end
+      local hint = require("kiln.image").resize(img, w, h, { mode = "nearest-exact", crop = "center" })
       if hint.device ~= dev then
         local d = hint:to(dev)
         hint:free()
@@ -246,8 +246,8 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
       xs:free()
       xs = xc
     end
-    local out = unet:forward(xs, t, ctx, y, control and { control = control } or nil)
-    if control then for _, r in ipairs(control) do r:free() end end
+    -- the UNet frees each residual at its last use
+    local out = unet:forward(xs, t, ctx, y, control and { control = control, free_control = true } or nil)
     if out ~= xs then xs:free() end
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
       local o = out:to(xin.device)

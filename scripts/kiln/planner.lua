@@ -1,10 +1,12 @@
 -- kiln.planner: `--mode auto`. Before a pipeline runs, it sizes each stage against
 -- the device's budget and picks the memory mode and the VAE tiling:
 --
---   weights   the bytes each part (text encoder, UNet, VAE) takes on the device,
+--   weights   the bytes each part (text encoder, UNet, VAE, and the run's
+--             ControlNets, which run in the UNet's stage) takes on the device,
 --             from its tensors (stored dtype), and the streaming window of "low"
 --             mode (the two largest adjacent blocks, kiln.stream);
---   work      the activation peak of the stage at this run's size, from
+--   work      the activation peak of the stage at this run's size and batch
+--             (the ControlNets' residuals included), from
 --             kiln.mem.estimate: the stage runs on small probes of its real inputs
 --             on the device, with its weights streamed, and the peak is fitted and
 --             extrapolated (tiling.lua says how; measured, not computed from shapes).
@@ -53,20 +55,34 @@ function M.part_bytes(part)
   return total, window
 end
 
--- Activation peak of fn(inputs...) on dev with the weights streamed (low mode), so
--- that only a window of weights is on the device while it is measured; returns the
--- peak minus that window (the work), or nil and the reason when it cannot run.
-local function work_of(part, dev, fn, inputs)
+-- Activation peak of fn(inputs...) on dev with the weights of `parts` (a list: the
+-- UNet and the run's ControlNets run in one stage) streamed (low mode), so that only
+-- a window of weights is on the device while it is measured; returns the peak minus
+-- the largest window (the work), or nil and the reason when it cannot run.
+local function work_of(parts, dev, fn, inputs)
   local prev = kiln.memory_mode()
   kiln.memory_mode("low")
-  part:load(dev)
+  for _, part in ipairs(parts) do part:load(dev) end
   local ok, bytes = pcall(kiln.mem.estimate, fn, inputs, { device = dev })
-  part:unload()
+  for _, part in ipairs(parts) do part:unload() end
   kiln.memory_mode(prev)
   if not ok then return nil, tostring(type(bytes) == "table" and bytes.message or bytes) end
-  local _, window = M.part_bytes(part)
+  local window = 0
+  for _, part in ipairs(parts) do window = math.max(window, select(2, M.part_bytes(part))) end
   local streamed = (dev ~= "cpu") and window or 0
   return math.max(0, bytes - streamed)
+end
+
+-- The distinct ControlNets of a run (o.control entries of nonzero strength).
+local function controlnets(o)
+  local nets, seen = {}, {}
+  for _, c in ipairs(o.control or {}) do
+    if type(c) == "table" and c.net and (c.strength or 1) ~= 0 and not seen[c.net] then
+      seen[c.net] = true
+      nets[#nets + 1] = c.net
+    end
+  end
+  return nets
 end
 
 function M.choose(ckpt, o)
@@ -96,16 +112,43 @@ function M.choose(ckpt, o)
   end
   local by = {}
   for _, p in ipairs(parts) do by[p.name] = p end
-  -- the work of each stage at this run's size
+  -- ControlNets run beside the UNet, in its stage: their weights count with its own
+  local nets = controlnets(o)
+  for i, net in ipairs(nets) do
+    local bytes, window = M.part_bytes(net)
+    parts[#parts + 1] = { name = "cn" .. i, part = net, bytes = bytes, window = window, stage = "unet" }
+  end
+  -- the work of each stage at this run's size: the batch (o.batch images) and, with
+  -- CFG, cond and uncond in one call (the larger of the two ways a run may call it)
   local ucfg = ckpt.unet.config
+  local batch = math.tointeger(o.batch or 1) or 1
   if by.unet then
-    local B = (o.cfg or 1) ~= 1 and 2 or 1
+    local B = ((o.cfg or 1) ~= 1 and 2 or 1) * batch
     local x = kiln.zeros({ B, ucfg.in_channels, lh, lw }):to(dev)
     local t = kiln.full({ B }, 999)
     local ctx = kiln.zeros({ B, 77, ucfg.context_dim or 768 }):to(dev)
     local y = ucfg.adm_in_channels and kiln.zeros({ B, ucfg.adm_in_channels }):to(dev) or nil
-    by.unet.work, by.unet.why = work_of(ckpt.unet, dev, function(xx)
-      local r = ckpt.unet:forward(xx, t, ctx, y)
+    local stage = { ckpt.unet }
+    for _, net in ipairs(nets) do stage[#stage + 1] = net end
+    by.unet.work, by.unet.why = work_of(stage, dev, function(xx)
+      -- the residuals of every net, summed, handed to the UNet as the pipelines do
+      -- (the hint at 8x the probe's size: the hint encoder's factor)
+      local control
+      local hint = #nets > 0 and kiln.zeros({ 1, 3, 8 * xx.shape[3], 8 * xx.shape[4] }):to(dev) or nil
+      for _, net in ipairs(nets) do
+        local xs = xx:narrow(2, 1, 4)
+        local r = net:forward(xs, t, ctx, hint, y)
+        if not control then control = r
+        else
+          for i = 1, #control do
+            local s = control[i] + r[i]
+            control[i]:free(); r[i]:free()
+            control[i] = s
+          end
+        end
+      end
+      if hint then hint:free() end
+      local r = ckpt.unet:forward(xx, t, ctx, y, control and { control = control, free_control = true } or nil)
       r:free()
     end, { x })
     x:free(); t:free(); ctx:free()
@@ -113,7 +156,7 @@ function M.choose(ckpt, o)
   end
   if by.vae then
     local z = kiln.zeros({ 1, ckpt.vae.config.embed_dim or 4, lh, lw }):to(dev)
-    by.vae.work, by.vae.why = work_of(ckpt.vae, dev, function(zz)
+    by.vae.work, by.vae.why = work_of({ ckpt.vae }, dev, function(zz)
       local r = ckpt.vae:decode(zz, { retry = false })
       r:free()
     end, { z })
@@ -121,14 +164,23 @@ function M.choose(ckpt, o)
   end
   if by.clip then by.clip.work = 0 end -- 77 tokens: negligible next to its weights
   -- the choice
-  local all, worst_stage, worst_work, worst_low = 0, 0, 0, 0
+  -- a stage's weights: its part's and those of the parts that run with it (ControlNets)
+  local stage_bytes, stage_window = {}, {}
   for _, p in ipairs(parts) do
-    -- the VAE's work does not decide the mode: when it does not fit, it tiles
-    local w = p.name ~= "vae" and (p.work or math.huge) or 0
-    all = all + p.bytes
-    worst_work = math.max(worst_work, w)
-    worst_stage = math.max(worst_stage, p.bytes + w)
-    worst_low = math.max(worst_low, p.window + w)
+    local st = p.stage or p.name
+    stage_bytes[st] = (stage_bytes[st] or 0) + p.bytes
+    stage_window[st] = math.max(stage_window[st] or 0, p.window)
+  end
+  local all, worst_stage, worst_work, worst_low = 0, 0, 0, 0
+  for _, p in ipairs(parts) do all = all + p.bytes end
+  for _, p in ipairs(parts) do
+    if not p.stage then
+      -- the VAE's work does not decide the mode: when it does not fit, it tiles
+      local w = p.name ~= "vae" and (p.work or math.huge) or 0
+      worst_work = math.max(worst_work, w)
+      worst_stage = math.max(worst_stage, stage_bytes[p.name] + w)
+      worst_low = math.max(worst_low, stage_window[p.name] + w)
+    end
   end
   -- what each mode needs, for callers that size budgets from it (tests, tools)
   plan.need = { high = all + worst_work, normal = worst_stage, low = worst_low, avail = avail }
@@ -144,9 +196,10 @@ function M.choose(ckpt, o)
     human(avail))
   line("  %-5s %12s %12s %12s", "model", "weights", "low window", "work")
   for _, p in ipairs(parts) do
-    line("  %-5s %12s %12s %12s", p.name, human(p.bytes), human(p.window),
-      p.work and human(p.work) or ("? (" .. tostring(p.why) .. ")"))
+    local work = p.stage and ("with " .. p.stage) or p.work and human(p.work) or ("? (" .. tostring(p.why) .. ")")
+    line("  %-5s %12s %12s %12s", p.name, human(p.bytes), human(p.window), work)
   end
+  if batch > 1 then line("  work measured for a batch of %d", batch) end
   -- LoRAs in use: their factors stay in the mapped file (owner lora:NAME); their deltas
   -- are built into the copies of the weights they patch, which the rows above count
   for _, h in ipairs(rawget(ckpt, "loras_applied") or {}) do

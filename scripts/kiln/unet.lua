@@ -404,10 +404,16 @@ end
 -- y [B, adm_in_channels] (SDXL). Returns the raw network output [B, out_channels, h, w].
 -- opts.control: a ControlNet's residuals (one per input block, then the middle block),
 -- added as ControlledUnetModel does: the last to the middle block's output, the others
--- to the skip connections the output blocks take.
+-- to the skip connections the output blocks take. opts.free_control: the UNet takes
+-- the residuals over and frees each at its last use (the list's entries become
+-- false), so the largest, at full latent size, are gone before the last output blocks
+-- run; on an error the rest are freed too.
 function UNet:forward(x, t, context, y, opts)
   local cfg = self.config
   local control = opts and opts.control
+  local _ <close> = opts and opts.free_control and control and setmetatable({}, { __close = function()
+    for i, r in ipairs(control) do if r then r:free(); control[i] = false end end
+  end }) or nil
   if control and #control ~= #self.plan.input + 1 then
     error(fmt("unet:forward: control has %d residuals, this UNet takes %d (one per input block and the middle block)",
       #control, #self.plan.input + 1), 2)
@@ -453,11 +459,17 @@ function UNet:forward(x, t, context, y, opts)
   end
   h = pass:run(self.plan.middle.prefix, self._block, self, self.plan.middle, h, emb_silu, context)
   local function add_control(v, i)
-    local r = control[i]
-    if r.device ~= dev then r = own(r:to(dev)) end
-    if r.dtype ~= v.dtype then r = own(r:to(v.dtype)) end
+    local r0 = control[i]
+    local r = r0
+    -- a copy on this device and in v's dtype, freed right after the sum
+    if r.device ~= dev or r.dtype ~= v.dtype then r = r:to(dev, v.dtype) end
     local o = v + r
     v:free()
+    if r ~= r0 then r:free() end
+    if opts.free_control then
+      r0:free()
+      control[i] = false
+    end
     return o
   end
   if control then h = add_control(h, #control) end

@@ -144,5 +144,48 @@ test("control pipeline: examples/controlnet.lua writes a picture; a missing file
   assert(text:find("kiln: --control " .. CN .. ".none: no such file or folder", 1, true), text)
 end)
 
+test("control pipeline: --mode auto counts the ControlNet and the batch; the run stays inside its budget", function()
+  local planner = require "kiln.planner"
+  local MiB = 1024 * 1024
+  kiln.mem.set_budget("sim", 1024 * MiB)
+  local base = { device = "sim", width = 64, height = 64, cfg = 3 }
+  local function plan(extra)
+    local o = {}
+    for k, v in pairs(base) do o[k] = v end
+    for k, v in pairs(extra or {}) do o[k] = v end
+    return planner.choose(ck, o)
+  end
+  local p0 = plan()
+  local p1 = plan({ control = { { net = cn, image = IMG } } })
+  local p2 = plan({ control = { { net = cn, image = IMG } }, batch = 4 })
+  local pz = plan({ control = { { net = cn, image = IMG, strength = 0 } } })
+  kiln.mem.set_budget("sim", 0)
+  local cn_bytes = planner.part_bytes(cn)
+  H.truthy(cn_bytes > 0, "the ControlNet has weights")
+  -- high: all weights + the largest work; the net adds its weights and its residuals
+  H.truthy(p1.need.high >= p0.need.high + cn_bytes, ("high: %.0f with, %.0f without, net %.0f"):format(p1.need.high,
+    p0.need.high, cn_bytes))
+  H.truthy(p1.need.normal >= p0.need.normal + cn_bytes, "normal: the UNet stage holds the net's weights too")
+  H.truthy(p2.need.low > p1.need.low, ("low: a batch of 4 needs more work (%.0f, batch 1 %.0f)"):format(p2.need.low,
+    p1.need.low))
+  eq(pz.need.high, p0.need.high, "a net at strength 0 is not run, so not counted")
+  local text = table.concat(p2.lines, "\n")
+  H.truthy(text:find("cn1", 1, true) and text:find("with unet", 1, true), text)
+  H.truthy(text:find("batch of 4", 1, true), text)
+  -- a budget between what low and normal need: auto picks low and the run fits
+  local room = kiln.mem.stats("sim").allocated + math.floor(((p1.need.low + p1.need.normal) / 2 + 2 * MiB) / 0.9)
+  kiln.mem.set_budget("sim", room)
+  kiln.mem.reset_peak("sim")
+  local ok, img = pcall(pipeline.txt2img, ck, with({ device = "sim", mode = "auto", width = 64, height = 64,
+    control = { { net = cn, image = IMG } } }))
+  local peak, mode = kiln.mem.stats("sim").peak, kiln.memory_mode()
+  kiln.mem.set_budget("sim", 0)
+  kiln.memory_mode("normal")
+  assert(ok, img)
+  eq(mode, "low")
+  H.truthy(peak <= room, ("peak %.0f over the budget %.0f"):format(peak, room))
+  img:free()
+end)
+
 T.cleanup()
 H.done()

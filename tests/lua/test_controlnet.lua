@@ -57,6 +57,26 @@ test("controlnet: controlled UNet output (ControlledUnetModel)", function()
   raises(function() ck.unet:forward(x, t, ctx, nil, { control = { res[1] } }) end, "control has 1 residuals")
 end)
 
+test("controlnet: free_control hands the residuals to the UNet (freed at last use, also on error)", function()
+  local cn <close> = kiln.load_controlnet(CN)
+  local ck <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
+  local x, t, ctx = T.inputs(64)
+  local dev = kiln.default_device()
+  local base = kiln.mem.stats(dev).allocated
+  local res = cn:forward(x, t, ctx, G.hint)
+  local out = ck.unet:forward(x, t, ctx, nil, { control = res, free_control = true })
+  close(out, G["unet.control"], TOL, "unet")
+  out:free()
+  for i, r in ipairs(res) do eq(r, false, "residual " .. i .. " taken over") end
+  local res2 = cn:forward(x, t, ctx, G.hint)
+  local bad = kiln.zeros({ 2, 3, 8, 8 }) -- wrong channels
+  raises(function() ck.unet:forward(bad, t, ctx, nil, { control = res2, free_control = true }) end)
+  bad:free()
+  for i, r in ipairs(res2) do eq(r, false, "residual " .. i .. " freed on error") end
+  collectgarbage(); collectgarbage()
+  eq(kiln.mem.stats(dev).allocated, base, "allocated bytes back to the baseline")
+end)
+
 test("controlnet: strength scales the residuals; batch-2 hint = batch-1 hint", function()
   local cn <close> = kiln.load_controlnet(CN)
   local x, t, ctx = T.inputs(64)

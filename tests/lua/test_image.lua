@@ -115,5 +115,26 @@ test("canny: bad arguments are named", function()
   check_binary(e)
 end)
 
+-- kiln.image.resize against tests/golden/resize (PyTorch's interpolate after
+-- ComfyUI's centre crop, made by tests/golden/gen_resize.py)
+local rs = kiln.load_safetensors("tests/golden/resize/resize.safetensors")
+for key, want in pairs(rs) do
+  local name, w, h, mode, crop = key:match("^(%a+)_(%d+)x(%d+)_([%a%-]+)_(%a+)$")
+  if name then
+    test("resize " .. key .. " matches PyTorch", function()
+      local got <close> = kiln.image.resize(rs[name], tonumber(w), tonumber(h), { mode = mode, crop = crop })
+      eq(table.concat(got.shape, "x"), table.concat(want.shape, "x"), "shape")
+      truthy(H.maxdiff(got, want) <= 1e-6, "max diff " .. H.maxdiff(got, want))
+    end)
+  end
+end
+
+test("resize: bad arguments are named", function()
+  local img = rs.wide
+  raises(function() kiln.image.resize("x.png", 8, 8) end, "image tensor")
+  raises(function() kiln.image.resize(img, 0, 8) end, "whole numbers")
+  raises(function() kiln.image.resize(img, 8, 8, { crop = "middle" }) end, "crop 'middle'")
+end)
+
 for _, line in ipairs(report) do print("  " .. line) end
 H.done()
