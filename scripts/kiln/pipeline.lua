@@ -159,8 +159,8 @@ end
 --- The run's ControlNets ready for a sampling of latents of `shape`: each net loaded
 -- to the run's device, its image brought to 8x the latent size as ComfyUI's
 -- ControlBase does (cut to the output's aspect ratio about the centre, then
--- nearest-exact), and its sigma range. As ComfyUI's ControlBase (set_cond_hint, timestep_percent_range,
--- get_control): a net applies at a step whose sigma s has
+-- nearest-exact), and its sigma range. As ComfyUI's ControlBase (set_cond_hint,
+-- timestep_percent_range, get_control): a net applies at a step whose sigma s has
 -- percent_to_sigma(stop) <= s <= percent_to_sigma(start), so stop = 0 never applies;
 -- strength 0 leaves the conditioning unchanged (ControlNetApplyAdvanced returns it
 -- as given), so such a net is dropped. Closing the result frees the resized images
