@@ -144,7 +144,11 @@ local function shape_str(t) return "[" .. table.concat(t.shape, ", ") .. "]" end
 
 -- x [B, in_channels, h, w], t (B timesteps or one), context [B or 1, L, context_dim],
 -- hint [B or 1, hint_channels, 8h, 8w] in [0, 1], y [B, adm] (SDXL); opts.strength
--- scales every residual. Returns the residuals: one per input block, then the middle.
+-- scales every residual. opts.cache: a table the caller keeps across the steps of a
+-- sampling with the same hint: the encoded hint (input_hint_block's output, which
+-- depends on nothing else) is kept there and reused, and the hint encoder's weights
+-- are not streamed again; the caller frees it with controlnet.free_cache(cache).
+-- Returns the residuals: one per input block, then the middle.
 function ControlNet:forward(x, t, context, hint, y, opts)
   local cfg = self.config
   if type(y) == "table" and getmetatable(y) == nil then y, opts = nil, y end
@@ -178,6 +182,7 @@ function ControlNet:forward(x, t, context, hint, y, opts)
   if x.device ~= dev then x = own(x:to(dev)) end
   if context.device ~= dev then context = own(context:to(dev)) end
   if context.dtype ~= dt then context = own(context:to(dt)) end
+  local hint0 = hint
   if hint.device ~= dev then hint = own(hint:to(dev)) end
   if hint.dtype ~= dt then hint = own(hint:to(dt)) end
   if type(t) == "number" then t = own(kiln.tensor({ t })) end
@@ -188,7 +193,19 @@ function ControlNet:forward(x, t, context, hint, y, opts)
   if t.device ~= dev then t = own(t:to(dev)) end
 
   local emb_silu = own(pass:run("time_embed.", self._embed, self, t, y, dev, dt))
-  local guided = own(pass:run("input_hint_block.", self._hint, self, hint))
+  local cache = opts.cache
+  local guided
+  if cache and cache.hint == hint0 and cache.guided and cache.guided.device == dev and cache.guided.dtype == dt then
+    guided = cache.guided
+  else
+    guided = pass:run("input_hint_block.", self._hint, self, hint)
+    if cache then
+      M.free_cache(cache)
+      cache.hint, cache.guided = hint0, guided
+    else
+      own(guided)
+    end
+  end
   if guided.shape[1] ~= B then guided = own(guided:expand({ B, guided.shape[2], guided.shape[3], guided.shape[4] })) end
   local outs = {}
   local h = x
@@ -208,6 +225,12 @@ function ControlNet:forward(x, t, context, hint, y, opts)
     end
   end
   return outs
+end
+
+--- Frees what ControlNet:forward kept in opts.cache (the encoded hint).
+function M.free_cache(cache)
+  if cache.guided then cache.guided:free() end
+  cache.hint, cache.guided = nil, nil
 end
 
 -- ---------------------------------------------------------------- loading

@@ -164,11 +164,12 @@ end
 -- percent_to_sigma(stop) <= s <= percent_to_sigma(start), so stop = 0 never applies;
 -- strength 0 leaves the conditioning unchanged (ControlNetApplyAdvanced returns it
 -- as given), so such a net is dropped. Closing the result frees the resized images
--- and unloads the nets.
+-- and the encoded hints (each net's cache) and unloads the nets.
 local function prepare_controls(ckpt, o, shape)
   local list = setmetatable({}, { __close = function(l)
     local seen = {}
     for _, c in ipairs(l) do
+      require("kiln.controlnet").free_cache(c.cache)
       c.hint:free()
       if not seen[c.net] then seen[c.net] = true; c.net:unload() end
     end
@@ -188,7 +189,7 @@ local function prepare_controls(ckpt, o, shape)
         hint = d
       end
       c.net:load(dev)
-      list[#list + 1] = { net = c.net, hint = hint, strength = strength,
+      list[#list + 1] = { net = c.net, hint = hint, strength = strength, cache = {},
         sigma_hi = percent_to_sigma(ms, c.start or 0), sigma_lo = percent_to_sigma(ms, c.stop or 1) }
     end
   end
@@ -221,7 +222,8 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
     local sum
     for _, c in ipairs(controls) do
       if sigma <= c.sigma_hi and sigma >= c.sigma_lo then
-        local r = c.net:forward(xs, t, ctx, c.hint, y, { strength = c.strength })
+        -- c.cache: the encoded hint, computed at the first step and reused
+        local r = c.net:forward(xs, t, ctx, c.hint, y, { strength = c.strength, cache = c.cache })
         if not sum then
           sum = r
         else

@@ -62,6 +62,7 @@ test("controlnet: free_control hands the residuals to the UNet (freed at last us
   local ck <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
   local x, t, ctx = T.inputs(64)
   local dev = kiln.default_device()
+  collectgarbage(); collectgarbage()
   local base = kiln.mem.stats(dev).allocated
   local res = cn:forward(x, t, ctx, G.hint)
   local out = ck.unet:forward(x, t, ctx, nil, { control = res, free_control = true })
@@ -75,6 +76,29 @@ test("controlnet: free_control hands the residuals to the UNet (freed at last us
   for i, r in ipairs(res2) do eq(r, false, "residual " .. i .. " freed on error") end
   collectgarbage(); collectgarbage()
   eq(kiln.mem.stats(dev).allocated, base, "allocated bytes back to the baseline")
+end)
+
+test("controlnet: opts.cache keeps the encoded hint across calls, same residuals", function()
+  local cn <close> = kiln.load_controlnet(CN)
+  local x, t, ctx = T.inputs(64)
+  local cache = {}
+  local a = cn:forward(x, t, ctx, G.hint, { cache = cache })
+  local guided = cache.guided
+  H.truthy(guided ~= nil and cache.hint == G.hint, "the encoded hint is kept")
+  local b = cn:forward(x, t, ctx, G.hint, { cache = cache })
+  H.truthy(cache.guided == guided, "reused, not recomputed")
+  for i, r in ipairs(a) do
+    eq(H.maxdiff(r, b[i]), 0, "residual " .. i)
+    close(r, G["cn." .. (i - 1)], TOL, "residual " .. (i - 1))
+    r:free(); b[i]:free()
+  end
+  local other = G.hint * 0.5
+  local c = cn:forward(x, t, ctx, other, { cache = cache })
+  H.truthy(cache.hint == other and cache.guided ~= guided, "another hint replaces the cached one")
+  for _, r in ipairs(c) do r:free() end
+  controlnet.free_cache(cache)
+  eq(cache.guided, nil)
+  other:free()
 end)
 
 test("controlnet: strength scales the residuals; batch-2 hint = batch-1 hint", function()
