@@ -144,6 +144,23 @@ test("control pipeline: examples/controlnet.lua writes a picture; a missing file
   assert(text:find("kiln: --control " .. CN .. ".none: no such file or folder", 1, true), text)
 end)
 
+test("control pipeline: an SDXL ControlNet steers the SDXL pipeline (y passed to the net)", function()
+  local t = T.build_recipe("../controlnet/sdxl")
+  local p = T.tmp("cn-sdxl.safetensors")
+  kiln.save_safetensors(p, t, { ["kiln.head_dim.unet"] = "16" })
+  for _, v in pairs(t) do v:free() end
+  local xn <close> = kiln.load_controlnet(p)
+  local xk <close> = kiln.load_checkpoint(T.ckpt_file("sdxl"))
+  local a = pipeline.txt2img(xk, with())
+  local b = pipeline.txt2img(xk, with({ control = { { net = xn, image = IMG } } }))
+  local z = pipeline.txt2img(xk, with({ control = { { net = xn, image = IMG, strength = 0 } } }))
+  H.truthy(maxdiff(a, b) > 1e-3, "the net changes the picture")
+  eq(maxdiff(a, z), 0, "strength 0: the uncontrolled picture")
+  raises(function() pipeline.txt2img(ck, with({ control = { { net = xn, image = IMG } } })) end,
+    "a ControlNet for SDXL")
+  a:free(); b:free(); z:free()
+end)
+
 test("control pipeline: --mode auto counts the ControlNet and the batch; the run stays inside its budget", function()
   local planner = require "kiln.planner"
   local MiB = 1024 * 1024

@@ -2,7 +2,8 @@
 -- tests/golden/gen_controlnet.py (seeded kiln.randn = torch.randn) and compared with
 -- that independent PyTorch ControlNet: the residuals for a batch-1 hint with batch 2,
 -- the tiny SD 1.x UNet with them added (ControlledUnetModel), strength, the prefix-less
--- layout, the hyper-parameters of the real SD 1.5 / 2.1 key lists, and bad input.
+-- layout, the hyper-parameters of the real SD 1.5 / 2.1 key lists, and bad input; a
+-- tiny SDXL ControlNet over the tiny SDXL UNet against the same generator.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -155,6 +156,27 @@ test("controlnet: diffusers layout (folder)", function()
   local x, t, ctx = T.inputs(64)
   local res = cn:forward(x, t, ctx, G.hint)
   for i, r in ipairs(res) do note("diffusers.cn." .. (i - 1), close(r, G["cn." .. (i - 1)], TOL, "residual " .. (i - 1))) end
+end)
+
+test("controlnet: SDXL (label_emb, depth 2, head size 16) and its controlled UNet", function()
+  local GX = kiln.load_safetensors(GOLD .. "sdxl.safetensors")
+  local t = T.build_recipe("../controlnet/sdxl")
+  local p = T.tmp("cn-sdxl.safetensors")
+  kiln.save_safetensors(p, t, { ["kiln.head_dim.unet"] = "16" })
+  for _, v in pairs(t) do v:free() end
+  local cn <close> = kiln.load_controlnet(p)
+  eq(cn.config.family, "sdxl")
+  eq(cn.config.context_dim, 128)
+  local ck <close> = kiln.load_checkpoint(T.ckpt_file("sdxl"))
+  eq(ck.family, "sdxl")
+  local x, tt, ctx = T.inputs(128)
+  raises(function() cn:forward(x, tt, ctx, GX.hint) end, "needs y")
+  local res = cn:forward(x, tt, ctx, GX.hint, GX.y)
+  eq(#res, 5, "input blocks + middle")
+  for i, r in ipairs(res) do note("sdxl.cn." .. (i - 1), close(r, GX["cn." .. (i - 1)], TOL, "residual " .. (i - 1))) end
+  local out = ck.unet:forward(x, tt, ctx, GX.y, { control = res, free_control = true })
+  note("sdxl.unet.control", close(out, GX["unet.control"], TOL, "unet"))
+  out:free()
 end)
 
 -- a shape list of $KILN_SHARED/sd-keys as name -> shape
