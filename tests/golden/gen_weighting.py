@@ -48,16 +48,16 @@ def save(path, tensors):
             f.write(b)
 
 
-def windows(pairs):
+def windows(pairs, pad=EOS):
     """[(id, weight), ...] -> list of (ids [77], weights [77]): start, up to 75
-    tokens, end, padding with the end token (SD 1.x), as both UIs chunk a prompt
-    without commas."""
+    tokens, end, padding (the end token for SD 1.x and SDXL's CLIP-L, 0 for the
+    OpenCLIP encoders of SD 2.x and SDXL), as both UIs chunk a prompt without commas."""
     out = []
     for k in range(0, max(len(pairs), 1), 75):
         part = pairs[k:k + 75]
         ids = [BOS] + [p[0] for p in part] + [EOS]
         ws = [1.0] + [p[1] for p in part] + [1.0]
-        ids += [EOS] * (77 - len(ids))
+        ids += [pad] * (77 - len(ids))
         ws += [1.0] * (77 - len(ws))
         out.append((ids, ws))
     return out
@@ -105,6 +105,44 @@ def main():
         # "(a:1.2) " .. "photo " * 80: two windows, one empty prompt for both
         g["sd1.comfy_long"] = run([(A, 1.2)] + [(PHOTO, 1.0)] * 80, "comfy")
         g["sd1.empty"] = empty
+
+        # SD 2.x: OpenCLIP, penultimate layer + ln_final (gen_sd_golden's sd2), windows
+        # and the empty prompt padded with 0 (ComfyUI's SD2 tokenizer)
+        m = G.sd2_model()
+        G.init_recipe(m, 20000)
+        oc = m.cond_stage_model.model
+
+        def enc2(ids):
+            return oc.ln_final(oc(torch.tensor([ids]))[-2])
+
+        empty2 = enc2([BOS, EOS] + [0] * 75)
+
+        def run2(pairs):
+            return torch.cat([comfy(enc2(ids), empty2, ws) for ids, ws in windows(pairs, 0)], dim=1)
+
+        g["sd2.comfy"] = run2(p)
+        g["sd2.comfy_long"] = run2([(A, 1.2)] + [(PHOTO, 1.0)] * 80)
+
+        # SDXL: each encoder weighted against its own empty prompt (CLIP-L penultimate,
+        # padded with the end token; bigG penultimate, padded with 0; no final norm),
+        # then concatenated; pooled from bigG's first window, unweighted (ComfyUI's
+        # first_pooled)
+        m = G.sdxl_model()
+        G.init_recipe(m, 30000)
+        cl = m.conditioner.embedders[0].transformer.text_model
+        cg = m.conditioner.embedders[1].model
+
+        def run_xl(pairs):
+            el = cl(torch.tensor([[BOS, EOS] + [EOS] * 75]))[-2]
+            eg = cg(torch.tensor([[BOS, EOS] + [0] * 75]))[-2]
+            zl = [comfy(cl(torch.tensor([ids]))[-2], el, ws) for ids, ws in windows(pairs, EOS)]
+            zg = [comfy(cg(torch.tensor([ids]))[-2], eg, ws) for ids, ws in windows(pairs, 0)]
+            ids0 = torch.tensor([windows(pairs, 0)[0][0]])
+            pooled = cg.pooled(cg(ids0)[-1], ids0)
+            return torch.cat([torch.cat(zl, dim=1), torch.cat(zg, dim=1)], dim=-1), pooled
+
+        g["sdxl.comfy"], g["sdxl.pooled"] = run_xl(p)
+        g["sdxl.comfy_long"], _ = run_xl([(A, 1.2)] + [(PHOTO, 1.0)] * 80)
 
     save(os.path.join(OUT, "golden.safetensors"), g)
     for f in sorted(os.listdir(OUT)):

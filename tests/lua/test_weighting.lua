@@ -1,7 +1,7 @@
 -- Prompt weighting as ComfyUI computes it (weighting = "comfy": its parse, and each
 -- weighted token moved from the empty prompt's state, (z - z_empty) * w + z_empty)
--- beside A1111's (the default, unchanged): clip:encode on the tiny SD 1.x checkpoint
--- against tests/golden/weighting (tests/golden/gen_weighting.py, PyTorch), the parse
+-- beside A1111's (the default, unchanged): clip:encode on the tiny SD 1.x, SD 2.x and
+-- SDXL checkpoints against tests/golden/weighting (tests/golden/gen_weighting.py, PyTorch), the parse
 -- cases where the two differ, and the option in the pipeline parameters.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
@@ -32,8 +32,8 @@ local fake_tok = {
   token_id = function() return nil end,
 }
 
-local function open()
-  local ck = kiln.load_checkpoint(T.ckpt_file("sd1"))
+local function open(family)
+  local ck = kiln.load_checkpoint(T.ckpt_file(family or "sd1"))
   ck.clip.tokenizer = fake_tok
   return ck
 end
@@ -94,6 +94,21 @@ test("SD 1.x golden: a1111 (the default) unchanged; unweighted prompts agree", f
   -- the two differ once a token is weighted
   local d = (G["sd1.comfy"] - G["sd1.a1111"]):abs():max()
   if not (d > 1e-3) then error("comfy and a1111 goldens agree: the test would not tell them apart") end
+end)
+
+test("SD 2.x golden: comfy weighting against the empty prompt padded with 0, two chunks", function()
+  local ck <close> = open("sd2")
+  close(ck.clip:encode("a (photo:1.3) of (cat)", { weighting = "comfy" }), G["sd2.comfy"], "comfy")
+  close(ck.clip:encode("(a:1.2) " .. ("photo "):rep(80), { weighting = "comfy" }), G["sd2.comfy_long"], "long")
+end)
+
+test("SDXL golden: comfy weighting per encoder (each its own empty prompt), pooled unweighted", function()
+  local ck <close> = open("sdxl")
+  local z, pooled = ck.clip:encode("a (photo:1.3) of (cat)", { weighting = "comfy" })
+  close(z, G["sdxl.comfy"], "comfy")
+  close(pooled, G["sdxl.pooled"], "pooled")
+  local zl = ck.clip:encode("(a:1.2) " .. ("photo "):rep(80), { weighting = "comfy" })
+  close(zl, G["sdxl.comfy_long"], "long")
 end)
 
 test("weighting: an unknown value is named", function()
