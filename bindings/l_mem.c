@@ -29,6 +29,8 @@ static int mem_stats(lua_State *L)
     SET_INT(L, "segments", s.n_segments);
     SET_INT(L, "largest_free", s.largest_free);
     SET_INT(L, "bytes_to_device", d->bytes_to_device);
+    /* host -> device bytes since kiln.mem.reset_peak (weights streamed in, inputs) */
+    SET_INT(L, "copied_in", d->bytes_to_device - d->bytes_to_device_at_reset);
     SET_INT(L, "bytes_to_host", d->bytes_to_host);
     lua_pushnumber(L, d->seconds_copying);
     lua_setfield(L, -2, "seconds_copying");
@@ -37,7 +39,7 @@ static int mem_stats(lua_State *L)
 
 static int mem_reset_peak(lua_State *L)
 {
-    kiln_allocator_reset_peak(l_opt_device(L, 1)->alloc);
+    kiln_device_reset_peak(l_opt_device(L, 1));
     return 0;
 }
 

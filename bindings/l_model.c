@@ -193,6 +193,18 @@ static int m_load(lua_State *L)
     return 1;
 }
 
+/* m:set_streamed(on) -> m: on, later loads keep the weights on the host for
+ * streaming whatever the memory mode (the networks' partial residency: kiln.stream
+ * keeps some blocks fetched and streams the others). m.streamed tells. */
+static int m_set_streamed(lua_State *L)
+{
+    kiln_model *m = check_model(L, 1);
+    luaL_checkany(L, 2);
+    kiln_model_set_stream_always(m, lua_toboolean(L, 2));
+    lua_settop(L, 1);
+    return 1;
+}
+
 static int m_offload(lua_State *L)
 {
     L_TRY(L, kiln_model_offload(check_model(L, 1)));
@@ -441,14 +453,14 @@ static int m_len(lua_State *L)
 
 static const luaL_Reg model_methods[] = {
     {"close", m_close}, {"tensor", m_tensor}, {"has", m_has}, {"names", m_names},
-    {"load", m_load}, {"offload", m_offload}, {"unload", m_unload}, {"pin", m_pin}, {"unpin", m_unpin},
+    {"load", m_load}, {"set_streamed", m_set_streamed}, {"offload", m_offload}, {"unload", m_unload}, {"pin", m_pin}, {"unpin", m_unpin},
     {"bytes", m_bytes}, {"fetch", m_fetch}, {"release", m_release}, {"prefetch", m_prefetch},
     {"where", m_where}, {"stats", m_stats},
     {"add_patch", m_add_patch}, {"remove_patch", m_remove_patch}, {"patch_count", m_patch_count},
     {NULL, NULL},
 };
 
-/* m.key: a method, a property (name, residency, device, pinned, closed), else the
+/* m.key: a method, a property (name, residency, device, streamed, pinned, closed), else the
  * tensor of that name. */
 static int m_index(lua_State *L)
 {
@@ -470,6 +482,10 @@ static int m_index(lua_State *L)
         kiln_model_get_info(m, &in);
         if (in.device) lua_pushstring(L, in.device->name);
         else lua_pushnil(L);
+        return 1;
+    }
+    if (strcmp(key, "streamed") == 0) {
+        lua_pushboolean(L, kiln_model_stream_always(m));
         return 1;
     }
     if (strcmp(key, "pinned") == 0) {

@@ -139,6 +139,12 @@ void kiln_device_empty_cache(kiln_device *dev)
     kiln_allocator_empty_cache(dev->alloc);
 }
 
+void kiln_device_reset_peak(kiln_device *dev)
+{
+    kiln_allocator_reset_peak(dev->alloc);
+    dev->bytes_to_device_at_reset = dev->bytes_to_device;
+}
+
 kiln_mem_stats kiln_device_stats(kiln_device *dev)
 {
     kiln_mem_stats s = kiln_allocator_stats(dev ? dev->alloc : NULL);

@@ -21,6 +21,7 @@ struct kiln_device {
     uint64_t total_memory;    /* physical memory of the device, 0 unknown */
     /* Transfer statistics (host<->device copies) */
     uint64_t bytes_to_device, bytes_to_host;
+    uint64_t bytes_to_device_at_reset;   /* bytes_to_device at the last kiln_device_reset_peak */
     double seconds_copying;
 };
 
@@ -37,6 +38,9 @@ void kiln_device_empty_cache(kiln_device *dev);
  * between ops in .workspace (host scratch for cpu; on a GPU already part of
  * allocated, since it comes from the allocator). */
 kiln_mem_stats kiln_device_stats(kiln_device *dev);
+/* Starts a new measuring window: the allocator's peaks from now, and the bytes copied
+ * onto the device counted from now (copied_in = bytes_to_device - at_reset). */
+void kiln_device_reset_peak(kiln_device *dev);
 
 /* Scratch for a kernel, from dev's memory manager: budgeted, counted in its
  * statistics, may evict as any allocation (KILN_ERR_OOM when it cannot fit). With

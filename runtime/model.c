@@ -72,6 +72,9 @@ struct kiln_model {
     kiln_st_file **files;
     kiln_device *target;     /* load target / streaming target, NULL when none */
     int dtype;               /* load dtype or -1 */
+    int stream_always;       /* 1: loads keep the weights on the host for streaming, whatever
+                              * the memory mode (a partial residency: the caller keeps some
+                              * blocks fetched and streams the rest) */
     int pinned, busy, inflight;
     uint64_t last_used;
     uint64_t n_fetch, n_prefetch, n_waits, n_hits;
@@ -924,13 +927,22 @@ static void load_error_prefix(kiln_model *m, kiln_device *dev, char *buf, size_t
     if (used < cap) snprintf(buf + used, cap - used, "): ");
 }
 
+void kiln_model_set_stream_always(kiln_model *m, int on)
+{
+    pthread_mutex_lock(&reg_mu);
+    m->stream_always = on != 0;
+    pthread_mutex_unlock(&reg_mu);
+}
+
+int kiln_model_stream_always(const kiln_model *m) { return m->stream_always; }
+
 kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
 {
     if (!m) return kiln_error(KILN_ERR_ARG, "model load: model is NULL");
     if (dtype >= KILN_DTYPE_COUNT || dtype < -1) return kiln_error(KILN_ERR_ARG, "model '%s': load: bad dtype %d", m->name, dtype);
     kiln_memory_mode mode = kiln_memory_mode_get();
     if (!dev || mode == KILN_MEM_NONE) dev = kiln_device_cpu();
-    int low = mode == KILN_MEM_LOW && dev->type != KILN_DEV_CPU;
+    int low = (mode == KILN_MEM_LOW || m->stream_always) && dev->type != KILN_DEV_CPU;
     unsigned char *made = calloc((size_t)(m->n ? m->n : 1), 1);
     if (!made) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
     pthread_mutex_lock(&reg_mu);

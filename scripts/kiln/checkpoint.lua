@@ -491,7 +491,59 @@ local MODEL_METHODS = {
   load = true, offload = true, unload = true, pin = true, unpin = true, bytes = true, fetch = true,
   prefetch = true, release = true, where = true, stats = true, names = true, has = true, tensor = true,
 }
-local MODEL_PROPS = { name = true, residency = true, device = true, pinned = true, closed = true }
+local MODEL_PROPS = { name = true, residency = true, device = true, pinned = true, closed = true, streamed = true }
+
+-- part:load(dev, {resident = bytes, dtype = ...}): a partial residency for a network
+-- streamed by blocks (kiln.stream): about `bytes` of its blocks stay on the device
+-- and the rest streams at each use, in any memory mode. A value at or above the
+-- model's bytes loads it whole; a value above what the device's budget leaves beside
+-- the streaming window is lowered, with a note. Without `resident` a load clears an
+-- earlier residency (the memory mode decides again).
+local function load_part(self, store, kind, dev, opts)
+  local streamer = rawget(self, "streamer")
+  local resident
+  if type(opts) == "table" and opts.resident ~= nil then
+    resident = opts.resident
+    if type(resident) == "string" then
+      local ok, b = pcall(kiln.parse_size, resident)
+      if not ok then error(fmt("%s:load: resident '%s': %s", kind, resident, tostring(b)), 3) end
+      resident = b
+    end
+    if type(resident) ~= "number" or resident < 0 or resident ~= resident then
+      error(fmt("%s:load: resident must be a number of bytes from 0 (or a size like \"2G\"), got %s", kind,
+        tostring(opts.resident)), 3)
+    end
+    local o = {}
+    for k, v in pairs(opts) do if k ~= "resident" then o[k] = v end end
+    opts = o
+    if not streamer or not store.set_streamed then
+      error(fmt("%s:load: resident needs a network streamed block by block (UNet, VAE, ControlNet)", kind), 3)
+    end
+    local total = streamer:total_bytes(store)
+    if resident >= total then
+      resident = nil
+    else
+      local d = dev or kiln.default_device()
+      local st = kiln.mem.stats(d)
+      local _, window = streamer:_sizes(store)
+      local room = st.budget > 0 and math.max(0, st.budget - st.allocated - window) or math.huge
+      if resident > room then
+        if not kiln.quiet() then
+          io.stderr:write(fmt("kiln: %s: resident %s lowered to %s (the budget of %s less what is allocated and " ..
+            "the streaming window)\n", kind, kiln.format_bytes(resident), kiln.format_bytes(room), d))
+        end
+        resident = room
+      end
+      resident = math.floor(resident)
+    end
+  end
+  if streamer and store.set_streamed then
+    store:set_streamed(resident ~= nil)
+    streamer:set_resident(resident)
+  end
+  store:load(dev, opts)
+  return self
+end
 
 -- Wraps a network object so it is also its weight store: load, offload, unload, bytes,
 -- ... go to the store; close and <close> too.
@@ -503,6 +555,9 @@ local function as_model(obj, store, kind)
   mt.__index = function(_, k)
     local v = class[k]
     if v ~= nil then return v end
+    if k == "load" and type(store.load) == "function" then
+      return function(self, dev, opts) return load_part(self, store, kind, dev, opts) end
+    end
     if MODEL_METHODS[k] then
       local f = store[k]
       if type(f) ~= "function" then

@@ -16,6 +16,8 @@
 -- the prefetched weights stay within the two largest adjacent blocks), fetches this
 -- block's tensors (waiting for their prefetch), runs fn while the copies go on, then
 -- frees the tensor handles the block was given and releases its device copies.
+-- A partial residency (part:load(dev, {resident = bytes}), any mode) keeps the
+-- largest blocks that fit in `bytes` on the device once fetched and streams the rest.
 -- Closing the pass (also on error) releases whatever it still holds, so after a
 -- forward the model has no bytes on the device. In every other mode the weights are
 -- wherever the pipeline loaded them and pass:run only frees the block's handles
@@ -58,11 +60,12 @@ function Weights:model()
   return nil
 end
 
--- True when this part's weights are streamed: mode "low" and a device target that is
+-- True when this part's weights are streamed: mode "low" or a partial residency (the
+-- model was loaded with {resident = bytes}: m.streamed), and a device target that is
 -- not the cpu.
 function Weights:streaming()
   local m = self:model()
-  if not m or kiln.memory_mode() ~= "low" then return false end
+  if not m or (kiln.memory_mode() ~= "low" and not m.streamed) then return false end
   local dev = m.device
   return dev ~= nil and dev ~= "cpu"
 end
@@ -139,6 +142,42 @@ function Streamer:block_bytes()
   return r, window
 end
 
+-- Partial residency: about `bytes` of the model's blocks stay on the device once
+-- fetched and the others stream at each pass (nil: none, every block streams). The
+-- blocks kept are chosen largest first while they fit (fewest bytes copied per pass).
+function Streamer:set_resident(bytes)
+  self.resident_bytes = bytes
+  self.resident = nil
+end
+
+-- The resident blocks (index -> true) and their bytes, for the current setting.
+function Streamer:resident_blocks(m)
+  if not self.resident_bytes then return {}, 0 end
+  if not self.resident then
+    local sizes = self:_sizes(m)
+    local order = {}
+    for i = 1, #sizes do order[i] = i end
+    table.sort(order, function(a, b) return sizes[a] > sizes[b] or (sizes[a] == sizes[b] and a < b) end)
+    local set, used = {}, 0
+    for _, i in ipairs(order) do
+      if used + sizes[i] <= self.resident_bytes then
+        set[i] = true
+        used = used + sizes[i]
+      end
+    end
+    self.resident, self.resident_used = set, used
+  end
+  return self.resident, self.resident_used
+end
+
+-- Stored bytes of all the blocks.
+function Streamer:total_bytes(m)
+  local sizes = self:_sizes(m)
+  local n = 0
+  for _, b in ipairs(sizes) do n = n + b end
+  return n
+end
+
 local Pass = {}
 Pass.__index = Pass
 
@@ -166,9 +205,11 @@ function Streamer:pass(order)
     seq[i] = b
   end
   m:pin()
+  local streaming = w:streaming()
   local p = setmetatable({
     s = self, model = m, seq = seq, pos = 0, active = true, pinned = true,
-    streaming = w:streaming(),
+    streaming = streaming,
+    resident = streaming and self:resident_blocks(m) or {},  -- blocks fetched once, kept
     trace = kiln.trace and kiln.trace.active and kiln.trace.active() or false,
     held = {},       -- block index -> true while fetched or prefetched (streaming)
     handles = {},    -- block index -> tensor handles given out while it ran
@@ -233,7 +274,7 @@ function Pass:_prefetch_after(pos)
   local j = pos + 1
   while self.seq[j] do
     local nb = self.seq[j]
-    if not self.held[nb] then
+    if not self.held[nb] and not self.resident[nb] then
       if j > pos + 1 and held + sizes[nb] > window then break end
       self.model:prefetch(self.s.blocks[nb].real)
       self.held[nb] = true
@@ -257,8 +298,9 @@ function Pass:run(key, fn, ...)
   self.pos = pos
   if self.streaming then
     -- queue what follows first, so the copy thread works while this block is fetched
-    -- (it waits for its own prefetch, or copies on this thread for the first block)
-    self.held[b] = true
+    -- (it waits for its own prefetch, or copies on this thread for the first block);
+    -- a resident block is fetched once and never released by the pass (not held)
+    if not self.resident[b] then self.held[b] = true end
     self:_prefetch_after(pos)
     self.model:fetch(self.s.blocks[b].real)
   end
