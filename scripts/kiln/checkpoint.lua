@@ -497,13 +497,17 @@ local MODEL_PROPS = { name = true, residency = true, device = true, pinned = tru
 -- streamed by blocks (kiln.stream): about `bytes` of its blocks stay on the device
 -- and the rest streams at each use, in any memory mode. A value at or above the
 -- model's bytes loads it whole; a value above what the device's budget leaves beside
--- the streaming window is lowered, with a note. Without `resident` a load clears an
--- earlier residency (the memory mode decides again).
+-- the streaming window is lowered, with a note. Without `resident` a load takes the
+-- part's resident_plan (set by --mode auto, kiln.planner) or else clears an earlier
+-- residency (the memory mode decides again).
 local function load_part(self, store, kind, dev, opts)
   local streamer = rawget(self, "streamer")
   local resident
-  if type(opts) == "table" and opts.resident ~= nil then
-    resident = opts.resident
+  local asked
+  if type(opts) == "table" then asked = opts.resident end
+  if asked == nil then asked = rawget(self, "resident_plan") end
+  if asked ~= nil then
+    resident = asked
     if type(resident) == "string" then
       local ok, b = pcall(kiln.parse_size, resident)
       if not ok then error(fmt("%s:load: resident '%s': %s", kind, resident, tostring(b)), 3) end
@@ -511,11 +515,13 @@ local function load_part(self, store, kind, dev, opts)
     end
     if type(resident) ~= "number" or resident < 0 or resident ~= resident then
       error(fmt("%s:load: resident must be a number of bytes from 0 (or a size like \"2G\"), got %s", kind,
-        tostring(opts.resident)), 3)
+        tostring(asked)), 3)
     end
-    local o = {}
-    for k, v in pairs(opts) do if k ~= "resident" then o[k] = v end end
-    opts = o
+    if type(opts) == "table" then
+      local o = {}
+      for k, v in pairs(opts) do if k ~= "resident" then o[k] = v end end
+      opts = o
+    end
     if not streamer or not store.set_streamed then
       error(fmt("%s:load: resident needs a network streamed block by block (UNet, VAE, ControlNet)", kind), 3)
     end

@@ -364,7 +364,10 @@ end
 --- opts.mode = "auto" (--mode auto): kiln.planner picks the memory mode and the
 -- VAE tiling for this run's size from the device's budget, and prints why.
 local function plan_memory(ckpt, o, W, H)
-  if o.mode ~= "auto" then return end
+  if o.mode ~= "auto" then
+    ckpt.unet.resident_plan = nil          -- a plan of an earlier auto run does not carry over
+    return
+  end
   o.width, o.height = o.width or W, o.height or H
   o.device = device_of(o)
   require("kiln.planner").apply(ckpt, o)

@@ -26,7 +26,9 @@
 --
 --   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, need = {high =,
 --                                    normal =, low =, avail =} (bytes), ...}
---   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode and o.tile, prints
+--   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode, o.tile and the
+--                                    UNet's resident_plan (a partial residency in low
+--                                    mode: plan.resident.unet bytes), prints
 local kiln = require "kiln"
 
 local M = {}
@@ -187,6 +189,14 @@ function M.choose(ckpt, o)
   if all + worst_work <= avail then plan.mode = "high"
   elseif worst_stage <= avail then plan.mode = "normal"
   else plan.mode = "low" end
+  -- low mode: what the UNet's stage leaves free keeps that many bytes of the UNet on the
+  -- device (its largest blocks), so each evaluation copies only the rest
+  if plan.mode == "low" and by.unet and by.unet.work then
+    local spare = avail - (stage_window.unet + by.unet.work)
+    if spare > 0 then
+      plan.resident = { unet = math.floor(math.min(spare, by.unet.bytes)) }
+    end
+  end
   -- the VAE tiles when its untiled work does not fit beside its weights (or window)
   if by.vae and by.vae.work then
     local beside = plan.mode == "low" and by.vae.window or by.vae.bytes
@@ -211,12 +221,18 @@ function M.choose(ckpt, o)
   line("  all weights + largest work %s; largest stage (weights + work) %s; low mode needs %s",
     human(all + worst_work), human(worst_stage), human(worst_low))
   line("  -> mode %s%s", plan.mode, plan.vae_tile and ", VAE tiled (tile auto)" or "")
+  if plan.resident then
+    local r = plan.resident.unet
+    line("     unet: %s of %s resident (its largest blocks), about %s streamed per evaluation", human(r),
+      human(by.unet.bytes), human(math.max(0, by.unet.bytes - r)))
+  end
   return plan
 end
 
 function M.apply(ckpt, o)
   local plan = M.choose(ckpt, o)
   kiln.memory_mode(plan.mode)
+  ckpt.unet.resident_plan = plan.resident and plan.resident.unet or nil
   if plan.vae_tile and not o.tile then o.tile = plan.vae_tile end
   if not kiln.quiet() then
     for _, l in ipairs(plan.lines) do io.stderr:write("kiln: ", l, "\n") end

@@ -92,6 +92,49 @@ test("residency: in low mode too; a size above the budget is lowered", function(
   kiln.memory_mode("normal")
 end)
 
+test("residency: --mode auto keeps what the budget leaves of the UNet; fewer bytes copied, inside the budget", function()
+  if not has_sim then H.skip("no sim device in this build") end
+  local pipeline = require "kiln.pipeline"
+  local planner = require "kiln.planner"
+  local MiB = 1024 * 1024
+  local base = { prompt = "a red circle", negative = "blur", steps = 3, width = 32, height = 32, seed = 1, cfg = 5,
+    device = "sim" }
+  kiln.mem.set_budget("sim", 1024 * MiB)
+  local need = planner.choose(ck, base).need
+  kiln.mem.set_budget("sim", 0)
+  -- a budget between what low and normal need: low mode with part of the UNet resident
+  local room = kiln.mem.stats("sim").allocated + math.floor(((need.low + need.normal) / 2 + 2 * MiB) / 0.9)
+  local function run(mode)
+    local o = {}
+    for k, v in pairs(base) do o[k] = v end
+    o.mode = mode
+    kiln.mem.set_budget("sim", room)
+    kiln.mem.reset_peak("sim")
+    local was = kiln.quiet()
+    kiln.set_quiet(true)
+    if mode == "low" then kiln.memory_mode("low"); o.mode = nil end
+    local ok, img = pcall(pipeline.txt2img, ck, o)
+    kiln.set_quiet(was)
+    local st = kiln.mem.stats("sim")
+    kiln.mem.set_budget("sim", 0)
+    local m = kiln.memory_mode()
+    kiln.memory_mode("normal")
+    assert(ok, img)
+    return img, st, m
+  end
+  local auto, sa, mode = run("auto")
+  local low, sl = run("low")
+  eq(mode, "low")
+  truthy(sa.peak_reserved <= room, ("auto: peak %d over the budget %d"):format(sa.peak_reserved, room))
+  truthy(sa.copied_in < sl.copied_in, ("auto copied %d bytes, plain low %d"):format(sa.copied_in, sl.copied_in))
+  eq(H.maxdiff(auto, low), 0, "same picture")
+  auto:free(); low:free()
+  -- an explicit mode drops the plan
+  local img = pipeline.txt2img(ck, base)
+  eq(ck.unet.resident_plan, nil, "no plan after an explicit run")
+  img:free()
+end)
+
 test("residency: bad values are named", function()
   raises(function() ck.unet:load("sim", { resident = -1 }) end, "resident must be a number of bytes")
   raises(function() ck.unet:load("sim", { resident = "lots" }) end, "resident 'lots'")
