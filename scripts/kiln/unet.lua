@@ -235,6 +235,7 @@ function M.timestep_embedding(t, dim, device)
   local freqs = k(k(k(r * -math.log(10000)) / half):exp())
   local n = t.shape[1]
   local tf = t.dtype == "f32" and t or k(t:to("f32"))
+  if tf.device ~= r.device then tf = k(tf:to(r.device)) end
   local args = k(k(tf:reshape({ n, 1 })) * k(freqs:reshape({ 1, half })))
   local emb = kiln.cat({ k(args:cos()), k(args:sin()) }, 2)
   if dim % 2 == 1 then

@@ -564,6 +564,20 @@ end)
 
 -- ---------------------------------------------------------------- summary
 
+test("SDXL: the size conditioning follows the pooled vector's device (text encoded on sim)", function()
+  local has_sim = false
+  for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
+  if not has_sim then H.skip("no sim device in this build") end
+  local p = kiln.randn({ 1, 32 }, { seed = 3 })
+  local on_cpu = unet.sdxl_vector(p, { width = 64, height = 48 })
+  local ps = p:to("sim")
+  local on_sim = unet.sdxl_vector(ps, { width = 64, height = 48 })
+  eq(on_sim.device, "sim")
+  local back = on_sim:to("cpu")
+  eq(H.maxdiff(back, on_cpu), 0, "same vector")
+  for _, v in ipairs({ p, on_cpu, ps, on_sim, back }) do v:free() end
+end)
+
 local summary = {}
 for _, r in ipairs(report) do summary[#summary + 1] = r end
 print("# max relative error: " .. table.concat(summary, ", "))
