@@ -89,6 +89,8 @@ end
 
 function M.choose(ckpt, o)
   local dev = o.device or kiln.default_device()
+  -- tensors the scripts dropped but the GC has not yet freed would count as taken
+  collectgarbage(); collectgarbage()
   local st = kiln.mem.stats(dev)
   local budget = st.budget or 0
   local plan = { device = dev, budget = budget, lines = {} }

@@ -185,7 +185,9 @@ test("control pipeline: --mode auto counts the ControlNet and the batch; the run
   H.truthy(p1.need.normal >= p0.need.normal + cn_bytes, "normal: the UNet stage holds the net's weights too")
   H.truthy(p2.need.low > p1.need.low, ("low: a batch of 4 needs more work (%.0f, batch 1 %.0f)"):format(p2.need.low,
     p1.need.low))
-  eq(pz.need.high, p0.need.high, "a net at strength 0 is not run, so not counted")
+  -- (the measured work moves by a few KiB from one measurement to the next)
+  H.truthy(math.abs(pz.need.high - p0.need.high) < cn_bytes / 4,
+    ("a net at strength 0 is not run, so not counted: %.0f with it, %.0f without"):format(pz.need.high, p0.need.high))
   local text = table.concat(p2.lines, "\n")
   H.truthy(text:find("cn1", 1, true) and text:find("with unet", 1, true), text)
   H.truthy(text:find("batch of 4", 1, true), text)
