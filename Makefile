@@ -5,12 +5,15 @@
 CC      ?= cc
 PREFIX  ?= /usr/local
 SAN     ?= 0
+# TSAN=1: ThreadSanitizer build in build-tsan; `make test TSAN=1` runs the tests that
+# use threads (contexts in two threads, cancels from another thread, copy threads)
+TSAN    ?= 0
 # CUDA backend (kernels/cuda): built when nvcc is found; CUDA=0 turns it off. SAN=1
 # builds leave it off unless CUDA=1 is given (the CUDA runtime under ASan needs
 # ASAN_OPTIONS=protect_shadow_gap=0).
 CUDA_HOME  ?= /usr/local/cuda
 NVCC       ?= $(or $(wildcard $(CUDA_HOME)/bin/nvcc),$(shell command -v nvcc 2>/dev/null))
-CUDA       ?= $(if $(filter 1,$(SAN)),0,$(if $(NVCC),1,0))
+CUDA       ?= $(if $(filter 1,$(SAN) $(TSAN)),0,$(if $(NVCC),1,0))
 CUDA_ARCHS ?= 80 86 89 90
 PYTHON  ?= /usr/bin/python3
 
@@ -27,6 +30,9 @@ LUA_CMOD ?= $(if $(filter /usr,$(PREFIX)),$(shell pkg-config --variable=INSTALL_
 ifeq ($(SAN),1)
 BUILD   := build-san
 OPT     := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+else ifeq ($(TSAN),1)
+BUILD   := build-tsan
+OPT     := -O1 -g -fsanitize=thread -fno-omit-frame-pointer
 else
 BUILD   := build
 OPT     := -O2 -g
@@ -43,6 +49,14 @@ LDFLAGS += $(filter -fsanitize%,$(OPT))
 # libraries of the core (runtime + kernels); the Lua module gets its Lua symbols from the host
 CORE_LIBS := $(PNG_LIBS) -lz -lopenblas -lpthread -lm
 LIBS    := $(CORE_LIBS) $(LUA_LIBS)
+# hiredis, the Redis client under `kiln batch` (runtime/queue.c): used when its
+# package or header is found; HIREDIS=0 builds without it (batch then says what to install)
+HIREDIS ?= $(shell pkg-config --exists hiredis 2>/dev/null || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)
+ifeq ($(HIREDIS),1)
+HIREDIS_LIBS := $(or $(shell pkg-config --libs hiredis 2>/dev/null),-lhiredis)
+CORE_LIBS    += $(HIREDIS_LIBS)
+LIBS         += $(HIREDIS_LIBS)
+endif
 ifeq ($(READLINE),1)
 CLI_DEFS := -DKILN_READLINE
 CLI_LIBS := -lreadline
@@ -71,15 +85,20 @@ GEN_VOCAB    := $(BUILD)/gen/clip_vocab.c
 
 LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(CU_OBJ)
 C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+# every fuzz harness tests/fuzz/fuzz_<name>.c also replays its corpus and its kept
+# crashes as the test program test_fuzz_<name> (see `make fuzz` below)
+FUZZ_SRC    := $(wildcard tests/fuzz/fuzz_*.c)
+FUZZ_REPLAY := $(patsubst tests/fuzz/fuzz_%.c,$(BUILD)/tests/test_fuzz_%,$(FUZZ_SRC))
 DEPS_OK := build/.deps-ok
 
 .PHONY: all deps test bench demo clean install uninstall check-deps
 all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $(BUILD)/examples/art_tool
 
 # ---- dependencies -------------------------------------------------------------
-# Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline, and
-# LuaFileSystem (the scripts' files and folders).
-DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem
+# Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline,
+# LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
+# and its tests).
+DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then echo "deps: all present"; \
@@ -101,6 +120,9 @@ $(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
+ifeq ($(HIREDIS),1)
+$(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(or $(shell pkg-config --cflags hiredis 2>/dev/null),-I/usr/include/hiredis)
+endif
 
 $(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
 	@mkdir -p $(dir $@)
@@ -142,9 +164,48 @@ $(BUILD)/tests/%: tests/%.c $(BUILD)/libkiln.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -MF $@.d -Iruntime -Ikernels/cpu -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
+$(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(wildcard tests/fuzz/*.h) $(BUILD)/libkiln.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DFUZZ_NAME='"$*"' -Iruntime -Ibindings -o $@ tests/fuzz/replay.c $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+
 # T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
-test: all $(C_TESTS)
-	@BUILD=$(BUILD) SAN=$(SAN) T='$(T)' bash tests/run.sh
+test: all $(C_TESTS) $(FUZZ_REPLAY)
+	@BUILD=$(BUILD) SAN=$(SAN) TSAN=$(TSAN) T='$(T)' bash tests/run.sh
+
+# ---- fuzzing (libFuzzer; not part of `make test`) ----------------------------------
+# `make fuzz FUZZ_SECONDS=N` builds the library and every tests/fuzz/fuzz_*.c harness
+# with clang (-fsanitize=fuzzer,address,undefined) in FUZZ_BUILD, runs each N seconds
+# on one core and prints the executions per harness and in total (tests/fuzz/run.sh;
+# FUZZ_ONLY=json,png picks harnesses). Crashing inputs land in FUZZ_BUILD/crashes/.
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SECONDS ?= 10
+FUZZ_CC      ?= clang
+FUZZ_OPT     := -O1 -g -fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+FUZZ_BINS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
+
+.PHONY: fuzz fuzz-bins
+fuzz:
+	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) CUDA=0 OPT='$(FUZZ_OPT)' fuzz-bins
+	@FUZZ_BUILD=$(FUZZ_BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run.sh
+
+# (called by `make fuzz` with BUILD=$(FUZZ_BUILD) and the fuzzing flags)
+fuzz-bins: $(FUZZ_BINS)
+
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(wildcard tests/fuzz/*.h) $(BUILD)/libkiln.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fsanitize=fuzzer -Iruntime -Ibindings -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+
+# ---- soak: test_soak's long versions (1000 txt2img runs in one context, 1000 contexts
+# opened and closed, 200 cancels from another thread, two threads), RSS figures printed
+.PHONY: soak
+soak: all $(BUILD)/tests/test_soak
+	KILN_SOAK=full $(BUILD)/tests/test_soak
+
+# ---- fault injection: every allocation index of the demo txt2img fails once (make
+# test tries a spread of them); with SAN=1 under AddressSanitizer
+.PHONY: faults
+faults: all
+	KILN_FAULTS=all $(BUILD)/kiln tests/lua/test_faults.lua
 
 # ---- benchmarks, demo ------------------------------------------------------------
 bench: all
@@ -165,7 +226,8 @@ install: all
 	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.a
 	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(LIBDIR)/libkiln.so
 	install -m 644 bindings/kiln.h $(DESTDIR)$(INCDIR)/kiln.h
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' bindings/kiln.pc.in \
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' \
+	  -e 's|@HIREDIS_LIBS@|$(HIREDIS_LIBS)|g' bindings/kiln.pc.in \
 	  > $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
 	chmod 644 $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
 	install -m 755 $(BUILD)/lua/kiln.so $(DESTDIR)$(LUA_CMOD)/kiln.so

@@ -28,6 +28,9 @@ struct kiln_ctx {
     int busy;                 /* inside kiln_run_* / kiln_call: no re-entry from callbacks */
     kiln_progress_fn progress;
     void *progress_user;
+    kiln_preview_fn preview;  /* kiln_set_preview: every preview_every sampler steps */
+    void *preview_user;
+    int preview_every;
     kiln_log_fn log;
     void *log_user;
     int log_level;
@@ -172,6 +175,15 @@ static void host_progress(void *ud, int step, int total, const char *message)
     if (ctx->progress) ctx->progress(ctx->progress_user, step, total, message);
 }
 
+/* kiln.preview_image's way to the host (defined with the image conversions below) */
+static void host_preview(void *ud, int step, int total, const float *planar, int c, int h, int w);
+
+static int host_preview_every(void *ud)
+{
+    kiln_ctx *ctx = ud;
+    return ctx->preview ? ctx->preview_every : 0;
+}
+
 static int host_cancelled(void *ud)
 {
     return atomic_load(&((kiln_ctx *)ud)->cancel);
@@ -199,6 +211,14 @@ void kiln_set_progress(kiln_ctx *ctx, kiln_progress_fn fn, void *user)
     if (!ctx) return;
     ctx->progress = fn;
     ctx->progress_user = user;
+}
+
+void kiln_set_preview(kiln_ctx *ctx, kiln_preview_fn fn, void *user, int every)
+{
+    if (!ctx) return;
+    ctx->preview = fn;
+    ctx->preview_user = user;
+    ctx->preview_every = every > 0 ? every : 1;
 }
 
 void kiln_set_log(kiln_ctx *ctx, kiln_log_fn fn, void *user)
@@ -441,7 +461,7 @@ kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
     ctx->log = cfg->log;
     ctx->log_user = cfg->log_user;
     ctx->log_level = cfg->log_level == KILN_LOG_DEFAULT ? KILN_LOG_INFO : cfg->log_level;
-    ctx->host = (l_progress_host){host_progress, host_cancelled, host_cancel, ctx};
+    ctx->host = (l_progress_host){host_progress, host_cancelled, host_cancel, ctx, host_preview, host_preview_every};
     snprintf(ctx->device, sizeof ctx->device, "%s", device);
     ctx->L = luaL_newstate();
     if (!ctx->L) {
@@ -628,6 +648,19 @@ void kiln_image_free(kiln_image *image)
     if (!image) return;
     free(image->data);
     memset(image, 0, sizeof *image);
+}
+
+/* A preview for the host: 8-bit interleaved pixels, valid during the callback only. A
+ * preview that finds no memory is skipped (a picture of a run in progress is not worth
+ * failing the run for). */
+static void host_preview(void *ud, int step, int total, const float *planar, int c, int h, int w)
+{
+    kiln_ctx *ctx = ud;
+    if (!ctx->preview) return;
+    kiln_image im;
+    if (!planar_to_image(planar, c, h, w, KILN_PIXEL_U8, &im)) return;
+    ctx->preview(ctx->preview_user, step, total, &im);
+    kiln_image_free(&im);
 }
 
 /* Pushes a host image as an f32 cpu tensor [1, C, H, W]. [-0, +1, e] */

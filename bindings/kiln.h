@@ -26,7 +26,7 @@
  * on the allocating thread (the context of the kiln_* call, else the last context
  * opened on that thread), never another thread's.
  *
- * Callbacks (progress, log) run on the thread of the call that triggered them. From
+ * Callbacks (progress, preview, log) run on the thread of the call that triggered them. From
  * a callback a host may call kiln_cancel, kiln_memory_stats and kiln_memory_summary;
  * kiln_run_* and kiln_call fail there with KILN_ERR_STATE, kiln_close is ignored.
  */
@@ -118,6 +118,10 @@ typedef enum {
 typedef void (*kiln_progress_fn)(void *user, int step, int total, const char *message);
 /* message has no trailing newline. */
 typedef void (*kiln_log_fn)(void *user, kiln_log_level level, const char *message);
+/* A picture of a sampling in progress (the sampler's current prediction of the final
+ * image), after sampler step `step` of `total`: 8-bit RGB, packed. image and its pixels
+ * are valid only during the call (copy what you keep). */
+typedef void (*kiln_preview_fn)(void *user, int step, int total, const kiln_image *image);
 
 /* All fields may be zero (NULL config: all zero). Devices and their budgets belong
  * to the process: memory_budget and threads change them for every context. */
@@ -195,6 +199,14 @@ KILN_API void kiln_cancel(kiln_ctx *ctx);
 /* The progress callback (fn NULL: none): scripts report with kiln.progress(step,
  * total, message); the samplers do so every step. */
 KILN_API void kiln_set_progress(kiln_ctx *ctx, kiln_progress_fn fn, void *user);
+/* The preview callback (fn NULL: none): while the pipelines (kiln.pipeline) sample, fn
+ * receives a preview every `every` steps (and after the last; every <= 0 means 1), made
+ * by the run's previewer: the latent->RGB projection (latent size, the default) or
+ * TAESD (full size; the pipelines' option previewer = "taesd"). It is called on the
+ * thread of the running kiln_call / kiln_run_*, between two sampler steps, as the
+ * progress callback; the run waits for it, so keep it short. A script making its own
+ * loop hands pictures to it with kiln.preview_image(step, total, image). */
+KILN_API void kiln_set_preview(kiln_ctx *ctx, kiln_preview_fn fn, void *user, int every);
 /* Replaces the config's log callback (fn NULL: stderr). */
 KILN_API void kiln_set_log(kiln_ctx *ctx, kiln_log_fn fn, void *user);
 

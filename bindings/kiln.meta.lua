@@ -8,7 +8,7 @@
 -- methods as `function Class:NAME(` under `---@class kiln.Class` + `local Class = {}`.
 -- Dimensions count from 1; negative dimensions count from the end (-1 is the last).
 
----@alias kiln.DType "f32"|"f16"|"bf16"|"i32"|"i64"|"u8"
+---@alias kiln.DType "f32"|"f16"|"bf16"|"i32"|"i64"|"u8"|"f8_e4m3fn"|"f8_e5m2"|"q8_0"|"q4_0"|"q4_1"|"q5_0"|"q5_1"|"q4_k"|"q5_k"|"q6_k"
 ---@alias kiln.DeviceName "cpu"|"sim"|"cuda"|"cuda:0"|"cuda:1"|string
 ---@alias kiln.Shape integer[]
 ---@alias kiln.MemoryMode "high"|"normal"|"low"|"none"|"cpu"
@@ -31,9 +31,12 @@
 ---@field tile kiln.tile
 ---@field sample kiln.sample
 ---@field pipeline kiln.pipeline
+---@field comfy kiln.comfy
 ---@field util kiln.util
 ---@field cli kiln.cli
 ---@field json kiln.json
+---@field fault kiln.fault
+---@field queue kiln.queue
 ---@field image kiln.image
 kiln = {}
 
@@ -199,6 +202,20 @@ function kiln.load_safetensors(path) end
 ---@param metadata? table<string, string>
 function kiln.save_safetensors(path, tensors, metadata) end
 
+---Maps a GGUF file (v2/v3): name -> tensor (shapes in PyTorch order; dtypes f32, f16,
+---bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) and its metadata as strings.
+---@param path string
+---@return table<string, kiln.Tensor> tensors
+---@return table<string, string> metadata
+function kiln.load_gguf(path) end
+
+---Writes tensors as GGUF v3; with `type`, every tensor whose last dimension holds whole
+---blocks is quantized by ggml's reference quantizer, the others keep f32/f16/bf16.
+---@param path string
+---@param tensors table<string, kiln.Tensor>
+---@param opts? {type?: string, metadata?: table<string, string>}
+function kiln.save_gguf(path, tensors, opts) end
+
 ---Reads a PNG as an f32 tensor [1, C, H, W] in [0, 1].
 ---@param path string
 ---@return kiln.Tensor
@@ -284,6 +301,19 @@ function kiln.parse_size(s) end
 ---@return string
 function kiln.format_bytes(n) end
 
+---Fault injection for tests: the n-th allocation (any device) or atomic-file write
+---from now fails as if memory or disk ran out.
+---@class kiln.fault
+kiln.fault = {}
+
+---@param kind "alloc"|"write"
+---@param n? integer the failing event's number from now (0 or nil: off)
+function kiln.fault.arm(kind, n) end
+
+---@param kind "alloc"|"write"
+---@return integer events since the last arm
+function kiln.fault.count(kind) end
+
 ---JSON (RFC 8259) through the runtime's strict reader.
 ---@class kiln.json
 ---@field null lightuserdata what JSON's null decodes to
@@ -298,6 +328,76 @@ function kiln.json.decode(text) end
 ---@param value any
 ---@return string
 function kiln.json.encode(value) end
+
+---The Redis client under `kiln batch` (hiredis): stream commands, reconnect with backoff.
+---@class kiln.queue
+kiln.queue = {}
+
+---True when kiln was built with hiredis (else connect raises what to install).
+---@return boolean
+function kiln.queue.available() end
+
+---Connects; opts in milliseconds: connect_timeout, timeout (I/O), retry (how long a
+---command keeps reconnecting; -1 none).
+---@param host string
+---@param port integer
+---@param opts? {connect_timeout?: integer, timeout?: integer, retry?: integer}
+---@return kiln.Queue
+function kiln.queue.connect(host, port, opts) end
+
+---A connection to Redis; replies as Lua values (arrays as lists, nil as false).
+---@class kiln.Queue
+local Queue = {}
+
+---Any command; a server error raises "queue: <message>".
+---@param ... string|number
+---@return any
+function Queue:command(...) end
+
+---XADD stream * k1 v1 ...; returns the entry id.
+---@param stream string
+---@param fields (string|number)[]
+---@return string
+function Queue:xadd(stream, fields) end
+
+---XREADGROUP; entries {stream, id, fields}.
+---@param group string
+---@param consumer string
+---@param streams string[]
+---@param opts? {count?: integer, block?: integer, id?: string}
+---@return table[]
+function Queue:xreadgroup(group, consumer, streams, opts) end
+
+---XACK; the number acknowledged.
+---@param stream string
+---@param group string
+---@param ... string ids
+---@return integer
+function Queue:xack(stream, group, ...) end
+
+---XAUTOCLAIM (XPENDING + XCLAIM before Redis 6.2); entries now the consumer's, next cursor.
+---@param stream string
+---@param group string
+---@param consumer string
+---@param min_idle_ms integer
+---@param opts? {start?: string, count?: integer}
+---@return table[], string
+function Queue:xautoclaim(stream, group, consumer, min_idle_ms, opts) end
+
+---XPENDING: the summary {count, consumers = {name = n}}, or with opts the rows
+---{id, consumer, idle, deliveries}.
+---@param stream string
+---@param group string
+---@param opts? {start?: string, stop?: string, count?: integer, consumer?: string}
+---@return table
+function Queue:xpending(stream, group, opts) end
+
+---{server_version, reconnects}.
+---@return table
+function Queue:info() end
+
+---Closes the connection (also __close and __gc).
+function Queue:close() end
 
 ---Bytes as people read them, in binary units with three significant digits:
 ---"512 B", "1.50 KiB", "12.0 MiB", "2.00 TiB" (the memory summary's form).
@@ -328,6 +428,18 @@ function kiln.cancel(on) end
 ---@return boolean
 function kiln.cancelled() end
 
+---How often the embedding host wants previews (kiln_set_preview's every), nil when it
+---wants none (or there is no host). The pipelines ask it; a script's own loop may too.
+---@return integer|nil
+function kiln.preview_every() end
+
+---Hands the first image of a batch [B, C, H, W] (values in [0, 1]) to the embedding
+---host's preview callback as 8-bit pixels; nothing without one.
+---@param step integer
+---@param total integer
+---@param image kiln.Tensor
+function kiln.preview_image(step, total, image) end
+
 -- ---------------------------------------------------------------- models
 
 ---A weight store over one or more .safetensors files: nothing is read until used.
@@ -342,7 +454,8 @@ function kiln.model(paths, opts) end
 ---{clip, unet, vae, family}; nothing is read yet.
 ---loras / embeddings name the folders ckpt:find_lora and prompts' embedding:NAME look in.
 ---@param path string
----@param opts? {tokenizer?: string, vae?: string, clip?: string, loras?: string, embeddings?: string}
+---vae: a VAE file, or "taesd" (found beside the checkpoint, see kiln.taesd), a TAESD file or a kiln.load_taesd object.
+---@param opts? {tokenizer?: string, vae?: string|kiln.TAESD, clip?: string, loras?: string, embeddings?: string}
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
@@ -367,6 +480,76 @@ function ControlNet:forward(x, t, context, hint, y, opts) end
 ---@param path string
 ---@return kiln.ControlNet
 function kiln.load_controlnet(path) end
+
+-- ---------------------------------------------------------------- upscale models
+
+---An image upscale model (ESRGAN / Real-ESRGAN RRDBNet in either key layout, Real-ESRGAN
+---compact SRVGGNetCompact); a model like the checkpoint's parts.
+---@class kiln.Upscaler: kiln.Model
+---@field scale integer 1, 2, 4 or 8
+---@field arch string "RRDBNet" or "SRVGGNetCompact"
+---@field config table hyper-parameters read from the shapes (nf, gc, nb, unshuffle, ...)
+local Upscaler = {}
+
+---img [B, C, H, W] in [0, 1] (C 3; 4: RGBA, the alpha upscaled bilinearly apart; 1: grey,
+---returned as RGB) -> [B, 3 or 4, sH, sW] in [0, 1] on img's device. Tiled (tile and
+---overlap in input pixels; default tile from the free budget; false: untiled), an
+---out-of-memory error retried with the tile halved, seams blended.
+---@param img kiln.Tensor
+---@param opts? {tile?: integer|"auto"|false, overlap?: integer, min_tile?: integer}
+---@return kiln.Tensor
+function Upscaler:upscale(img, opts) end
+
+---The bare network (untiled, unclamped) on x [B, 3, H, W].
+---@param x kiln.Tensor
+---@return kiln.Tensor
+function Upscaler:forward(x) end
+
+---Loads an upscale model (.safetensors); the architecture and every hyper-parameter come
+---from the tensors' names and shapes; other architectures (SwinIR, HAT, DAT, ...) are
+---named in the error.
+---@param path string
+---@return kiln.Upscaler
+function kiln.load_upscaler(path) end
+
+-- ---------------------------------------------------------------- TAESD, previews
+
+---TAESD / TAESDXL, the tiny autoencoder; a model like the checkpoint's parts (both halves).
+---@class kiln.TAESD: kiln.Model
+---@field latent_channels integer 4 for SD 1.x/2.x/XL
+---@field width integer channels of the stack (64 as published)
+local TAESD = {}
+
+---Latents as samplers produce them (the same scaled latents as vae:decode) -> images
+---[B, 3, 8h, 8w] clamped to [0, 1]. opts: {tile = T | "auto", overlap = O} in latent units.
+---@param z kiln.Tensor
+---@param opts? {tile?: integer|"auto", overlap?: integer}
+---@return kiln.Tensor
+function TAESD:decode(z, opts) end
+
+---Images [B, 3, H, W] in [0, 1] -> scaled latents [B, 4, H/8, W/8] (as vae:encode).
+---@param img kiln.Tensor
+---@param opts? {tile?: integer|"auto", overlap?: integer}
+---@return kiln.Tensor
+function TAESD:encode(img, opts) end
+
+---Loads TAESD from taesd_decoder.safetensors / taesd_encoder.safetensors (taesdxl_* for
+---SDXL; either may be missing, not both; a string is a decoder path); nothing is read yet.
+---@param files string|{decoder?: string, encoder?: string}
+---@return kiln.TAESD
+function kiln.load_taesd(files) end
+
+---Previews of a sampling in progress.
+---@class kiln.preview
+kiln.preview = {}
+
+---Latents [B, 4, h, w] (scaled, as samplers produce them) -> RGB [B, 3, h*scale, w*scale]
+---in [0, 1] through the family's linear latent->RGB factors (ComfyUI's Latent2RGB).
+---@param z kiln.Tensor
+---@param family "sd1"|"sd2"|"sdxl"
+---@param opts? {scale?: integer}
+---@return kiln.Tensor
+function kiln.preview.latent2rgb(z, family, opts) end
 
 -- ---------------------------------------------------------------- LoRA
 
@@ -412,6 +595,15 @@ kiln.image = {}
 ---@return kiln.Tensor edges [N, 3, H, W]: 1 on edges, 0 elsewhere
 function kiln.image.canny(img, low, high) end
 
+---An image resized as ComfyUI's common_upscale does: with crop = "center" first cut to
+---the target's aspect ratio about the centre, then interpolated (ControlNet hints).
+---@param img kiln.Tensor [B, C, H, W]
+---@param w integer
+---@param h integer
+---@param opts? {mode?: "nearest-exact"|"nearest"|"bilinear", crop?: "center"|"disabled"}
+---@return kiln.Tensor
+function kiln.image.resize(img, w, h, opts) end
+
 ---CLIP's byte-level BPE tokenizer: a folder with vocab.json + merges.txt, a vocab.json,
 ---or CLIP's bpe_simple_vocab_16e6.txt.gz; no path: CLIP's vocabulary built into kiln.
 ---@param path? string
@@ -438,7 +630,8 @@ function kiln.nn.linear(x, w, b) end
 ---opts.upsample = 2 upsamples x 2x (nearest) first, as upsample_nearest(x, 2) would, fused with
 ---the convolution where it can be (3x3, stride 1, padding 1, on the CPU): the upsampled
 ---image (4x the input) is never made, and the decoders' Upsample blocks run faster (README: speed).
----@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer, upsample?: integer}
+---opts.leaky_relu = slope applies a leaky ReLU to the output in place (no second tensor).
+---@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer, upsample?: integer, leaky_relu?: number}
 ---@return kiln.Tensor
 function kiln.nn.conv2d(x, w, b, opts) end
 
@@ -485,6 +678,12 @@ function kiln.nn.sigmoid(x) end
 ---@return kiln.Tensor
 function kiln.nn.relu(x) end
 
+---max(x, 0) + negative_slope * min(x, 0), as torch.nn.functional.leaky_relu.
+---@param x kiln.Tensor
+---@param negative_slope? number default 0.01
+---@return kiln.Tensor
+function kiln.nn.leaky_relu(x, negative_slope) end
+
 ---GEGLU: the last dimension split in halves a, b; returns a * gelu(b).
 ---@param x kiln.Tensor
 ---@return kiln.Tensor
@@ -515,10 +714,11 @@ function kiln.nn.upsample_nearest(x, factor) end
 ---@return kiln.Tensor
 function kiln.nn.interpolate(x, opts) end
 
----Pads the last two dimensions by {left, right, top, bottom}.
+---Pads the last two dimensions by {left, right, top, bottom}; "circular" wraps around
+---(the opposite edge's pixels), as F.pad's mode "circular".
 ---@param x kiln.Tensor
 ---@param pads integer[]
----@param mode? "constant"|"reflect"|"replicate"
+---@param mode? "constant"|"reflect"|"replicate"|"circular"
 ---@param value? number default 0
 ---@return kiln.Tensor
 function kiln.nn.pad(x, pads, mode, value) end
@@ -540,6 +740,7 @@ function kiln.nn.pad(x, pads, mode, value) end
 ---@field largest_free integer
 ---@field bytes_to_device integer
 ---@field bytes_to_host integer
+---@field copied_in integer host -> device bytes since kiln.mem.reset_peak
 ---@field seconds_copying number
 
 ---@class kiln.MemEvent
@@ -858,11 +1059,15 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field clip_skip? integer text encoder layer from the end: 1 the last, 2 the penultimate (nil: the family's)
 ---@field weighting? "a1111"|"comfy" how prompt weights apply (clip:encode; nil: "a1111")
 ---@field control? kiln.ControlEntry[] ControlNets for txt2img / img2img / hires_fix, applied to cond and uncond, their residuals summed
+---@field preview? string|fun(step: integer, total: integer, image: kiln.Tensor) a PNG file replaced during sampling, or a function (image [B, 3, H, W] freed after it returns)
+---@field preview_every? integer previews after steps N, 2N, ... and the last (1)
+---@field previewer? "latent2rgb"|"taesd"|kiln.TAESD|false how previews are made (latent2rgb: latent size; taesd: full size; false: none, the host's either)
+---@field vae? "taesd"|string|kiln.TAESD decode (and encode) this run with TAESD in place of the checkpoint's VAE
 
 ---A ControlNet of a pipeline run (ComfyUI's ControlNetApplyAdvanced).
 ---@class kiln.ControlEntry
 ---@field net kiln.ControlNet from kiln.load_controlnet; loaded with the UNet, unloaded after sampling
----@field image kiln.Tensor the hint [1, 3, H, W] in [0, 1], resized (bilinear) to 8x the latent size
+---@field image kiln.Tensor the hint [1, 3, H, W] in [0, 1], brought to 8x the latent size as ComfyUI does (centre crop, nearest-exact)
 ---@field strength? number scales the residuals (1; 0 leaves the run as without)
 ---@field start? number fraction of the schedule (0..1) where it starts applying (0)
 ---@field stop? number fraction of the schedule where it stops (1; 0 never applies)
@@ -1395,6 +1600,7 @@ function Tensor:matmul(other) end
 ---@class kiln.Model
 ---@field name string
 ---@field device string|nil
+---@field streamed boolean loads keep the weights on the host for streaming, whatever the mode
 ---@field pinned boolean
 ---@field closed boolean
 ---@field residency {mapped: integer, host: integer, device: integer, tensors: integer, target?: string}
@@ -1405,6 +1611,12 @@ local Model = {}
 ---@param opts? kiln.DType|{dtype?: kiln.DType}
 ---@return kiln.Model
 function Model:load(device, opts) end
+
+---on: later loads keep the weights on the host for streaming whatever the memory mode
+---(the networks' partial residency, part:load(dev, {resident = bytes})); returns self.
+---@param on boolean
+---@return kiln.Model
+function Model:set_streamed(on) end
 
 ---Moves the device copies to host memory; returns self.
 ---@return kiln.Model
@@ -1629,6 +1841,46 @@ function VAE:decode(z, opts) end
 ---@param opts? {tile?: integer|"auto", overlap?: integer}
 ---@return kiln.Tensor
 function VAE:encode(image, opts) end
+
+-- ---------------------------------------------------------------- kiln.comfy
+
+---Options of kiln.comfy.run.
+---@class kiln.ComfyOptions
+---@field models? string ComfyUI's models folder (checkpoints/, loras/, controlnet/, upscale_models/, embeddings/, input/)
+---@field output? string where SaveImage writes PREFIX_00001_.png ("output")
+---@field input? string LoadImage's folder (default models/input)
+---@field device? string the run's device (default kiln.default_device())
+---@field keep_all? boolean keep every result and model to the end (ComfyUI's way), for comparison
+---@field dry_run? boolean only check and plan: the report's text is the schedule with estimates
+---@field quiet? boolean no per-node lines on stderr
+
+---ComfyUI workflows in the API format, each result freed after its last reader.
+---@class kiln.comfy
+kiln.comfy = {}
+
+---Runs a workflow (a .json or .png path, JSON text or a decoded table). Returns the files
+---written and a report {nodes = {{id, class_type, peak, seconds}...}, peak, previews}
+---(with dry_run: {plan, text}). Bad graphs raise "kiln.comfy: ..." before anything runs.
+---@param src string|table
+---@param opts? kiln.ComfyOptions
+---@return string[] files
+---@return table report
+function kiln.comfy.run(src, opts) end
+
+---The workflow checked and scheduled, with each node's estimate; nothing runs.
+---@param src string|table
+---@param opts? kiln.ComfyOptions
+---@return table plan
+function kiln.comfy.plan(src, opts) end
+
+---The text chunks of a PNG (key -> text; false for a compressed one).
+---@param path string
+---@return table<string, string|false>
+function kiln.comfy.png_text(path) end
+
+---The node types kiln runs, sorted.
+---@return string[]
+function kiln.comfy.supported() end
 
 -- ---------------------------------------------------------------- errors
 

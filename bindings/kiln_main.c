@@ -64,6 +64,8 @@ static void print_usage(FILE *f)
             "  -h, --help     show this help\n"
             "  --             stop handling options\n"
             "  -              stop handling options and execute stdin\n"
+            "Subcommands (in place of the script):\n"
+            "  batch enqueue|worker|status ...   batch generation on Redis (kiln batch --help)\n"
             "Environment:\n"
             "  KILN_PATH      directories (';'-separated) holding kiln/*.lua, searched\n"
             "                 before the embedded scripts; empty: embedded only. Unset, and\n"
@@ -338,11 +340,30 @@ static int pushargs(lua_State *L)
     return n;
 }
 
+/* Subcommands: `kiln NAME args...` runs main(args...) of the shipped script module
+ * kiln.NAME, unless a file of that name is in the current folder (a script wins). */
+static const char *const subcommands[] = {"batch", "comfy", NULL};
+
+static int load_subcommand(lua_State *L, const char *name)
+{
+    for (int i = 0; subcommands[i] != NULL; i++) {
+        if (strcmp(name, subcommands[i]) != 0) continue;
+        FILE *f = fopen(name, "r");
+        if (f != NULL) { fclose(f); break; }
+        char code[96], chunk[64];
+        snprintf(code, sizeof code, "return require('kiln.%s').main(...)", name);
+        snprintf(chunk, sizeof chunk, "=kiln %s", name);
+        return luaL_loadbuffer(L, code, strlen(code), chunk);
+    }
+    return -1;
+}
+
 static int handle_script(lua_State *L, char **argv)
 {
     const char *fname = argv[0];
     if (strcmp(fname, "-") == 0 && strcmp(argv[-1], "--") != 0) fname = NULL; /* stdin */
-    int status = luaL_loadfile(L, fname);
+    int status = fname ? load_subcommand(L, fname) : -1;
+    if (status < 0) status = luaL_loadfile(L, fname);
     if (status == LUA_ERRFILE) usage_failed = 1; /* a missing script: a usage error */
     if (status == LUA_OK) {
         int n = pushargs(L);

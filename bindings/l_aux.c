@@ -137,7 +137,8 @@ kiln_dtype l_check_dtype(lua_State *L, int idx)
     const char *s = luaL_checkstring(L, idx);
     int dt = kiln_dtype_from_name(s);
     if (dt < 0) {
-        static const char *const valid[] = {"f32", "f16", "bf16", "i32", "i64", "u8", NULL};
+        static const char *const valid[] = {"f32", "f16", "bf16", "i32", "i64", "u8", "f8_e4m3fn", "f8_e5m2", "q8_0",
+                                            "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", NULL};
         l_enum_error(L, idx, "dtype", s, valid);
     }
     return (kiln_dtype)dt;

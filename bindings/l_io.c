@@ -1,9 +1,11 @@
-/* l_io.c - file formats from Lua: kiln.load_safetensors / save_safetensors
- * (zero-copy mmap views on the CPU) and kiln.load_png / save_png. */
+/* l_io.c - file formats from Lua: kiln.load_safetensors / save_safetensors and
+ * kiln.load_gguf / save_gguf (zero-copy mmap views on the CPU), kiln.load_png /
+ * save_png. */
 #include "l_tensor.h"
 #include "l_kiln.h"
 #include "../runtime/png_io.h"
 #include "../runtime/safetensors.h"
+#include "../runtime/gguf.h"
 #include "../runtime/sha256.h"
 
 #include <stdlib.h>
@@ -15,12 +17,13 @@ static void release_mapped(kiln_storage *s)
     kiln_st_release(s->ctx);
 }
 
-/* kiln.load_safetensors(path) -> {name = tensor}, metadata */
-static int l_load_safetensors(lua_State *L)
+/* kiln.load_safetensors(path) -> {name = tensor}, metadata; kiln.load_gguf the same
+ * for a GGUF file (the opener differs, the description is one) */
+static int load_weights(lua_State *L, kiln_status (*opener)(const char *, kiln_st_file **))
 {
     const char *path = luaL_checkstring(L, 1);
     kiln_st_file *f;
-    L_TRY(L, kiln_st_open(path, &f));
+    L_TRY(L, opener(path, &f));
     /* the file handle goes into a to-be-closed slot so an error below releases it */
     lua_createtable(L, 0, f->n);
     kiln_status st = KILN_OK;
@@ -45,6 +48,89 @@ static int l_load_safetensors(lua_State *L)
     kiln_st_release(f);
     if (st) l_raise(L, st);
     return 2;
+}
+
+static int l_load_safetensors(lua_State *L) { return load_weights(L, kiln_st_open); }
+static int l_load_gguf(lua_State *L) { return load_weights(L, kiln_gguf_open); }
+
+/* kiln.save_gguf(path, {name = tensor} [, {type = "q8_0", metadata = {k = v}}]):
+ * with a type, every tensor of 2 or more dimensions whose last dimension holds whole
+ * blocks is quantized (ggml's reference quantizers); the others (biases, norms, 3x3
+ * kernels) keep f32/f16/bf16, fp8 widening to f16 (exact). */
+static int l_save_gguf(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    if (!lua_isnoneornil(L, 3)) luaL_checktype(L, 3, LUA_TTABLE);
+    lua_settop(L, 3);
+    int qtype = -1;
+    if (!lua_isnil(L, 3)) {
+        lua_getfield(L, 3, "type");
+        if (!lua_isnil(L, -1)) {
+            const char *tn = luaL_checkstring(L, -1);
+            qtype = kiln_dtype_from_name(tn);
+            if (qtype < 0 || kiln_gguf_type_of((kiln_dtype)qtype) < 0 || !kiln_dtype_is_float((kiln_dtype)qtype))
+                return luaL_error(L, "save_gguf: type '%s' (expected one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, "
+                                  "q4_k, q5_k, q6_k)", tn);
+        }
+        lua_pop(L, 1);
+        lua_getfield(L, 3, "metadata");
+    } else {
+        lua_pushnil(L);
+    }
+    int meta = lua_gettop(L); /* 4 */
+    if (!lua_isnil(L, meta)) luaL_checktype(L, meta, LUA_TTABLE);
+    int n = 0, n_meta = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) { n++; lua_pop(L, 1); }
+    if (!lua_isnil(L, meta)) {
+        lua_pushnil(L);
+        while (lua_next(L, meta)) { n_meta++; lua_pop(L, 1); }
+    }
+    lua_createtable(L, n, 0);
+    int keep = lua_gettop(L);
+    kiln_st_item *items = lua_newuserdatauv(L, sizeof(kiln_st_item) * (size_t)(n ? n : 1), 0);
+    const char **mk = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
+    const char **mv = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
+    int i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_gguf: tensor names must be strings (got a %s key)", luaL_typename(L, -2));
+        const char *name = lua_tostring(L, -2);
+        kiln_tensor *t = l_test_tensor(L, -1);
+        if (!t) luaL_error(L, "save_gguf: '%s' is not a live tensor (a %s)", name, luaL_typename(L, -1));
+        kiln_dtype want = t->dtype;
+        int blk = qtype >= 0 ? kiln_dtype_block((kiln_dtype)qtype) : 1;
+        if (qtype >= 0 && kiln_dtype_is_float(t->dtype) && t->ndim >= 2 && t->shape[t->ndim - 1] % blk == 0)
+            want = (kiln_dtype)qtype;
+        else if (want == KILN_F8_E4M3FN || want == KILN_F8_E5M2) want = KILN_F16;
+        else if (kiln_gguf_type_of(want) < 0) want = KILN_F32;
+        kiln_tensor *c;
+        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), want, &c));
+        l_push_tensor(L, c);
+        lua_rawseti(L, keep, i + 1);
+        items[i].name = name;
+        items[i].dtype = c->dtype;
+        items[i].ndim = c->ndim;
+        items[i].shape = c->shape;
+        items[i].data = kiln_tensor_data(c);
+        i++;
+        lua_pop(L, 1);
+    }
+    i = 0;
+    if (!lua_isnil(L, meta)) {
+        lua_pushnil(L);
+        while (lua_next(L, meta)) {
+            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
+                luaL_error(L, "save_gguf: metadata must map strings to strings");
+            mk[i] = lua_tostring(L, -2);
+            mv[i] = lua_tostring(L, -1);
+            i++;
+            lua_pop(L, 1);
+        }
+    }
+    L_TRY(L, kiln_gguf_save(path, n, items, n_meta, mk, mv));
+    return 0;
 }
 
 /* kiln.save_safetensors(path, {name = tensor}, [metadata]) */
@@ -150,6 +236,14 @@ static int l_save_png(lua_State *L)
             lua_pop(L, 1);
             i++;
         }
+        /* chunks in key order: a table's traversal order differs from one Lua state to
+           the next, and the same picture with the same text must be the same bytes */
+        for (int a = 1; a < n_text; a++)
+            for (int k = a; k > 0 && strcmp(keys[k - 1], keys[k]) > 0; k--) {
+                const char *tk = keys[k], *tv = vals[k];
+                keys[k] = keys[k - 1]; vals[k] = vals[k - 1];
+                keys[k - 1] = tk; vals[k - 1] = tv;
+            }
     }
     kiln_tensor *c32;
     L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), KILN_F32, &c32));
@@ -176,6 +270,7 @@ static int l_sha256_file(lua_State *L)
 static const luaL_Reg io_funcs[] = {
     {"sha256_file", l_sha256_file},
     {"load_safetensors", l_load_safetensors}, {"save_safetensors", l_save_safetensors},
+    {"load_gguf", l_load_gguf}, {"save_gguf", l_save_gguf},
     {"load_png", l_load_png}, {"save_png", l_save_png},
     {NULL, NULL},
 };

@@ -12,6 +12,8 @@
 static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_checkpoint", "kiln.checkpoint", "load"},
     {"load_controlnet", "kiln.controlnet", "load"},
+    {"load_taesd", "kiln.taesd", "load"},
+    {"load_upscaler", "kiln.upscaler", "load"},
     {"show", "kiln.repl", "show"},
     {NULL, NULL, NULL},
 };
@@ -55,6 +57,8 @@ int luaopen_kiln(lua_State *L)
     l_open_tokenizer(L);
     l_open_json(L);
     l_open_config(L);
+    l_open_queue(L);
+    l_open_fault(L);
 
     lua_createtable(L, 0, 1);
     lua_pushcfunction(L, kiln_index);

@@ -15,13 +15,15 @@ void l_open_tensor(lua_State *L);
 void l_open_nn(lua_State *L);
 void l_open_io(lua_State *L);
 void l_open_mem(lua_State *L);
-void l_open_progress(lua_State *L); /* kiln.progress, on_progress, cancel, cancelled */
+void l_open_progress(lua_State *L); /* kiln.progress, on_progress, cancel, cancelled, preview_* */
 void l_open_model(lua_State *L);
 void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
 void l_open_tile(lua_State *L);  /* kiln.tile; adds kiln.mem.estimate */
 void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
 void l_open_json(lua_State *L);      /* kiln.json */
+void l_open_fault(lua_State *L);     /* kiln.fault: the tests' fault injection */
 void l_open_config(lua_State *L);    /* kiln.configure, parse_size; the pressure hook (l_config.h) */
+void l_open_queue(lua_State *L);     /* kiln.queue: the Redis client of `kiln batch` */
 
 /* An embedding host's progress and cancel (bindings/embed.c): kiln.progress reports
  * to it and kiln.cancelled() asks it. The struct outlives the host's use of L. */
@@ -30,6 +32,10 @@ typedef struct {
     int (*cancelled)(void *ud);
     void (*cancel)(void *ud, int on); /* kiln.cancel(on) from a script */
     void *ud;
+    /* kiln.preview_image(step, total, img): planar f32 [channels, height, width] of the
+       batch's first image, valid during the call; NULL: no preview callback */
+    void (*preview)(void *ud, int step, int total, const float *planar, int channels, int height, int width);
+    int (*preview_every)(void *ud); /* N of "every N steps"; 0: no preview callback */
 } l_progress_host;
 void l_progress_set_host(lua_State *L, const l_progress_host *host); /* NULL: none */
 

@@ -42,7 +42,7 @@ static void pair_field(lua_State *L, int idx, const char *key, int64_t *v, int64
     lua_pop(L, 1);
 }
 
-/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=, upsample=}]) */
+/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=, upsample=, leaky_relu=slope}]) */
 static int nn_conv2d(lua_State *L)
 {
     kiln_tensor *x = l_check_tensor(L, 1), *w = l_check_tensor(L, 2), *b = NULL, *r;
@@ -56,6 +56,17 @@ static int nn_conv2d(lua_State *L)
     pair_field(L, opt, "dilation", o.dilation, 1);
     o.groups = l_opt_int_field(L, opt, "groups", 1);
     o.upsample = l_opt_int_field(L, opt, "upsample", 1);
+    /* leaky_relu = slope: the activation applied to the output by the op */
+    o.act = 0;
+    o.act_slope = 0;
+    if (lua_istable(L, opt)) {
+        if (lua_getfield(L, opt, "leaky_relu") != LUA_TNIL) {
+            if (!lua_isnumber(L, -1)) luaL_error(L, "conv2d: option 'leaky_relu' must be a number (the negative slope)");
+            o.act = 1;
+            o.act_slope = lua_tonumber(L, -1);
+        }
+        lua_pop(L, 1);
+    }
     return push(L, kiln_op_conv2d(x, w, b, &o, &r), &r);
 }
 
@@ -94,6 +105,13 @@ static int nn_silu(lua_State *L) { return act(L, KILN_UN_SILU); }
 static int nn_sigmoid(lua_State *L) { return act(L, KILN_UN_SIGMOID); }
 static int nn_quick_gelu(lua_State *L) { return act(L, KILN_UN_QUICK_GELU); }
 static int nn_relu(lua_State *L) { return act(L, KILN_UN_RELU); }
+
+/* leaky_relu(x [, negative_slope = 0.01]) as torch.nn.functional.leaky_relu */
+static int nn_leaky_relu(lua_State *L)
+{
+    kiln_tensor *x = l_check_tensor(L, 1), *r;
+    return push(L, kiln_op_unary(KILN_UN_LEAKY_RELU, x, luaL_optnumber(L, 2, 0.01), 0, &r), &r);
+}
 
 /* gelu(x [, {approximate = "none"|"tanh"}]) or gelu(x, "tanh") */
 static int nn_gelu(lua_State *L)
@@ -166,7 +184,9 @@ static int nn_interpolate(lua_State *L)
     return push(L, kiln_op_resample(m, x, oh, ow, &r), &r);
 }
 
-/* pad(x, {left, right, top, bottom} [, mode = "constant"|"reflect"|"replicate" [, value]]) */
+/* pad(x, {left, right, top, bottom} [, mode = "constant"|"reflect"|"replicate"|"circular" [, value]]);
+ * circular takes the pixels of the opposite edge, on every side with a pad (a side
+ * padded 0 stays as it is, so one call wraps one axis) */
 static int nn_pad(lua_State *L)
 {
     kiln_tensor *x = l_check_tensor(L, 1), *r;
@@ -179,7 +199,8 @@ static int nn_pad(lua_State *L)
         pads[i] = lua_tointeger(L, -1);
         lua_pop(L, 1);
     }
-    static const char *const valid[] = {"constant", "reflect", "replicate", NULL};
+    /* ORDER PADMODE */
+    static const char *const valid[] = {"constant", "reflect", "replicate", "circular", NULL};
     const char *mode = luaL_optstring(L, 3, "constant");
     int m = -1;
     for (int i = 0; valid[i]; i++)
@@ -192,7 +213,7 @@ static int nn_pad(lua_State *L)
 static const luaL_Reg nn_funcs[] = {
     {"linear", nn_linear}, {"conv2d", nn_conv2d}, {"group_norm", nn_group_norm},
     {"layer_norm", nn_layer_norm}, {"silu", nn_silu}, {"gelu", nn_gelu}, {"quick_gelu", nn_quick_gelu},
-    {"sigmoid", nn_sigmoid}, {"relu", nn_relu}, {"geglu", nn_geglu}, {"softmax", nn_softmax},
+    {"sigmoid", nn_sigmoid}, {"relu", nn_relu}, {"leaky_relu", nn_leaky_relu}, {"geglu", nn_geglu}, {"softmax", nn_softmax},
     {"attention", nn_attention}, {"upsample_nearest", nn_upsample_nearest},
     {"interpolate", nn_interpolate}, {"pad", nn_pad},
     {NULL, NULL},

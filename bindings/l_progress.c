@@ -1,9 +1,11 @@
-/* l_progress.c - progress and cancel from Lua. kiln.progress(step, total [, message])
+/* l_progress.c - progress, cancel and previews from Lua. kiln.progress(step, total [, message])
  * reports a step to the script's handler (kiln.on_progress) and to an embedding host
  * (kiln.h's progress callback), then raises the "cancelled" error if a cancel was
  * requested (kiln.cancel, or the host's kiln_cancel). Loops call it between steps
- * and tiles: that is where a cancel takes effect. */
+ * and tiles: that is where a cancel takes effect. kiln.preview_image hands a picture
+ * of a sampling in progress to the host's preview callback (kiln.preview). */
 #include "l_kiln.h"
+#include "l_tensor.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -105,9 +107,49 @@ static int l_cancelled(lua_State *L)
     return 1;
 }
 
+/* kiln.preview_every() -> N | nil [-0, +1, -]: the embedding host's preview interval
+ * (kiln_set_preview), nil when no host wants previews: the pipelines then make none
+ * for it. */
+static int l_preview_every(lua_State *L)
+{
+    const l_progress_host *h = get_host(L);
+    int every = h && h->preview && h->preview_every ? h->preview_every(h->ud) : 0;
+    if (every > 0) lua_pushinteger(L, every);
+    else lua_pushnil(L);
+    return 1;
+}
+
+/* kiln.preview_image(step, total, image) [-0, +0, e]: hands the first image of a batch
+ * [B, C, H, W] (any device or dtype, values in [0, 1]) to the host's preview callback,
+ * on this thread; nothing without one. */
+static int l_preview_image(lua_State *L)
+{
+    lua_Integer step = luaL_checkinteger(L, 1);
+    lua_Integer total = luaL_checkinteger(L, 2);
+    kiln_tensor *t = l_check_tensor(L, 3);
+    const l_progress_host *h = get_host(L);
+    if (!h || !h->preview) return 0;
+    if (t->ndim != 4 || t->shape[0] < 1 || t->shape[1] < 1 || t->shape[1] > 4 || t->shape[2] > INT_MAX ||
+        t->shape[3] > INT_MAX)
+        return luaL_argerror(L, 3, "expected an image tensor [B, C, H, W] with C = 1..4");
+    kiln_tensor *first, *f, *c;
+    L_TRY(L, kiln_tensor_narrow(t, 0, 0, 1, &first));
+    kiln_status st = kiln_tensor_to(first, kiln_device_cpu(), KILN_F32, &f);
+    kiln_tensor_free(first);
+    if (st) return l_raise(L, st);
+    st = kiln_tensor_contiguous(f, &c);
+    kiln_tensor_free(f);
+    if (st) return l_raise(L, st);
+    h->preview(h->ud, clamp_int(step), clamp_int(total), kiln_tensor_data(c), (int)c->shape[1], (int)c->shape[2],
+               (int)c->shape[3]);
+    kiln_tensor_free(c);
+    return 0;
+}
+
 static const luaL_Reg progress_funcs[] = {
     {"progress", l_progress}, {"on_progress", l_on_progress},
     {"cancel", l_cancel}, {"cancelled", l_cancelled},
+    {"preview_every", l_preview_every}, {"preview_image", l_preview_image},
     {NULL, NULL},
 };
 

@@ -105,7 +105,9 @@ static void nested_fill(lua_State *L, int idx, const int64_t *shape, int ndim, i
 /* kiln.tensor(nested_table_or_number [, dtype]) */
 static int l_tensor_new(lua_State *L)
 {
-    kiln_dtype dt = lua_isnoneornil(L, 2) ? KILN_F32 : l_check_dtype(L, 2);
+    kiln_dtype want = lua_isnoneornil(L, 2) ? KILN_F32 : l_check_dtype(L, 2);
+    /* a block type is quantized from f32 as a whole (its elements are not addressable) */
+    kiln_dtype dt = kiln_dtype_is_blocked(want) ? KILN_F32 : want;
     int64_t shape[KILN_MAX_DIMS];
     int ndim = 0;
     if (lua_isnumber(L, 1)) ndim = 0;
@@ -129,6 +131,14 @@ static int l_tensor_new(lua_State *L)
             int64_t iv = v != v ? 0 : v > 9.2e18 ? INT64_MAX : v < -9.2e18 ? INT64_MIN : (int64_t)v;
             kiln_convert((char *)kiln_tensor_data(t) + i * (int64_t)kiln_dtype_size(dt), dt, &iv, KILN_I64, 1);
         }
+    }
+    if (want != dt) {
+        kiln_tensor *q;
+        kiln_status st = kiln_tensor_to(t, kiln_device_cpu(), want, &q);
+        kiln_tensor_free(t);
+        if (st) l_raise(L, st);
+        t = q;
+        dt = want;
     }
     kiln_device *dev = l_default_device(L);
     if (dev != kiln_device_cpu()) {
@@ -344,6 +354,11 @@ static void push_elem(lua_State *L, const kiln_tensor *t, int64_t off)
 /* Host-readable view of t: t itself when its memory is host memory, else a copy on cpu. */
 static kiln_tensor *host_readable(lua_State *L, kiln_tensor *t)
 {
+    if (kiln_dtype_is_blocked(t->dtype)) { /* elements of a block type are read decoded */
+        kiln_tensor *c;
+        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), KILN_F32, &c));
+        return c;
+    }
     if (!t->storage->device->backend->to_host) return kiln_tensor_view_of(t);
     kiln_tensor *c;
     L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), t->dtype, &c));

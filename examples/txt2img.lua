@@ -3,8 +3,10 @@
 --     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
 --     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
 --     [--mode high|normal|low|none|auto] [--vram 6G] [--tile T] [--quiet]
---     [--batch N] [--clip-skip N]
+--     [--batch N] [--clip-skip N] [--tileable x|y|xy]
 -- --batch N writes N pictures, OUT with _1, _2... before the extension (txt2img_1.png...).
+-- --tileable xy draws a seamless texture: it tiles across its left/right (x) and
+-- top/bottom (y) edges without a seam.
 local kiln = require "kiln"
 local cli = require "kiln.cli"
 local pipeline = require "kiln.pipeline"

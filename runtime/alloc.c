@@ -3,6 +3,7 @@
  * coalesced inside them, best fit from two free pools, and a budget on reserved bytes. */
 #define _POSIX_C_SOURCE 200809L
 #include "alloc.h"
+#include "fault.h"
 #include "format_bytes.h"
 
 #include <pthread.h>
@@ -410,6 +411,11 @@ kiln_status kiln_allocator_alloc(kiln_allocator *a, size_t nbytes, void **out)
     *out = NULL;
     if (!a) return kiln_error(KILN_ERR_ARG, "kiln_allocator_alloc: allocator is NULL");
     pthread_mutex_lock(&a->mu);
+    if (kiln_fault_hit(KILN_FAULT_ALLOC)) {   /* a test's injected failure: as if the device were full */
+        kiln_status st = oom_locked(a, nbytes, SEG_DEVICE);
+        pthread_mutex_unlock(&a->mu);
+        return st;
+    }
     if (nbytes > MAX_REQUEST) {
         kiln_status st = oom_locked(a, nbytes, SEG_BUDGET);
         pthread_mutex_unlock(&a->mu);

@@ -2,6 +2,7 @@
  * rename only replaces atomically within one file system), fsync, rename. */
 #define _GNU_SOURCE
 #include "atomic_file.h"
+#include "fault.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -56,6 +57,8 @@ kiln_status kiln_atomic_file_open(kiln_atomic_file *f, const char *path)
 kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t n)
 {
     if (!f->tmp) return kiln_error(KILN_ERR_STATE, "%s: write to a closed save", f->path);
+    if (kiln_fault_hit(KILN_FAULT_WRITE))   /* a test's injected failure: as if the disk were full */
+        return kiln_error(KILN_ERR_IO, "%s: write failed: %s (injected fault)", f->path, strerror(ENOSPC));
     const char *p = buf;
     while (n) {
         /* one write() moves at most about 2 GiB on Linux: ask for 1 GiB at a time */

@@ -15,7 +15,7 @@ typedef enum { KILN_BIN_ADD, KILN_BIN_SUB, KILN_BIN_MUL, KILN_BIN_DIV, KILN_BIN_
 /* ORDER UNOP */
 typedef enum { KILN_UN_NEG, KILN_UN_EXP, KILN_UN_LOG, KILN_UN_SQRT, KILN_UN_ABS, KILN_UN_TANH,
                KILN_UN_SIGMOID, KILN_UN_SILU, KILN_UN_GELU, KILN_UN_GELU_TANH, KILN_UN_QUICK_GELU,
-               KILN_UN_RELU, KILN_UN_SIN, KILN_UN_COS, KILN_UN_CLAMP, KILN_UN_COUNT } kiln_unop;
+               KILN_UN_RELU, KILN_UN_SIN, KILN_UN_COS, KILN_UN_CLAMP, KILN_UN_LEAKY_RELU, KILN_UN_COUNT } kiln_unop;
 /* ORDER REDOP */
 typedef enum { KILN_RED_SUM, KILN_RED_MEAN, KILN_RED_MAX, KILN_RED_MIN, KILN_RED_VAR,
                KILN_RED_COUNT } kiln_redop;
@@ -23,7 +23,8 @@ typedef enum { KILN_RED_SUM, KILN_RED_MEAN, KILN_RED_MAX, KILN_RED_MIN, KILN_RED
 typedef enum { KILN_RS_NEAREST, KILN_RS_NEAREST_EXACT, KILN_RS_BILINEAR, KILN_RS_COUNT } kiln_resample;
 
 /* ORDER PADMODE */
-typedef enum { KILN_PAD_CONSTANT = 0, KILN_PAD_REFLECT, KILN_PAD_REPLICATE } kiln_pad_mode;
+/* CIRCULAR wraps around (the opposite edge's pixels: seamless textures) */
+typedef enum { KILN_PAD_CONSTANT = 0, KILN_PAD_REFLECT, KILN_PAD_REPLICATE, KILN_PAD_CIRCULAR } kiln_pad_mode;
 
 /* ORDER OP: for supports() */
 typedef enum { KILN_OP_COPY, KILN_OP_FILL, KILN_OP_BINARY, KILN_OP_UNARY, KILN_OP_REDUCE,
@@ -34,6 +35,10 @@ typedef enum { KILN_OP_COPY, KILN_OP_FILL, KILN_OP_BINARY, KILN_OP_UNARY, KILN_O
 typedef struct {
     int64_t stride[2], padding[2], dilation[2], groups;
     int64_t upsample;  /* 2: the input is upsampled 2x (nearest) first; 0 or 1: not */
+    /* an activation of the output: 1 leaky ReLU with slope act_slope below 0 (ESRGAN's
+     * convolutions), written over the result before it is returned; 0 none */
+    int act;
+    double act_slope;
 } kiln_conv_opts;
 
 struct kiln_backend {

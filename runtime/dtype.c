@@ -1,16 +1,28 @@
 /* dtype.c - element sizes, names and conversions (f16/bf16 with round to nearest
  * even, subnormals, inf and nan handled bit-exactly as IEEE 754 requires). */
 #include "dtype.h"
+#include "quant.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 /* ORDER DTYPE */
-static const struct { const char *name; size_t size; int is_float; } dtype_info[KILN_DTYPE_COUNT] = {
-    {"f32", 4, 1}, {"f16", 2, 1}, {"bf16", 2, 1}, {"i32", 4, 0}, {"i64", 8, 0}, {"u8", 1, 0},
+static const struct { const char *name; size_t size; int is_float, block; size_t block_bytes; } dtype_info[KILN_DTYPE_COUNT] = {
+    {"f32", 4, 1, 1, 4}, {"f16", 2, 1, 1, 2}, {"bf16", 2, 1, 1, 2}, {"i32", 4, 0, 1, 4}, {"i64", 8, 0, 1, 8},
+    {"u8", 1, 0, 1, 1}, {"f8_e4m3fn", 1, 1, 1, 1}, {"f8_e5m2", 1, 1, 1, 1},
+    {"q8_0", 0, 1, 32, 34}, {"q4_0", 0, 1, 32, 18}, {"q4_1", 0, 1, 32, 20}, {"q5_0", 0, 1, 32, 22},
+    {"q5_1", 0, 1, 32, 24}, {"q4_k", 0, 1, 256, 144}, {"q5_k", 0, 1, 256, 176}, {"q6_k", 0, 1, 256, 210},
 };
 
 size_t kiln_dtype_size(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].size : 0; }
+int kiln_dtype_block(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].block : 1; }
+size_t kiln_dtype_block_bytes(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].block_bytes : 0; }
+size_t kiln_dtype_nbytes(kiln_dtype dt, int64_t n)
+{
+    if ((unsigned)dt >= KILN_DTYPE_COUNT || n <= 0) return 0;
+    return (size_t)(n / dtype_info[dt].block) * dtype_info[dt].block_bytes;
+}
 const char *kiln_dtype_name(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT ? dtype_info[dt].name : "?"; }
 int kiln_dtype_is_float(kiln_dtype dt) { return (unsigned)dt < KILN_DTYPE_COUNT && dtype_info[dt].is_float; }
 
@@ -23,6 +35,10 @@ int kiln_dtype_from_name(const char *name)
         {"i32", KILN_I32}, {"int32", KILN_I32}, {"int", KILN_I32},
         {"i64", KILN_I64}, {"int64", KILN_I64}, {"long", KILN_I64},
         {"u8", KILN_U8}, {"uint8", KILN_U8}, {"byte", KILN_U8},
+        {"f8_e4m3fn", KILN_F8_E4M3FN}, {"float8_e4m3fn", KILN_F8_E4M3FN}, {"f8_e4m3", KILN_F8_E4M3FN},
+        {"f8_e5m2", KILN_F8_E5M2}, {"float8_e5m2", KILN_F8_E5M2},
+        {"q8_0", KILN_Q8_0}, {"q4_0", KILN_Q4_0}, {"q4_1", KILN_Q4_1}, {"q5_0", KILN_Q5_0}, {"q5_1", KILN_Q5_1},
+        {"q4_k", KILN_Q4_K}, {"q5_k", KILN_Q5_K}, {"q6_k", KILN_Q6_K},
     };
     if (!name) return -1;
     for (size_t i = 0; i < sizeof aliases / sizeof aliases[0]; i++)
@@ -97,6 +113,7 @@ static void f16_to_f32_scalar(float *dst, const uint16_t *s, size_t n)
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define KILN_F16_SIMD 1
 
@@ -177,8 +194,11 @@ static int f16_isa(void)
 #ifdef KILN_F16_SIMD
     if (!isa) {
         __builtin_cpu_init();
+        /* F16C through cpuid: clang's __builtin_cpu_supports does not know "f16c" */
+        unsigned a, b, c, d;
+        int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
         isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") ? 3
-            : __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2") ? 2 : 1;
+            : f16c && __builtin_cpu_supports("avx2") ? 2 : 1;
     }
 #else
     isa = 1;
@@ -217,7 +237,39 @@ void kiln_to_f32(float *dst, const void *src, kiln_dtype dt, size_t n)
     case KILN_I32: { const int32_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
     case KILN_I64: { const int64_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
     case KILN_U8: { const uint8_t *s = src; for (size_t i = 0; i < n; i++) dst[i] = (float)s[i]; break; }
-    default: break;
+    case KILN_F8_E4M3FN: case KILN_F8_E5M2: {
+        /* a table of the 256 values: fp8 weights are converted on every use */
+        static float lut[2][256];
+        static _Atomic int ready[2];
+        int k = dt == KILN_F8_E5M2;
+        if (!ready[k]) {
+            for (int b = 0; b < 256; b++) lut[k][b] = k ? kiln_f8_e5m2_to_f32((uint8_t)b) : kiln_f8_e4m3fn_to_f32((uint8_t)b);
+            ready[k] = 1;
+        }
+        const uint8_t *s = src;
+        for (size_t i = 0; i < n; i++) dst[i] = lut[k][s[i]];
+        break;
+    }
+    default:
+        if (kiln_dtype_is_blocked(dt)) kiln_quant_decode(dst, src, dt, n);
+        break;
+    }
+}
+
+/* Conversions with a block type on one side go through f32 in pieces of this many
+ * elements (a multiple of every block) so no conversion needs a heap buffer. */
+enum { VIA_F32 = 2048 };
+
+static void convert_blocked(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, size_t n)
+{
+    float buf[VIA_F32];
+    for (size_t i = 0; i < n; i += VIA_F32) {
+        size_t k = n - i < VIA_F32 ? n - i : VIA_F32;
+        const void *s = (const char *)src + kiln_dtype_nbytes(sdt, (int64_t)i);
+        void *d = (char *)dst + kiln_dtype_nbytes(ddt, (int64_t)i);
+        kiln_to_f32(buf, s, sdt, k);
+        if (kiln_dtype_is_blocked(ddt)) kiln_quant_encode(d, ddt, buf, k);
+        else kiln_convert(d, ddt, buf, KILN_F32, k);
     }
 }
 
@@ -234,9 +286,59 @@ static int64_t to_i64_sat(double v, double lo, double hi)
 
 void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, size_t n)
 {
-    if (ddt == sdt) { memmove(dst, src, n * kiln_dtype_size(ddt)); return; }
+    if (ddt == sdt) { memmove(dst, src, kiln_dtype_nbytes(ddt, (int64_t)n)); return; }
+    if (kiln_dtype_is_blocked(ddt) || (kiln_dtype_is_blocked(sdt) && ddt != KILN_F32)) {
+        convert_blocked(dst, ddt, src, sdt, n);
+        return;
+    }
     if (ddt == KILN_F32) { kiln_to_f32(dst, src, sdt, n); return; }
     if (ddt == KILN_F16 && sdt == KILN_F32) { f32_to_f16_array(dst, src, n); return; }
+    if ((ddt == KILN_F8_E4M3FN || ddt == KILN_F8_E5M2) && (sdt == KILN_F32 || sdt == KILN_F16)) {
+        /* storing weights as fp8: from f16 through a table of all 65536 inputs */
+        uint8_t *d = dst;
+        int k = ddt == KILN_F8_E5M2;
+        if (sdt == KILN_F32) {
+            const float *s = src;
+            for (size_t i = 0; i < n; i++) d[i] = k ? kiln_f32_to_f8_e5m2(s[i]) : kiln_f32_to_f8_e4m3fn(s[i]);
+            return;
+        }
+        static uint8_t *lut[2];
+        static _Atomic int ready[2];
+        if (!ready[k]) {
+            uint8_t *t = malloc(65536);
+            if (!t) {
+                for (size_t i = 0; i < n; i++) {
+                    float f = kiln_f16_to_f32(((const uint16_t *)src)[i]);
+                    d[i] = k ? kiln_f32_to_f8_e5m2(f) : kiln_f32_to_f8_e4m3fn(f);
+                }
+                return;
+            }
+            for (int h = 0; h < 65536; h++) {
+                float f = kiln_f16_to_f32((uint16_t)h);
+                t[h] = k ? kiln_f32_to_f8_e5m2(f) : kiln_f32_to_f8_e4m3fn(f);
+            }
+            lut[k] = t; /* a racing thread builds its own, one table leaks: harmless */
+            ready[k] = 1;
+        }
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++) d[i] = lut[k][s[i]];
+        return;
+    }
+    if (ddt == KILN_F16 && (sdt == KILN_F8_E4M3FN || sdt == KILN_F8_E5M2)) {
+        /* exact: every fp8 value is an f16 value (e5m2 is f16's upper byte) */
+        static uint16_t lut[256];
+        static _Atomic int ready;
+        if (sdt == KILN_F8_E5M2) {
+            for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = (uint16_t)(((const uint8_t *)src)[i] << 8);
+            return;
+        }
+        if (!ready) {
+            for (int b = 0; b < 256; b++) lut[b] = kiln_f32_to_f16(kiln_f8_e4m3fn_to_f32((uint8_t)b));
+            ready = 1;
+        }
+        for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = lut[((const uint8_t *)src)[i]];
+        return;
+    }
     if (ddt == KILN_I64 && sdt == KILN_I32) {
         for (size_t i = 0; i < n; i++) ((int64_t *)dst)[i] = ((const int32_t *)src)[i];
         return;
@@ -254,6 +356,8 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
                                                   : to_i64_sat(v, -9223372036854775808.0, 9223372036854775808.0);
             break;
         case KILN_U8: ((uint8_t *)dst)[i] = (uint8_t)to_i64_sat(v, 0, 255); break;
+        case KILN_F8_E4M3FN: ((uint8_t *)dst)[i] = kiln_f32_to_f8_e4m3fn(f); break;
+        case KILN_F8_E5M2: ((uint8_t *)dst)[i] = kiln_f32_to_f8_e5m2(f); break;
         default: break;
         }
     }

@@ -14,6 +14,7 @@
 #include "events.h"
 #include "format_bytes.h"
 #include "safetensors.h"
+#include "gguf.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -148,11 +149,19 @@ static void drop(kiln_tensor **t)
 static const kiln_tensor *source_of(const mtensor *t) { return t->host ? t->host : t->mapped; }
 
 /* Load dtype for a tensor: floating-point tensors convert, integer ones (CLIP's
- * position_ids) keep theirs. */
-static kiln_dtype want_dtype(int dtype, kiln_dtype src)
+ * position_ids) keep theirs. A low-bit load dtype (fp8, a block type) is for the
+ * weights of linear and convolution layers: vectors (biases, norms) keep their dtype,
+ * and a block type also needs the last dimension in whole blocks. */
+static kiln_dtype want_dtype(int dtype, const kiln_tensor *t)
 {
+    kiln_dtype src = t->dtype;
     if (dtype < 0 || !kiln_dtype_is_float(src)) return src;
-    return (kiln_dtype)dtype;
+    kiln_dtype d = (kiln_dtype)dtype;
+    if (d == KILN_F8_E4M3FN || d == KILN_F8_E5M2 || kiln_dtype_is_blocked(d)) {
+        if (t->ndim < 2) return src;
+        if (t->shape[t->ndim - 1] % kiln_dtype_block(d)) return src;
+    }
+    return d;
 }
 
 static uint64_t hash_str(const char *s)
@@ -244,6 +253,16 @@ static void count_transfer(kiln_device *dev, int to_device, size_t n, double sec
 }
 
 static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt);
+static void release_mapped(kiln_storage *s);
+
+/* Every copy read from a file's mapping first checks that the file on disk is still
+ * the one mapped: a file truncated under us faults (SIGBUS) on the first page past
+ * its new end, where an error value is still possible here. */
+static kiln_status check_source(const kiln_tensor *src)
+{
+    if (src->storage->release != release_mapped) return KILN_OK;
+    return kiln_st_check(src->storage->ctx);
+}
 
 /* A new copy of src on dev in dtype dt, accounted to owner. Host sources (the file
  * or a host copy) are converted straight into the new copy (through a bounded
@@ -328,14 +347,16 @@ static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype 
     } else if (dt == sdt) {
         st = dev->backend->to_device(kiln_tensor_data(dst), src, kiln_tensor_nbytes(dst));
     } else {
-        size_t esz = kiln_dtype_size(dt), chunk = STAGE_BYTES / esz;
+        /* pieces in whole blocks of any block type (256 elements), byte offsets by dtype */
+        size_t chunk = STAGE_BYTES / 8 / 256 * 256;
         if (chunk > n) chunk = n;
         void *stage = NULL;
-        st = kiln_allocator_alloc(kiln_device_cpu()->alloc, chunk * esz, &stage);
+        st = kiln_allocator_alloc(kiln_device_cpu()->alloc, kiln_dtype_nbytes(dt, (int64_t)chunk), &stage);
         for (size_t off = 0; !st && off < n; off += chunk) {
             size_t k = n - off < chunk ? n - off : chunk;
-            kiln_convert(stage, dt, (const char *)src + off * kiln_dtype_size(sdt), sdt, k);
-            st = dev->backend->to_device((char *)kiln_tensor_data(dst) + off * esz, stage, k * esz);
+            kiln_convert(stage, dt, (const char *)src + kiln_dtype_nbytes(sdt, (int64_t)off), sdt, k);
+            st = dev->backend->to_device((char *)kiln_tensor_data(dst) + kiln_dtype_nbytes(dt, (int64_t)off), stage,
+                                         kiln_dtype_nbytes(dt, (int64_t)k));
         }
         if (stage) kiln_allocator_release(kiln_device_cpu()->alloc, stage);
     }
@@ -369,11 +390,10 @@ static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const
     int64_t block = BLOCK_FLOATS / row > 0 ? BLOCK_FLOATS / row : 1;
     if (!st) st = kiln_device_scratch_alloc(kiln_device_cpu(), (size_t)(block * row) * sizeof(float), 0, (void **)&w);
     if (st == KILN_ERR_UNSUPPORTED) kiln_error(saved_st, "%s", saved); /* not an error: the caller goes the other way */
-    size_t isz = kiln_dtype_size(mapped->dtype), osz = kiln_dtype_size(dst->dtype);
     for (int64_t r0 = 0; !st && r0 < rows; r0 += block) {
         int64_t nr = rows - r0 < block ? rows - r0 : block;
-        kiln_convert(w, KILN_F32, (const char *)kiln_tensor_data(mapped) + (size_t)(r0 * row) * isz, mapped->dtype,
-                     (size_t)(nr * row));
+        kiln_convert(w, KILN_F32, (const char *)kiln_tensor_data(mapped) + kiln_dtype_nbytes(mapped->dtype, r0 * row),
+                     mapped->dtype, (size_t)(nr * row));
         for (int i = 0; i < ps->n; i++) {
             const patch *p = ps->p[i];
             int64_t lo = r0, hi = r0 + nr; /* the rows of this block the patch covers */
@@ -383,7 +403,7 @@ static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const
             }
             if (lo < hi) kiln_adapter_rows_add(pr[i], w + (lo - r0) * row, lo - (p->rows > 0 ? p->row0 : 0), hi - lo);
         }
-        kiln_convert((char *)kiln_tensor_data(dst) + (size_t)(r0 * row) * osz, dst->dtype, w, KILN_F32,
+        kiln_convert((char *)kiln_tensor_data(dst) + kiln_dtype_nbytes(dst->dtype, r0 * row), dst->dtype, w, KILN_F32,
                      (size_t)(nr * row));
     }
     if (w) kiln_device_scratch_free(kiln_device_cpu(), w);
@@ -393,6 +413,8 @@ static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const
 
 static kiln_status build_into(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
 {
+    kiln_status cs = check_source(mapped);
+    if (cs) return cs;
     if (!ps || ps->n == 0) return fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
     kiln_status rs = build_rows(dst, mapped, ps);
     if (rs != KILN_ERR_UNSUPPORTED) return rs;
@@ -439,8 +461,10 @@ static kiln_tensor *source_locked(const mtensor *t, kiln_dtype want, patchset **
 static kiln_status make_copy(const kiln_tensor *src, const patchset *ps, kiln_device *dev, kiln_dtype dt,
                              const char *owner, kiln_tensor **out)
 {
-    if (!ps) return copy_to(src, dev, dt, owner, out);
     *out = NULL;
+    kiln_status cs = check_source(src);
+    if (cs) return cs;
+    if (!ps) return copy_to(src, dev, dt, owner, out);
     kiln_tensor *r;
     kiln_status st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r);
     if (st) return st;
@@ -553,8 +577,11 @@ static void base_name(const char *path, char *out, size_t cap)
     const char *b = strrchr(path, '/');
     b = b ? b + 1 : path;
     size_t n = strlen(b);
-    const char *ext = ".safetensors";
-    if (n > strlen(ext) && strcmp(b + n - strlen(ext), ext) == 0) n -= strlen(ext);
+    static const char *const exts[] = {".safetensors", ".gguf"};
+    for (int i = 0; i < 2; i++) {
+        size_t k = strlen(exts[i]);
+        if (n > k && strcmp(b + n - k, exts[i]) == 0) n -= k;
+    }
     if (n >= cap) n = cap - 1;
     memcpy(out, b, n);
     out[n] = 0;
@@ -607,7 +634,7 @@ kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char
     kiln_status st;
     size_t total = 0;
     for (int i = 0; i < n; i++) {
-        if ((st = kiln_st_open(paths[i], &m->files[i]))) { model_free_all(m); return st; }
+        if ((st = kiln_weights_open(paths[i], &m->files[i]))) { model_free_all(m); return st; }
         m->n_files++;
         total += (size_t)m->files[i]->n;
     }
@@ -793,6 +820,14 @@ kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out
     m->last_used = ++lru_clock;
     pthread_mutex_unlock(&reg_mu);
     if (!v) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory for a tensor header", m->name);
+    /* the file's own view is read by whatever runs next: it must still be the file */
+    kiln_status cs = check_source(v);
+    if (cs) {
+        kiln_tensor_free(v);
+        char prefix[200];
+        snprintf(prefix, sizeof prefix, "model '%s': tensor '%s': ", m->name, name);
+        return prefix_error(cs, prefix);
+    }
     *out = v;
     return KILN_OK;
 }
@@ -959,7 +994,7 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
         mtensor *t = &m->t[i];
         kiln_device *to = low ? kiln_device_cpu() : dev;
         pthread_mutex_lock(&reg_mu);
-        kiln_dtype want = want_dtype(dtype, source_of(t)->dtype);
+        kiln_dtype want = want_dtype(dtype, source_of(t));
         int have;
         if (low) {
             /* the host side of streaming: the file itself unless a conversion is due */
@@ -1171,7 +1206,7 @@ kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
             pthread_mutex_unlock(&reg_mu);
             continue;
         }
-        kiln_dtype want = want_dtype(dtype, source_of(t)->dtype);
+        kiln_dtype want = want_dtype(dtype, source_of(t));
         patchset *ps;
         kiln_tensor *src = source_locked(t, want, &ps);
         pthread_mutex_unlock(&reg_mu);
@@ -1264,7 +1299,7 @@ static void *copy_thread(void *arg)
         free(j);
         kiln_device *dev = w->dev;
         if (m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-            kiln_dtype want = want_dtype(m->dtype, source_of(t)->dtype);
+            kiln_dtype want = want_dtype(m->dtype, source_of(t));
             patchset *ps;
             kiln_tensor *src = source_locked(t, want, &ps);
             unsigned gen = t->gen;

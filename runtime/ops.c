@@ -11,7 +11,7 @@
 static const char *const binop_names[KILN_BIN_COUNT] = {"add", "sub", "mul", "div", "pow", "minimum", "maximum"};
 /* ORDER UNOP */
 static const char *const unop_names[KILN_UN_COUNT] = {"neg", "exp", "log", "sqrt", "abs", "tanh", "sigmoid",
-    "silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "sin", "cos", "clamp"};
+    "silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "sin", "cos", "clamp", "leaky_relu"};
 
 kiln_dtype kiln_promote(kiln_dtype a, kiln_dtype b)
 {
@@ -268,6 +268,18 @@ kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kil
     *out = NULL;
     char b1[128], b2[128];
     kiln_status st;
+    if (o->act != 0 && o->act != 1) return kiln_error(KILN_ERR_ARG, "conv2d: act=%d (0 none, 1 leaky relu)", o->act);
+    if (o->act) {
+        /* the activation in place over the result: one pass, no second tensor */
+        kiln_conv_opts plain = *o;
+        plain.act = 0;
+        if ((st = kiln_op_conv2d(x, w, b, &plain, out))) return st;
+        if ((st = be_of(*out)->unary(KILN_UN_LEAKY_RELU, *out, *out, o->act_slope, 0))) {
+            kiln_tensor_free(*out);
+            *out = NULL;
+        }
+        return st;
+    }
     if (o->upsample != 0 && o->upsample != 1 && o->upsample != 2)
         return kiln_error(KILN_ERR_ARG, "conv2d: upsample=%lld (1 or 2: nearest 2x before the convolution)",
                           (long long)o->upsample);
@@ -440,8 +452,11 @@ kiln_status kiln_op_pad2d(const kiln_tensor *x, const int64_t *pads, int mode, d
         if (pads[i] < 0) return kiln_error(KILN_ERR_ARG, "pad: negative padding is not supported");
     if (mode == KILN_PAD_REFLECT && (pads[0] >= w || pads[1] >= w || pads[2] >= h || pads[3] >= h))
         return kiln_error(KILN_ERR_ARG, "pad: reflect padding must be smaller than the input size (%s)", SHAPE(x, b1));
-    if (mode == KILN_PAD_REPLICATE && (h == 0 || w == 0))
-        return kiln_error(KILN_ERR_ARG, "pad: replicate padding of an empty input");
+    if (mode < KILN_PAD_CONSTANT || mode > KILN_PAD_CIRCULAR)
+        return kiln_error(KILN_ERR_ARG, "pad: unknown mode %d", mode);
+    if ((mode == KILN_PAD_REPLICATE || mode == KILN_PAD_CIRCULAR) && (h == 0 || w == 0))
+        return kiln_error(KILN_ERR_ARG, "pad: %s padding of an empty input",
+                          mode == KILN_PAD_REPLICATE ? "replicate" : "circular");
     int64_t shape[KILN_MAX_DIMS];
     memcpy(shape, x->shape, sizeof shape);
     shape[x->ndim - 2] = h + pads[2] + pads[3];

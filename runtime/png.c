@@ -58,16 +58,52 @@ static void on_warning(png_structp png, png_const_charp msg)
     (void)msg; /* warnings (bad ancillary CRCs, odd chunks) do not stop a read */
 }
 
+/* The largest image kiln reads (width x height): 16384 x 16384, or any other shape
+ * of as many pixels; its f32 planes are then at most 4 GiB. */
+#define PNG_MAX_PIXELS ((uint64_t)1 << 28)
+/* Deflate cannot shrink data more than about 1032 to 1 (a 258-byte match per two
+ * bits); a little more is allowed for the zlib and chunk framing. */
+#define PNG_MAX_INFLATE_RATIO 1100
+
+/* The sizes IHDR declares, checked before anything is allocated for them: the image
+ * must be at most PNG_MAX_PIXELS, and its raw rows must be something the IDAT bytes
+ * present could inflate to, so a few hundred bytes cannot claim gigabytes. */
+static kiln_status check_declared_size(const char *path, const unsigned char ihdr[13], uint64_t idat_bytes)
+{
+    uint64_t w = (uint64_t)ihdr[0] << 24 | (uint64_t)ihdr[1] << 16 | (uint64_t)ihdr[2] << 8 | ihdr[3];
+    uint64_t h = (uint64_t)ihdr[4] << 24 | (uint64_t)ihdr[5] << 16 | (uint64_t)ihdr[6] << 8 | ihdr[7];
+    int depth = ihdr[8], color = ihdr[9], interlace = ihdr[12];
+    int channels = color == 0 ? 1 : color == 2 ? 3 : color == 3 ? 1 : color == 4 ? 2 : color == 6 ? 4 : 0;
+    if (w == 0 || h == 0 || channels == 0 || depth == 0 || depth > 16)
+        return kiln_error(KILN_ERR_FORMAT, "%s: corrupt PNG (IHDR declares %llux%llu, color type %d, %d bits)", path,
+                          (unsigned long long)w, (unsigned long long)h, color, depth);
+    if (w > PNG_MAX_PIXELS || h > PNG_MAX_PIXELS || w * h > PNG_MAX_PIXELS)
+        return kiln_error(KILN_ERR_FORMAT, "%s: the image is %llux%llu, more than the %llu pixels kiln reads", path,
+                          (unsigned long long)w, (unsigned long long)h, (unsigned long long)PNG_MAX_PIXELS);
+    /* the filtered rows' bytes; interlacing only adds to them */
+    uint64_t raw = (w * (uint64_t)channels * (uint64_t)depth + 7) / 8 * h + (interlace ? 0 : h);
+    if (raw / PNG_MAX_INFLATE_RATIO > idat_bytes)
+        return kiln_error(KILN_ERR_FORMAT,
+                          "%s: truncated or corrupt PNG (a %llux%llu image needs %llu bytes of rows; %llu bytes of "
+                          "compressed data cannot hold them)",
+                          path, (unsigned long long)w, (unsigned long long)h, (unsigned long long)raw,
+                          (unsigned long long)idat_bytes);
+    return KILN_OK;
+}
+
 /* Walks the chunk list (lengths and names only) before libpng sees the file:
  * libpng allocates, and clears, an ancillary chunk's buffer from its length field
  * before reading it, so a corrupt length would cost up to 2 GB before the read
- * fails. Here every chunk must fit in the file, up to IEND. */
+ * fails. Here every chunk must fit in the file, up to IEND, and the image size
+ * IHDR declares must be plausible (check_declared_size). */
 static kiln_status check_chunks(FILE *f, const char *path)
 {
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0) return kiln_error(KILN_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
     if (!S_ISREG(sb.st_mode)) return kiln_error(KILN_ERR_IO, "%s: not a regular file", path);
-    uint64_t size = (uint64_t)sb.st_size, at = 8;
+    uint64_t size = (uint64_t)sb.st_size, at = 8, idat_bytes = 0;
+    unsigned char ihdr[13];
+    int have_ihdr = 0;
     for (;;) {
         unsigned char hdr[8];
         if (at + 12 > size || fseeko(f, (off_t)at, SEEK_SET) != 0 || fread(hdr, 1, 8, f) != 8)
@@ -85,8 +121,18 @@ static kiln_status check_chunks(FILE *f, const char *path)
                               "%s: truncated or corrupt PNG (chunk %.4s at byte %llu claims %llu bytes, the file has %llu)",
                               path, (const char *)hdr + 4, (unsigned long long)at, (unsigned long long)len,
                               (unsigned long long)size);
+        if (at == 8) {
+            if (memcmp(hdr + 4, "IHDR", 4) != 0 || len != 13 || fread(ihdr, 1, 13, f) != 13)
+                return kiln_error(KILN_ERR_FORMAT, "%s: corrupt PNG (it does not start with a 13-byte IHDR)", path);
+            have_ihdr = 1;
+        }
+        if (memcmp(hdr + 4, "IDAT", 4) == 0) idat_bytes += len;
         at += 12 + len;
         if (memcmp(hdr + 4, "IEND", 4) == 0) break;
+    }
+    if (have_ihdr) {
+        kiln_status st = check_declared_size(path, ihdr, idat_bytes);
+        if (st) return st;
     }
     if (fseeko(f, 8, SEEK_SET) != 0) return kiln_error(KILN_ERR_IO, "%s: cannot seek: %s", path, strerror(errno));
     return KILN_OK;

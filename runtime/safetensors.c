@@ -27,14 +27,16 @@ typedef struct {
     int *slots;          /* open-addressing hash: entry index or -1 */
     size_t slot_mask;
     char *strings;       /* one block holding names and metadata strings */
+    void *aligned_copy;  /* the data section, copied when the file misaligns a tensor */
 } st_impl;
 
 /* ORDER DTYPE: safetensors' names of the kiln dtypes */
-static const char *const st_dtype_names[KILN_DTYPE_COUNT] = {"F32", "F16", "BF16", "I32", "I64", "U8"};
+static const char *const st_dtype_names[KILN_DTYPE_COUNT] = {"F32", "F16", "BF16", "I32", "I64", "U8", "F8_E4M3",
+                                                              "F8_E5M2"}; /* block types: none (NULL) */
 
 /* dtypes of the format that kiln does not handle (a valid file, just not for us) */
 static const char *const st_unsupported[] = {
-    "F64", "I8", "I16", "U16", "U32", "U64", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0",
+    "F64", "I8", "I16", "U16", "U32", "U64", "BOOL", "F8_E8M0",
     "F6_E2M3", "F6_E3M2", "F4", "C64",
 };
 
@@ -79,6 +81,7 @@ static void st_destroy(st_impl *im)
     free(im->pub.meta_values);
     free(im->slots);
     free(im->strings);
+    free(im->aligned_copy);
     free(im);
 }
 
@@ -90,6 +93,42 @@ void kiln_st_retain(kiln_st_file *f)
 void kiln_st_release(kiln_st_file *f)
 {
     if (f && __atomic_sub_fetch(&f->refcount, 1, __ATOMIC_ACQ_REL) == 0) st_destroy((st_impl *)f);
+}
+
+kiln_status kiln_st_check(const kiln_st_file *f)
+{
+    if (!f) return kiln_error(KILN_ERR_ARG, "kiln_st_check: file is NULL");
+    /* nothing is mapped when the data section is empty: nothing to fault on */
+    if (!f->map) return KILN_OK;
+    return kiln_file_stamp_check(f->path, &f->stamp);
+}
+
+kiln_status kiln_st_wrap(const kiln_st_file *desc, char *strings, kiln_st_file **out)
+{
+    *out = NULL;
+    st_impl *im = calloc(1, sizeof *im);
+    if (!im) return kiln_error(KILN_ERR_OOM, "%s: out of host memory", desc->path);
+    im->pub = *desc;
+    im->pub.refcount = 1;
+    im->strings = strings;
+    const char **names = malloc(sizeof *names * (size_t)(desc->n ? desc->n : 1));
+    im->slots = slots_new(desc->n, &im->slot_mask);
+    if (!names || !im->slots) {
+        free(names);
+        st_destroy(im);
+        return kiln_error(KILN_ERR_OOM, "%s: out of host memory", desc->path);
+    }
+    for (int i = 0; i < desc->n; i++) names[i] = desc->entries[i].name;
+    for (int i = 0; i < desc->n; i++)
+        if (slots_insert(im->slots, im->slot_mask, names, i) >= 0) {
+            kiln_status st = kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s' appears twice", desc->path, names[i]);
+            free(names);
+            st_destroy(im);
+            return st;
+        }
+    free(names);
+    *out = &im->pub;
+    return KILN_OK;
 }
 
 int kiln_st_find(const kiln_st_file *f, const char *name)
@@ -145,7 +184,7 @@ static kiln_status parse_entry(const char *path, const kiln_json *v, uint64_t da
         return kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s': dtype is not a string", path, name);
     int d = -1;
     for (int i = 0; i < KILN_DTYPE_COUNT; i++)
-        if (strcmp(dt->string, st_dtype_names[i]) == 0) d = i;
+        if (st_dtype_names[i] && strcmp(dt->string, st_dtype_names[i]) == 0) d = i;
     if (d < 0) {
         for (size_t i = 0; i < sizeof st_unsupported / sizeof st_unsupported[0]; i++)
             if (strcmp(dt->string, st_unsupported[i]) == 0)
@@ -299,6 +338,53 @@ static kiln_status parse_header(st_impl *im, const kiln_json *root)
     return KILN_OK;
 }
 
+/* Whether every tensor starts at an address that is a multiple of its element
+ * size: conversions and kernels read elements as typed values. Writers pad the
+ * header to 8 bytes and put wider elements first, so files almost always are. */
+static int data_aligned(const kiln_st_file *f)
+{
+    for (int i = 0; i < f->n; i++) {
+        size_t es = kiln_dtype_size(f->entries[i].dtype);
+        if (es > 1 && f->entries[i].end > f->entries[i].begin &&
+            (uintptr_t)(f->data + f->entries[i].begin) % es != 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* A file that misaligns a tensor is read once into aligned memory, each tensor at a
+ * 64-byte boundary (no longer zero copy, but every tensor is usable), and its
+ * mapping dropped; the entries' spans then refer to the copy. */
+static kiln_status copy_data_aligned(st_impl *im)
+{
+    kiln_st_file *f = &im->pub;
+    uint64_t total = 0;
+    for (int i = 0; i < f->n; i++) total = (total + 63) / 64 * 64 + (f->entries[i].end - f->entries[i].begin);
+    if (total > SIZE_MAX - 64)
+        return kiln_error(KILN_ERR_OOM, "%s: too large for an aligned copy of its data", f->path);
+    uint8_t *copy = aligned_alloc(64, ((size_t)total + 63) / 64 * 64 + 64);
+    if (!copy)
+        return kiln_error(KILN_ERR_OOM, "%s: out of memory for an aligned copy of its data (%llu bytes)", f->path,
+                          (unsigned long long)total);
+    uint64_t at = 0;
+    for (int i = 0; i < f->n; i++) {
+        kiln_st_entry *e = &f->entries[i];
+        uint64_t n = e->end - e->begin;
+        at = (at + 63) / 64 * 64;
+        if (n) memcpy(copy + at, f->data + e->begin, (size_t)n);
+        e->begin = at;
+        e->end = at + n;
+        at += n;
+    }
+    im->aligned_copy = copy;
+    munmap(f->map, f->map_size);
+    f->map = NULL;
+    f->map_size = 0;
+    f->data = copy;
+    f->data_size = total;
+    return KILN_OK;
+}
+
 kiln_status kiln_st_open(const char *path, kiln_st_file **out)
 {
     if (!out) return kiln_error(KILN_ERR_ARG, "kiln_st_open: out is NULL");
@@ -326,6 +412,12 @@ kiln_status kiln_st_open(const char *path, kiln_st_file **out)
         close(fd);
         return kiln_error(KILN_ERR_FORMAT, "%s: file too large to map", path);
     }
+    kiln_file_stamp stamp;
+    kiln_status stamp_st = kiln_file_stamp_take(fd, path, &stamp);
+    if (stamp_st) {
+        close(fd);
+        return stamp_st;
+    }
     void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
     int map_errno = errno;
     close(fd); /* the mapping keeps the file */
@@ -347,6 +439,7 @@ kiln_status kiln_st_open(const char *path, kiln_st_file **out)
     f->refcount = 1;
     f->map = map;
     f->map_size = (size_t)size;
+    f->stamp = stamp;
 
     const uint8_t *b = map;
     uint64_t hlen = 0;
@@ -373,6 +466,7 @@ kiln_status kiln_st_open(const char *path, kiln_st_file **out)
             kiln_json_free(root);
         }
     }
+    if (!st && !data_aligned(f)) st = copy_data_aligned(im);
     if (st) {
         st_destroy(im);
         return st;
@@ -467,6 +561,11 @@ static kiln_status save_validate(const char *path, int n, const kiln_st_item *it
         }
         if ((unsigned)it->dtype >= KILN_DTYPE_COUNT) {
             st = kiln_error(KILN_ERR_ARG, "%s: tensor '%s': invalid dtype %d", path, name, (int)it->dtype);
+            goto done;
+        }
+        if (!st_dtype_names[it->dtype]) {
+            st = kiln_error(KILN_ERR_ARG, "%s: tensor '%s': dtype %s has no safetensors form (save it as GGUF)", path,
+                            name, kiln_dtype_name(it->dtype));
             goto done;
         }
         if (it->ndim < 0 || it->ndim > KILN_ST_MAX_DIMS || (it->ndim > 0 && !it->shape)) {

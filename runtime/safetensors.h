@@ -7,6 +7,7 @@
 #define KILN_SAFETENSORS_H
 
 #include "dtype.h"
+#include "file_stamp.h"
 
 #define KILN_ST_MAX_DIMS 8
 
@@ -29,12 +30,22 @@ typedef struct kiln_st_file {
     kiln_st_entry *entries;
     int n_meta;
     char **meta_keys, **meta_values;
+    kiln_file_stamp stamp;        /* the file as opened: see kiln_st_check */
 } kiln_st_file;
 
 /* Opens and validates; *out has refcount 1. */
 kiln_status kiln_st_open(const char *path, kiln_st_file **out);
 void kiln_st_retain(kiln_st_file *f);
 void kiln_st_release(kiln_st_file *f);
+/* KILN_OK while the file on disk is the one mapped; else KILN_ERR_IO "PATH changed
+ * on disk since it was opened": call before reading a block from the mapping (a
+ * truncated file would fault there with SIGBUS). */
+kiln_status kiln_st_check(const kiln_st_file *f);
+/* A file of another format (GGUF, gguf.c) read into the same description: *desc's
+ * fields are taken over (path, map, entries, meta arrays: malloc'd; strings: the one
+ * block holding names and metadata text, or NULL) and freed with the file, also on
+ * error (a duplicate name). *out has refcount 1. */
+kiln_status kiln_st_wrap(const kiln_st_file *desc, char *strings, kiln_st_file **out);
 /* Index of the entry named name, or -1 (hash lookup). */
 int kiln_st_find(const kiln_st_file *f, const char *name);
 static inline const void *kiln_st_data(const kiln_st_file *f, int i)

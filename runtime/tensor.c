@@ -19,7 +19,7 @@ int64_t kiln_tensor_numel(const kiln_tensor *t)
 
 size_t kiln_tensor_nbytes(const kiln_tensor *t)
 {
-    return (size_t)kiln_tensor_numel(t) * kiln_dtype_size(t->dtype);
+    return kiln_dtype_nbytes(t->dtype, kiln_tensor_numel(t));
 }
 
 int kiln_tensor_is_contiguous(const kiln_tensor *t)
@@ -92,7 +92,7 @@ static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
     }
 }
 
-static kiln_status check_shape(int ndim, const int64_t *shape, size_t elem, size_t *nbytes)
+static kiln_status check_shape(int ndim, const int64_t *shape, kiln_dtype dt, size_t *nbytes)
 {
     if (ndim < 0 || ndim > KILN_MAX_DIMS)
         return kiln_error(KILN_ERR_ARG, "tensor: %d dimensions (at most %d)", ndim, KILN_MAX_DIMS);
@@ -104,7 +104,12 @@ static kiln_status check_shape(int ndim, const int64_t *shape, size_t elem, size
         n *= (uint64_t)shape[i];
     }
     if (n > ((uint64_t)1 << 40)) return kiln_error(KILN_ERR_ARG, "tensor: shape too large (%llu elements)", (unsigned long long)n);
-    *nbytes = (size_t)n * elem;
+    int blk = kiln_dtype_block(dt);
+    /* a block type packs runs of the last dimension: rows must hold whole blocks */
+    if (blk > 1 && (ndim == 0 || shape[ndim - 1] % blk))
+        return kiln_error(KILN_ERR_ARG, "tensor: %s needs the last dimension a multiple of %d (got %lld)",
+                          kiln_dtype_name(dt), blk, ndim ? (long long)shape[ndim - 1] : 1LL);
+    *nbytes = kiln_dtype_nbytes(dt, (int64_t)n);
     return KILN_OK;
 }
 
@@ -129,7 +134,7 @@ kiln_status kiln_tensor_new(kiln_device *dev, kiln_dtype dt, int ndim, const int
     *out = NULL;
     if ((unsigned)dt >= KILN_DTYPE_COUNT) return kiln_error(KILN_ERR_ARG, "tensor: bad dtype %d", (int)dt);
     size_t nbytes = 0;
-    kiln_status st = check_shape(ndim, shape, kiln_dtype_size(dt), &nbytes);
+    kiln_status st = check_shape(ndim, shape, dt, &nbytes);
     if (st) return st;
     kiln_storage *s;
     st = kiln_storage_new(dev ? dev : kiln_device_cpu(), nbytes, &s);
@@ -223,6 +228,10 @@ kiln_status kiln_tensor_reshape(const kiln_tensor *t, int ndim, const int64_t *s
     if (known != numel)
         return kiln_error(KILN_ERR_ARG, "reshape: shape %s has %lld elements, asked for %lld",
                           kiln_shape_str(t, b1, sizeof b1), (long long)numel, (long long)known);
+    int blk = kiln_dtype_block(t->dtype);
+    if (blk > 1 && (ndim == 0 || shape[ndim - 1] % blk || !kiln_tensor_is_contiguous(t)))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "reshape: a %s tensor keeps whole blocks of %d in its last dimension",
+                          kiln_dtype_name(t->dtype), blk);
     int64_t stride[KILN_MAX_DIMS];
     if (view_strides(t, ndim, shape, stride))
         return view_result(kiln_tensor_from_storage(t->storage, t->offset, t->dtype, ndim, shape, stride), out);
@@ -276,9 +285,13 @@ kiln_status kiln_tensor_narrow(const kiln_tensor *t, int dim, int64_t start, int
     if (start < 0 || len < 0 || start + len > t->shape[dim])
         return kiln_error(KILN_ERR_ARG, "narrow: start %lld length %lld out of range for dimension %d of size %lld",
                           (long long)start + 1, (long long)len, dim + 1, (long long)t->shape[dim]);
+    int blk = kiln_dtype_block(t->dtype);
+    if (blk > 1 && (dim == t->ndim - 1 || (start * t->stride[dim]) % blk))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "narrow: a %s tensor narrows only in whole rows of blocks",
+                          kiln_dtype_name(t->dtype));
     kiln_tensor *v = kiln_tensor_view_of(t);
     if (!v) return view_result(NULL, out);
-    v->offset += (size_t)(start * t->stride[dim]) * kiln_dtype_size(t->dtype);
+    v->offset += kiln_dtype_nbytes(t->dtype, start * t->stride[dim]);
     v->shape[dim] = len;
     *out = v;
     return KILN_OK;
@@ -368,6 +381,18 @@ kiln_status kiln_tensor_copy(kiln_tensor *dst, const kiln_tensor *src)
 
 kiln_status kiln_tensor_fill(kiln_tensor *t, double v)
 {
+    if (kiln_dtype_is_blocked(t->dtype)) {
+        /* all-zero blocks are zeros (scales of 0); other values would need quantizing */
+        if (v != 0 || !kiln_tensor_is_contiguous(t))
+            return kiln_error(KILN_ERR_UNSUPPORTED, "fill: a %s tensor fills only with 0 (convert from f32 instead)",
+                              kiln_dtype_name(t->dtype));
+        int64_t n = (int64_t)kiln_tensor_nbytes(t);
+        kiln_tensor *b = kiln_tensor_from_storage(t->storage, t->offset, KILN_U8, 1, &n, NULL);
+        if (!b) return kiln_error(KILN_ERR_OOM, "host out of memory for a view");
+        kiln_status st = t->storage->device->backend->fill(b, 0);
+        kiln_tensor_free(b);
+        return st;
+    }
     return t->storage->device->backend->fill(t, v);
 }
 

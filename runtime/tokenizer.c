@@ -28,6 +28,10 @@
 #define CLIP_MERGES_MAX (49152 - 256 - 2)
 #define MAX_VOCAB_ID (1 << 24)
 #define MAX_FILE_BYTES ((size_t)1 << 30)
+/* CLIP's text is read up to its last used merge line (about 1.4 MB); a gzip that
+ * inflates far past that without enough lines is not one (a 1 MB bomb would
+ * otherwise fill MAX_FILE_BYTES) */
+#define MAX_CLIP_TEXT_BYTES ((size_t)64 << 20)
 #define CACHE_MAX_ENTRIES 8192
 #define CACHE_MAX_WORD 256
 #define FTFY_MAX_ROUNDS 16
@@ -303,9 +307,9 @@ static kiln_status read_gz(const char *path, size_t max_lines, char **out, size_
         for (size_t i = n; i < n + (size_t)r; i++) lines += buf[i] == '\n';
         n += (size_t)r;
         if (lines >= max_lines) break;
-        if (n > MAX_FILE_BYTES) {
-            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' is larger than %zu bytes", path,
-                            MAX_FILE_BYTES);
+        if (n > MAX_CLIP_TEXT_BYTES) {
+            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' holds more than %zu bytes before its last merge", path,
+                            MAX_CLIP_TEXT_BYTES);
             break;
         }
     }
@@ -363,8 +367,9 @@ static kiln_status gunzip_memory(const unsigned char *data, size_t len, const ch
                             zs.msg ? zs.msg : "?");
             break;
         }
-        if (n > MAX_FILE_BYTES) {
-            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' is larger than %zu bytes", name, MAX_FILE_BYTES);
+        if (n > MAX_CLIP_TEXT_BYTES) {
+            st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s' holds more than %zu bytes before its last merge", name,
+                            MAX_CLIP_TEXT_BYTES);
             break;
         }
     }
@@ -501,11 +506,15 @@ static kiln_status load_vocab_json(kiln_tokenizer *t, const char *path)
         st = kiln_error(KILN_ERR_FORMAT, "tokenizer: '%s': expected an object of token -> id", path);
         goto done;
     }
+    /* ids index a table: they must be dense enough that one entry cannot make it
+     * far larger than the vocabulary (Hugging Face numbers tokens 0 .. n - 1) */
+    int64_t id_limit = (int64_t)root->count * 2 + 1024;
+    if (id_limit > MAX_VOCAB_ID) id_limit = MAX_VOCAB_ID;
     for (const kiln_json *e = root->child; e; e = e->next) {
-        if (e->type != KILN_JSON_NUMBER || !e->is_integer || e->integer < 0 || e->integer >= MAX_VOCAB_ID) {
+        if (e->type != KILN_JSON_NUMBER || !e->is_integer || e->integer < 0 || e->integer >= id_limit) {
             st = kiln_error(KILN_ERR_FORMAT,
-                            "tokenizer: '%s': token '%.60s' has no valid id (an integer in [0, %d))", path,
-                            e->key ? e->key : "", MAX_VOCAB_ID);
+                            "tokenizer: '%s': token '%.60s' has no valid id (an integer in [0, %lld) for %zu tokens)",
+                            path, e->key ? e->key : "", (long long)id_limit, root->count);
             goto done;
         }
         uint32_t k;

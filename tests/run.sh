@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tests/run.sh - runs every test program and Lua test file, and totals their
 # "PASS/FAIL/SKIP name" lines into the closing "N passed, N failed, N skipped".
-# Called by `make test` (BUILD=build or build-san; T=PATTERN keeps the tests whose
-# name contains PATTERN); exits non-zero on any failure.
+# Called by `make test` (BUILD=build, build-san or build-tsan; T=PATTERN keeps the
+# tests whose name contains PATTERN; TSAN=1 only the tests that use threads); exits
+# non-zero on any failure.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -14,6 +15,11 @@ if [ "${SAN:-0}" = 1 ]; then
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 fi
+# ThreadSanitizer: the tests whose work crosses threads (a report fails the program)
+THREAD_TESTS="test_soak test_embed test_model test_alloc test_stream.lua test_residency.lua"
+if [ "${TSAN:-0}" = 1 ]; then
+  export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:exitcode=66:second_deadlock_stack=1}
+fi
 
 pass=0; fail=0; skip=0; failed_names=()
 log=$(mktemp -d)
@@ -22,6 +28,9 @@ trap 'rm -rf "$log"' EXIT
 run_one() { # name, command...
   local name=$1; shift
   case "$name" in *"${T:-}"*) ;; *) return ;; esac  # make test T=PATTERN
+  if [ "${TSAN:-0}" = 1 ]; then
+    case " $THREAD_TESTS " in *" ${name%.*} "*|*" $name "*) ;; *) return ;; esac
+  fi
   local out="$log/$(echo "$name" | tr '/ ' '__').out"
   local start=$(date +%s.%N)
   "$@" >"$out" 2>&1

@@ -455,7 +455,7 @@ static void t_pad_golden(void)
     if (!f) return;
     int64_t xs[8];
     float *x = get(f, "rs_s5x6.x", xs, NULL, NULL);
-    for (int i = 0; i < 6 && x; i++) {
+    for (int i = 0; i < 9 && x; i++) { /* 6..8: circular */
         char nm[64];
         int64_t numel = 0;
         snprintf(nm, sizeof nm, "pad%d.pads", i);
@@ -482,6 +482,12 @@ static void t_pad_golden(void)
     int ok = 1;
     for (int i = 0; i < 23 * 23; i++) ok &= out[i] >= 1 && out[i] <= 9;
     CHECK(ok, "wide reflect pad read outside the input");
+    /* a circular pad wider than the input wraps again: out[i] = in[(i - pad) mod n] */
+    kiln_cpu_pad2d(out, in, 1, 3, 3, 10, 10, 10, 10, KILN_PAD_CIRCULAR, 0);
+    ok = 1;
+    for (int y = 0; y < 23; y++)
+        for (int x = 0; x < 23; x++) ok &= out[y * 23 + x] == in[((y + 2) % 3) * 3 + (x + 2) % 3];
+    CHECK(ok, "wide circular pad: wrong wrap");
     kiln_st_release(f);
 }
 

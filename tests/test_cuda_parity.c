@@ -184,9 +184,10 @@ static const kiln_dtype fdts[3] = {KILN_F32, KILN_F16, KILN_BF16};
 static void t_copy(void)
 {
     int64_t shape[3] = {3, 5, 7};
-    for (int sd = 0; sd < KILN_DTYPE_COUNT; sd++) {
+    /* the element types the CUDA kernels convert (low-bit weights: gemm parity below) */
+    for (int sd = 0; sd <= KILN_U8; sd++) {
         kiln_tensor *src = rnd((kiln_dtype)sd, 3, shape, sd == KILN_U8 ? 0 : -40, 40), *dsrc = on_dev(src);
-        for (int dd = 0; dd < KILN_DTYPE_COUNT && dsrc; dd++) {
+        for (int dd = 0; dd <= KILN_U8 && dsrc; dd++) {
             char what[96];
             /* contiguous */
             kiln_tensor *ref = NULL;
@@ -250,7 +251,7 @@ static void t_fill(void)
 {
     const double vals[] = {1.5, -3.25, 1e10, NAN, 0};
     int64_t big[2] = {6, 10};
-    for (int dt = 0; dt < KILN_DTYPE_COUNT; dt++)
+    for (int dt = 0; dt <= KILN_U8; dt++)
         for (size_t vi = 0; vi < sizeof vals / sizeof vals[0]; vi++) {
             guarded g;
             kiln_tensor *ref = NULL, *slot = NULL, *rslot = NULL;
@@ -335,7 +336,8 @@ static void t_binary(void)
 }
 
 static const char *const un_names[KILN_UN_COUNT] = {"neg", "exp", "log", "sqrt", "abs", "tanh", "sigmoid", "silu", "gelu",
-                                                    "gelu_tanh", "quick_gelu", "relu", "sin", "cos", "clamp"};
+                                                    "gelu_tanh", "quick_gelu", "relu", "sin", "cos", "clamp",
+                                                    "leaky_relu"};
 
 static void unary_case(kiln_unop op, const kiln_tensor *a, double p0, double p1, const char *tag)
 {
@@ -501,6 +503,18 @@ static void t_linear(void)
         if (x && w && b) linear_case(x, w, b, " (mixed)");
         kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b);
     }
+    /* low-bit weights (fp8, block types): decoded on the device before the GEMM */
+    static const kiln_dtype low[] = {KILN_F8_E4M3FN, KILN_F8_E5M2, KILN_Q8_0, KILN_Q4_0, KILN_Q4_1, KILN_Q5_0,
+                                     KILN_Q5_1, KILN_Q4_K, KILN_Q5_K, KILN_Q6_K};
+    int64_t sxq[3] = {2, 7, 256}, swq[2] = {24, 256};
+    for (size_t li = 0; li < sizeof low / sizeof low[0]; li++) {
+        kiln_tensor *x = rnd(KILN_F32, 3, sxq, -1, 1), *w = rnd(KILN_F32, 2, swq, -0.1f, 0.1f), *b = rnd(KILN_F32, 1, swq, -1, 1);
+        kiln_tensor *wq = NULL;
+        char what[48];
+        snprintf(what, sizeof what, " (%s weights)", kiln_dtype_name(low[li]));
+        if (x && w && b && kiln_tensor_to(w, cpu, low[li], &wq) == KILN_OK) linear_case(x, wq, b, what);
+        kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b); kiln_tensor_free(wq);
+    }
 }
 
 /* ---- conv2d ---- */
@@ -511,7 +525,7 @@ static void conv_case(const conv_case_t *cc, kiln_dtype xdt, kiln_dtype wdt, int
 {
     int64_t cx = strided_x ? cc->c + 3 : cc->c;
     int64_t sx[4] = {cc->n, cx, cc->h, cc->w}, sw[4] = {cc->k, cc->c / cc->g, cc->r, cc->s}, sb[1] = {cc->k};
-    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g, 0};
+    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g, 0, 0, 0};
     kiln_tensor *xfull = rnd(xdt, 4, sx, -1, 1), *w = rnd(wdt, 4, sw, -0.3f, 0.3f), *b = with_bias ? rnd(wdt, 1, sb, -1, 1) : NULL;
     kiln_tensor *x = NULL, *dxfull = on_dev(xfull), *dx = NULL, *dw = on_dev(w), *db = b ? on_dev(b) : NULL, *ref = NULL;
     if (xfull && dxfull) {
@@ -736,12 +750,12 @@ static void t_resample(void)
 
 static void t_pad2d(void)
 {
-    static const char *const names[3] = {"constant", "reflect", "replicate"};
+    static const char *const names[4] = {"constant", "reflect", "replicate", "circular"}; /* ORDER PADMODE */
     int64_t s[4] = {2, 3, 9, 11};
     const int64_t pads[3][4] = {{1, 2, 3, 0}, {0, 0, 4, 4}, {5, 1, 0, 2}};
     for (int di = 0; di < 3; di++) {
         kiln_tensor *x = rnd(fdts[di], 4, s, -2, 2), *dx = on_dev(x);
-        for (int m = 0; m < 3 && dx; m++)
+        for (int m = 0; m < 4 && dx; m++)
             for (int i = 0; i < 3; i++) {
                 kiln_tensor *ref = NULL;
                 guarded g;
@@ -907,7 +921,7 @@ static int bench(void)
     kiln_tensor *xl = dev_rnd(KILN_F16, 3, sl, -1, 1), *wl = dev_rnd(KILN_F16, 2, swl, -0.05f, 0.05f);
     kiln_tensor *xv = dev_rnd(KILN_F16, 4, sv, -1, 1), *wv = dev_rnd(KILN_F16, 4, swv, -0.05f, 0.05f);
     if (!x || !w || !b || !q || !kc || !xl || !wl || !xv || !wv) { printf("bench setup failed: %s\n", kiln_last_error()); return 1; }
-    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0};
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0};
     double conv_fl = 2.0 * 2 * 320 * 64 * 64 * 320 * 9, attn_fl = 4.0 * 2 * 8 * 4096.0 * 4096 * 40;
     BENCH("conv2d 320->320 3x3 [2,320,64,64]", 20, conv_fl, kiln_op_conv2d(x, w, b, &o, &r_));
     BENCH("conv2d 512->512 3x3 [2,512,64,64] (VAE)", 10, 2.0 * 2 * 512 * 64 * 64 * 512 * 9, kiln_op_conv2d(xv, wv, NULL, &o, &r_));

@@ -109,18 +109,21 @@ static int check_blocks(const char *tag, const unsigned char *results, size_t el
 
 static void t_names_and_sizes(void)
 {
-    static const char *names[] = {"f32", "f16", "bf16", "i32", "i64", "u8"};
-    static const size_t sizes[] = {4, 2, 2, 4, 8, 1};
-    for (int d = 0; d < KILN_DTYPE_COUNT; d++) {
+    static const char *names[] = {"f32", "f16", "bf16", "i32", "i64", "u8", "f8_e4m3fn", "f8_e5m2"};
+    static const size_t sizes[] = {4, 2, 2, 4, 8, 1, 1, 1};
+    /* the element types; the block types (q8_0 ...) are test_gguf.c's */
+    for (int d = 0; d <= KILN_F8_E5M2; d++) {
         CHECK(strcmp(kiln_dtype_name((kiln_dtype)d), names[d]) == 0, "name of %d is %s", d, kiln_dtype_name((kiln_dtype)d));
         CHECK(kiln_dtype_size((kiln_dtype)d) == sizes[d], "size of %s", names[d]);
         CHECK(kiln_dtype_from_name(names[d]) == d, "from_name(%s)", names[d]);
-        CHECK(kiln_dtype_is_float((kiln_dtype)d) == (d <= KILN_BF16), "is_float(%s)", names[d]);
+        CHECK(kiln_dtype_is_float((kiln_dtype)d) == (d <= KILN_BF16 || d >= KILN_F8_E4M3FN), "is_float(%s)", names[d]);
     }
     CHECK(kiln_dtype_from_name("float16") == KILN_F16, "float16");
     CHECK(kiln_dtype_from_name("BFloat16") == KILN_BF16, "BFloat16");
     CHECK(kiln_dtype_from_name("F32") == KILN_F32, "F32");
     CHECK(kiln_dtype_from_name("f8") == -1, "f8 accepted");
+    CHECK(kiln_dtype_from_name("Q4_K") == KILN_Q4_K && kiln_dtype_size(KILN_Q4_K) == 0 &&
+          kiln_dtype_block(KILN_Q4_K) == 256 && kiln_dtype_nbytes(KILN_Q4_K, 512) == 288, "q4_k sizes");
     CHECK(kiln_dtype_from_name("") == -1, "empty name accepted");
     CHECK(kiln_dtype_from_name(NULL) == -1, "NULL name accepted");
     CHECK(kiln_dtype_size(KILN_DTYPE_COUNT) == 0, "size of an invalid dtype");

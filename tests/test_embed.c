@@ -1,5 +1,5 @@
 /* test_embed.c - the C API of kiln.h as a host uses it: open / run / call / progress /
- * cancel / log / error messages / memory / close, the config fields of a terminal
+ * cancel / previews / log / error messages / memory / close, the config fields of a terminal
  * program, the pressure hook of each context, and that closing a context frees every
  * byte it allocated. Includes only the public header (and Lua's, for kiln_lua_state). */
 #define _POSIX_C_SOURCE 200809L
@@ -471,6 +471,63 @@ static void t_bare_sampler_progress(void)
     kiln_close(ctx);
 }
 
+/* ---------------------------------------------------------------- previews */
+
+typedef struct {
+    int calls, steps[8], width, height, channels, bad_pixels;
+    kiln_status nested;
+    kiln_ctx *ctx;
+} preview_log;
+
+static void on_preview(void *user, int step, int total, const kiln_image *im)
+{
+    preview_log *p = user;
+    if (p->calls < 8) p->steps[p->calls] = step * 100 + total;
+    p->calls++;
+    p->width = im->width;
+    p->height = im->height;
+    p->channels = im->channels;
+    if (im->format != KILN_PIXEL_U8 || !im->data) p->bad_pixels++;
+    if (p->calls == 1) p->nested = kiln_run_string(p->ctx, "x = 1"); /* not allowed from a callback */
+}
+
+/* The pipelines feed the host's preview callback every N steps (and after the last)
+ * with 8-bit RGB pictures of the latent's size (the demo model: 16x16 for 64x64). */
+static void t_preview_callback(void)
+{
+    if (access("examples/models/kiln-shapes.safetensors", R_OK) != 0) {
+        SKIP("the demo model is not in examples/models (run from the source tree)");
+        return;
+    }
+    kiln_ctx *ctx = open_quiet(NULL);
+    if (!ctx) return;
+    preview_log p = {.ctx = ctx};
+    kiln_set_preview(ctx, on_preview, &p, 2);
+    const char *run =
+        "local ckpt <close> = kiln.load_checkpoint('examples/models/kiln-shapes.safetensors')\n"
+        "kiln.pipeline.txt2img(ckpt, {prompt = 'a red circle', steps = 5, width = 64, height = 64}):free()\n";
+    CHECK(kiln_run_string(ctx, run) == KILN_OK, "txt2img: %s", kiln_last_message(ctx));
+    CHECK(p.calls == 3 && p.steps[0] == 205 && p.steps[1] == 405 && p.steps[2] == 505,
+          "%d previews (steps %d %d %d, as step*100+total)", p.calls, p.steps[0], p.steps[1], p.steps[2]);
+    CHECK(p.width == 16 && p.height == 16 && p.channels == 3 && p.bad_pixels == 0, "preview %dx%dx%d (%d bad)",
+          p.width, p.height, p.channels, p.bad_pixels);
+    CHECK(p.nested == KILN_ERR_STATE, "kiln_run_string from the preview callback gave %s",
+          kiln_status_string(p.nested));
+    /* a script's own loop: kiln.preview_image; none after kiln_set_preview(NULL) */
+    p.calls = 0;
+    CHECK(kiln_run_string(ctx, "assert(kiln.preview_every() == 2)\n"
+                               "kiln.preview_image(1, 1, kiln.zeros({2, 3, 5, 7}))") == KILN_OK,
+          "preview_image: %s", kiln_last_message(ctx));
+    CHECK(p.calls == 1 && p.width == 7 && p.height == 5, "%d calls, %dx%d", p.calls, p.width, p.height);
+    kiln_set_preview(ctx, NULL, NULL, 0);
+    p.calls = 0;
+    CHECK(kiln_run_string(ctx, "assert(kiln.preview_every() == nil)\n"
+                               "kiln.preview_image(1, 1, kiln.zeros({1, 3, 5, 7}))") == KILN_OK,
+          "no callback: %s", kiln_last_message(ctx));
+    CHECK(p.calls == 0, "%d calls without a callback", p.calls);
+    kiln_close(ctx);
+}
+
 /* ---------------------------------------------------------------- logging */
 
 typedef struct {
@@ -826,6 +883,7 @@ int main(void)
     RUN(t_cancel_from_another_thread);
     RUN(t_sampler_progress_and_cancel);
     RUN(t_bare_sampler_progress);
+    RUN(t_preview_callback);
     RUN(t_log_and_no_stdout);
     RUN(t_memory_and_oom);
     RUN(t_png_roundtrip);

@@ -430,6 +430,49 @@ static void t_bad_files(void)
           "NULL arguments");
 }
 
+/* The image size IHDR declares is checked against the limit and against the
+ * compressed bytes present before anything is allocated for it; a solid image,
+ * which deflate shrinks about as far as it can, still reads. */
+static void t_declared_size(void)
+{
+    const char *path = tmp_path("declared.png");
+    int c = 1, h = 2048, w = 2048;
+    float *px = calloc((size_t)h * (size_t)w, sizeof(float));
+    kiln_status st = kiln_png_write(path, px, c, h, w, 0, NULL, NULL);
+    CHECK(st == KILN_OK, "write: %s", kiln_last_error());
+    free(px);
+    px = NULL;
+    st = kiln_png_read(path, &px, &c, &h, &w);
+    CHECK(st == KILN_OK && c == 1 && h == 2048 && w == 2048, "solid 2048x2048: %s", kiln_last_error());
+    free(px);
+    size_t n;
+    unsigned char *b = read_file(path, &n);
+    if (!b || n < 33 || memcmp(b + 12, "IHDR", 4) != 0) {
+        CHECK(0, "no IHDR where expected");
+        free(b);
+        return;
+    }
+    static const struct { unsigned w, h; const char *msg; } cases[] = {
+        {16000, 16000, "compressed data cannot hold them"},
+        {70000, 70000, "more than the 268435456 pixels"},
+        {1u << 31, 1, "more than the 268435456 pixels"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (int k = 0; k < 4; k++) {
+            b[16 + k] = (unsigned char)(cases[i].w >> (24 - 8 * k));
+            b[20 + k] = (unsigned char)(cases[i].h >> (24 - 8 * k));
+        }
+        write_file(path, b, n);
+        double t0 = now_ms();
+        px = NULL;
+        st = kiln_png_read(path, &px, &c, &h, &w);
+        CHECK(st == KILN_ERR_FORMAT && strstr(kiln_last_error(), cases[i].msg) && now_ms() - t0 < 200,
+              "%ux%u: %s", cases[i].w, cases[i].h, kiln_last_error());
+        free(px);
+    }
+    free(b);
+}
+
 static void t_speed(void)
 {
     int c = 3, h = 512, w = 512;
@@ -462,6 +505,7 @@ int main(void)
     RUN(t_golden_16bit);
     RUN(t_gamma1);
     RUN(t_bad_files);
+    RUN(t_declared_size);
     RUN(t_speed);
     test_tmpdir_remove();
     return test_summary();

@@ -458,6 +458,9 @@ static void t_bad_files(void)
     expect_error(g_tmp, KILN_ERR_FORMAT, "vocab.json");
     spit(tmp_path("vocab.json"), "{\"c\": 1e12}", 11);               /* id out of range */
     expect_error(g_tmp, KILN_ERR_FORMAT, "vocab.json");
+    static const char sparse[] = "{\"c\": 0, \"a\": 9000000}";     /* an id far past the entries: */
+    spit(tmp_path("vocab.json"), sparse, strlen(sparse));
+    expect_error(g_tmp, KILN_ERR_FORMAT, "for 2 tokens");           /* refused before its table is made */
     spit(tmp_path("vocab.json"), "[1, 2]", 6);
     expect_error(g_tmp, KILN_ERR_FORMAT, "vocab.json");
     static const char no_specials[] = "{\"c\": 0, \"a\": 1, \"ca\": 2}";

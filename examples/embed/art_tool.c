@@ -6,6 +6,7 @@
  *   cc art_tool.c $(pkg-config --cflags --libs kiln) -o art_tool
  *   ./art_tool --steps 20 --out fox.png "a red fox"
  *   ./art_tool --steps 20 --cancel-after 5 "a red fox"      # exits with status 2
+ *   ./art_tool --steps 20 --preview live.png "a red fox"    # the picture forming, every 5 steps
  *
  * Exit status: 0 image written, 1 error, 2 cancelled. */
 #include <kiln.h>
@@ -30,6 +31,16 @@ static void on_progress(void *user, int step, int total, const char *message)
     if (p->cancel_after > 0 && step >= p->cancel_after) kiln_cancel(p->ctx); /* as a Cancel button would */
 }
 
+/* Called between sampling steps with a picture of the run so far (8-bit RGB, valid only
+ * during the call): a paint program would draw it on its canvas; this one writes it to
+ * a file (atomically, so a viewer watching the file never reads half of one). */
+static void on_preview(void *user, int step, int total, const kiln_image *image)
+{
+    const char *path = user;
+    if (kiln_image_save_png(NULL, image, path) == KILN_OK)
+        printf("[preview] step %d/%d: %dx%d -> %s\n", step, total, image->width, image->height, path);
+}
+
 /* The script's print() and warnings. */
 static void on_log(void *user, kiln_log_level level, const char *message)
 {
@@ -45,6 +56,7 @@ static void usage(FILE *f)
           "  --size N           width and height (default 256)\n"
           "  --seed N           seed (default 0)\n"
           "  --cancel-after K   cancel after step K (exit status 2)\n"
+          "  --preview FILE     write a preview PNG every 5 steps while the picture forms\n"
           "  --script FILE      the Lua side (default examples/embed/art_tool.lua)\n"
           "  --model FILE       checkpoint, for the text-to-image version of the script\n"
           "  --device NAME      cpu, sim, cuda:0 (default cpu)\n"
@@ -55,7 +67,7 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     const char *out_path = "art.png", *script = "examples/embed/art_tool.lua", *prompt = "a lighthouse at dusk";
-    const char *steps = "20", *size = "256", *seed = "0", *model = NULL;
+    const char *steps = "20", *size = "256", *seed = "0", *model = NULL, *preview = NULL;
     kiln_config cfg = {0};
     progress_state progress = {0};
     for (int i = 1; i < argc; i++) {
@@ -69,6 +81,7 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--size") == 0) size = v;
         else if (strcmp(a, "--seed") == 0) seed = v;
         else if (strcmp(a, "--cancel-after") == 0) progress.cancel_after = atoi(v);
+        else if (strcmp(a, "--preview") == 0) preview = v;
         else if (strcmp(a, "--script") == 0) script = v;
         else if (strcmp(a, "--model") == 0) model = v;
         else if (strcmp(a, "--device") == 0) cfg.device = v;
@@ -89,6 +102,7 @@ int main(int argc, char **argv)
     }
     progress.ctx = ctx;
     kiln_set_progress(ctx, on_progress, &progress);
+    if (preview) kiln_set_preview(ctx, on_preview, (void *)preview, 5);
     kiln_run_string(ctx, "print(('kiln %s on %s'):format(kiln.version, kiln.default_device()))");
 
     /* 2. the Lua side defines generate(prompt, steps, size, seed, model) */

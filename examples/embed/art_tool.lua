@@ -2,7 +2,9 @@
 -- (examples/embed/art_tool.c). Defines the global generate(prompt, steps, size,
 -- seed [, model]), which returns an RGB image tensor [1, 3, size, size] in [0, 1]
 -- and reports every step through kiln.progress, where the host shows progress and
--- where its cancel takes effect.
+-- where its cancel takes effect, and hands pictures of the work so far to the host's
+-- preview callback (the pipelines do it by themselves; this loop with
+-- kiln.preview_image).
 --
 -- Without a checkpoint the picture is painted with tensor ops over `steps`
 -- refinement steps; switching to text-to-image is the one line marked below.
@@ -30,6 +32,8 @@ local function paint(o)
                              blue:reshape({ 1, 1, n, n }) }, 2)
     img = img * (1 - 1 / i) + layer * (1 / i)   -- the running mean of the passes
     kiln.progress(i, o.steps, "paint")
+    local every = kiln.preview_every()            -- nil: the host wants no previews
+    if every and (i % every == 0 or i == o.steps) then kiln.preview_image(i, o.steps, img) end
   end
   return img
 end

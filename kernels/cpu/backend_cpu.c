@@ -17,17 +17,44 @@ static const float *f32_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_statu
     if (t->dtype == KILN_F32 && kiln_tensor_is_contiguous(t)) return kiln_tensor_data(t);
     *st = kiln_tensor_new(t->storage->device, KILN_F32, t->ndim, t->shape, tmp);
     if (*st) return NULL;
-    kiln_cpu_copy(*tmp, t);
+    if ((*st = kiln_cpu_copy(*tmp, t))) return NULL; /* the caller frees *tmp */
     return kiln_tensor_data(*tmp);
 }
 
-/* Weights: contiguous in f32/f16/bf16 as stored; anything else becomes f32. */
-static const void *w_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_status *st, kiln_dtype *dt)
+/* fp8 -> f16 (exact) in pieces of 64 Ki elements on the pool */
+typedef struct { uint16_t *dst; const uint8_t *src; kiln_dtype dt; int64_t n; } f8_job;
+
+static void f8_to_f16_run(void *p, int64_t b0, int64_t b1)
+{
+    const f8_job *j = p;
+    int64_t lo = b0 * 65536, hi = b1 * 65536 < j->n ? b1 * 65536 : j->n;
+    if (lo < hi) kiln_convert(j->dst + lo, KILN_F16, j->src + lo, j->dt, (size_t)(hi - lo));
+}
+
+static int is_lowbit(kiln_dtype dt)
+{
+    return dt == KILN_F8_E4M3FN || dt == KILN_F8_E5M2 || kiln_dtype_is_blocked(dt);
+}
+
+/* Weights: contiguous in f32/f16/bf16 as stored, and low-bit ones (fp8, block types)
+ * too where the kernel decodes them itself (linear: lowbit_ok); otherwise the
+ * convolutions get fp8 as an f16 copy of the layer (exact) and block types as f32;
+ * anything else becomes f32. */
+static const void *w_data(const kiln_tensor *t, kiln_tensor **tmp, kiln_status *st, kiln_dtype *dt, int lowbit_ok)
 {
     *tmp = NULL;
-    if (kiln_tensor_is_contiguous(t) && (t->dtype == KILN_F32 || t->dtype == KILN_F16 || t->dtype == KILN_BF16)) {
+    if (kiln_tensor_is_contiguous(t) && (t->dtype == KILN_F32 || t->dtype == KILN_F16 || t->dtype == KILN_BF16 ||
+                                         (lowbit_ok && is_lowbit(t->dtype)))) {
         *dt = t->dtype;
         return kiln_tensor_data(t);
+    }
+    if ((t->dtype == KILN_F8_E4M3FN || t->dtype == KILN_F8_E5M2) && kiln_tensor_is_contiguous(t)) {
+        *st = kiln_tensor_new(t->storage->device, KILN_F16, t->ndim, t->shape, tmp);
+        if (*st) return NULL;
+        f8_job j = {kiln_tensor_data(*tmp), kiln_tensor_data(t), t->dtype, kiln_tensor_numel(t)};
+        kiln_parallel_for((kiln_tensor_numel(t) + 65535) / 65536, 1, f8_to_f16_run, &j);
+        *dt = KILN_F16;
+        return kiln_tensor_data(*tmp);
     }
     *dt = KILN_F32;
     return f32_data(t, tmp, st);
@@ -80,12 +107,12 @@ typedef struct {
 } wop;
 
 static kiln_status wop_get(wop *o, kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
-                           const kiln_tensor *bias)
+                           const kiln_tensor *bias, int lowbit_ok)
 {
     kiln_status st = KILN_OK;
     memset(o, 0, sizeof *o);
     o->X = f32_data(x, &o->tx, &st);
-    o->W = o->X ? w_data(w, &o->tw, &st, &o->wdt) : NULL;
+    o->W = o->X ? w_data(w, &o->tw, &st, &o->wdt, lowbit_ok) : NULL;
     if (o->W && bias) o->B = f32_data(bias, &o->tb, &st);
     o->Y = (o->W && (!bias || o->B)) ? out_data(out, &o->to, &st) : NULL;
     if (!o->Y) {
@@ -105,7 +132,7 @@ static void wop_done(wop *o, kiln_tensor *out)
 static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
 {
     wop o;
-    kiln_status st = wop_get(&o, out, x, w, bias);
+    kiln_status st = wop_get(&o, out, x, w, bias, 1);
     if (st) return st;
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
     if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
@@ -126,7 +153,7 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
     kiln_status st = kiln_conv2d_out_size(&p);
     if (st) return st;
     wop ops;
-    if ((st = wop_get(&ops, out, x, w, bias))) return st;
+    if ((st = wop_get(&ops, out, x, w, bias, 0))) return st;
     st = kiln_cpu_conv2d(ops.Y, ops.X, ops.W, ops.wdt, ops.B, &p);
     wop_done(&ops, out);
     return st;
@@ -138,7 +165,7 @@ static kiln_status cpu_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const 
     /* not fused: the op upsamples into a tensor of its own (counted, unlike scratch) */
     if (!kiln_cpu_conv2d_up2_fuses(x->shape[1], x->shape[2], x->shape[3], w->shape[0])) return KILN_ERR_UNSUPPORTED;
     wop o;
-    kiln_status st = wop_get(&o, out, x, w, bias);
+    kiln_status st = wop_get(&o, out, x, w, bias, 0);
     if (st) return st;
     st = kiln_cpu_conv2d_up2(o.Y, o.X, o.W, o.wdt, o.B, x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0]);
     wop_done(&o, out);

@@ -5,6 +5,7 @@
 #include "cpu_backend.h"
 #include "cpu_kernels.h"
 #include "strided.h"
+#include "threadpool.h"
 
 #include <math.h>
 #include <string.h>
@@ -15,6 +16,7 @@ static inline void store(char *p, kiln_dtype dt, double v)
     case KILN_F32: *(float *)p = (float)v; break;
     case KILN_F16: *(uint16_t *)p = kiln_f32_to_f16((float)v); break;
     case KILN_BF16: *(uint16_t *)p = kiln_f32_to_bf16((float)v); break;
+    case KILN_F8_E4M3FN: case KILN_F8_E5M2: kiln_convert(p, dt, &(float){(float)v}, KILN_F32, 1); break;
     default: {
         /* integers: truncate toward zero, saturate, nan -> 0 (never undefined behaviour) */
         double lo = dt == KILN_U8 ? 0 : dt == KILN_I32 ? -2147483648.0 : -9223372036854775808.0;
@@ -47,8 +49,33 @@ static void copy_run(void *p, int64_t n, char **ptr, const int64_t *st)
     for (int64_t i = 0; i < n; i++) kiln_convert(ptr[0] + i * st[0] * (int64_t)de, dd, ptr[1] + i * st[1] * (int64_t)se, sd, 1);
 }
 
+typedef struct { char *d; const char *s; kiln_dtype dd, sd; int64_t blk; } block_copy;
+
+static void block_copy_run(void *p, int64_t b0, int64_t b1)
+{
+    const block_copy *c = p;
+    kiln_convert(c->d + kiln_dtype_nbytes(c->dd, b0 * c->blk), c->dd, c->s + kiln_dtype_nbytes(c->sd, b0 * c->blk),
+                 c->sd, (size_t)((b1 - b0) * c->blk));
+}
+
 kiln_status kiln_cpu_copy(kiln_tensor *dst, const kiln_tensor *src)
 {
+    if (kiln_dtype_is_blocked(dst->dtype) || kiln_dtype_is_blocked(src->dtype)) {
+        /* block types are decoded / quantized whole rows at a time, so both sides must
+         * be contiguous and of one shape; the pool takes pieces of 256 elements (a
+         * multiple of every block) */
+        if (!kiln_tensor_is_contiguous(dst) || !kiln_tensor_is_contiguous(src) || !kiln_shape_equal(dst, src))
+            return kiln_error(KILN_ERR_UNSUPPORTED, "copy: %s to %s needs contiguous tensors of one shape",
+                              kiln_dtype_name(src->dtype), kiln_dtype_name(dst->dtype));
+        int64_t n = kiln_tensor_numel(dst), blk = 256;
+        block_copy c = {kiln_tensor_data(dst), kiln_tensor_data(src), dst->dtype, src->dtype, blk};
+        int64_t full = n / blk;
+        if (full) kiln_parallel_for(full, 16, block_copy_run, &c);
+        if (n > full * blk)
+            kiln_convert(c.d + kiln_dtype_nbytes(c.dd, full * blk), c.dd, c.s + kiln_dtype_nbytes(c.sd, full * blk), c.sd,
+                         (size_t)(n - full * blk));
+        return KILN_OK;
+    }
     const kiln_tensor *ops[2] = {dst, src};
     kiln_iter it;
     kiln_iter_init(&it, 2, ops);
@@ -127,6 +154,9 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
         case KILN_BIN_SUB: BIN_F32_LOOP(x - y); return;
         case KILN_BIN_MUL: BIN_F32_LOOP(x * y); return;
         case KILN_BIN_DIV: BIN_F32_LOOP(x / y); return;
+        /* NaN in either operand gives NaN, as bin_d */
+        case KILN_BIN_MIN: BIN_F32_LOOP((x != x || y != y) ? x + y : (x < y ? x : y)); return;
+        case KILN_BIN_MAX: BIN_F32_LOOP((x != x || y != y) ? x + y : (x > y ? x : y)); return;
         default: break;
         }
     }
@@ -143,9 +173,22 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
     }
 }
 
+/* Elementwise loops address elements one by one, which block types do not allow. */
+static kiln_status no_blocks(const char *op, const kiln_tensor *x, const kiln_tensor *y, const kiln_tensor *z)
+{
+    const kiln_tensor *t[3] = {x, y, z};
+    for (int i = 0; i < 3; i++)
+        if (t[i] && kiln_dtype_is_blocked(t[i]->dtype))
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: a %s tensor (a block type): convert it with :to(\"f32\") first",
+                              op, kiln_dtype_name(t[i]->dtype));
+    return KILN_OK;
+}
+
 kiln_status kiln_cpu_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a,
                             const kiln_tensor *b, double s, int swap)
 {
+    kiln_status bst = no_blocks("elementwise op", out, a, b);
+    if (bst) return bst;
     const kiln_tensor *ops[3] = {out, a, b};
     kiln_iter it;
     kiln_iter_init(&it, b ? 3 : 2, ops);
@@ -177,6 +220,7 @@ static inline double un_d(kiln_unop op, double x, double p0, double p1)
         if (p0 == p0 && x < p0) x = p0;
         if (p1 == p1 && x > p1) x = p1;
         return x;
+    case KILN_UN_LEAKY_RELU: return x < 0 ? x * p0 : x;
     default: return 0;
     }
 }
@@ -199,6 +243,29 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
         case KILN_UN_EXP: for (int64_t i = 0; i < n; i++) o[i] = expf(a[i]); return;
         case KILN_UN_SQRT: for (int64_t i = 0; i < n; i++) o[i] = sqrtf(a[i]); return;
         case KILN_UN_ABS: for (int64_t i = 0; i < n; i++) o[i] = fabsf(a[i]); return;
+        /* written as selects the compiler turns into max / min instructions: a branch on the
+         * sign of random data is mispredicted half the time; the NaN test is never taken */
+        case KILN_UN_RELU:
+            for (int64_t i = 0; i < n; i++) { float v = a[i], r = v > 0.0f ? v : 0.0f; o[i] = v != v ? v : r; }
+            return;
+        case KILN_UN_LEAKY_RELU: {
+            float s = (float)c->p0;
+            for (int64_t i = 0; i < n; i++) {
+                float v = a[i], pos = v > 0.0f ? v : 0.0f, neg = v < 0.0f ? v : 0.0f, r = pos + s * neg;
+                o[i] = v != v ? v : r;
+            }
+            return;
+        }
+        case KILN_UN_CLAMP: {
+            /* NaN bounds are absent bounds (un_d); a NaN input stays NaN */
+            float lo = c->p0 == c->p0 ? (float)c->p0 : -INFINITY, hi = c->p1 == c->p1 ? (float)c->p1 : INFINITY;
+            for (int64_t i = 0; i < n; i++) {
+                float v = a[i], r = v < lo ? lo : v;
+                r = r > hi ? hi : r;
+                o[i] = v != v ? v : r;
+            }
+            return;
+        }
         default: break;
         }
     }
@@ -210,6 +277,8 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
 
 kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)
 {
+    kiln_status bst = no_blocks("elementwise op", out, a, NULL);
+    if (bst) return bst;
     const kiln_tensor *ops[2] = {out, a};
     kiln_iter it;
     kiln_iter_init(&it, 2, ops);

@@ -10,6 +10,7 @@
 #include "threadpool.h"
 
 #include <cblas.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -270,12 +271,100 @@ AVX512 static void pack_a_rows(float *restrict ap, const gemm_args *g, int64_t i
     }
 }
 
+static int lowbit_dt(kiln_dtype dt) { return dt == KILN_F8_E4M3FN || dt == KILN_F8_E5M2 || kiln_dtype_is_blocked(dt); }
+
+/* pack_b for a low-bit B (fp8, ggml's block types; rows of W as trans_b, the linear
+ * case): each sliver's rows are decoded over the whole blocks that cover [k0, k0+kc)
+ * into a buffer on the stack, then transposed 16 x 16 in registers as f32 rows are. */
+/* 16 elements (n <= 16 valid, rest zero) of a q8_0 / fp8 row from element k, k a
+ * multiple of 16 (so they lie in one q8_0 block), converted in registers: the same
+ * values as the scalar decoding (float(q) * d; fp8 through its exact f16 form). */
+AVX512 static inline __m512 load16_direct(const char *row, kiln_dtype dt, int64_t k, int n)
+{
+    if (n <= 0) return _mm512_setzero_ps();
+    const uint8_t *src = dt == KILN_Q8_0 ? (const uint8_t *)row + (k / 32) * 34 + 2 + k % 32 : (const uint8_t *)row + k;
+    __m128i v;
+    if (n == 16) {
+        v = _mm_loadu_si128((const __m128i *)src);
+    } else {
+        uint8_t b[16] = {0};
+        memcpy(b, src, (size_t)n);
+        v = _mm_loadu_si128((const __m128i *)b);
+    }
+    if (dt == KILN_Q8_0) {
+        const uint8_t *blk = (const uint8_t *)row + (k / 32) * 34;
+        float d = kiln_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(d));
+    }
+    __m512i w = _mm512_cvtepu8_epi32(v);
+    if (dt == KILN_F8_E5M2) /* the upper byte of an f16 */
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(w, 8)));
+    /* e4m3fn: its exponent and mantissa bits placed in an f16 read 2^-8 times the value
+     * (subnormals included); the sign goes to the f16's; S.1111.111 is nan */
+    __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7f));
+    __m512i h = _mm512_or_si512(_mm512_slli_epi32(mag, 7), _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 8));
+    __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+    __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+    return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(NAN));
+}
+
+AVX512 static void pack_b_lowbit(float *restrict bp, const gemm_args *g, int64_t j0, int64_t n, int64_t k0, int64_t kc)
+{
+    if (g->b_dt == KILN_Q8_0 || g->b_dt == KILN_F8_E4M3FN || g->b_dt == KILN_F8_E5M2) {
+        size_t row_bytes = kiln_dtype_nbytes(g->b_dt, g->ldb);
+        for (int64_t js = 0; js < n; js += NR) {
+            int nn = n - js < NR ? (int)(n - js) : NR;
+            float *dst = bp + (js / NR) * kc * NR;
+            for (int half = 0; half < 2; half++) {
+                int jn = nn - half * 16;
+                for (int64_t kb = 0; kb < kc; kb += 16) {
+                    int kn = kc - kb < 16 ? (int)(kc - kb) : 16;
+                    __m512 r[16];
+                    for (int jj = 0; jj < 16; jj++)
+                        r[jj] = jj < jn ? load16_direct((const char *)g->B + (size_t)(j0 + js + half * 16 + jj) * row_bytes,
+                                                        g->b_dt, k0 + kb, kn)
+                                        : _mm512_setzero_ps();
+                    transpose16(r);
+                    for (int kk = 0; kk < kn; kk++) _mm512_store_ps(dst + (kb + kk) * NR + half * 16, r[kk]);
+                }
+            }
+        }
+        return;
+    }
+    enum { SPAN = KC + 2 * 256 };
+    float rows[NR][SPAN] __attribute__((aligned(64)));
+    int64_t blk = kiln_dtype_block(g->b_dt), kb0 = k0 / blk * blk, kb1 = (k0 + kc + blk - 1) / blk * blk;
+    const char *B = g->B;
+    for (int64_t js = 0; js < n; js += NR) {
+        int nn = n - js < NR ? (int)(n - js) : NR;
+        float *dst = bp + (js / NR) * kc * NR;
+        for (int jj = 0; jj < nn; jj++)
+            kiln_to_f32(rows[jj], B + kiln_dtype_nbytes(g->b_dt, (j0 + js + jj) * g->ldb + kb0), g->b_dt,
+                        (size_t)(kb1 - kb0));
+        for (int half = 0; half < 2; half++) {
+            int jn = nn - half * 16;
+            for (int64_t kb = 0; kb < kc; kb += 16) {
+                int kn = kc - kb < 16 ? (int)(kc - kb) : 16;
+                __m512 r[16];
+                for (int jj = 0; jj < 16; jj++)
+                    r[jj] = jj < jn ? load16(&rows[half * 16 + jj][k0 - kb0 + kb], KILN_F32, kn) : _mm512_setzero_ps();
+                transpose16(r);
+                for (int kk = 0; kk < kn; kk++) _mm512_store_ps(dst + (kb + kk) * NR + half * 16, r[kk]);
+            }
+        }
+    }
+}
+
 /* Packs columns [j0, j0+n) x depth [k0, k0+kc) of op(B) into bp[k][NR] slivers of
  * NR columns each (columns past n zero), converting f16/bf16 to f32 on the way. */
 AVX512 static void pack_b(float *restrict bp, const gemm_args *g, int64_t j0, int64_t n, int64_t k0, int64_t kc)
 {
     if (g->pack_b) {
         g->pack_b(g->pack_ctx, bp, j0, n, k0, kc);
+        return;
+    }
+    if (lowbit_dt(g->b_dt)) {
+        pack_b_lowbit(bp, g, j0, n, k0, kc);
         return;
     }
     size_t esz = kiln_dtype_size(g->b_dt);
@@ -823,17 +912,63 @@ int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, cons
     return 0;
 }
 
+/* Low-bit weights (fp8, ggml's block types): rows of W are decoded to f32 a panel
+ * at a time (about 4 MB, in parallel), and each panel is one product writing its
+ * columns of y, so no more than a panel of the weight ever exists in f32. */
+typedef struct { float *panel; const char *w; kiln_dtype dt; int64_t n0, K; } decode_ctx;
+
+static void decode_rows(void *p, int64_t r0, int64_t r1)
+{
+    const decode_ctx *c = p;
+    for (int64_t r = r0; r < r1; r++)
+        kiln_to_f32(c->panel + r * c->K, c->w + kiln_dtype_nbytes(c->dt, (c->n0 + r) * c->K), c->dt, (size_t)c->K);
+}
+
+static kiln_status linear_lowbit(float *y, const float *x, const void *w, kiln_dtype dt, const float *bias,
+                                 int64_t M, int64_t N, int64_t K)
+{
+    if (K % kiln_dtype_block(dt))
+        return kiln_error(KILN_ERR_ARG, "linear: %s weight rows of %lld are not whole blocks of %d", kiln_dtype_name(dt),
+                          (long long)K, kiln_dtype_block(dt));
+    int64_t nb = ((int64_t)1 << 20) / (K ? K : 1);
+    nb = nb < 32 ? 32 : nb / 32 * 32;
+    if (nb > N) nb = N;
+    float *panel = kiln_cpu_scratch_get((size_t)(nb * K) * sizeof(float));
+    if (!panel) return kiln_error(KILN_ERR_OOM, "linear: no memory for a %lld x %lld weight panel", (long long)nb, (long long)K);
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+        int64_t rows = N - n0 < nb ? N - n0 : nb;
+        decode_ctx c = {panel, w, dt, n0, K};
+        kiln_parallel_for(rows, 8, decode_rows, &c);
+        gemm_args g = {.trans_b = 1, .M = M, .N = rows, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
+                       .B = panel, .ldb = K, .b_dt = KILN_F32, .C = y + n0, .ldc = N,
+                       .bias_col = bias ? bias + n0 : NULL};
+        gemm_dispatch(&g);
+    }
+    kiln_cpu_scratch_put(panel);
+    return KILN_OK;
+}
+
 kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, int64_t M, int64_t N, int64_t K)
 {
-    if (w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "linear: weight dtype %s (expected f32, f16 or bf16)",
-                          kiln_dtype_name(w_dtype));
+    int lowbit = w_dtype == KILN_F8_E4M3FN || w_dtype == KILN_F8_E5M2 || kiln_dtype_is_blocked(w_dtype);
+    if (w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16 && !lowbit)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "linear: weight dtype %s (expected a float type: f32, f16, bf16, fp8 "
+                          "or a ggml block type)", kiln_dtype_name(w_dtype));
     if (M < 0 || N < 0 || K < 0)
         return kiln_error(KILN_ERR_ARG, "linear: negative size M=%lld N=%lld K=%lld", (long long)M, (long long)N,
                           (long long)K);
     if (M == 0 || N == 0) return KILN_OK;
     if (!y || !x || (!w && K > 0)) return kiln_error(KILN_ERR_ARG, "linear: NULL buffer");
+    if (lowbit) {
+        /* the packed kernel decodes while packing B; elsewhere, decoded panels */
+        gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
+                       .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias};
+        if (K % kiln_dtype_block(w_dtype) == 0 && have_avx512() && (double)M * (double)N * (double)K >= SMALL_MACS &&
+            packed_gemm(&g, NULL, kiln_cpu_threads()) == 0)
+            return KILN_OK;
+        return linear_lowbit(y, x, w, w_dtype, bias, M, N, K);
+    }
     /* f16/bf16 weights are converted while packing B, one KC x NB panel at a time (on
      * the BLAS path, 256 rows at a time); the bias is added as C is stored. */
     gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,

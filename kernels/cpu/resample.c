@@ -149,13 +149,18 @@ void kiln_cpu_interpolate_nearest(float *y, const float *x, int64_t nc, int64_t 
 /* ---- pad2d ---- */
 
 /* Source index of output coordinate i (already shifted by the leading pad), or -1
- * for the constant border. Reflection folds repeatedly, so even a pad wider than
- * the input (which F.pad rejects) stays in bounds. */
+ * for the constant border. Reflection folds repeatedly and circular wraps
+ * repeatedly, so even a pad wider than the input (which F.pad rejects) stays in
+ * bounds. */
 static inline int64_t pad_index(int64_t s, int64_t n, kiln_pad_mode mode)
 {
     if (s >= 0 && s < n) return s;
     if (mode == KILN_PAD_CONSTANT) return -1;
     if (mode == KILN_PAD_REPLICATE || n == 1) return s < 0 ? 0 : n - 1;
+    if (mode == KILN_PAD_CIRCULAR) {
+        s %= n;
+        return s < 0 ? s + n : s;
+    }
     int64_t period = 2 * (n - 1);
     s %= period;
     if (s < 0) s += period;

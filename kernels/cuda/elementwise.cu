@@ -66,7 +66,20 @@ extern "C" kiln_status kiln_cuda_copy(kiln_tensor *dst, const kiln_tensor *src)
     unsigned blocks = kiln_cuda_blocks(c, n, KILN_CUDA_THREADS);
     if (flat && dst->dtype == src->dtype)
         return kiln_cuda_check(c, op, "cudaMemcpyAsync",
-                               cudaMemcpyAsync(d, s, (size_t)n * kiln_dtype_size(dst->dtype), cudaMemcpyDeviceToDevice, c->compute));
+                               cudaMemcpyAsync(d, s, kiln_tensor_nbytes(dst), cudaMemcpyDeviceToDevice, c->compute));
+    /* low-bit weights (fp8, block types) only decode here, into contiguous f32 / f16:
+     * what a GEMM or convolution asks for (kiln_cuda_as); quantizing is the host's */
+    int low_s = src->dtype == KILN_F8_E4M3FN || src->dtype == KILN_F8_E5M2 || kiln_dtype_is_blocked(src->dtype);
+    int low_d = dst->dtype == KILN_F8_E4M3FN || dst->dtype == KILN_F8_E5M2 || kiln_dtype_is_blocked(dst->dtype);
+    if (low_s || low_d) {
+        if (low_d || !kiln_tensor_is_contiguous(src) || !kiln_tensor_is_contiguous(dst) || !kiln_shape_equal(dst, src) ||
+            (dst->dtype != KILN_F32 && dst->dtype != KILN_F16))
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: copy %s -> %s: on CUDA low-bit tensors only decode, contiguous, "
+                              "to f32 or f16 (convert on the cpu)", c->dev->name, kiln_dtype_name(src->dtype),
+                              kiln_dtype_name(dst->dtype));
+        kiln_status ds = kiln_cuda_dequantize(c, d, dst->dtype, s, src->dtype, n);
+        return ds ? ds : kiln_cuda_done(c, op);
+    }
     if (flat) {
         copy_flat_k<<<blocks, KILN_CUDA_THREADS, 0, c->compute>>>(d, dst->dtype, s, src->dtype, n);
     } else if (dst->dtype == src->dtype) {
@@ -250,6 +263,7 @@ __device__ __forceinline__ CT un_op(int op, CT x, CT p0, CT p1)
         if (p0 == p0 && x < p0) x = p0;
         if (p1 == p1 && x > p1) x = p1;
         return x;
+    case KILN_UN_LEAKY_RELU: return x < 0 ? x * p0 : x;
     default: return 0;
     }
 }

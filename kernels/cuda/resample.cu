@@ -105,12 +105,16 @@ extern "C" kiln_status kiln_cuda_resample(kiln_resample mode, kiln_tensor *out, 
 /* ---- pad2d ---- */
 
 /* source index of s (already shifted by the leading pad), -1 for the constant border;
- * reflection folds repeatedly so it stays in bounds (as the CPU kernel) */
+ * reflection folds and circular wraps repeatedly so it stays in bounds (as the CPU kernel) */
 __device__ __forceinline__ int64_t pad_index(int64_t s, int64_t n, int mode)
 {
     if (s >= 0 && s < n) return s;
     if (mode == KILN_PAD_CONSTANT) return -1;
     if (mode == KILN_PAD_REPLICATE || n == 1) return s < 0 ? 0 : n - 1;
+    if (mode == KILN_PAD_CIRCULAR) {
+        s %= n;
+        return s < 0 ? s + n : s;
+    }
     int64_t period = 2 * (n - 1);
     s %= period;
     if (s < 0) s += period;

@@ -115,6 +115,7 @@ local function sniff(path)
   if not f then fail(nil, err) end
   local head = f:read(9) or ""
   f:close()
+  if head:sub(1, 4) == "GGUF" then return "gguf" end
   -- safetensors: an 8-byte header length, then the JSON header's "{"
   if head:sub(9, 9) == "{" then return end
   if head:sub(1, 2) == "PK" or head:byte(1) == 0x80 then
@@ -122,12 +123,26 @@ local function sniff(path)
   end
 end
 
--- path -> tensors (name -> mapped tensor), metadata. Errors name the file.
+-- GGUF architectures kiln runs (general.architecture; ComfyUI-GGUF labels SD 2.x "sd1"
+-- too, so the family still comes from the tensors)
+local GGUF_ARCHS = { sd1 = true, sd2 = true, sdxl = true }
+
+-- path -> tensors (name -> mapped tensor), metadata. Errors name the file. A GGUF
+-- file (by its magic) is read the same way: its metadata are strings as well.
 function M.read_safetensors(path)
   if path:match("%.ckpt$") or path:match("%.pt$") or path:match("%.pth$") or path:match("%.bin$") then
     fail(path, PICKLE_HELP)
   end
-  sniff(path)
+  if sniff(path) == "gguf" then
+    local ok, tensors, meta = pcall(kiln.load_gguf, path)
+    if not ok then fail(path, "cannot read it as GGUF: " .. tostring(tensors)) end
+    local arch = meta["general.architecture"]
+    if arch and not GGUF_ARCHS[arch] then
+      fail(path, fmt("unknown architecture '%s' in this GGUF file (general.architecture); kiln runs SD 1.x, " ..
+        "SD 2.x and SDXL UNets (sd1, sd2, sdxl)", arch))
+    end
+    return tensors, meta
+  end
   local ok, tensors, meta = pcall(kiln.load_safetensors, path)
   if not ok then fail(path, "cannot read it as safetensors: " .. tostring(tensors)) end
   return tensors, meta or {}
@@ -193,6 +208,11 @@ function M.layout(shapes, meta, path)
   end
   local L = { unet = "model.diffusion_model.", vae = "first_stage_model.", clip = {} }
   local has_unet = shapes["model.diffusion_model.input_blocks.0.0.weight"] ~= nil
+  if not has_unet and shapes["input_blocks.0.0.weight"] and shapes["out.2.weight"] then
+    -- a UNet alone under its bare names (ComfyUI's diffusion_models files, GGUF or fp8):
+    -- the VAE and text encoders come from {vae =, clip =}
+    L.unet, has_unet = "", true
+  end
   local has_vae = has_prefix(shapes, "first_stage_model.")
   local family
   if has_prefix(shapes, "conditioner.embedders.1.model.") then
@@ -214,11 +234,12 @@ function M.layout(shapes, meta, path)
   if has_unet then
     local ctx
     for name, s in pairs(shapes) do
-      if name:match("^model%.diffusion_model%..*%.attn2%.to_k%.weight$") then ctx = s[2]; break end
+      if name:sub(1, #L.unet) == L.unet and name:match("%.attn2%.to_k%.weight$") then ctx = s[2]; break end
     end
     local by_ctx = ({ [768] = "sd1", [1024] = "sd2", [2048] = "sdxl" })[ctx or 0]
-    if shapes["model.diffusion_model.label_emb.0.0.weight"] and not family then by_ctx = "sdxl" end
-    family = family or by_ctx
+    if shapes[L.unet .. "label_emb.0.0.weight"] and not family then by_ctx = "sdxl" end
+    local arch = meta and meta["general.architecture"]
+    family = family or by_ctx or (arch and GGUF_ARCHS[arch] and arch or nil)
   end
   if meta and meta["kiln.family"] then
     local f = meta["kiln.family"]
@@ -1089,13 +1110,28 @@ end
 -- merges.txt, or bpe_simple_vocab_16e6.txt.gz, or an open kiln.tokenizer; see
 -- find_tokenizer for the order it is looked for in; clip.tokenizer_source says which
 -- was used), vae (a VAE
--- file), clip / clip_l / clip_g (text encoder files), prediction ("eps" | "v"),
+-- file; or "taesd", a TAESD file or object: kiln.taesd), clip / clip_l / clip_g
+-- (text encoder files), prediction ("eps" | "v"),
 -- zsnr (boolean: the model was trained with a zero-terminal-SNR schedule; read
 -- from the kiln.zsnr metadata otherwise), family (force "sd1" | "sd2" | "sdxl"),
 -- scale_factor, loras / embeddings (folders ckpt:find_lora and embedding:NAME look in).
 function M.load_checkpoint(path, opts)
   if type(path) ~= "string" then error("kiln.load_checkpoint: path must be a string, got " .. type(path), 2) end
   opts = check_opts(opts)
+  local tv = opts.vae
+  if tv == "taesd" or type(tv) == "table" or (type(tv) == "string" and require("kiln.taesd").is_file(tv)) then
+    -- TAESD as the VAE (kiln.taesd): the checkpoint as it is, then its VAE replaced
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.vae = nil
+    local ckpt = M.load_checkpoint(path, o)
+    local ok, err = pcall(require("kiln.taesd").attach, ckpt, tv)
+    if not ok then
+      ckpt:close()
+      error(err, 0)
+    end
+    return ckpt
+  end
   if is_dir(path) then return with_adapters(load_diffusers((path:gsub("/+$", "")), opts), opts) end
   if not file_exists(path) then
     local f, err = io.open(path, "rb")

@@ -14,6 +14,8 @@ local COMMON = {
   scheduler = "normal", width = 0, height = 0, denoise = 1.0, out = "", model = "",
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
   lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
+  tileable = "",
+  preview = "", preview_every = 0, previewer = "latent2rgb", vae = "",
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -71,6 +73,11 @@ local function help_of(k)
     batch = "images per run, noise from the one seed; several are written as OUT_1.png, OUT_2.png...",
     clip_skip = "text encoder layer from the end: 1 the last, 2 the penultimate (default: the model family's)",
     weighting = "prompt weights (word:1.2) as a1111 (scale, keep the mean) or comfy (away from the empty prompt)",
+    tileable = "x, y or xy: a seamless picture that tiles across its left/right (x), top/bottom (y) or all edges",
+    preview = "PNG replaced (atomically) with a preview of the picture while it samples",
+    preview_every = "steps between two previews (default 1)",
+    previewer = "latent2rgb (free, latent size) or taesd (full size; taesd_decoder.safetensors found as --vae taesd)",
+    vae = "a VAE file, or taesd: TAESD (beside the model, in its vae_approx/ or ../vae_approx/, or a file) as the VAE",
   })[k]
 end
 
@@ -108,6 +115,16 @@ local function check_values(o)
   whole("clip_skip", 0)
   if o.weighting ~= "a1111" and o.weighting ~= "comfy" then
     util.usage_error(("--weighting %s: must be a1111 or comfy"):format(tostring(o.weighting)))
+  end
+  if o.tileable ~= "" and o.tileable ~= "x" and o.tileable ~= "y" and o.tileable ~= "xy" then
+    util.usage_error(("--tileable %s: must be x, y or xy"):format(tostring(o.tileable)))
+  end
+  if o.previewer ~= "latent2rgb" and o.previewer ~= "taesd" then
+    util.usage_error(("--previewer %s: must be latent2rgb or taesd"):format(tostring(o.previewer)))
+  end
+  whole("preview_every", 0)
+  if o.vae ~= "" and o.vae ~= "taesd" and not exists(o.vae) then
+    util.usage_error(("--vae %s: no such file (or taesd)"):format(o.vae))
   end
   if not (o.denoise >= 0 and o.denoise <= 1) then
     util.usage_error(("--denoise %g: must be between 0 and 1"):format(o.denoise))
@@ -178,14 +195,22 @@ function cli.parse(args, extra, help)
   end
   if o.tile == nil then o.overlap = nil
   elseif o.overlap == nil then o.overlap = o.tile // 4 end
+  if o.tileable == "" then o.tileable = nil end
+  if o.preview == "" then o.preview = nil end
+  if o.preview_every == 0 then o.preview_every = nil end
+  -- --vae names the checkpoint's VAE (cli.checkpoint_options), not a per-run one
+  o.checkpoint_vae = o.vae ~= "" and o.vae or nil
+  o.vae = nil
   o.device = kiln.default_device()
   return o
 end
 
 --- The options of kiln.load_checkpoint that the command line sets (--loras,
--- --embeddings: the folders LoRAs and embeddings are found in by name).
+-- --embeddings: the folders LoRAs and embeddings are found in by name; --vae: a VAE
+-- file or "taesd").
 function cli.checkpoint_options(o)
-  return { loras = o.loras ~= "" and o.loras or nil, embeddings = o.embeddings ~= "" and o.embeddings or nil }
+  return { loras = o.loras ~= "" and o.loras or nil, embeddings = o.embeddings ~= "" and o.embeddings or nil,
+    vae = o.checkpoint_vae }
 end
 
 --- Fills o.width / o.height with the checkpoint's native size where the command

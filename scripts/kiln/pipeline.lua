@@ -10,6 +10,7 @@ local lfs = require "lfs"
 local sample = require "kiln.sample"
 local progress = require "kiln.progress"
 local extra_networks = require "kiln.extra_networks"
+local seamless = require "kiln.seamless"
 
 local pipeline = {}
 
@@ -37,7 +38,23 @@ local function opts_with_defaults(opts, ckpt)
   for k, v in pairs(opts or {}) do o[k] = v end
   if o.cfg == nil then o.cfg = pipeline.default_cfg(ckpt) end
   check_controls(o.control, ckpt)
+  o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
   return o
+end
+
+-- opts.tileable = "x" | "y" | "xy": the run's UNet and VAE pad circularly on those
+-- axes (kiln.seamless), so the picture tiles; closing the result (the end of the
+-- run, or an error) gives them back their previous mode.
+local function run_tileable(ckpt, o)
+  return seamless.use({ ckpt.unet, ckpt.vae }, o.tileable, "kiln.pipeline: tileable")
+end
+
+-- opts.vae = "taesd" (found beside the checkpoint), a TAESD file or a kiln.load_taesd
+-- object: the run decodes and encodes with TAESD, a fast low-memory VAE, in place of
+-- the checkpoint's; closing the result puts the checkpoint's back.
+local function run_vae(ckpt, o)
+  if o.vae == nil or o.vae == false then return nil end
+  return require("kiln.taesd").swap(ckpt, o.vae)
 end
 
 --- The native image size of a checkpoint: its metadata's kiln.image_size, else
@@ -319,9 +336,11 @@ end
 
 --- Samples latents: from noise (x0 = nil) or from x0 at denoise < 1.
 function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
-  local sigmas = pipeline.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
+  -- o.sigmas: a schedule given whole (ComfyUI's KSamplerAdvanced steps); o.add_noise =
+  -- false starts from x0 as it is (zero noise), as its add_noise "disable"
+  local sigmas = o.sigmas or pipeline.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
   local s = sigmas:table()
-  local noise = kiln.randn(shape, { seed = o.seed })
+  local noise = o.add_noise == false and kiln.zeros(shape) or kiln.randn(shape, { seed = o.seed })
   local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
   -- a batch: the same conditioning for every image (copies freed after sampling)
   local n, copies = shape[1], {}
@@ -333,24 +352,28 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   cond, uncond = rep(cond), rep(uncond)
   local od = setmetatable({ y_cond = rep(o.y_cond), y_uncond = rep(o.y_uncond) }, { __index = o })
   if o.concat_mask and x0 then  -- an inpainting UNet (kiln.inpaint): mask and masked latent
-    od.concat = kiln.cat({ rep(o.concat_mask), x0 }, 2)
+    -- o.concat_latent: the masked image's own latent (ComfyUI's InpaintModelConditioning)
+    od.concat = kiln.cat({ rep(o.concat_mask), o.concat_latent and rep(o.concat_latent) or x0 }, 2)
     copies[#copies + 1] = od.concat
   end
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
   local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
-    den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4 })
+    den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4,
+      tileable = o.tileable })
   end
   if o.denoise_mask and x0 then -- inpainting: the kept region follows the input (kiln.inpaint)
     den = require("kiln.inpaint").masked_denoiser(den, o.denoise_mask, x0, noise)
   end
   local bar = progress.start("sample", #s - 1)
+  local preview <close> = require("kiln.preview").session(ckpt, o, device_of(o)) -- opts.preview, the host's
   local t0 = kiln.time()
   local out = sample.run(o.sampler, den, x, sigmas, {
     seed = o.seed, eta = o.eta, s_noise = o.s_noise, progress = false, -- the bar reports
     callback = function(st)
       bar:step(st.i)
+      preview(st)
       if kiln.cancelled and kiln.cancelled() then return false end
       if o.callback then return o.callback(st) end
     end,
@@ -391,6 +414,18 @@ local function conditioning(ckpt, o, W, H)
   return cond, uncond
 end
 
+-- A run that fails (an error, an out-of-memory, a cancel) leaves the checkpoint's parts
+-- unloaded, as a finished run does: closing the result with an error unloads them.
+local function unload_on_error(ckpt)
+  return setmetatable({}, { __close = function(_, err)
+    if err == nil then return end
+    for _, name in ipairs({ "clip", "unet", "vae" }) do
+      local part = ckpt[name]
+      if part and part.unload then pcall(part.unload, part) end
+    end
+  end })
+end
+
 -- The run's LoRAs (opts.loras and the prompt's <lora:NAME:W> tags) applied for the
 -- run: o.prompt loses the tags; closing the result removes them.
 local function run_loras(ckpt, o)
@@ -412,7 +447,10 @@ function pipeline.txt2img(ckpt, opts)
   local H = o.height or pipeline.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
+  local vae <close> = run_vae(ckpt, o)
   local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local tileable <close> = run_tileable(ckpt, o)
+  local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
 
   ckpt.clip:load(dev)
@@ -439,7 +477,10 @@ function pipeline.img2img(ckpt, image, opts)
   local dev = device_of(o)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
+  local vae <close> = run_vae(ckpt, o)
   local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local tileable <close> = run_tileable(ckpt, o)
+  local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
 
   ckpt.vae:load(dev)
@@ -467,10 +508,14 @@ function pipeline.img2img(ckpt, image, opts)
 end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
-function pipeline.inpaint(ckpt, image, mask, opts) return require("kiln.inpaint").run(ckpt, image, mask, opts) end
+function pipeline.inpaint(ckpt, image, mask, opts)
+  local vae <close> = run_vae(ckpt, opts or {})
+  return require("kiln.inpaint").run(ckpt, image, mask, opts)
+end
 
---- hires fix: sample small, upscale (latent nearest/bilinear or the decoded
--- image), then sample again at a partial denoise.
+--- hires fix: sample small, upscale (latent nearest/bilinear, the decoded image, or
+-- the decoded image through an upscale model: opts.upscale = "model:FILE" or an
+-- upscaler of kiln.load_upscaler), then sample again at a partial denoise.
 function pipeline.hires_fix(ckpt, opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
@@ -482,7 +527,10 @@ function pipeline.hires_fix(ckpt, opts)
   local lw, lh = latent_size(ckpt, W, H)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
+  local vae <close> = run_vae(ckpt, o)
   local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local tileable <close> = run_tileable(ckpt, o)
+  local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
 
   ckpt.clip:load(dev)
@@ -509,8 +557,22 @@ function pipeline.hires_fix(ckpt, opts)
     big:free()
     ckpt.vae:offload()
     ckpt.unet:load(dev)
+  elseif type(upscale) ~= "string" or upscale:match("^model:") then
+    -- an upscale model (kiln.load_upscaler's, or "model:FILE"): the decoded image through
+    -- it, resized to the second pass's size, encoded again
+    ckpt.unet:offload()
+    ckpt.vae:load(dev)
+    local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+    ckpt.vae:offload()
+    local big = require("kiln.upscaler").upscale_to(upscale, img, H2, W2, dev)
+    img:free()
+    ckpt.vae:load(dev)
+    up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
+    big:free()
+    ckpt.vae:offload()
+    ckpt.unet:load(dev)
   else
-    error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image)"):format(upscale), 2)
+    error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image, model:FILE or an upscaler)"):format(upscale), 2)
   end
   lat:free()
 
@@ -560,6 +622,7 @@ function pipeline.parameters(opts, ckpt, extra)
   if o.clip_skip then f[#f + 1] = ("Clip skip: %d"):format(o.clip_skip) end
   if o.weighting and o.weighting ~= "a1111" then f[#f + 1] = "Weighting: " .. o.weighting end
   if (o.batch or 1) > 1 then f[#f + 1] = ("Batch size: %d"):format(o.batch) end
+  if o.tileable and o.tileable ~= "" then f[#f + 1] = "Tileable: " .. o.tileable end
   f[#f + 1] = extra_networks.hashes_field(ckpt, o)
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end
   f[#f + 1] = "Version: kiln " .. kiln.version

@@ -148,6 +148,7 @@ end
 function Streamer:set_resident(bytes)
   self.resident_bytes = bytes
   self.resident = nil
+  self.sizes, self.window = nil, nil   -- a load may change the copies' dtype (bytes)
 end
 
 -- The resident blocks (index -> true) and their bytes, for the current setting.

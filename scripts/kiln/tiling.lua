@@ -454,9 +454,13 @@ end
 -- overlap (default 16), blend (default "cosine"), multiple (tile edges, default 8
 -- for the UNet's three downsamplings). Extra arguments of denoise are passed to
 -- every tile unchanged (conditioning is not spatial). A latent no larger than one
--- tile is denoised as is.
+-- tile is denoised as is. opts.tileable ("x" | "y" | "xy", the UNet's own mode for
+-- the untiled case): the tiles wrap around on those axes (kiln.seamless.map: border
+-- tiles take their context from the other side; the UNet pads them with zeros).
 function M.multidiffusion(denoise, opts)
   opts = opts or {}
+  local seamless = require "kiln.seamless"
+  local wrap = seamless.check(opts.tileable, "tiling.multidiffusion: tileable")
   local tile, overlap = opts.tile or 64, opts.overlap or 16
   if tile ~= "auto" and (math.type(tile) ~= "integer" or tile < 8) then
     error(fmt("tiling.multidiffusion: tile must be an integer >= 8 (latent units) or \"auto\", got %s", tostring(tile)), 2)
@@ -476,7 +480,9 @@ function M.multidiffusion(denoise, opts)
     if x.shape[3] <= t and x.shape[4] <= t then return denoise(x, sigma, ...) end
     local o = overlap
     if o >= t then o = t // 4 end
-    return kiln.tile.map(x, one, { tile = t, overlap = o, scale = 1, multiple = mult, blend = opts.blend or "cosine" })
+    local mo = { tile = t, overlap = o, scale = 1, multiple = mult, blend = opts.blend or "cosine" }
+    if wrap then return seamless.map(x, one, mo, wrap, seamless.margin(o, mult)) end
+    return kiln.tile.map(x, one, mo)
   end
 end
 

@@ -6,9 +6,12 @@
 --   local u = unet.new(weights, cfg)      -- weights:tensor(name) with names relative to
 --                                          -- the UNet root ("input_blocks.1.0.in_layers.0.weight")
 --   local eps = u:forward(x, t, context [, y])
+--   u.tileable = "x" | "y" | "xy"            -- circular padding in the convolutions
+--                                          -- (kiln.seamless); nil: zeros, as trained
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
+local seamless = require "kiln.seamless"
 local nn = kiln.nn
 
 local M = {}
@@ -216,6 +219,9 @@ end
 
 function UNet:w(name) return self.weights:tensor(name) end
 
+-- A padded convolution: circular on the axes of self.tileable (kiln.seamless).
+function UNet:_conv(x, w, b, opts) return seamless.conv2d(x, w, b, opts, self.tileable) end
+
 -- The device the network runs on (the streaming target in mode "low").
 function UNet:_device()
   local w = self.weights
@@ -264,7 +270,7 @@ end
 function UNet:_resblock(ly, x, emb_silu)
   local p = ly.prefix
   local h = nn.group_norm(x, 32, self:w(p .. "in_layers.0.weight"), self:w(p .. "in_layers.0.bias"), 1e-5, { silu = true })
-  local h2 = nn.conv2d(h, self:w(p .. "in_layers.2.weight"), self:w(p .. "in_layers.2.bias"), { padding = 1 })
+  local h2 = self:_conv(h, self:w(p .. "in_layers.2.weight"), self:w(p .. "in_layers.2.bias"), { padding = 1 })
   h:free()
   local e = nn.linear(emb_silu, self:w(p .. "emb_layers.1.weight"), self:w(p .. "emb_layers.1.bias"))
   local e4 = e:reshape({ e.shape[1], e.shape[2], 1, 1 })
@@ -272,7 +278,7 @@ function UNet:_resblock(ly, x, emb_silu)
   h2:free(); e4:free(); e:free()
   local h4 = nn.group_norm(h3, 32, self:w(p .. "out_layers.0.weight"), self:w(p .. "out_layers.0.bias"), 1e-5, { silu = true })
   h3:free()
-  local h5 = nn.conv2d(h4, self:w(p .. "out_layers.3.weight"), self:w(p .. "out_layers.3.bias"), { padding = 1 })
+  local h5 = self:_conv(h4, self:w(p .. "out_layers.3.weight"), self:w(p .. "out_layers.3.bias"), { padding = 1 })
   h4:free()
   local out
   if ly.cin ~= ly.cout then
@@ -365,16 +371,16 @@ function UNet:_layer(ly, x, emb_silu, context, up_hw)
   local p = ly.prefix
   if ly.kind == "res" then return self:_resblock(ly, x, emb_silu) end
   if ly.kind == "attn" then return self:_spatial_transformer(ly, x, context) end
-  if ly.kind == "conv" then return nn.conv2d(x, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1 }) end
-  if ly.kind == "down" then return nn.conv2d(x, self:w(p .. "op.weight"), self:w(p .. "op.bias"), { stride = 2, padding = 1 }) end
+  if ly.kind == "conv" then return self:_conv(x, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1 }) end
+  if ly.kind == "down" then return self:_conv(x, self:w(p .. "op.weight"), self:w(p .. "op.bias"), { stride = 2, padding = 1 }) end
   if ly.kind == "up" then -- nearest 2x then the conv, fused where that is faster
     if up_hw and (up_hw[1] ~= 2 * x.shape[3] or up_hw[2] ~= 2 * x.shape[4]) then
       local u = nn.interpolate(x, { size = up_hw, mode = "nearest" })
-      local r = nn.conv2d(u, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1 })
+      local r = self:_conv(u, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1 })
       u:free()
       return r
     end
-    return nn.conv2d(x, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1, upsample = 2 })
+    return self:_conv(x, self:w(p .. "conv.weight"), self:w(p .. "conv.bias"), { padding = 1, upsample = 2 })
   end
   error("UNet: unknown layer kind " .. tostring(ly.kind))
 end
@@ -522,7 +528,7 @@ end
 function UNet:_out(h)
   local n = nn.group_norm(h, 32, self:w("out.0.weight"), self:w("out.0.bias"), 1e-5, { silu = true })
   h:free()
-  local out = nn.conv2d(n, self:w("out.2.weight"), self:w("out.2.bias"), { padding = 1 })
+  local out = self:_conv(n, self:w("out.2.weight"), self:w("out.2.bias"), { padding = 1 })
   n:free()
   return out
 end

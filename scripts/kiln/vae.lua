@@ -4,6 +4,7 @@
 --       (already times the scale factor) -> images [B, 3, f*h, f*w] in [0, 1]; tiled
 --       decodes match the untiled one (image-wide GroupNorm, kiln.lockstep)
 --   vae:encode(img [, {tile=, overlap=}]) images in [0, 1] -> posterior mode * scale
+--   vae.tileable = "x" | "y" | "xy"  circular padding (kiln.seamless), tiled runs wrap too
 -- The architecture is read from the tensors (vae.config); vae.expected(cfg) lists the
 -- tensors with their shapes.
 local kiln = require "kiln"
@@ -11,6 +12,7 @@ local util = require "kiln.util"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
 local lockstep = require "kiln.lockstep"
+local seamless = require "kiln.seamless"
 local nn = kiln.nn
 
 local M = {}
@@ -182,8 +184,9 @@ function VAE:stream_bytes()
   return window
 end
 
+-- padded convolutions are circular on the axes of self.tileable (kiln.seamless)
 local function conv(self, p, x, opts)
-  return nn.conv2d(x, self:w(p .. ".weight"), self:w(p .. ".bias"), opts)
+  return seamless.conv2d(x, self:w(p .. ".weight"), self:w(p .. ".bias"), opts, self.tileable)
 end
 
 -- GroupNorm (32 groups, eps 1e-6). A tile of a tiled decode must not normalize with
@@ -404,7 +407,7 @@ function VAE:_enc_down(i, h)
     h = step(h, nil, self:_resblock(fmt("encoder.down.%d.block.%d", i, j), h))
   end
   if i ~= cfg.levels - 1 then
-    local pd = nn.pad(h, { 0, 1, 0, 1 })
+    local pd = seamless.pad(h, { 0, 1, 0, 1 }, self.tileable)
     h:free()
     h = step(pd, nil, conv(self, fmt("encoder.down.%d.downsample.conv", i), pd, { stride = 2 }))
   end
@@ -567,14 +570,54 @@ function VAE:_decode_tiles(z, mo, mid)
   return img
 end
 
+-- The tiles of a tileable lockstep run: the plan over src padded by the margin on
+-- the wrapped axes, and the cores (lockstep.cores) cut to the picture, so every
+-- pixel counts once in the GroupNorm statistics. The margin is the overlap, halved
+-- while a core would lie in the margin only (tiles barely longer than the overlap).
+local function wrap_plan(src, mo, mode, label)
+  local H, W = src.shape[3], src.shape[4]
+  local wy, wx = seamless.axes(mode)
+  local unit = mo.multiple or 1
+  local margin = seamless.margin(mo.overlap, unit)
+  while true do
+    local mh, mw = wy and margin or 0, wx and margin or 0
+    local plan = kiln.tile.plan(H + 2 * mh, W + 2 * mw, mo)
+    local cores, empty = lockstep.cores(plan), false
+    for i = 1, plan.count do
+      local r, c = plan[i].input, cores[i]
+      local y0, x0 = r.y - 1, r.x - 1 -- the tile's first row and column, 0-based
+      c.y0 = math.max(c.y0, mh - y0); c.y1 = math.min(c.y1, mh + H - y0)
+      c.x0 = math.max(c.x0, mw - x0); c.x1 = math.min(c.x1, mw + W - x0)
+      if c.y1 <= c.y0 or c.x1 <= c.x0 then empty = true end
+    end
+    if not empty then return plan, cores, margin end
+    if margin <= unit then
+      error(fmt("%s: tiles of %d are too small to wrap around (tileable); use a larger tile", label, mo.tile), 0)
+    end
+    margin = seamless.margin(margin // 2, unit)
+  end
+end
+
 -- Runs the blocks `order` (keys of the streaming plan) over the tiles of src (on the
 -- host) in lockstep (kiln.lockstep) and blends the outputs with the map options mo:
 -- the result, on the host. fns[key](x) runs a block on one tile; keys not in fns are
 -- "decoder.up.N." / "encoder.down.N.". Returns nil and the reason when the parked
 -- tiles do not fit the host (and the device is another one).
+-- Tileable (self.tileable): src is padded circularly by a margin on the wrapped
+-- axes, the tiles run with zero padding (their context at the border comes from the
+-- other side), the GroupNorm statistics count the picture's pixels once (the cores
+-- cut at the margin), and the margin is cropped from the result.
 function VAE:_lockstep(src, mo, dev, order, fns, label)
-  local plan = kiln.tile.plan(src.shape[3], src.shape[4], mo)
-  local ctx = { device = dev, cores = lockstep.cores(plan), label = label, mode = "sync" }
+  local mode = seamless.active(self.tileable)
+  local plan, cores, margin
+  if mode then
+    plan, cores, margin = wrap_plan(src, mo, mode, label)
+    src = seamless.wrap_pad(src, mode, margin)
+  else
+    plan = kiln.tile.plan(src.shape[3], src.shape[4], mo)
+    cores = lockstep.cores(plan)
+  end
+  local ctx = { device = dev, cores = cores, label = label, mode = "sync" }
   local states = {}
   for i = 1, plan.count do
     local r = plan[i].input
@@ -584,7 +627,7 @@ function VAE:_lockstep(src, mo, dev, order, fns, label)
     b:free(); a:free()
   end
   self._gn_stats = ctx
-  local ok, outs = pcall(function()
+  local ok, outs = pcall(seamless.suspend, function()
     local pass <close> = self.streamer:pass(order)
     for _, key in ipairs(order) do
       local fn = fns[key]
@@ -601,14 +644,22 @@ function VAE:_lockstep(src, mo, dev, order, fns, label)
   self._gn_stats = nil
   if not ok then
     for _, t in pairs(states) do t:free() end
+    if mode then src:free() end
     if is_oom(outs) and outs.device == HOST and dev ~= HOST then return nil, "no host memory to park the tiles" end
     error(outs, 0)
   end
-  return kiln.tile.map(src, function(_, i)
+  local ok2, r = pcall(kiln.tile.map, src, function(_, i)
     local o = outs[i]
     outs[i] = nil
     return o
   end, mo)
+  if mode then src:free() end
+  if not ok2 then
+    for _, t in pairs(outs) do t:free() end
+    error(r, 0)
+  end
+  if mode then r = seamless.crop(r, mode, math.floor(margin * mo.scale + 0.5)) end
+  return r
 end
 
 -- A tiled encode with image-wide GroupNorm statistics (kiln.tiling's hook; mo in
@@ -631,7 +682,7 @@ function VAE:_encode_tiles(img, mo)
   x:free()
   if not h then
     tiling.log_event("vae:encode: " .. why .. "; tiles normalize with their own statistics (less exact)")
-    return kiln.tile.map(img, function(t) return self:_encode_untiled(t) end, mo)
+    return self:_map(img, function(t) return self:_encode_untiled(t) end, mo)
   end
   h:move(dev)
   local m
@@ -648,7 +699,18 @@ end
 function VAE:_decode_tiles_estimated(z, mo, why)
   tiling.log_event(fmt("vae:decode: %s; tiling the whole decoder with estimated GroupNorm statistics (less exact)", why))
   collectgarbage(); collectgarbage()
-  return kiln.tile.map(z, function(t) return self:_decode_untiled(t) end, mo)
+  if seamless.active(self.tileable) and self._tiling_full and not self._gn_fixed then
+    -- recorded now, with circular padding (the tiles run without)
+    self._gn_fixed = self:_estimate_gn(self._tiling_full, mo.tile)
+  end
+  return self:_map(z, function(t) return self:_decode_untiled(t) end, mo)
+end
+
+-- kiln.tile.map(x, fn, mo), wrapping around when tileable (kiln.seamless.map).
+function VAE:_map(x, fn, mo)
+  local mode = seamless.active(self.tileable)
+  if not mode then return kiln.tile.map(x, fn, mo) end
+  return seamless.map(x, fn, mo, mode, seamless.margin(mo.overlap, mo.multiple))
 end
 
 -- The untiled network of vae:decode / vae:encode, per tile, as kiln.tiling expects
@@ -660,18 +722,7 @@ function VAE:_decode_untiled(z)
   local st
   if full and (z.shape[3] < full.shape[3] or z.shape[4] < full.shape[4]) then
     -- a tile of a tiled decode: normalize with the whole image's statistics
-    if not self._gn_fixed then
-      -- record on a picture of at least 32 latent pixels (a better estimate), or the
-      -- tile's size when that does not fit the budget
-      local side = math.max(z.shape[3], z.shape[4])
-      local ok, rec = pcall(self._record_gn, self, full, math.max(side, 32))
-      if not ok then
-        if not is_oom(rec) or side >= 32 then error(rec, 0) end
-        collectgarbage()
-        rec = self:_record_gn(full, side)
-      end
-      self._gn_fixed = rec
-    end
+    if not self._gn_fixed then self._gn_fixed = self:_estimate_gn(full, math.max(z.shape[3], z.shape[4])) end
     st = self._gn_fixed
     st.mode, st.i = "apply", 0
     self._gn_stats = st
@@ -682,6 +733,19 @@ function VAE:_decode_untiled(z)
   if st then st.mode = "off"; self._gn_stats = nil end
   if not ok then error(img, 0) end
   return img
+end
+
+-- The GroupNorm statistics the tiles of the fallback normalize with: recorded on a
+-- picture of at least 32 latent pixels (a better estimate), or the tile's size
+-- (side) when that does not fit the budget.
+function VAE:_estimate_gn(full, side)
+  local ok, rec = pcall(self._record_gn, self, full, math.max(side, 32))
+  if not ok then
+    if not is_oom(rec) or side >= 32 then error(rec, 0) end
+    collectgarbage()
+    rec = self:_record_gn(full, side)
+  end
+  return rec
 end
 
 -- GroupNorm statistics of a decode of the whole latent z, run on z scaled down so

@@ -6,15 +6,18 @@
 -- text encode + one UNet step with CFG + VAE decode in low mode inside a 512 MiB
 -- sim budget; and a rank-32 kohya LoRA over the UNet's transformer layers and the text
 -- encoder: the time to apply it to resident weights, and one low-mode UNet step with it
--- against one without.
+-- against one without; previews: latent->RGB per step and a TAESD decode against one
+-- CFG step; an ESRGAN x4 upscaler (RRDBNet, 23 blocks) on a 256x256 image against PyTorch.
 --
 --   build/kiln tests/bench/bench_sd.lua [--quick] [--repeat N] [--only LIST]
 --       [--no-torch] [--weights PATH] [--fresh] [--clean] [--threads N] [--budget MIB]
---       [--warmup N] [--control-budget MIB]
+--       [--warmup N] [--control-budget MIB] [--comfy-budget MIB]
 --
 -- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
--- unet,vae,clip,modes,pipeline,lora,control. --warmup: untimed evaluations before the timed ones, on
+-- unet,vae,clip,modes,pipeline,lora,control,preview,upscale,residency,comfy (a ComfyUI
+-- hires-fix graph with a LoRA and a ControlNet, low mode on sim inside --comfy-budget,
+-- default 768: liveness against keeping every result). --warmup: untimed evaluations before the timed ones, on
 -- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
 -- mapped weights also maps their pages, as PyTorch's load reads them; 0 times
 -- the first evaluation too). The weights (SD 1.5's UNet in f16, names and shapes from
@@ -27,8 +30,8 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 
 local opts = util.parse_args(arg or {}, {
-  quick = false, ["repeat"] = 1, only = "unet,vae,clip,modes,pipeline,lora,control", no_torch = false, weights = "",
-  fresh = false, clean = false, threads = 0, budget = 512, control_budget = 640, warmup = 1,
+  quick = false, ["repeat"] = 1, only = "unet,lowbit,vae,clip,modes,pipeline,lora,control,preview,upscale,residency,comfy", no_torch = false, weights = "",
+  fresh = false, clean = false, threads = 0, budget = 512, control_budget = 640, comfy_budget = 768, warmup = 1,
 })
 if opts.threads > 0 then kiln.set_threads(opts.threads) end
 local SHARED = os.getenv("KILN_SHARED") or "../shared"
@@ -369,6 +372,31 @@ if only.unet then
     end
     if tr then say("  torch: weights %s in f32, loaded in %.1f s", human(2 * wbytes.unet), tr.load_sec) end
   end
+end
+
+-- 1b. low-bit weights on the cpu: the same UNet evaluation with the weights stored in
+-- fp8 (e4m3fn) and in q8_0 (ggml's reference quantizer; what a GGUF file holds), both
+-- decoded inside the kernels; time against the f16 run and the outputs' difference
+if only.lowbit then
+  say("\nUNet evaluation, cpu, low-bit weights (latent %dx%d, batch 1)", SIZE, SIZE)
+  local x, t, ctx = inputs(1, SIZE)
+  local flops = unet_flops(ucfg, 1, SIZE, SIZE, 77)
+  local fwd = function() return ck.unet:forward(x, t, ctx) end
+  local base, ref, cpu0 = time_best(REPEAT, fwd)
+  row("unet lowbit: f16 mapped", base, cpu0, flops, kiln.mem.stats("cpu").peak)
+  for _, dt in ipairs({ "f8_e4m3fn", "q8_0" }) do
+    local t0 = kiln.time()
+    ck.unet:load("cpu", { dtype = dt })
+    local conv = kiln.time() - t0
+    local sec, out, cpu = time_best(REPEAT, fwd)
+    local d = ((out - ref):abs():max())
+    row(fmt("unet lowbit: %s", dt), sec, cpu, flops, kiln.mem.stats("cpu").peak)
+    say("  %s: x%.3f the f16 time, max |out - f16 out| %.2e (|f16 out| max %.2f), weights %s (converted in %.1f s)",
+      dt, sec / base, d, (ref:abs():max()), human(ck.unet:bytes("cpu")), conv)
+    out:free()
+    ck.unet:unload()
+  end
+  ref:free()
 end
 
 if only.vae then
@@ -721,6 +749,246 @@ if only.control then
   end
 end
 
+-- 6. previews while sampling: the latent->RGB projection per step (target <= 1 ms),
+-- and a TAESD decode of the latent (the published width, random weights from
+-- tests/golden/taesd/decoder.recipe) against one SD 1.5 CFG step (the UNet at batch
+-- 2), measured alternately (target <= 5 %)
+local preview_rows
+if only.preview then
+  local pv = require "kiln.preview"
+  say("\nPreviews (latent %dx%d, %dx%d images)", SIZE, SIZE, 8 * SIZE, 8 * SIZE)
+  local z = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 13 })
+  local n = 200
+  local l2r = time_best(REPEAT, function()
+    for _ = 1, n do pv.latent2rgb(z, "sd1"):free() end
+  end)
+  preview_rows = { l2r = l2r / n }
+  local tpath = tmpdir .. "/kiln-bench-taesd-decoder.safetensors"
+  if not io.open(tpath) then
+    local tensors = {}
+    for line in io.lines("tests/golden/taesd/decoder.recipe") do
+      local name, shape, seed, std, mean = line:match("^([^#@][^\t]*)\t[^\t]+\t([^\t]+)\t([^\t]+)\t([^\t]+)\t([^\t]+)$")
+      if name then
+        tensors[name] = kiln.randn(parse_shape(shape), { seed = tonumber(seed) }) * tonumber(std) + tonumber(mean)
+      end
+    end
+    kiln.save_safetensors(tpath, tensors)
+  end
+  local taesd <close> = kiln.load_taesd({ decoder = tpath })
+  -- conv FLOP of the decoder: 3x3 convolutions at S, 2S, 4S and 8S
+  local w, tflops = taesd.width, 0
+  local function conv(cin, cout, r) tflops = tflops + 2 * cin * cout * 9 * r * r end
+  conv(4, w, SIZE)
+  for lvl = 0, 2 do
+    local r = SIZE * 2 ^ lvl
+    for _ = 1, 9 do conv(w, w, r) end
+    conv(w, w, 2 * r)
+  end
+  for _ = 1, 3 do conv(w, w, 8 * SIZE) end
+  conv(w, 3, 8 * SIZE)
+  local x, t, ctx = inputs(2, SIZE)
+  local best = { step = { sec = math.huge }, taesd = { sec = math.huge } }
+  local tr
+  for round = 1, REPEAT do
+    for _, which in ipairs({ "step", "taesd" }) do
+      local sec, out, cpu = time_best(1, function()
+        if which == "step" then return ck.unet:forward(x, t, ctx) end
+        return taesd:decode(z)
+      end, round == 1 and WARMUP or 0)
+      local b = best[which]
+      if sec < b.sec then b.sec, b.cpu = sec, cpu end
+      if which == "taesd" and round == 1 then
+        tr = torch_run(tpath, "taesd", fmt("--size %d", SIZE), out_path)
+        if tr then b.err = rel_err(out, kiln.load_safetensors(tr.out).out) end
+      end
+      out:free()
+    end
+  end
+  x:free(); t:free(); ctx:free(); z:free()
+  row(fmt("latent->rgb %dx%d (per step)", SIZE, SIZE), preview_rows.l2r, preview_rows.l2r, 2 * 4 * 3 * SIZE * SIZE,
+    nil, nil, nil)
+  row(fmt("taesd decode %dx%d", 8 * SIZE, 8 * SIZE), best.taesd.sec, best.taesd.cpu, tflops, nil, tr, best.taesd.err)
+  row(fmt("unet b2 %dx%d (one CFG step)", SIZE, SIZE), best.step.sec, best.step.cpu, unet_flops(ucfg, 2, SIZE, SIZE, 77),
+    nil, nil, nil)
+  preview_rows.taesd, preview_rows.step = best.taesd.sec, best.step.sec
+  say("  latent->rgb %.3f ms per step (target <= 1 ms %s); TAESD decode / CFG step %.1f %% (target <= 5 %% %s; "
+    .. "in CPU time %.1f %%)", preview_rows.l2r * 1e3, preview_rows.l2r <= 1e-3 and "met" or "NOT met",
+    100 * best.taesd.sec / best.step.sec, best.taesd.sec / best.step.sec <= 0.05 and "met" or "NOT met",
+    100 * best.taesd.cpu / best.step.cpu)
+  if opts.clean then os.remove(tpath) end
+end
+
+-- 7. an ESRGAN x4 upscaler (RRDBNet: 23 blocks, 64 features, growth 32, the published
+-- ESRGAN size; random f32 weights scaled by 1/sqrt(fan_in)) on a 256x256 image (128x128
+-- with --quick), the bare network against tests/bench/torch_sd.py's on the same file
+local upscale_row
+if only.upscale then
+  local S = opts.quick and 128 or 256
+  local upath = tmpdir .. "/kiln-bench-rrdb-x4-f32.safetensors"
+  local upscaler = require "kiln.upscaler"
+  local cfg = { nf = 64, gc = 32, nb = 23, steps = 2, in_nc = 3, out_nc = 3 }
+  if not io.open(upath, "rb") then
+    local t = {}
+    for i, e in ipairs(upscaler.expected("RRDBNet", cfg)) do
+      local sh, r = e[2], kiln.randn(e[2], { seed = 500 + i })
+      t[e[1]] = #sh == 4 and r * (1 / math.sqrt(sh[2] * sh[3] * sh[4])) or r * 0.02
+      r:free()
+    end
+    kiln.save_safetensors(upath, t)
+    for _, v in pairs(t) do v:free() end
+  end
+  local up <close> = kiln.load_upscaler(upath)
+  up:load("cpu")
+  local r = kiln.randn({ 1, 3, S, S }, { seed = 21 })
+  local x = r * 0.25 + 0.5 -- the same values torch_sd.py makes
+  r:free()
+  -- multiply-adds per output pixel of each 3x3 conv, at its resolution
+  local nf, gc = cfg.nf, cfg.gc
+  local lr = 9 * (3 * nf + nf * nf)
+  for c = 1, 5 do lr = lr + 3 * cfg.nb * 9 * (nf + (c - 1) * gc) * (c < 5 and gc or nf) end
+  local flops = 2 * S * S * (lr + 4 * 9 * nf * nf + 16 * 9 * (2 * nf * nf + nf * 3))
+  local uout = tmpdir .. "/kiln-bench-upscale-torch-out.safetensors"
+  say("\nUpscale: RRDBNet x4 (23 blocks, 64 features, growth 32, f32) on %dx%d -> %dx%d, %.2f TFLOP", S, S, 4 * S,
+    4 * S, flops / 1e12)
+  local sec, out, cpu, tr = time_around(REPEAT, function() return up:forward(x) end,
+    function() return torch_run(upath, "upscale", fmt("--size %d", S), uout) end)
+  local peak = kiln.mem.stats("cpu").peak
+  local err = tr and rel_err(out, kiln.load_safetensors(uout).out)
+  row(fmt("upscale rrdb x4 %dx%d", S, S), sec, cpu, flops, peak, tr, err, vm_hwm())
+  upscale_row = { sec = sec, cpu = cpu, torch = tr }
+  out:free(); x:free()
+  os.remove(uout)
+  if opts.clean then os.remove(upath) end
+end
+
+-- 6. partial residency: one UNet evaluation on sim with 0 / 25 / 50 / 75 / 100 % of its
+-- bytes resident (part:load(dev, {resident = bytes}): the largest blocks stay, the rest
+-- streams), each measured alternately after a first forward that fetches the resident
+-- blocks; copied_in = host -> sim bytes per evaluation (the inputs included)
+local residency_rows
+if only.residency and has_sim then
+  say("\nOne UNet evaluation on sim (batch 1, %dx%d) by resident share (the rest streamed)", SIZE, SIZE)
+  local x, t, ctx = inputs(1, SIZE)
+  local flops = unet_flops(ucfg, 1, SIZE, SIZE, 77)
+  local total = ck.unet.streamer:total_bytes(ck.unet.model)
+  local shares = { 0, 0.25, 0.5, 0.75, 1 }
+  residency_rows = {}
+  for _, f in ipairs(shares) do residency_rows[f] = { sec = math.huge } end
+  kiln.memory_mode("normal")
+  for round = 1, REPEAT do
+    for _, f in ipairs(shares) do
+      collectgarbage(); collectgarbage()
+      ck.unet:load("sim", { resident = f < 1 and math.floor(total * f) or nil })
+      local first = ck.unet:forward(x, t, ctx)   -- fetches what stays resident
+      first:free()
+      kiln.mem.reset_peak("sim")
+      local sec, out, cpu = time_best(1, function() return ck.unet:forward(x, t, ctx) end, 0)
+      local st = kiln.mem.stats("sim")
+      out:free()
+      local _, kept = ck.unet.streamer:resident_blocks(ck.unet.model)
+      ck.unet:unload()
+      kiln.mem.empty_cache("sim")
+      local r = residency_rows[f]
+      if sec < r.sec then r.sec, r.cpu = sec, cpu end
+      r.copied, r.peak, r.kept = st.copied_in, st.peak - 0, f < 1 and kept or total
+    end
+  end
+  for _, f in ipairs(shares) do
+    local r = residency_rows[f]
+    row(fmt("unet step, %d%% resident (%s kept, %s copied in)", math.floor(f * 100 + 0.5), human(r.kept),
+      human(r.copied)), r.sec, r.cpu, flops, r.peak, nil, nil)
+  end
+  local rr = residency_rows[0.75].sec / residency_rows[1].sec
+  say("  75%% resident / all resident: time x%.3f (target <= 1.05 %s); streamed 0%%: x%.3f", rr,
+    rr <= 1.05 and "met" or "NOT met", residency_rows[0].sec / residency_rows[1].sec)
+  x:free(); t:free(); ctx:free()
+end
+
+-- 6. a ComfyUI graph (kiln.comfy): hires fix + LoRA + ControlNet on the SD 1.5-shaped
+-- weights, low mode on sim inside --comfy-budget: the peak with results freed at their
+-- last reader against the same graph keeping every result (ComfyUI's way)
+if only.comfy and has_sim then
+  local comfy = require "kiln.comfy"
+  local lfs = require "lfs"
+  local keys = SHARED .. "/sd-keys/controlnet-sd15.txt"
+  local cpath = tmpdir .. "/kiln-bench-controlnet-sd15-f16.safetensors"
+  if not io.open(keys) then
+    say("\nComfyUI graph: skipped (no %s)", keys)
+  else
+    if not io.open(cpath) then -- the ControlNet stage's file, made the same way
+      local tensors, i = {}, 0
+      for line in io.lines(keys) do
+        local name, sh = line:match("^([^\t]+)\t(.*)$")
+        i = i + 1
+        if name then tensors[name] = gen_tensor(name, parse_shape(sh), 900000 + i) end
+      end
+      kiln.save_safetensors(cpath, tensors)
+      for _, t in pairs(tensors) do t:free() end
+      collectgarbage()
+    end
+    local root = tmpdir .. "/kiln-bench-comfy"
+    local function abs(p) return p:sub(1, 1) == "/" and p or lfs.currentdir() .. "/" .. p end
+    for _, d in ipairs({ "", "/models", "/models/checkpoints", "/models/loras", "/models/controlnet", "/models/input", "/out" }) do
+      lfs.mkdir(root .. d)
+    end
+    local function link(src, dst) os.remove(dst); assert(lfs.link(abs(src), dst, true)) end
+    link(path, root .. "/models/checkpoints/sd15.safetensors")
+    link(cpath, root .. "/models/controlnet/cn.safetensors")
+    local lpath = root .. "/models/loras/lr.safetensors"
+    if not io.open(lpath) then make_lora(lpath, 16) end
+    local S1 = SIZE // 2  -- the first pass at half the size, the second at SIZE latents
+    kiln.save_png(kiln.rand({ 1, 3, 8 * SIZE, 8 * SIZE }, { seed = 13 }), root .. "/models/input/hint.png")
+    local g = {
+      ["1"] = { class_type = "CheckpointLoaderSimple", inputs = { ckpt_name = "sd15.safetensors" } },
+      ["2"] = { class_type = "LoraLoader", inputs = { model = { "1", 0 }, clip = { "1", 1 }, lora_name = "lr.safetensors",
+        strength_model = 0.8, strength_clip = 0.8 } },
+      ["3"] = { class_type = "CLIPTextEncode", inputs = { clip = { "2", 1 }, text = "a photograph of an astronaut riding a horse" } },
+      ["4"] = { class_type = "CLIPTextEncode", inputs = { clip = { "2", 1 }, text = "blurry" } },
+      ["5"] = { class_type = "ControlNetLoader", inputs = { control_net_name = "cn.safetensors" } },
+      ["6"] = { class_type = "LoadImage", inputs = { image = "hint.png" } },
+      ["7"] = { class_type = "ControlNetApplyAdvanced", inputs = { positive = { "3", 0 }, negative = { "4", 0 },
+        control_net = { "5", 0 }, image = { "6", 0 }, strength = 0.8, start_percent = 0, end_percent = 1 } },
+      ["8"] = { class_type = "EmptyLatentImage", inputs = { width = 8 * S1, height = 8 * S1, batch_size = 1 } },
+      ["9"] = { class_type = "KSampler", inputs = { model = { "2", 0 }, positive = { "7", 0 }, negative = { "7", 1 },
+        latent_image = { "8", 0 }, seed = 1, steps = 1, cfg = 7, sampler_name = "euler", scheduler = "normal", denoise = 1 } },
+      ["10"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "9", 0 }, upscale_method = "bilinear", scale_by = 2 } },
+      ["11"] = { class_type = "KSampler", inputs = { model = { "2", 0 }, positive = { "7", 0 }, negative = { "7", 1 },
+        latent_image = { "10", 0 }, seed = 2, steps = 1, cfg = 7, sampler_name = "euler", scheduler = "normal", denoise = 0.5 } },
+      ["12"] = { class_type = "VAEDecodeTiled", inputs = { samples = { "11", 0 }, vae = { "1", 2 }, tile_size = 256, overlap = 64 } },
+      ["13"] = { class_type = "SaveImage", inputs = { images = { "12", 0 }, filename_prefix = "bench" } },
+    }
+    local budget = math.floor(opts.comfy_budget * MiB)
+    say("\nComfyUI graph on sim, mode low, budget %s: LoRA, ControlNet, KSampler %dx%d, LatentUpscaleBy 2, " ..
+      "KSampler %dx%d at 0.5, VAEDecodeTiled, SaveImage", human(budget), 8 * S1, 8 * S1, 8 * SIZE, 8 * SIZE)
+    kiln.memory_mode("low")
+    ck.unet:unload(); ck.clip:unload(); ck.vae:unload()
+    local old_budget = kiln.mem.stats("sim").budget
+    kiln.mem.set_budget("sim", budget)
+    local _, plan = comfy.run(g, { models = root .. "/models", output = root .. "/out", dry_run = true, device = "sim" })
+    say("  dry run:\n    %s", plan.text:gsub("\n", "\n    "))
+    for _, keep in ipairs({ false, true }) do
+      collectgarbage(); collectgarbage()
+      kiln.mem.empty_cache("sim")
+      local t0 = kiln.time()
+      local ok, files, rep = pcall(comfy.run, g, { models = root .. "/models", output = root .. "/out", device = "sim",
+        quiet = true, keep_all = keep })
+      local peak_reserved = kiln.mem.stats("sim").peak_reserved
+      if ok then
+        for _, f in ipairs(files) do os.remove(f) end
+        local worst = { peak = 0 }
+        for _, n in ipairs(rep.nodes) do if n.peak > worst.peak then worst = n end end
+        say("  %-26s peak %s (node %s %s), %.1f s: %s", keep and "keeping every result:" or "liveness (the default):",
+          human(rep.peak), worst.id, worst.class_type, kiln.time() - t0,
+          rep.peak <= budget and "inside the budget" or "EXCEEDED")
+      else
+        say("  %s FAILED: %s (peak reserved %s)", keep and "keep-all" or "liveness", tostring(files), human(peak_reserved))
+      end
+    end
+    kiln.mem.set_budget("sim", old_budget)
+    kiln.memory_mode("normal")
+  end
+end
+
 -- ---------------------------------------------------------------- summary
 
 say("\n| stage | kiln s (cpu s) | GFLOP/s | kiln peak alloc / RSS | torch s (cpu s) | torch RSS | kiln/torch wall (cpu) | rel.err |")
@@ -772,6 +1040,15 @@ end
 if mode_rows.low then say("  low/high: x%.3f", mode_rows.low.sec / mode_rows.high.sec) end
 if control_rows then
   say("  controlled CFG step / uncontrolled x%.3f (target <= 1.5)", control_rows.with.sec / control_rows.without.sec)
+end
+if preview_rows then
+  say("  previews: latent->rgb %.3f ms per step (target <= 1 ms), TAESD decode %.1f %% of a CFG step (target <= 5 %%)",
+    preview_rows.l2r * 1e3, 100 * preview_rows.taesd / preview_rows.step)
+end
+if upscale_row and upscale_row.torch then
+  local tr = upscale_row.torch
+  say("  upscale RRDBNet x4: x%.3f of torch's time (cpu x%.3f) (target <= 0.5 %s)", upscale_row.sec / tr.sec,
+    upscale_row.cpu / (tr.cpu or 1), upscale_row.sec / tr.sec <= 0.5 and "met" or "NOT met")
 end
 if lora_rows then
   say("  LoRA apply %.2f s (target <= 1.5 s), low-mode step with / without x%.3f (target <= 1.15)", lora_rows.apply,

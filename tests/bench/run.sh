@@ -26,4 +26,6 @@ echo; echo "== bench_sd (SD 1.5 architecture, random f16 weights)"
 "$BUILD/kiln" tests/bench/bench_sd.lua ${BENCH_QUICK:+--quick} || status=1
 echo; echo "== bench_sdxl (SDXL architecture, random f16 weights, 2 GiB sim budget)"
 "$BUILD/kiln" tests/bench/bench_sdxl.lua ${BENCH_QUICK:+--size 512} || status=1
+echo; echo "== bench_batch (kiln batch on a local redis-server, demo model)"
+bash tests/bench/bench_batch.sh "$BUILD/kiln" || status=1
 exit $status

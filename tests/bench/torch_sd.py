@@ -5,10 +5,14 @@ with the same weights, timed on the CPU.
 Usage: /usr/bin/python3 tests/bench/torch_sd.py WEIGHTS WHAT [options]
   WEIGHTS  the single-file checkpoint bench_sd.lua wrote (random f16 weights in the
            original naming); copied tensor by tensor (np.memmap) into the f32 model
-  WHAT     unet | vae | clip
+  WHAT     unet | vae | clip | upscale | taesd
   --batch B --size S   UNet: x [B, 4, S, S] (randn seed 11), t = 500, context
                        [B, 77, 768] (randn seed 12); VAE: z [1, 4, S, S] (seed 13),
-                       decoded as ldm's decode_first_stage (z / 0.18215)
+                       decoded as ldm's decode_first_stage (z / 0.18215);
+                       upscale: an RRDBNet x4 (new key layout, f32 file) on an image
+                       [1, 3, S, S] = randn (seed 21) * 0.25 + 0.5;
+                       taesd: a TAESD decoder file (tests/golden/gen_taesd.py's
+                       independent module) on z [1, 4, S, S] (seed 13), clamped
   --repeat N           timed runs (the best is reported), default 1
   --warmup N           untimed runs before them, default 0
   --threads N          torch.set_num_threads, default 2
@@ -100,6 +104,40 @@ def build(what, path):
     return m.eval()
 
 
+def build_upscaler(path):
+    """RRDBNet x4 in the new key layout (tests/golden/gen_upscale.py's independent
+    module), sizes read from the file, weights copied tensor by tensor."""
+    sys.path.insert(0, os.path.join(HERE, "..", "golden"))
+    import gen_upscale as gu
+    header, base = read_header(path)
+    nb = 1 + max(int(k.split(".")[1]) for k in header if k.startswith("body.") and k.endswith("rdb1.conv1.weight"))
+    nf, gc = header["conv_first.weight"]["shape"][0], header["body.0.rdb1.conv1.weight"]["shape"][0]
+    with no_init():
+        m = gu.RRDBNet(4, nf, gc, nb)
+    names = m.names("new")
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            info = header[names[pname]]
+            b, e = info["data_offsets"]
+            dt = _NP[info["dtype"]]
+            arr = np.memmap(path, dtype=dt, mode="r", offset=base + b, shape=((e - b) // np.dtype(dt).itemsize,))
+            p.copy_(torch.from_numpy(np.array(arr)).reshape(p.shape))
+    return m.eval()
+
+
+def build_taesd(path):
+    """A TAESD decoder (tests/golden/gen_taesd.py's independent module, the published
+    architecture) with the file's weights (real key names), strict matching."""
+    sys.path.insert(0, os.path.join(HERE, "..", "golden"))
+    import gen_taesd as gt
+    header, _ = read_header(path)
+    w, latent = header["1.weight"]["shape"][0], header["1.weight"]["shape"][1]
+    with no_init():
+        m = gt.decoder(latent, w)
+    load_into(m, path, "")
+    return m.eval()
+
+
 def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
@@ -114,7 +152,7 @@ def main(argv):
         i += 2
     torch.set_num_threads(opts["threads"])
     t0 = time.perf_counter()
-    model = build(what, path)
+    model = build_upscaler(path) if what == "upscale" else build_taesd(path) if what == "taesd" else build(what, path)
     load_sec = time.perf_counter() - t0
     B, S = opts["batch"], opts["size"]
     if what == "unet":
@@ -128,6 +166,15 @@ def main(argv):
         torch.manual_seed(13)
         z = torch.randn(1, 4, S, S)
         run = lambda: model.decode(z / 0.18215)  # noqa: E731
+    elif what == "taesd":
+        torch.manual_seed(13)
+        z = torch.randn(1, 4, S, S)
+        run = lambda: model(z).clamp(0, 1)  # noqa: E731
+    elif what == "upscale":
+        # the image as kiln makes it: randn (seed 21) * 0.25 + 0.5
+        torch.manual_seed(21)
+        img = torch.randn(1, 3, S, S) * 0.25 + 0.5
+        run = lambda: model(img)  # noqa: E731
     else:
         ids = [49406, 320, 1125, 539, 320, 2368, 49407] + [49407] * 70
         ids = torch.tensor([ids] * B)

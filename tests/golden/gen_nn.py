@@ -176,8 +176,10 @@ def resample_cases():
             out["rs_%s_%s_%dx%d.y" % (tag, k, oh, ow)] = f32(y[0])
     pads = (("constant", (1, 2, 3, 0), 0.5), ("reflect", (2, 3, 1, 4), 0.0),
             ("replicate", (3, 1, 2, 5), 0.0), ("constant", (0, 0, 0, 0), 0.0),
-            ("reflect", (5, 5, 4, 4), 0.0), ("constant", (-1, 2, 0, -2), -1.0))
-    modes = {"constant": 0, "reflect": 1, "replicate": 2}  # ORDER PADMODE (kiln_pad_mode)
+            ("reflect", (5, 5, 4, 4), 0.0), ("constant", (-1, 2, 0, -2), -1.0),
+            ("circular", (1, 2, 3, 0), 0.0), ("circular", (2, 0, 0, 1), 0.0),
+            ("circular", (6, 6, 5, 5), 0.0))
+    modes = {"constant": 0, "reflect": 1, "replicate": 2, "circular": 3}  # ORDER PADMODE (kiln_pad_mode)
     for i, (mode, p, val) in enumerate(pads):
         kw = {"value": val} if mode == "constant" else {}
         y = F.pad(xs["s5x6"], p, mode=mode, **kw)

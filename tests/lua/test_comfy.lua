@@ -1,0 +1,428 @@
+-- ComfyUI workflows (kiln.comfy): hand-written API-format graphs of each kind
+-- (txt2img, img2img, inpaint, hires fix with a LoRA and an upscale model,
+-- ControlNet, KSamplerAdvanced in two halves) on the bundled demo model and the tiny
+-- SD 1.x checkpoint, each equal to kiln's own pipeline for the same settings; the
+-- PNG's prompt chunk, ComfyUI's file numbering, a workflow read back from a PNG; the
+-- liveness of a two-pass graph against keeping every result; bad graphs named.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local lfs = require "lfs"
+local pipeline = require "kiln.pipeline"
+local comfy = require "kiln.comfy"
+local test, eq, raises, truthy = H.test, H.eq, H.raises, H.truthy
+
+local T = require "tiny_sd"
+local DEMO = "examples/models/kiln-shapes.safetensors"
+local ROOT = T.TMP .. "/comfy"
+local MODELS, OUT = ROOT .. "/models", ROOT .. "/out"
+local dirs = { "/comfy", "/comfy/models", "/comfy/out" }
+for _, d in ipairs({ "checkpoints", "loras", "controlnet", "upscale_models", "input" }) do
+  dirs[#dirs + 1] = "/comfy/models/" .. d
+end
+for _, d in ipairs(dirs) do lfs.mkdir(T.TMP .. d) end
+
+local function copy(src, dst)
+  local f = assert(io.open(src, "rb"))
+  local data = f:read("a")
+  f:close()
+  local g = assert(io.open(dst, "wb"))
+  g:write(data)
+  g:close()
+  return T.tmp(dst:sub(#T.TMP + 2))
+end
+
+-- links, so that the demo model's tokenizer beside it is found (as a folder of links to
+-- a models collection is usually laid out)
+local function link(src, dst)
+  local abs = src:sub(1, 1) == "/" and src or (lfs.currentdir() .. "/" .. src)
+  assert(lfs.link(abs, dst, true))
+  T.tmp(dst:sub(#T.TMP + 2))
+end
+link(DEMO, MODELS .. "/checkpoints/demo.safetensors")
+link(T.ckpt_file("sd1"), MODELS .. "/checkpoints/tiny.safetensors")
+copy("tests/golden/upscale/compact_x2.safetensors", MODELS .. "/upscale_models/x2.safetensors")
+do -- the tiny ControlNet of tests/golden/controlnet (for the tiny checkpoint)
+  local p = MODELS .. "/controlnet/cn.safetensors"
+  kiln.save_safetensors(p, T.build_recipe("../controlnet/sd1"), { ["kiln.heads.unet"] = "2" })
+  T.tmp(p:sub(#T.TMP + 2))
+end
+-- a kohya LoRA on one cross-attention of the demo UNet and one text-encoder layer
+local LORA = MODELS .. "/loras/lr.safetensors"
+do
+  local function r(shape, seed) return kiln.randn(shape, { seed = seed }) * 0.3 end
+  local k = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn2_to_k"
+  local te = "lora_te_text_model_encoder_layers_0_self_attn_v_proj"
+  kiln.save_safetensors(LORA, {
+    [k .. ".lora_down.weight"] = r({ 2, 64 }, 1), [k .. ".lora_up.weight"] = r({ 64, 2 }, 2),
+    [te .. ".lora_down.weight"] = r({ 2, 64 }, 3), [te .. ".lora_up.weight"] = r({ 64, 2 }, 4),
+  })
+  T.tmp(LORA:sub(#T.TMP + 2))
+end
+-- input pictures: a 64 x 64 RGB picture, a mask (white = repaint) and a 48 x 48 hint
+local PIC, MASK, HINT = MODELS .. "/input/pic.png", MODELS .. "/input/mask.png", MODELS .. "/input/hint.png"
+do
+  local pic = (kiln.randn({ 1, 3, 64, 64 }, { seed = 3 }) * 0.2 + 0.5):clamp(0, 1)
+  kiln.save_png(pic, PIC)
+  local rows = {}
+  for y = 1, 64 do
+    local row = {}
+    for x = 1, 64 do row[x] = (x > 16 and x <= 48 and y > 16 and y <= 48) and 1 or 0 end
+    rows[y] = row
+  end
+  kiln.save_png(kiln.tensor({ { rows } }), MASK)
+  kiln.save_png((kiln.randn({ 1, 3, 48, 48 }, { seed = 7 }) * 0.25 + 0.5):clamp(0, 1), HINT)
+  for _, p in ipairs({ PIC, MASK, HINT }) do T.tmp(p:sub(#T.TMP + 2)) end
+end
+
+local made_out = {}
+local function run(g, opts)
+  local o = { models = MODELS, output = OUT, quiet = true }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  local files, report = comfy.run(g, o)
+  for _, f in ipairs(files) do made_out[#made_out + 1] = f end
+  return files, report
+end
+
+local function maxdiff(a, b)
+  eq(table.concat(a.shape, ","), table.concat(b.shape, ","), "shape")
+  return (a - b):abs():max()
+end
+
+-- an image as SaveImage writes it (8 bits), for comparing with a file
+local function as_png(img)
+  local p = T.tmp("ref" .. #made_out .. math.random(1e9) .. ".png")
+  kiln.save_png(img:clamp(0, 1), p)
+  return kiln.load_png(p)
+end
+
+local function same_picture(file, img, what)
+  local got <close> = kiln.load_png(file)
+  local want <close> = as_png(img)
+  eq(maxdiff(got, want), 0, what)
+end
+
+-- the txt2img graph of ComfyUI's default workflow, at the given settings
+local W64
+local function txt2img_graph(s)
+  return {
+    ["4"] = { class_type = "CheckpointLoaderSimple", inputs = { ckpt_name = s.ckpt or "demo.safetensors" } },
+    ["5"] = { class_type = "EmptyLatentImage", inputs = { width = s.w or W64, height = s.h or W64, batch_size = 1 } },
+    ["6"] = { class_type = "CLIPTextEncode", inputs = { text = s.prompt, clip = { "4", 1 } } },
+    ["7"] = { class_type = "CLIPTextEncode", inputs = { text = s.negative or "", clip = { "4", 1 } } },
+    ["3"] = { class_type = "KSampler", inputs = { seed = s.seed, steps = s.steps, cfg = s.cfg,
+      sampler_name = s.sampler or "euler", scheduler = s.scheduler or "normal", denoise = 1,
+      model = { "4", 0 }, positive = { "6", 0 }, negative = { "7", 0 }, latent_image = { "5", 0 } } },
+    ["8"] = { class_type = "VAEDecode", inputs = { samples = { "3", 0 }, vae = { "4", 2 } } },
+    ["9"] = { class_type = "SaveImage", inputs = { filename_prefix = s.prefix or "t2i", images = { "8", 0 } } },
+  }
+end
+
+local demo <close> = kiln.load_checkpoint(DEMO)
+-- EmptyLatentImage's width is 8 x the latent's (ComfyUI's, whatever the VAE); the
+-- demo VAE's factor is smaller, so the node is given the width that makes kiln's 64
+W64 = 8 * 64 // math.tointeger(demo.vae.factor)
+local S = { prompt = "a red (circle:1.2)", negative = "blur", seed = 5, steps = 4, cfg = 3,
+  sampler = "euler_ancestral", scheduler = "karras" }
+local function popts(extra)
+  local o = { prompt = S.prompt, negative = S.negative, seed = S.seed, steps = S.steps, cfg = S.cfg,
+    sampler = S.sampler, scheduler = S.scheduler, width = 64, height = 64, weighting = "comfy" }
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return o
+end
+
+local t2i_file
+test("comfy: txt2img equals kiln.pipeline.txt2img; PREFIX_00001_.png with the API JSON in its prompt chunk", function()
+  local g = txt2img_graph(S)
+  local files = run(g)
+  eq(#files, 1)
+  truthy(files[1]:match("/t2i_00001_%.png$"), files[1])
+  same_picture(files[1], pipeline.txt2img(demo, popts()), "txt2img")
+  local chunk = comfy.png_text(files[1]).prompt
+  eq(chunk, kiln.json.encode(g), "prompt chunk")
+  local again = run(g)
+  truthy(again[1]:match("/t2i_00002_%.png$"), "numbered after the highest: " .. again[1])
+  t2i_file = files[1]
+end)
+
+test("comfy: a PNG's prompt chunk runs again (kiln comfy picture.png) to the same picture", function()
+  if not t2i_file then H.skip("no picture from the txt2img test") end
+  local files = run(t2i_file)
+  truthy(files[1]:match("/t2i_00003_%.png$"), files[1])
+  local a <close> = kiln.load_png(t2i_file)
+  local b <close> = kiln.load_png(files[1])
+  eq(maxdiff(a, b), 0)
+end)
+
+test("comfy: img2img (LoadImage, VAEEncode, KSampler at denoise 0.6) equals kiln.pipeline.img2img", function()
+  local g = txt2img_graph(S)
+  g["10"] = { class_type = "LoadImage", inputs = { image = "pic.png" } }
+  g["11"] = { class_type = "VAEEncode", inputs = { pixels = { "10", 0 }, vae = { "4", 2 } } }
+  g["3"].inputs.latent_image = { "11", 0 }
+  g["3"].inputs.denoise = 0.6
+  g["5"] = nil
+  local files = run(g)
+  local pic <close> = kiln.load_png(PIC)
+  same_picture(files[1], pipeline.img2img(demo, pic, popts({ denoise = 0.6 })), "img2img")
+end)
+
+test("comfy: inpaint (LoadImageMask, SetLatentNoiseMask) samples kiln.pipeline.inpaint's latents", function()
+  local g = txt2img_graph(S)
+  g["10"] = { class_type = "LoadImage", inputs = { image = "pic.png" } }
+  g["12"] = { class_type = "LoadImageMask", inputs = { image = "mask.png", channel = "red" } }
+  g["11"] = { class_type = "VAEEncode", inputs = { pixels = { "10", 0 }, vae = { "4", 2 } } }
+  g["13"] = { class_type = "SetLatentNoiseMask", inputs = { samples = { "11", 0 }, mask = { "12", 0 } } }
+  g["3"].inputs.latent_image = { "13", 0 }
+  g["5"] = nil
+  local files = run(g)
+  local pic <close> = kiln.load_png(PIC)
+  local m <close> = kiln.load_png(MASK)
+  local _, lat = pipeline.inpaint(demo, pic, m:narrow(2, 1, 1):contiguous(), popts())
+  demo.vae:load(kiln.default_device())
+  local img = demo.vae:decode(lat)
+  demo.vae:unload()
+  same_picture(files[1], img, "inpaint (ComfyUI pastes nothing back)")
+end)
+
+-- hires fix: LoRA, first pass, decode, upscale model x2, encode, second pass at 0.5
+local function hires_graph()
+  local g = txt2img_graph(S)
+  g["20"] = { class_type = "LoraLoader", inputs = { model = { "4", 0 }, clip = { "4", 1 }, lora_name = "lr.safetensors",
+    strength_model = 0.8, strength_clip = 0.6 } }
+  g["6"].inputs.clip = { "20", 1 }
+  g["7"].inputs.clip = { "20", 1 }
+  g["3"].inputs.model = { "20", 0 }
+  g["21"] = { class_type = "UpscaleModelLoader", inputs = { model_name = "x2.safetensors" } }
+  g["22"] = { class_type = "ImageUpscaleWithModel", inputs = { upscale_model = { "21", 0 }, image = { "8", 0 } } }
+  g["23"] = { class_type = "VAEEncode", inputs = { pixels = { "22", 0 }, vae = { "4", 2 } } }
+  g["24"] = { class_type = "KSampler", inputs = { seed = S.seed + 1, steps = S.steps, cfg = S.cfg,
+    sampler_name = S.sampler, scheduler = S.scheduler, denoise = 0.5, model = { "20", 0 },
+    positive = { "6", 0 }, negative = { "7", 0 }, latent_image = { "23", 0 } } }
+  g["25"] = { class_type = "VAEDecode", inputs = { samples = { "24", 0 }, vae = { "4", 2 } } }
+  g["9"].inputs.images = { "25", 0 }
+  g["9"].inputs.filename_prefix = "hires"
+  return g
+end
+
+test("comfy: hires fix with a LoRA and an upscale model equals kiln.pipeline.hires_fix", function()
+  local files = run(hires_graph())
+  local up <close> = kiln.load_upscaler(MODELS .. "/upscale_models/x2.safetensors")
+  local want = pipeline.hires_fix(demo, popts({ upscale = up, scale = 2, hires_denoise = 0.5,
+    lora = { { name = "lr", path = LORA, unet = 0.8, clip = 0.6 } } }))
+  eq(want.shape[3], 128)
+  local h = demo:add_lora(LORA)          -- the LoRA does reach the demo's weights
+  eq(h.patched, 2)
+  h:remove()
+  same_picture(files[1], want, "hires fix")
+end)
+
+test("comfy: liveness: the two-pass graph's peak on sim is below the same graph keeping every result", function()
+  local _, live = run(hires_graph(), { device = "sim" })
+  local _, kept = run(hires_graph(), { device = "sim", keep_all = true })
+  truthy(live.peak > 0, "a peak was measured")
+  truthy(live.peak < kept.peak, ("liveness %s, keep-all %s"):format(comfy.human(live.peak), comfy.human(kept.peak)))
+  print(("# hires fix on sim: peak %s with liveness, %s keeping every result"):format(comfy.human(live.peak),
+    comfy.human(kept.peak)))
+  eq(#live.nodes, 13, "13 nodes ran")
+  eq(kiln.mem.stats("sim").allocated, 0, "nothing left on the device")
+end)
+
+test("comfy: ControlNetApplyAdvanced equals the pipeline's control option (tiny SD 1.x)", function()
+  -- ComfyUI's EmptyLatentImage divides by 8 whatever the VAE; the tiny VAE's factor is 2,
+  -- so a 16 x 16 latent is "128 pixels" to the node and 32 to kiln's pipeline
+  local s = { ckpt = "tiny.safetensors", prompt = "a red circle", negative = "blur", seed = 1, steps = 2, cfg = 5,
+    w = 128, h = 128, prefix = "cn" }
+  local g = txt2img_graph(s)
+  g["30"] = { class_type = "ControlNetLoader", inputs = { control_net_name = "cn.safetensors" } }
+  g["31"] = { class_type = "LoadImage", inputs = { image = "hint.png" } }
+  g["32"] = { class_type = "ControlNetApplyAdvanced", inputs = { positive = { "6", 0 }, negative = { "7", 0 },
+    control_net = { "30", 0 }, image = { "31", 0 }, strength = 0.8, start_percent = 0, end_percent = 1 } }
+  g["3"].inputs.positive = { "32", 0 }
+  g["3"].inputs.negative = { "32", 1 }
+  local files = run(g)
+  local ck <close> = kiln.load_checkpoint(MODELS .. "/checkpoints/tiny.safetensors")
+  local cn <close> = kiln.load_controlnet(MODELS .. "/controlnet/cn.safetensors")
+  local hint <close> = kiln.load_png(HINT)
+  local want = pipeline.txt2img(ck, { prompt = s.prompt, negative = s.negative, seed = 1, steps = 2, cfg = 5,
+    width = 32, height = 32, weighting = "comfy", control = { { net = cn, image = hint, strength = 0.8 } } })
+  same_picture(files[1], want, "controlnet")
+  local plain = pipeline.txt2img(ck, { prompt = s.prompt, negative = s.negative, seed = 1, steps = 2, cfg = 5,
+    width = 32, height = 32, weighting = "comfy" })
+  truthy(maxdiff(want, plain) > 0, "the ControlNet changes the picture")
+end)
+
+test("comfy: KSamplerAdvanced in two halves (leftover noise, then no added noise) equals one KSampler", function()
+  local one = txt2img_graph({ prompt = "a blue square", seed = 9, steps = 4, cfg = 3, prefix = "one" })
+  local two = txt2img_graph({ prompt = "a blue square", seed = 9, steps = 4, cfg = 3, prefix = "two" })
+  local k = two["3"].inputs
+  two["3"] = { class_type = "KSamplerAdvanced", inputs = { model = k.model, add_noise = "enable", noise_seed = 9,
+    steps = 4, cfg = 3, sampler_name = "euler", scheduler = "normal", positive = k.positive, negative = k.negative,
+    latent_image = k.latent_image, start_at_step = 0, end_at_step = 2, return_with_leftover_noise = "enable" } }
+  two["40"] = { class_type = "KSamplerAdvanced", inputs = { model = k.model, add_noise = "disable", noise_seed = 9,
+    steps = 4, cfg = 3, sampler_name = "euler", scheduler = "normal", positive = k.positive, negative = k.negative,
+    latent_image = { "3", 0 }, start_at_step = 2, end_at_step = 10000, return_with_leftover_noise = "disable" } }
+  two["8"].inputs.samples = { "40", 0 }
+  local a <close> = kiln.load_png(run(one)[1])
+  local b <close> = kiln.load_png(run(two)[1])
+  truthy(maxdiff(a, b) <= 1 / 255, "two halves = one run")
+end)
+
+test("comfy: ConditioningCombine of one prompt twice, and an area over the whole picture, equal the plain run", function()
+  local s = { prompt = "a green triangle", negative = "blur", seed = 4, steps = 3, cfg = 3 }
+  local plain <close> = kiln.load_png(run(txt2img_graph(s))[1])
+  local g = txt2img_graph(s)
+  g["60"] = { class_type = "ConditioningCombine", inputs = { conditioning_1 = { "6", 0 }, conditioning_2 = { "6", 0 } } }
+  g["3"].inputs.positive = { "60", 0 }
+  local both <close> = kiln.load_png(run(g)[1])
+  truthy(maxdiff(both, plain) <= 2 / 255, "combined twice = once")
+  g = txt2img_graph(s)
+  g["61"] = { class_type = "ConditioningSetArea", inputs = { conditioning = { "6", 0 }, width = W64, height = W64,
+    x = 0, y = 0, strength = 1 } }
+  g["3"].inputs.positive = { "61", 0 }
+  local whole <close> = kiln.load_png(run(g)[1])
+  truthy(maxdiff(whole, plain) <= 2 / 255, "an area covering everything = no area")
+  -- a second prompt on the left half, and a zeroed negative: they run and change the picture
+  g = txt2img_graph(s)
+  g["62"] = { class_type = "CLIPTextEncode", inputs = { text = "a yellow square", clip = { "4", 1 } } }
+  g["63"] = { class_type = "ConditioningSetArea", inputs = { conditioning = { "62", 0 }, width = W64 // 2, height = W64,
+    x = 0, y = 0, strength = 1.5 } }
+  g["64"] = { class_type = "ConditioningCombine", inputs = { conditioning_1 = { "6", 0 }, conditioning_2 = { "63", 0 } } }
+  g["65"] = { class_type = "ConditioningZeroOut", inputs = { conditioning = { "7", 0 } } }
+  g["3"].inputs.positive = { "64", 0 }
+  g["3"].inputs.negative = { "65", 0 }
+  local mixed <close> = kiln.load_png(run(g)[1])
+  truthy(maxdiff(mixed, plain) > 2 / 255, "the area prompt changes the picture")
+end)
+
+test("comfy: CLIPSetLastLayer -2 and LoraLoaderModelOnly equal the pipeline's clip_skip 2 and a UNet-only LoRA", function()
+  local g = txt2img_graph(S)
+  g["70"] = { class_type = "CLIPSetLastLayer", inputs = { clip = { "4", 1 }, stop_at_clip_layer = -2 } }
+  g["71"] = { class_type = "LoraLoaderModelOnly", inputs = { model = { "4", 0 }, lora_name = "lr.safetensors",
+    strength_model = 1.0 } }
+  g["6"].inputs.clip = { "70", 0 }
+  g["7"].inputs.clip = { "70", 0 }
+  g["3"].inputs.model = { "71", 0 }
+  local files = run(g)
+  same_picture(files[1], pipeline.txt2img(demo, popts({ clip_skip = 2,
+    lora = { { name = "lr", path = LORA, unet = 1.0, clip = 0 } } })), "clip skip + model-only LoRA")
+end)
+
+test("comfy: outpainting and inpainting nodes, tiled VAE and image scaling run and keep their sizes", function()
+  local g = txt2img_graph(S)
+  g["5"] = nil
+  g["80"] = { class_type = "LoadImage", inputs = { image = "pic.png" } }
+  g["81"] = { class_type = "ImagePadForOutpaint", inputs = { image = { "80", 0 }, left = 16, top = 0, right = 16,
+    bottom = 0, feathering = 8 } }
+  g["82"] = { class_type = "VAEEncodeForInpaint", inputs = { pixels = { "81", 0 }, vae = { "4", 2 }, mask = { "81", 1 },
+    grow_mask_by = 6 } }
+  g["3"].inputs.latent_image = { "82", 0 }
+  g["8"] = { class_type = "VAEDecodeTiled", inputs = { samples = { "3", 0 }, vae = { "4", 2 }, tile_size = 64, overlap = 16 } }
+  g["83"] = { class_type = "ImageScaleBy", inputs = { image = { "8", 0 }, upscale_method = "bilinear", scale_by = 0.5 } }
+  g["84"] = { class_type = "ImageScale", inputs = { image = { "83", 0 }, upscale_method = "nearest-exact", width = 96,
+    height = 0, crop = "disabled" } }
+  g["9"].inputs.images = { "84", 0 }
+  g["85"] = { class_type = "PreviewImage", inputs = { images = { "8", 0 } } }
+  -- InpaintModelConditioning + VAEEncodeTiled + LatentUpscale on a second branch
+  g["86"] = { class_type = "LoadImageMask", inputs = { image = "mask.png", channel = "red" } }
+  g["87"] = { class_type = "InpaintModelConditioning", inputs = { positive = { "6", 0 }, negative = { "7", 0 },
+    vae = { "4", 2 }, pixels = { "80", 0 }, mask = { "86", 0 }, noise_mask = true } }
+  g["88"] = { class_type = "KSampler", inputs = { seed = 2, steps = 2, cfg = 3, sampler_name = "euler",
+    scheduler = "normal", denoise = 1, model = { "4", 0 }, positive = { "87", 0 }, negative = { "87", 1 },
+    latent_image = { "87", 2 } } }
+  g["89"] = { class_type = "LatentUpscale", inputs = { samples = { "88", 0 }, upscale_method = "bilinear", width = 0,
+    height = W64 * 2, crop = "disabled" } }
+  g["90"] = { class_type = "VAEDecode", inputs = { samples = { "89", 0 }, vae = { "4", 2 } } }
+  g["91"] = { class_type = "VAEEncodeTiled", inputs = { pixels = { "90", 0 }, vae = { "4", 2 }, tile_size = 64, overlap = 16 } }
+  g["92"] = { class_type = "VAEDecode", inputs = { samples = { "91", 0 }, vae = { "4", 2 } } }
+  g["93"] = { class_type = "SaveImage", inputs = { images = { "92", 0 }, filename_prefix = "branch" } }
+  local files, r = run(g)
+  eq(#files, 2)
+  local a <close> = kiln.load_png(files[1])
+  eq(a.shape[4], 96, "ImageScale width")
+  eq(a.shape[3], 64, "ImageScale keeps the aspect ratio (96 x 64 padded, halved, back to 96 wide)")
+  local b <close> = kiln.load_png(files[2])
+  eq(b.shape[3], 128, "LatentUpscale doubled the picture")
+  eq(#r.previews, 1)
+end)
+
+test("comfy: CLIPTextEncodeSDXL on the tiny SDXL checkpoint equals kiln.pipeline.txt2img", function()
+  link(T.ckpt_file("sdxl"), MODELS .. "/checkpoints/tiny-xl.safetensors")
+  local ck <close> = kiln.load_checkpoint(MODELS .. "/checkpoints/tiny-xl.safetensors")
+  local f = math.tointeger(ck.vae.factor)
+  local g = txt2img_graph({ ckpt = "tiny-xl.safetensors", prompt = "a red circle", negative = "blur", seed = 3,
+    steps = 2, cfg = 4, w = 8 * 32 // f, h = 8 * 32 // f, prefix = "xl" })
+  for _, k in ipairs({ "6", "7" }) do
+    local text = g[k].inputs.text
+    g[k] = { class_type = "CLIPTextEncodeSDXL", inputs = { clip = { "4", 1 }, width = 32, height = 32, crop_w = 0,
+      crop_h = 0, target_width = 32, target_height = 32, text_g = text, text_l = text } }
+  end
+  local files = run(g)
+  same_picture(files[1], pipeline.txt2img(ck, { prompt = "a red circle", negative = "blur", seed = 3, steps = 2,
+    cfg = 4, width = 32, height = 32, weighting = "comfy" }), "sdxl")
+end)
+
+test("comfy: --dry-run prints the schedule with estimates and runs nothing", function()
+  local files, r = run(hires_graph(), { dry_run = true })
+  eq(#files, 0)
+  truthy(r.text:find("KSampler", 1, true) and r.text:find("est. peak", 1, true), r.text)
+  eq(#r.plan.order, 13)
+  -- the loader comes first, the SaveImage last; the LoRA before both samplers
+  eq(r.plan.graph[r.plan.order[#r.plan.order]].class_type, "SaveImage")
+end)
+
+test("comfy: bad graphs are named before anything runs", function()
+  local g = txt2img_graph(S)
+  g["3"].class_type = "KSamplerFancy"
+  raises(function() run(g) end, "node 3 (KSamplerFancy): unknown node type 'KSamplerFancy'", "KSamplerAdvanced")
+  g = txt2img_graph(S)
+  g["4"].inputs.ckpt_name = "nope.safetensors"
+  raises(function() run(g) end, "model 'nope.safetensors' not found in " .. MODELS .. "/checkpoints/")
+  g = txt2img_graph(S)
+  g["3"].inputs.latent_image = { "99", 0 }
+  raises(function() run(g) end, "input 'latent_image' links to node 99, which does not exist")
+  g = txt2img_graph(S)
+  g["3"].inputs.positive = { "4", 0 }
+  raises(function() run(g) end, "input 'positive' expects CONDITIONING, but output 0 of node 4 (CheckpointLoaderSimple) is MODEL")
+  g = txt2img_graph(S)
+  g["6"].inputs.text = 3
+  raises(function() run(g) end, "node 6 (CLIPTextEncode): input 'text' must be a string")
+  g = txt2img_graph(S)
+  g["50"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "51", 0 }, upscale_method = "bilinear", scale_by = 2 } }
+  g["51"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "50", 0 }, upscale_method = "bilinear", scale_by = 2 } }
+  g["3"].inputs.latent_image = { "51", 0 }
+  raises(function() run(g) end, "cycle", "node 50 (LatentUpscaleBy)", "node 51 (LatentUpscaleBy)")
+  g = txt2img_graph(S)
+  g["4"].class_type = "UNETLoader"
+  raises(function() run(g) end, "node 4 (UNETLoader): not supported yet")
+  raises(function() run({ nodes = {}, links = {} }) end, "UI workflow", "Export (API)")
+  raises(function() run(PIC) end, "no ComfyUI workflow in it")
+  g = txt2img_graph(S)
+  g["9"] = nil
+  raises(function() run(g) end, "no output node")
+end)
+
+test("comfy: the CLI runs `kiln comfy FILE.json --models DIR --output DIR`; a bad graph is a usage error", function()
+  local exe = arg and arg[-1]
+  if not exe then H.skip("no kiln program in arg[-1]") end
+  local wf = T.tmp("wf.json")
+  local f = assert(io.open(wf, "w"))
+  f:write(kiln.json.encode(txt2img_graph({ prompt = "x", seed = 1, steps = 1, cfg = 3, prefix = "cli" })))
+  f:close()
+  local log = T.tmp("cli.log")
+  local ok = os.execute(("'%s' comfy '%s' --models '%s' --output '%s' --quiet >'%s' 2>&1"):format(exe, wf, MODELS, OUT, log))
+  local lf = assert(io.open(log))
+  local text = lf:read("a")
+  lf:close()
+  assert(ok, text)
+  local path = text:match("(%S+cli_00001_%.png)")
+  truthy(path, text)
+  made_out[#made_out + 1] = path
+  local _, _, code = os.execute(("'%s' comfy '%s' --models '%s/none' >'%s' 2>&1"):format(exe, wf, MODELS, log))
+  eq(code, 2, "exit status")
+end)
+
+for _, p in ipairs(made_out) do os.remove(p) end
+demo:close()
+local extra = {}
+for i = #dirs, 1, -1 do extra[#extra + 1] = dirs[i] end
+T.cleanup(extra)

@@ -1,0 +1,176 @@
+-- kiln.taesd: a real-width TAESD rebuilt from the recipes of tests/golden/gen_taesd.py
+-- (seeded kiln.randn = torch.randn) with the real key names, compared with that
+-- independent PyTorch TAESD: decode and encode, tiled decode, f16 weights, a combined
+-- ComfyUI-style file, TAESD as the checkpoint's VAE (vae = "taesd" found beside it, a
+-- path, an object), and bad input named (wrong latent channels, a full VAE given as a
+-- TAESD, an encoder given as a decoder).
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local taesd = require "kiln.taesd"
+local test, eq, raises = H.test, H.eq, H.raises
+
+local T = require "tiny_sd"
+local G = kiln.load_safetensors("tests/golden/taesd/io.safetensors")
+local TOL = 1e-4
+
+local DEC_T = T.build_recipe("../taesd/decoder")
+local ENC_T = T.build_recipe("../taesd/encoder")
+
+local function save(name, tensors, prefix)
+  local out = {}
+  for k, v in pairs(tensors) do out[(prefix or "") .. k] = v end
+  local p = T.tmp(name)
+  kiln.save_safetensors(p, out)
+  return p
+end
+
+-- a folder laid out as ComfyUI's models/ (checkpoints/ beside vae_approx/)
+os.execute("mkdir -p '" .. T.TMP .. "/models/checkpoints' '" .. T.TMP .. "/models/vae_approx'")
+local DEC = save("models/vae_approx/taesd_decoder.safetensors", DEC_T)
+local ENC = save("models/vae_approx/taesd_encoder.safetensors", ENC_T)
+
+local report = {}
+local function note(name, err) report[#report + 1] = ("%s %.2g"):format(name, err) end
+
+test("taesd: decode matches the PyTorch TAESD (clamped to [0, 1])", function()
+  local t <close> = kiln.load_taesd({ decoder = DEC, encoder = ENC })
+  eq(t.latent_channels, 4)
+  eq(t.width, 64)
+  local img = t:decode(G["dec.z"])
+  note("decode", H.close_rel(img, G["dec.img"], TOL, "decode"))
+  H.truthy(img:min() >= 0 and img:max() <= 1, "clamped")
+  img:free()
+end)
+
+test("taesd: encode matches the PyTorch TAESD (scaled latents)", function()
+  local t <close> = kiln.load_taesd({ encoder = ENC })
+  local z = t:encode(G["enc.img"])
+  note("encode", H.close_rel(z, G["enc.z"], TOL, "encode"))
+  z:free()
+  raises(function() t:decode(G["dec.z"]) end, "no decoder")
+end)
+
+test("taesd: a tiled decode matches the untiled one", function()
+  local t <close> = kiln.load_taesd(DEC)
+  local z = kiln.randn({ 1, 4, 24, 24 }, { seed = 3 })
+  local a = t:decode(z)
+  local b = t:decode(z, { tile = 16, overlap = 6 })
+  -- no normalization inside, but a receptive field wider than the overlap: tiles
+  -- differ a little near their borders, feathered
+  local d = (a - b):abs():mean()
+  note("tiled (mean abs)", d)
+  H.truthy(d < 0.01, "tiled vs untiled mean difference " .. d)
+  a:free(); b:free()
+end)
+
+test("taesd: f16 weights and a combined file (taesd_decoder. / taesd_encoder.)", function()
+  local both = {}
+  for k, v in pairs(DEC_T) do both["taesd_decoder." .. k] = v:to("f16") end
+  for k, v in pairs(ENC_T) do both["taesd_encoder." .. k] = v:to("f16") end
+  local p = T.tmp("taesd_both.safetensors")
+  kiln.save_safetensors(p, both)
+  local t <close> = kiln.load_taesd({ decoder = p, encoder = p })
+  local img = t:decode(G["dec.z"])
+  note("f16", H.close_rel(img, G["dec.img"], 2e-2, "decode f16 weights"))
+  img:free()
+end)
+
+test("taesd: load, unload, bytes and mode low as a model", function()
+  local t <close> = kiln.load_taesd({ decoder = DEC, encoder = ENC })
+  t:load("sim")
+  H.truthy(t:bytes("sim") > 0, "bytes on sim")
+  local img = t:decode(G["dec.z"])
+  H.close_rel(img:to("cpu"), G["dec.img"], TOL, "decode on sim")
+  img:free()
+  t:unload()
+  eq(t:bytes("sim"), 0)
+  -- mode low: the weights stay on the host and stream block by block
+  local old = kiln.memory_mode()
+  kiln.memory_mode("low")
+  t:load("sim")
+  local z = G["dec.z"]:to("sim")
+  img = t:decode(z)
+  eq(img.device, "sim")
+  H.close_rel(img:to("cpu"), G["dec.img"], TOL, "decode streamed")
+  eq(t:bytes("sim"), 0, "nothing left on the device after a streamed pass")
+  img:free(); z:free()
+  t:unload()
+  kiln.memory_mode(old)
+end)
+
+test("taesd: bad files are named", function()
+  raises(function() kiln.load_taesd({ decoder = ENC }) end, ENC, "TAESD encoder, not a decoder")
+  local vae = save("vae.safetensors", { ["decoder.conv_in.weight"] = kiln.zeros({ 8, 4, 3, 3 }) })
+  raises(function() kiln.load_taesd({ decoder = vae }) end, "full VAE")
+  local wrong = {}
+  for k, v in pairs(DEC_T) do wrong[k] = v end
+  wrong["3.conv.2.weight"] = kiln.zeros({ 64, 32, 3, 3 })
+  local p = save("broken_decoder.safetensors", wrong)
+  raises(function() kiln.load_taesd({ decoder = p }) end, p, "3.conv.2.weight", "[64, 32, 3, 3]")
+  raises(function() kiln.load_taesd({}) end, "decoder = path")
+  raises(function() kiln.load_taesd({ decodr = DEC }) end, "unknown option 'decodr'")
+end)
+
+-- a 16-channel TAESD (as taef1 / taesd3): first and last convolutions wider
+local function wide_decoder()
+  local t = {}
+  for k, v in pairs(DEC_T) do t[k] = v end
+  t["1.weight"] = kiln.randn({ 64, 16, 3, 3 }, { seed = 1 }) * 0.1
+  return save("models/vae_approx/taef1_decoder.safetensors", t)
+end
+
+test("taesd: as the checkpoint's VAE (vae = \"taesd\", a path, an object)", function()
+  -- the checkpoint in models/checkpoints: its TAESD found in models/vae_approx
+  local src = T.ckpt_file("sd1")
+  local ck = T.TMP .. "/models/checkpoints/tiny.safetensors"
+  T.tmp("models/checkpoints/tiny.safetensors")
+  os.execute("cp '" .. src .. "' '" .. ck .. "'")
+  do
+    local ckpt <close> = kiln.load_checkpoint(ck, { vae = "taesd" })
+    H.truthy(ckpt.vae.is_taesd, "ckpt.vae is the TAESD")
+    eq(ckpt.vae.path, DEC)
+    local img = ckpt.vae:decode(G["dec.z"])
+    H.close_rel(img, G["dec.img"], TOL, "ckpt.vae:decode")
+    img:free()
+    local z = ckpt.vae:encode(G["enc.img"])
+    H.close_rel(z, G["enc.z"], TOL, "ckpt.vae:encode")
+    z:free()
+  end
+  do -- a path: the other half found beside it
+    local ckpt <close> = kiln.load_checkpoint(ck, { vae = DEC })
+    H.truthy(ckpt.vae.is_taesd and ckpt.vae.encoder_half ~= nil, "TAESD with its encoder")
+  end
+  do -- an object: the caller keeps it
+    local t <close> = kiln.load_taesd(DEC)
+    do
+      local ckpt <close> = kiln.load_checkpoint(ck, { vae = t })
+      eq(ckpt.vae.path, DEC)
+    end
+    local img = t:decode(G["dec.z"]) -- still open after the checkpoint's close
+    img:free()
+  end
+  -- wrong latent channels: named, with the file
+  local wide = wide_decoder()
+  raises(function() kiln.load_checkpoint(ck, { vae = wide }) end, wide, "16 latent channels", "have 4")
+  -- not found: where it looked
+  raises(function() kiln.load_checkpoint(src, { vae = "taesd" }) end, "taesd_decoder.safetensors", "vae_approx")
+end)
+
+test("taesd: txt2img with vae = \"taesd\" in the pipeline's options", function()
+  local src = T.ckpt_file("sd1")
+  local ck = T.TMP .. "/models/checkpoints/tiny.safetensors"
+  local ckpt <close> = kiln.load_checkpoint(ck, { tokenizer = os.getenv("KILN_TOKENIZER") })
+  local before = ckpt.vae
+  local img = kiln.pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 2, width = 64, height = 64, seed = 1,
+    vae = "taesd" })
+  -- the tiny checkpoint's VAE has factor 2 (latents 32x32); TAESD's is 8
+  eq(H.shape_of(img), "1,3,256,256")
+  eq(ckpt.vae, before, "the checkpoint's own VAE is back after the run")
+  img:free()
+  local _ = src
+end)
+
+print("# taesd max relative errors: " .. table.concat(report, ", "))
+T.cleanup({ "/models/checkpoints", "/models/vae_approx", "/models" })
+H.done()

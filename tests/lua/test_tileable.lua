@@ -1,0 +1,362 @@
+-- Seamless (tileable) pictures: circular padding in kiln.nn.pad and in the
+-- convolutions of kiln.seamless against PyTorch's padding_mode "circular"
+-- (tests/golden/gen_tileable.py), per axis; the UNet and the VAE run tileable are
+-- equivariant to circular shifts (so their wrap-around is an ordinary neighbour); the
+-- demo model's txt2img with tileable "xy" / "x" / "y": the wrap-around seam is no
+-- stronger than the interior's neighbouring-pixel differences on the wrapped axes
+-- (and is on the others); the tiled VAE and MultiDiffusion wrap around too.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local seamless = require "kiln.seamless"
+local imgcmp = require "imgcmp"
+
+kiln.set_quiet(true)
+-- the device the networks run on besides the cpu: sim here, cuda:0 in tests/gpu/run.sh
+local DEV = os.getenv("KILN_TEST_DEVICE") or "sim"
+local report = {}
+local function note(fmt, ...) report[#report + 1] = fmt:format(...) end
+
+-- x rolled circularly by s along dim d (torch.roll)
+local function roll(x, s, d)
+  local n = x.shape[d]
+  s = s % n
+  if s == 0 then return x:contiguous() end
+  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
+  local r = kiln.cat({ a, b }, d)
+  a:free(); b:free()
+  return r
+end
+
+H.test("kiln.nn.pad circular: the opposite edge, per side, wrapping again when wider", function()
+  local x = kiln.tensor({ { { { 1, 2, 3 }, { 4, 5, 6 } } } })
+  local y = kiln.nn.pad(x, { 2, 1, 1, 0 }, "circular")
+  local want = { { 5, 6, 4, 5, 6, 4 }, { 2, 3, 1, 2, 3, 1 }, { 5, 6, 4, 5, 6, 4 } }
+  local got = y:table()[1][1]
+  for r = 1, 3 do for c = 1, 6 do H.eq(got[r][c], want[r][c], ("pad [%d][%d]"):format(r, c)) end end
+  local w = kiln.nn.pad(x, { 4, 0, 0, 0 }, "circular") -- wider than the input: wraps twice
+  local row = {}
+  for i, v in ipairs(w:table()[1][1][1]) do row[i] = math.tointeger(v) end
+  H.eq(table.concat(row, ","), "3,1,2,3,1,2,3")
+  H.raises(function() kiln.nn.pad(x, { 1, 1, 1, 1 }, "wrap") end, "circular")
+  local e = kiln.zeros({ 1, 1, 0, 3 })
+  H.raises(function() kiln.nn.pad(e, { 1, 1, 0, 0 }, "circular") end, "empty")
+end)
+
+local golden = kiln.load_safetensors("tests/golden/tileable/conv.safetensors")
+
+for _, dev in ipairs({ "cpu", DEV }) do
+  H.test("circular convolutions vs PyTorch, per axis, on " .. dev, function()
+    local g = {}
+    for k, v in pairs(golden) do g[k] = dev == "cpu" and v or v:to(dev) end
+    local worst = 0
+    for _, m in ipairs({ "x", "y", "xy" }) do
+      local cases = {
+        s1 = seamless.conv2d(g.x, g.w, g.b, { padding = 1 }, m),
+        s2 = seamless.conv2d(g.x, g.w, g.b, { padding = 1, stride = 2 }, m),
+        up = seamless.conv2d(g.x, g.w, g.b, { padding = 1, upsample = 2 }, m),
+      }
+      local pd = seamless.pad(g.x, { 0, 1, 0, 1 }, m)
+      cases.enc = kiln.nn.conv2d(pd, g.w, g.b, { stride = 2 })
+      pd:free()
+      for k, v in pairs(cases) do
+        H.eq(v.device, dev, k .. " device")
+        worst = math.max(worst, H.close_rel(v, g[m .. "." .. k], 1e-5, m .. "." .. k))
+        v:free()
+      end
+    end
+    note("circular convolutions on %s: max relative difference %.2g", dev, worst)
+    -- off (nil) and suspended: the plain zero-padded convolution
+    local plain = kiln.nn.conv2d(g.x, g.w, g.b, { padding = 1 })
+    H.eq(H.maxdiff(seamless.conv2d(g.x, g.w, g.b, { padding = 1 }, nil), plain), 0, "mode nil")
+    H.eq(H.maxdiff(seamless.suspend(seamless.conv2d, g.x, g.w, g.b, { padding = 1 }, "xy"), plain), 0, "suspended")
+    if dev ~= "cpu" then for _, v in pairs(g) do v:free() end end
+  end)
+end
+
+H.test("seamless.check names the valid modes", function()
+  H.eq(seamless.check(nil), nil); H.eq(seamless.check(""), nil); H.eq(seamless.check("xy"), "xy")
+  H.raises(function() seamless.check("yx", "kiln.pipeline: tileable") end, "kiln.pipeline: tileable", "x, y, xy")
+  H.raises(function() seamless.check(true) end, "x, y, xy")
+end)
+
+local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+local f = io.open(MODEL, "rb")
+if not f then
+  H.test("tileable demo model runs", function() H.skip(MODEL .. " is missing") end)
+  for _, l in ipairs(report) do print("# " .. l) end
+  H.done()
+end
+f:close()
+
+local pipeline = require "kiln.pipeline"
+local tiling = require "kiln.tiling"
+local ckpt <close> = kiln.load_checkpoint(MODEL)
+local PROMPT = "a red circle on a blue background"
+
+H.test("UNet and VAE run tileable are equivariant to circular shifts", function()
+  local unet, vae = ckpt.unet, ckpt.vae
+  unet:load(DEV); vae:load(DEV)
+  local x = kiln.randn({ 1, 4, 16, 24 }, { seed = 3 }):to(DEV)
+  local ctx = ckpt.clip:encode(PROMPT):to(DEV)
+  local t = kiln.tensor({ 500 })
+  local use <close> = seamless.use({ unet, vae }, "xy")
+  -- the UNet downsamples 2^(levels-1) times: shifts by that keep its grid
+  local s = 2 ^ (unet.config.levels - 1) // 1
+  local a = unet:forward(x, t, ctx)
+  local xr = roll(roll(x, s, 4), s, 3)
+  local b = unet:forward(xr, t, ctx)
+  local ar = roll(roll(a, s, 4), s, 3)
+  local du = H.close_rel(b, ar, 1e-4, "unet")
+  local z = a * 0.5
+  local img = vae:decode(z)
+  local zr = roll(z, 3, 4)
+  local img2 = vae:decode(zr)
+  local f8 = math.tointeger(vae.config.factor)
+  local imgr = roll(img, 3 * f8, 4)
+  local dv = H.close_rel(img2, imgr, 1e-4, "vae")
+  note("circular shift equivariance (tileable xy): UNet %.2g, VAE decode %.2g (max relative difference)", du, dv)
+  -- with zero padding the shifted run differs at the borders: the test can fail
+  unet.tileable, vae.tileable = nil, nil
+  local c = unet:forward(xr, t, ctx)
+  local a0 = unet:forward(x, t, ctx)
+  local a0r = roll(roll(a0, s, 4), s, 3)
+  H.truthy(H.maxdiff(c, a0r) > 100 * du, "zero padding is not shift-equivariant")
+  for _, v in ipairs({ x, ctx, a, xr, b, ar, z, img, zr, img2, imgr, c, a0, a0r }) do v:free() end
+  unet:unload(); vae:unload()
+end)
+
+-- Mean abs difference of neighbouring rows (d = 3) or columns (d = 4): the list of
+-- interior pairs and the wrap-around pair (last, first).
+local function neighbour_diffs(img, d)
+  local n = img.shape[d]
+  local out = {}
+  for j = 1, n - 1 do
+    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
+    local e = a - b
+    out[j] = e:abs():mean()
+    a:free(); b:free(); e:free()
+  end
+  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
+  local e = a - b
+  local seam = e:abs():mean()
+  a:free(); b:free(); e:free()
+  return out, seam
+end
+
+local function mean(t)
+  local s = 0
+  for _, v in ipairs(t) do s = s + v end
+  return s / #t
+end
+
+-- The seam's strength relative to the interior (mean over seeds of seam / mean
+-- interior difference) on x (columns) and y (rows) for a run's options.
+local SEEDS = { 1, 2, 3, 4, 5, 6 }
+local function seam_ratios(opts)
+  local rx, ry = {}, {}
+  for i, seed in ipairs(SEEDS) do
+    local o = { prompt = PROMPT, seed = seed, steps = 12, device = DEV }
+    for k, v in pairs(opts) do o[k] = v end
+    local img = pipeline.txt2img(ckpt, o)
+    local cx, sx = neighbour_diffs(img, 4)
+    local cy, sy = neighbour_diffs(img, 3)
+    rx[i], ry[i] = sx / mean(cx), sy / mean(cy)
+    img:free()
+  end
+  return mean(rx), mean(ry)
+end
+
+-- A single pair of a picture of flat shapes varies much (an edge or none), so the
+-- ratio is averaged over six seeds; zero padding gives the control: the seam there
+-- is more than twice as strong as the interior.
+local BOUND, SEAM = 1.5, 2
+H.test("txt2img tileable xy on the demo model: no seam on either axis", function()
+  local zx, zy = seam_ratios({})
+  local wx, wy = seam_ratios({ tileable = "xy" })
+  note("seam / interior neighbour difference (6 seeds): zeros x %.2f y %.2f, tileable xy x %.2f y %.2f", zx, zy, wx, wy)
+  H.truthy(zx > SEAM and zy > SEAM, ("control: zero padding's seam %.2f / %.2f should be strong"):format(zx, zy))
+  H.truthy(wx <= BOUND and wy <= BOUND, ("tileable xy: seam %.2f (x) / %.2f (y) > %.2f"):format(wx, wy, BOUND))
+  H.eq(ckpt.unet.tileable, nil, "unet mode restored")
+  H.eq(ckpt.vae.tileable, nil, "vae mode restored")
+end)
+
+H.test("tileable x wraps x only, y wraps y only", function()
+  local xx, xy = seam_ratios({ tileable = "x" })
+  local yx, yy = seam_ratios({ tileable = "y" })
+  note("tileable x: seam x %.2f y %.2f; tileable y: seam x %.2f y %.2f", xx, xy, yx, yy)
+  H.truthy(xx <= BOUND and xy > SEAM, ("tileable x: seam %.2f (x) / %.2f (y)"):format(xx, xy))
+  H.truthy(yy <= BOUND and yx > SEAM, ("tileable y: seam %.2f (x) / %.2f (y)"):format(yx, yy))
+end)
+
+H.test("a bad tileable value is named; an error mid-run restores the mode", function()
+  H.raises(function() pipeline.txt2img(ckpt, { prompt = PROMPT, tileable = "z" }) end, "tileable", "x, y, xy")
+  ckpt.unet.tileable = "y"
+  H.raises(function() pipeline.txt2img(ckpt, { prompt = PROMPT, steps = 2, tileable = "xy", sampler = "nope" }) end)
+  H.eq(ckpt.unet.tileable, "y", "the previous mode is back after the error")
+  ckpt.unet.tileable = nil
+  H.truthy(pipeline.parameters({ prompt = "p", tileable = "xy" }, nil):find("Tileable: xy", 1, true), "parameters")
+end)
+
+-- A periodic picture of discs (wrapping around both edges), [1, 3, S, S] in [0, 1].
+local function picture(S, n)
+  local seed = 11
+  local function rnd(k) seed = (seed * 1103515245 + 12345) % 2147483648; return seed % k end
+  local discs = {}
+  for i = 1, n do discs[i] = { rnd(S), rnd(S), 6 + rnd(S // 10), { rnd(256), rnd(256), rnd(256) } } end
+  local t = {}
+  for c = 1, 3 do
+    t[c] = {}
+    for y = 1, S do
+      local row = {}
+      for x = 1, S do
+        local v = c == 3 and 200 or 40
+        for _, d in ipairs(discs) do
+          local dx = math.min(math.abs(x - d[1]), S - math.abs(x - d[1]))
+          local dy = math.min(math.abs(y - d[2]), S - math.abs(y - d[2]))
+          if dx * dx + dy * dy < d[3] ^ 2 then v = d[4][c] end
+        end
+        row[x] = v / 255
+      end
+      t[c][y] = row
+    end
+  end
+  return kiln.tensor({ t })
+end
+
+-- The wrapped tiled decode is less exact than a tiled decode of a picture that does
+-- not wrap (there the border tiles' edges are the picture's, exact by construction;
+-- here every edge of a tile is an inner seam): a few dB below its 40 dB.
+local DECODE_DB = 36
+H.test("tiled VAE decode and encode with tileable equal the untiled tileable run", function()
+  local vae = ckpt.vae
+  vae:load(DEV)
+  local pic = picture(256, 30):to(DEV)
+  for _, m in ipairs({ "xy", "x" }) do
+    local use <close> = seamless.use({ vae }, m)
+    local z = vae:encode(pic)
+    local full = vae:decode(z)
+    for _, c in ipairs({ { 32, 8 }, { 24, 8 } }) do
+      local t = vae:decode(z, { tile = c[1], overlap = c[2] })
+      local p = imgcmp.psnr(t, full)
+      -- the control: a tiled decode that is not tileable (zeros at the picture's edge)
+      vae.tileable = nil
+      local plain = vae:decode(z, { tile = c[1], overlap = c[2] })
+      vae.tileable = m
+      local p0 = imgcmp.psnr(plain, full)
+      local ze = vae:encode(pic, { tile = c[1], overlap = c[2] })
+      local pe = imgcmp.psnr(ze, z)
+      note("tileable %s, tile %d overlap %d: decode PSNR %.1f dB (not tileable: %.1f), encode %.1f dB",
+        m, c[1], c[2], p, p0, pe)
+      H.truthy(p >= DECODE_DB, ("decode tile %d: PSNR %.1f dB < %d"):format(c[1], p, DECODE_DB))
+      H.truthy(pe >= 40, ("encode tile %d: PSNR %.1f dB < 40"):format(c[1], pe))
+      H.truthy(p > p0 + 20, "the tiles wrap around")
+      t:free(); plain:free(); ze:free()
+    end
+    -- the estimated-statistics fallback (the whole decoder per tile, as vae:decode
+    -- runs it when the parked tiles do not fit the host) wraps as well
+    local function fallback()
+      vae._tiling_full, vae._gn_fixed = z, nil
+      local ok, r = pcall(vae._decode_tiles_estimated, vae, z,
+        tiling.map_opts(24, 8, 1, math.tointeger(vae.config.factor), "cosine"), "test")
+      vae._tiling_full, vae._gn_fixed = nil, nil
+      if not ok then error(r, 0) end
+      return r
+    end
+    local est = fallback()
+    local pest = imgcmp.psnr(est, full)
+    vae.tileable = nil
+    local est0, full0 = fallback(), vae:decode(z)
+    vae.tileable = m
+    local pest0 = imgcmp.psnr(est0, full0)
+    note("tileable %s: estimated-statistics fallback PSNR %.1f dB (not tileable: %.1f)", m, pest, pest0)
+    H.truthy(pest >= 15, ("fallback: PSNR %.1f dB"):format(pest))
+    est:free(); est0:free(); full0:free(); z:free(); full:free()
+  end
+  H.eq(vae.tileable, nil, "mode restored")
+  pic:free()
+  vae:unload()
+end)
+
+H.test("MultiDiffusion with tileable: a circular network tiled equals it untiled as closely as without the wrap", function()
+  -- three circular 3x3 convolutions: the tiles of the wrapped run must be as exact as
+  -- the tiles of a zero-padded network tiled without the wrap (blending near tile edges)
+  local w = kiln.randn({ 4, 4, 3, 3 }, { seed = 2 }) * 0.2
+  local function net(x, mode)
+    local h = x
+    for _ = 1, 3 do
+      local n = seamless.conv2d(h, w, nil, { padding = 1 }, mode)
+      if h ~= x then h:free() end
+      h = n
+    end
+    return h
+  end
+  local x = kiln.randn({ 1, 4, 32, 40 }, { seed = 1 })
+  for _, m in ipairs({ "xy", "x" }) do
+    local full, full0 = net(x, m), net(x, nil)
+    local wrapped = tiling.multidiffusion(function(v) return net(v, m) end, { tile = 16, overlap = 8, tileable = m })(x, 1)
+    local plain = tiling.multidiffusion(function(v) return net(v, nil) end, { tile = 16, overlap = 8 })(x, 1)
+    local unwrapped = tiling.multidiffusion(function(v) return net(v, m) end, { tile = 16, overlap = 8 })(x, 1)
+    local ew, ep, eu = H.maxdiff(wrapped, full), H.maxdiff(plain, full0), H.maxdiff(unwrapped, full)
+    note("tiled vs untiled, 3 convolutions, tile 16 overlap 8: tileable %s wrapped %.3g, unwrapped %.3g; zeros %.3g",
+      m, ew, eu, ep)
+    H.truthy(ew <= 1.5 * ep, ("wrapped tiles: %.3g vs %.3g for a network with zeros"):format(ew, ep))
+    H.truthy(eu > 5 * ew, "tiles that do not wrap are far off")
+    for _, v in ipairs({ full, full0, wrapped, plain, unwrapped }) do v:free() end
+  end
+end)
+
+H.test("MultiDiffusion with tileable on the demo UNet: the border no worse than the inside", function()
+  local unet = ckpt.unet
+  unet:load(DEV)
+  local x = kiln.randn({ 1, 4, 32, 32 }, { seed = 5 }):to(DEV)
+  local ctx = ckpt.clip:encode(PROMPT):to(DEV)
+  local t = kiln.tensor({ 600 })
+  local use <close> = seamless.use({ unet }, "xy")
+  local function den(v) return unet:forward(v, t, ctx) end
+  local full = den(x)
+  local wrapped = tiling.multidiffusion(den, { tile = 16, overlap = 8, tileable = "xy" })(x, 1.0)
+  -- each tile's GroupNorm and attention see the tile only, so MultiDiffusion is an
+  -- approximation: the mean abs error against the untiled run on the outer ring of 4
+  -- latent pixels (where the wrap matters) and inside it
+  local d = (wrapped - full):abs()
+  local inner = d:narrow(3, 5, 24):narrow(4, 5, 24)
+  local s_all, s_in = d:mean() * 32 * 32, inner:mean() * 24 * 24
+  local ring, inside = (s_all - s_in) / (32 * 32 - 24 * 24), s_in / (24 * 24)
+  note("MultiDiffusion on the demo UNet, tile 16 overlap 8, tileable xy: mean abs error %.3g on the border ring, %.3g inside",
+    ring, inside)
+  H.truthy(ring <= 1.5 * inside, ("border %.3g vs inside %.3g"):format(ring, inside))
+  for _, v in ipairs({ x, ctx, full, wrapped, d, inner }) do v:free() end
+  unet:unload()
+end)
+
+H.test("hires fix with MultiDiffusion and tileable runs", function()
+  local img = pipeline.hires_fix(ckpt, { prompt = PROMPT, seed = 1, steps = 4, hires_steps = 3, scale = 2,
+    hires_tile = 8, tileable = "xy", device = DEV })
+  H.eq(H.shape_of(img), "1,3,128,128")
+  img:free()
+  H.eq(ckpt.unet.tileable, nil, "mode restored")
+end)
+
+H.test("examples/txt2img.lua --tileable xy writes it in the parameters; a bad value is a usage error", function()
+  local exe = arg and arg[-1]
+  if not exe then H.skip("no kiln program in arg[-1]") end
+  local out, log = os.tmpname(), os.tmpname()
+  local base = ("'%s' examples/txt2img.lua --model '%s' --steps 2 --quiet --out '%s.png'"):format(exe, MODEL, out)
+  local ok = os.execute(("%s --tileable xy >'%s' 2>&1"):format(base, log))
+  H.truthy(ok, "the example failed")
+  local f = assert(io.open(out .. ".png", "rb"))
+  local png = f:read("a")
+  f:close()
+  H.truthy(png:find("Tileable: xy", 1, true), "the parameters name the mode")
+  local _, _, code = os.execute(("%s --tileable xz >'%s' 2>&1"):format(base, log))
+  H.eq(code, 2, "exit status")
+  f = assert(io.open(log))
+  local text = f:read("a")
+  f:close()
+  H.truthy(text:find("kiln: --tileable xz: must be x, y or xy", 1, true), text)
+  os.remove(out); os.remove(out .. ".png"); os.remove(log)
+end)
+
+for _, l in ipairs(report) do print("# " .. l) end
+H.done()
