@@ -600,6 +600,22 @@ static int pmain(lua_State *L)
     return 1;
 }
 
+/* KILN_CHECK_LEAKS (set by the test runner): once the script's context is closed, no
+ * device may still have bytes allocated (every tensor and model was freed). A leak is a
+ * FAIL line in the runner's format and a failed exit. */
+static int check_leaks(void)
+{
+    int leaked = 0;
+    for (int i = 0; kiln_device_name_at(i); i++) {
+        kiln_memory_info m;
+        if (kiln_memory_stats(NULL, kiln_device_name_at(i), &m) != KILN_OK || m.allocated == 0) continue;
+        printf("FAIL leak check: %llu bytes still allocated on %s after the script's context closed\n",
+               (unsigned long long)m.allocated, m.device);
+        leaked = 1;
+    }
+    return leaked;
+}
+
 int main(int argc, char **argv)
 {
     cli_options opt;
@@ -625,6 +641,7 @@ int main(int argc, char **argv)
     report(L, status);
     lua_settop(L, 0);
     kiln_close(ctx); /* stops --trace, whatever happened */
+    int leaked = getenv("KILN_CHECK_LEAKS") ? check_leaks() : 0;
     if (usage_failed) return EXIT_USAGE;
-    return (result && status == LUA_OK && !log_failed) ? EXIT_SUCCESS : EXIT_FAILURE;
+    return (result && status == LUA_OK && !log_failed && !leaked) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

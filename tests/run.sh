@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 export KILN_SHARED=${KILN_SHARED:-../shared}
 export KILN_PATH=          # test the scripts embedded in the binary
+export KILN_CHECK_LEAKS=1  # the kiln program fails a script that leaves bytes allocated
 unset KILN_TOKENIZER      # the tests name their vocabularies themselves
 if [ "${SAN:-0}" = 1 ]; then
   # OpenBLAS and libpng are not instrumented; leaks in the runtime are what we look for

@@ -192,6 +192,19 @@ shapes=$("$KILN" -e "for _, f in ipairs{'h1', 'i1'} do
 if [ "$shapes" = "1x3x96x96 1x3x64x64 " ]; then pass batch_img2img_hires
 else fail batch_img2img_hires "pictures: $shapes; $(status_of m | head -3 | tr '\n' ' ')"; fi
 
+# ---- jobs for two models, interleaved: a worker runs them grouped by model
+ln -s "$PWD/examples/models/kiln-shapes.safetensors" "$TMP/other.safetensors"
+for i in 1 2 3 4; do
+  echo "{\"id\":\"ga$i\",\"prompt\":\"a red circle\",\"steps\":2,\"width\":64,\"height\":64}"
+  echo "{\"id\":\"gb$i\",\"prompt\":\"a red circle\",\"steps\":2,\"width\":64,\"height\":64,\"model\":\"$TMP/other.safetensors\"}"
+done > "$TMP/g.jsonl"
+"$KILN" batch enqueue "$TMP/g.jsonl" --redis "$R" --queue g >/dev/null 2>&1
+"$KILN" batch worker --redis "$R" --queue g --output "$TMP/out_g" --drain 2>"$TMP/g.log"
+order=$(sed -n 's/.*done g\([ab]\).*/\1/p' "$TMP/g.log" | tr -d '\n')
+switches=$(echo "$order" | fold -w1 | uniq | wc -l)
+if [ ${#order} = 8 ] && [ "$switches" = 2 ]; then pass batch_groups_by_model; echo "# model order: $order"
+else fail batch_groups_by_model "models in the order run: $order"; fi
+
 # ---- enqueue twice: the ids already queued are skipped
 out=$("$KILN" batch enqueue "$TMP/f.jsonl" --redis "$R" --queue f 2>&1)
 if echo "$out" | grep -q "queued: 0 (3 already queued, skipped)"; then pass batch_enqueue_idempotent

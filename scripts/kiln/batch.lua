@@ -39,7 +39,8 @@ end
 
 local function connect(o)
   if not kiln.queue.available() then
-    error("kiln was built without hiredis: apt-get install libhiredis-dev and rebuild", 0)
+    -- said on one line, as a command-line mistake is: nothing in a script went wrong
+    util.usage_error("kiln was built without hiredis: apt-get install libhiredis-dev and rebuild")
   end
   local host, port = parse_redis(o.redis)
   local ok, q = pcall(kiln.queue.connect, host, port, { retry = math.floor((o.retry or 60) * 1000) })
@@ -341,6 +342,11 @@ function Worker:run(e)
   end)
   kiln.on_progress(prev)
   local secs = kiln.time() - t0
+  if not ok and (tostring(err):find("interrupted!", 1, true) or type(err) == "table" and err.kind == "cancelled") then
+    -- Ctrl-C or a cancel stops the worker, not the job: it stays pending for the others
+    self:heartbeat(nil)
+    error(err, 0)
+  end
   if ok then
     -- the picture is on disk: record it, then ack (a crash between the two is seen above)
     q:command("HSET", Q .. ":done", id, ("%.3f %s %.3f"):format(redis_time(q), self.name, secs))
@@ -411,6 +417,14 @@ function Worker:next_entries()
         got = q:xreadgroup(GROUP, self.name, { cur }, { count = 1 })
         if #got > 0 then return got, streams end
       end
+    end
+  end
+  -- else one job of the first model that has any (one stream at a time: a read of
+  -- all of them would hand this worker one job of each model at once)
+  for _, s in ipairs(streams) do
+    if s ~= cur then
+      got = q:xreadgroup(GROUP, self.name, { s }, { count = 1 })
+      if #got > 0 then return got, streams end
     end
   end
   return q:xreadgroup(GROUP, self.name, streams, { count = 1, block = 500 }), streams

@@ -81,82 +81,32 @@ end
 
 -- ---------------------------------------------------------------- weights
 
-local function parse_shape(s)
-  local r = {}
-  for d in s:gmatch("%d+") do r[#r + 1] = tonumber(d) end
-  return r
-end
+local rw = dofile("tests/bench/random_weights.lua")
+local parse_shape = rw.parse_shape
 
 local MARK = "sd15-random-f16-v1"
 
-local function file_ok(path)
-  local ok, t, meta = pcall(kiln.load_safetensors, path)
-  if not ok then return false end
-  local n = 0
-  for _ in pairs(t) do n = n + 1 end
-  return meta and meta["kiln.bench"] == MARK and n > 1000
-end
+local function file_ok(path) return rw.valid(path, MARK) end
 
-local BLOCK = 1024 * 1024
-
-local function gen_tensor(name, shape, seed)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
-  if name:match("position_ids$") then return kiln.arange(n):reshape(shape) end
-  local std, mean
-  if #shape >= 2 then
-    local fan_in = n // shape[1]
-    std, mean = 1 / math.sqrt(fan_in), 0
-  elseif name:match("%.weight$") then
-    std, mean = 0.1, 1 -- norm scales
-  else
-    std, mean = 0.02, 0
-  end
-  local k = math.min(n, BLOCK)
-  local r = kiln.randn({ k }, { seed = seed })
-  local s = r * std
-  r:free()
-  if mean ~= 0 then local m = s + mean; s:free(); s = m end
-  local h = s:to("f16")
-  s:free()
-  if k == n then
-    local t = h:reshape(shape)
-    h:free()
-    return t
-  end
-  local parts = {}
-  for i = 1, (n + k - 1) // k do parts[i] = h end
-  local c = kiln.cat(parts, 1)
-  h:free()
-  local t = c:narrow(1, 1, n):contiguous():reshape(shape)
-  c:free()
-  return t
-end
-
+-- the SD 1.5 networks of the key list (the schedule buffers, betas, alphas_cumprod, ...,
+-- belong to no network)
 local function make_weights(path)
-  local keys = SHARED .. "/sd-keys/sd15.txt"
-  local f = io.open(keys)
-  if not f then error("bench_sd: " .. keys .. " is missing (set KILN_SHARED to the shared folder)") end
-  f:close()
-  local t0 = kiln.time()
-  local tensors, n, bytes = {}, 0, 0
-  local i = 0
-  for line in io.lines(keys) do
-    local name, s = line:match("^([^\t]+)\t(.*)$")
-    i = i + 1
-    -- the schedule buffers (betas, alphas_cumprod, ...) belong to no network
-    if name and (name:match("^model%.diffusion_model%.") or name:match("^first_stage_model%.") or
-          name:match("^cond_stage_model%.")) then
-      local t = gen_tensor(name, parse_shape(s), 1000 + i)
-      tensors[name] = t
-      n = n + 1
-      bytes = bytes + t:nbytes()
-    end
-  end
-  kiln.save_safetensors(path, tensors, { ["kiln.bench"] = MARK })
-  for _, t in pairs(tensors) do t:free() end
-  collectgarbage()
-  return n, bytes, kiln.time() - t0
+  local _, n, bytes, secs = rw.ensure(path, SHARED .. "/sd-keys/sd15.txt", { mark = MARK, fresh = true, seed = 1000,
+    keep = function(name)
+      return name:match("^model%.diffusion_model%.") or name:match("^first_stage_model%.")
+          or name:match("^cond_stage_model%.")
+    end })
+  return n, bytes, secs
+end
+
+-- An SD 1.5 ControlNet (the real key list) with random f16 weights, written once and
+-- shared by the control and comfy stages; nil when the key list is missing.
+local function controlnet_file()
+  local keys = SHARED .. "/sd-keys/controlnet-sd15.txt"
+  if not io.open(keys) then return nil, keys end
+  local cpath = (os.getenv("TMPDIR") or "/tmp") .. "/kiln-bench-controlnet-sd15-f16.safetensors"
+  rw.ensure(cpath, keys, { mark = "controlnet-sd15-random-f16-v1", seed = 900000 })
+  return cpath
 end
 
 -- ---------------------------------------------------------------- FLOP counts
@@ -467,18 +417,19 @@ end
 
 -- 3. text encode + one UNet step with CFG + VAE decode, low mode, 512 MiB sim budget
 local pipe
-if only.pipeline and has_sim then
+-- The pipeline piece on sim in low mode inside `budget`: encode two prompts, step(cond,
+-- uncond, pipeline) -> the latent and the step's label, VAE decode in tiles. Prints the
+-- stages and the peak; returns ok, the error and sim's statistics.
+local function sim_piece(budget, step)
   local pipeline = require "kiln.pipeline"
-  local budget = math.floor(opts.budget * MiB)
-  say("\nPipeline piece on sim, mode low, budget %s: encode 2 prompts, 1 UNet step with CFG, VAE decode %dx%d " ..
-    "tiled (%s)", human(budget), 8 * SIZE, 8 * SIZE, kiln.tile and "kiln.tile present" or "vae.lua's tiles, no kiln.tile")
   local tok_dir = SHARED .. "/clip-tokenizer"
   local tf = io.open(tok_dir .. "/vocab.json")
   if tf then
     tf:close()
-    ck.clip.tokenizer = kiln.tokenizer(tok_dir)
+    if not ck.clip.tokenizer then ck.clip.tokenizer = kiln.tokenizer(tok_dir) end
   end
   kiln.memory_mode("low")
+  ck.unet:unload(); ck.clip:unload(); ck.vae:unload()
   collectgarbage(); collectgarbage()
   kiln.mem.empty_cache("sim")
   local old_budget = kiln.mem.stats("sim").budget
@@ -498,13 +449,9 @@ if only.pipeline and has_sim then
     ck.clip:unload()
     stages[#stages + 1] = fmt("encode %.1f s", kiln.time() - t0)
     t0 = kiln.time()
-    ck.unet:load("sim")
-    local den = pipeline.denoiser(ck, cond, uncond, 7.5, {})
-    local x = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 14 }) * 14.6
-    local lat = den(x, 14.6)
-    ck.unet:unload()
-    cond:free(); uncond:free(); x:free()
-    stages[#stages + 1] = fmt("UNet step with CFG (2 evaluations) %.1f s", kiln.time() - t0)
+    local lat, label = step(cond, uncond, pipeline)
+    cond:free(); uncond:free()
+    stages[#stages + 1] = fmt("%s %.1f s", label, kiln.time() - t0)
     t0 = kiln.time()
     ck.vae:load("sim")
     local tile = math.min(SIZE, 32)
@@ -514,18 +461,33 @@ if only.pipeline and has_sim then
     stages[#stages + 1] = fmt("VAE decode, tiles of %d latents, %.1f s", tile, kiln.time() - t0)
     img:free(); lat:free()
   end)
-  local peak = kiln.mem.stats("sim").peak_reserved
-  local peak_alloc = kiln.mem.stats("sim").peak
+  local st = kiln.mem.stats("sim")
   kiln.mem.set_budget("sim", old_budget)
   kiln.memory_mode("normal")
-  pipe = { ok = ok, peak = peak, budget = budget }
   if ok then
     say("  %s", table.concat(stages, "; "))
-    say("  peak sim: %s allocated, %s reserved, budget %s: %s", human(peak_alloc), human(peak), human(budget),
-      peak <= budget and "inside" or "EXCEEDED")
+    say("  peak sim: %s allocated, %s reserved, budget %s: %s", human(st.peak), human(st.peak_reserved),
+      human(budget), st.peak_reserved <= budget and "inside" or "EXCEEDED")
   else
-    say("  FAILED: %s (peak reserved %s)", tostring(err), human(peak))
+    say("  FAILED: %s (peak reserved %s)", tostring(err), human(st.peak_reserved))
   end
+  return ok, err, st
+end
+
+if only.pipeline and has_sim then
+  local budget = math.floor(opts.budget * MiB)
+  say("\nPipeline piece on sim, mode low, budget %s: encode 2 prompts, 1 UNet step with CFG, VAE decode %dx%d " ..
+    "tiled (%s)", human(budget), 8 * SIZE, 8 * SIZE, kiln.tile and "kiln.tile present" or "vae.lua's tiles, no kiln.tile")
+  local ok, _, st = sim_piece(budget, function(cond, uncond, pipeline)
+    ck.unet:load("sim")
+    local den = pipeline.denoiser(ck, cond, uncond, 7.5, {})
+    local x = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 14 }) * 14.6
+    local lat = den(x, 14.6)
+    ck.unet:unload()
+    x:free()
+    return lat, "UNet step with CFG (2 evaluations)"
+  end)
+  pipe = { ok = ok, peak = st.peak_reserved, budget = budget }
 end
 
 -- 4. a rank-32 kohya LoRA (the layers kohya's trainer targets by default: the UNet's
@@ -630,20 +592,8 @@ end
 -- the 512x512 pipeline piece with the net in low mode inside --control-budget (sim)
 local control_rows
 if only.control then
-  local keys = SHARED .. "/sd-keys/controlnet-sd15.txt"
-  local cpath = tmpdir .. "/kiln-bench-controlnet-sd15-f16.safetensors"
-  if io.open(keys) then
-    if not io.open(cpath) then
-      local tensors, i = {}, 0
-      for line in io.lines(keys) do
-        local name, sh = line:match("^([^\t]+)\t(.*)$")
-        i = i + 1
-        if name then tensors[name] = gen_tensor(name, parse_shape(sh), 900000 + i) end
-      end
-      kiln.save_safetensors(cpath, tensors)
-      for _, t in pairs(tensors) do t:free() end
-      collectgarbage()
-    end
+  local cpath, keys = controlnet_file()
+  if cpath then
     local cn <close> = kiln.load_controlnet(cpath)
     local x, t, ctx = inputs(2, SIZE)
     local hint = kiln.rand({ 1, 3, SIZE * 8, SIZE * 8 }, { seed = 13 })
@@ -684,31 +634,10 @@ if only.control then
     -- the 512x512 pipeline piece with the ControlNet, low mode, inside a sim budget:
     -- encode 2 prompts, one CFG step with the net (both streamed), tiled VAE decode
     if has_sim then
-      local pipeline = require "kiln.pipeline"
       local budget = math.floor(opts.control_budget * MiB)
       say("\nPipeline piece with the ControlNet on sim, mode low, budget %s: encode 2 prompts, 1 CFG step " ..
         "with the ControlNet, VAE decode %dx%d tiled", human(budget), 8 * SIZE, 8 * SIZE)
-      kiln.memory_mode("low")
-      ck.unet:unload(); ck.clip:unload(); ck.vae:unload()
-      collectgarbage(); collectgarbage()
-      kiln.mem.empty_cache("sim")
-      local old_budget = kiln.mem.stats("sim").budget
-      kiln.mem.set_budget("sim", budget)
-      kiln.mem.reset_peak("sim")
-      local stages = {}
-      local ok, err = pcall(function()
-        local t0 = kiln.time()
-        ck.clip:load("sim")
-        local cond, uncond
-        if ck.clip.tokenizer then
-          cond, uncond = pipeline.encode_prompts(ck, "a photograph of an astronaut riding a horse", "blurry")
-        else
-          local enc = ck.clip.encoders[1].enc
-          cond, uncond = enc:forward(IDS), enc:forward(IDS)
-        end
-        ck.clip:unload()
-        stages[#stages + 1] = fmt("encode %.1f s", kiln.time() - t0)
-        t0 = kiln.time()
+      local ok, _, st = sim_piece(budget, function(cond, uncond, pipeline)
         ck.unet:load("sim")
         cn:load("sim")
         local h = kiln.rand({ 1, 3, SIZE * 8, SIZE * 8 }, { seed = 13 })
@@ -719,29 +648,11 @@ if only.control then
         local xs = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 14 }) * 14.6
         local lat = den(xs, 14.6)
         require("kiln.controlnet").free_cache(controls[1].cache)
-        hs:free()
+        hs:free(); xs:free()
         cn:unload(); ck.unet:unload()
-        cond:free(); uncond:free(); xs:free()
-        stages[#stages + 1] = fmt("CFG step with the ControlNet (2 + 2 evaluations) %.1f s", kiln.time() - t0)
-        t0 = kiln.time()
-        ck.vae:load("sim")
-        local tile = math.min(SIZE, 32)
-        local img = ck.vae:decode(lat, { tile = tile, overlap = 8 })
-        ck.vae:unload()
-        stages[#stages + 1] = fmt("VAE decode, tiles of %d latents, %.1f s", tile, kiln.time() - t0)
-        img:free(); lat:free()
+        return lat, "CFG step with the ControlNet (2 + 2 evaluations)"
       end)
-      local st = kiln.mem.stats("sim")
-      kiln.mem.set_budget("sim", old_budget)
-      kiln.memory_mode("normal")
       control_rows.piece = { ok = ok, peak = st.peak_reserved, budget = budget }
-      if ok then
-        say("  %s", table.concat(stages, "; "))
-        say("  peak sim: %s allocated, %s reserved, budget %s: %s", human(st.peak), human(st.peak_reserved),
-          human(budget), st.peak_reserved <= budget and "inside" or "EXCEEDED")
-      else
-        say("  FAILED: %s (peak reserved %s)", tostring(err), human(st.peak_reserved))
-      end
     end
     if opts.clean then os.remove(cpath) end
   else
@@ -910,22 +821,10 @@ end
 if only.comfy and has_sim then
   local comfy = require "kiln.comfy"
   local lfs = require "lfs"
-  local keys = SHARED .. "/sd-keys/controlnet-sd15.txt"
-  local cpath = tmpdir .. "/kiln-bench-controlnet-sd15-f16.safetensors"
-  if not io.open(keys) then
+  local cpath, keys = controlnet_file()
+  if not cpath then
     say("\nComfyUI graph: skipped (no %s)", keys)
   else
-    if not io.open(cpath) then -- the ControlNet stage's file, made the same way
-      local tensors, i = {}, 0
-      for line in io.lines(keys) do
-        local name, sh = line:match("^([^\t]+)\t(.*)$")
-        i = i + 1
-        if name then tensors[name] = gen_tensor(name, parse_shape(sh), 900000 + i) end
-      end
-      kiln.save_safetensors(cpath, tensors)
-      for _, t in pairs(tensors) do t:free() end
-      collectgarbage()
-    end
     local root = tmpdir .. "/kiln-bench-comfy"
     local function abs(p) return p:sub(1, 1) == "/" and p or lfs.currentdir() .. "/" .. p end
     for _, d in ipairs({ "", "/models", "/models/checkpoints", "/models/loras", "/models/controlnet", "/models/input", "/out" }) do

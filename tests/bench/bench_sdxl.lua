@@ -76,6 +76,8 @@ for v in opts.variants:gmatch("[^,]+") do
       t = kiln.time()
       -- the planner's spare bytes keep that much of the UNet (in its device dtype) resident
       ck.unet:load("sim", { dtype = dtype, resident = plan.resident and plan.resident.unet or 0 })
+      stages[#stages + 1] = fmt("UNet load%s %.1f s", dtype and (" (stored as " .. dtype .. ")") or "", kiln.time() - t)
+      t = kiln.time()
       local y = ck.unet:sdxl_vector(pooled, { width = W, height = W })
       local yu = ck.unet:sdxl_vector(upooled, { width = W, height = W })
       local den = pipeline.denoiser(ck, cond, uncond, 5, { y_cond = y, y_uncond = yu })
