@@ -28,11 +28,12 @@ static int mem_stats(lua_State *L)
     SET_INT(L, "ooms", s.n_ooms);
     SET_INT(L, "segments", s.n_segments);
     SET_INT(L, "largest_free", s.largest_free);
-    SET_INT(L, "bytes_to_device", d->bytes_to_device);
+    kiln_transfer_stats x = kiln_device_transfers(d);
+    SET_INT(L, "bytes_to_device", x.bytes_to_device);
     /* host -> device bytes since kiln.mem.reset_peak (weights streamed in, inputs) */
-    SET_INT(L, "copied_in", d->bytes_to_device - d->bytes_to_device_at_reset);
-    SET_INT(L, "bytes_to_host", d->bytes_to_host);
-    lua_pushnumber(L, d->seconds_copying);
+    SET_INT(L, "copied_in", x.copied_in);
+    SET_INT(L, "bytes_to_host", x.bytes_to_host);
+    lua_pushnumber(L, x.seconds_copying);
     lua_setfield(L, -2, "seconds_copying");
     return 1;
 }

@@ -139,10 +139,33 @@ void kiln_device_empty_cache(kiln_device *dev)
     kiln_allocator_empty_cache(dev->alloc);
 }
 
+static pthread_mutex_t xfer_mu = PTHREAD_MUTEX_INITIALIZER; /* the transfer counters */
+
+void kiln_device_count_transfer(kiln_device *dev, int to_device, size_t bytes, double seconds)
+{
+    if (dev->type == KILN_DEV_CPU) return;
+    pthread_mutex_lock(&xfer_mu);
+    if (to_device) dev->bytes_to_device += bytes;
+    else dev->bytes_to_host += bytes;
+    dev->seconds_copying += seconds;
+    pthread_mutex_unlock(&xfer_mu);
+}
+
+kiln_transfer_stats kiln_device_transfers(kiln_device *dev)
+{
+    pthread_mutex_lock(&xfer_mu);
+    kiln_transfer_stats s = {dev->bytes_to_device, dev->bytes_to_host,
+                             dev->bytes_to_device - dev->bytes_to_device_at_reset, dev->seconds_copying};
+    pthread_mutex_unlock(&xfer_mu);
+    return s;
+}
+
 void kiln_device_reset_peak(kiln_device *dev)
 {
     kiln_allocator_reset_peak(dev->alloc);
+    pthread_mutex_lock(&xfer_mu);
     dev->bytes_to_device_at_reset = dev->bytes_to_device;
+    pthread_mutex_unlock(&xfer_mu);
 }
 
 kiln_mem_stats kiln_device_stats(kiln_device *dev)

@@ -19,11 +19,22 @@ struct kiln_device {
     kiln_allocator *alloc;    /* memory manager (budget, stats) */
     const kiln_backend *backend;
     uint64_t total_memory;    /* physical memory of the device, 0 unknown */
-    /* Transfer statistics (host<->device copies) */
+    /* Transfer statistics (host<->device copies): updated from any thread (copy threads
+     * too) under device.c's lock, read with kiln_device_transfers */
     uint64_t bytes_to_device, bytes_to_host;
     uint64_t bytes_to_device_at_reset;   /* bytes_to_device at the last kiln_device_reset_peak */
     double seconds_copying;
 };
+
+typedef struct {
+    uint64_t bytes_to_device, bytes_to_host;
+    uint64_t copied_in;       /* bytes_to_device since the last kiln_device_reset_peak */
+    double seconds_copying;
+} kiln_transfer_stats;
+
+/* Counts one copy between dev and the host (to_device: host -> dev). Thread-safe. */
+void kiln_device_count_transfer(kiln_device *dev, int to_device, size_t bytes, double seconds);
+kiln_transfer_stats kiln_device_transfers(kiln_device *dev);
 
 /* Looks a device up by name ("cpu", "sim", "cuda", "cuda:0"); NULL with a message
  * listing the devices present when absent. Devices are created on first use. */

@@ -93,7 +93,6 @@ static kiln_model *models;
 static uint64_t lru_clock;
 static atomic_int memory_mode = KILN_MEM_NORMAL;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static pthread_mutex_t xfer_mu = PTHREAD_MUTEX_INITIALIZER; /* device transfer counters */
 
 static struct {
     job *head, *tail;
@@ -244,12 +243,7 @@ static kiln_status prefix_error(kiln_status st, const char *prefix)
 
 static void count_transfer(kiln_device *dev, int to_device, size_t n, double secs)
 {
-    if (dev->type == KILN_DEV_CPU) return;
-    pthread_mutex_lock(&xfer_mu);
-    if (to_device) dev->bytes_to_device += n;
-    else dev->bytes_to_host += n;
-    dev->seconds_copying += secs;
-    pthread_mutex_unlock(&xfer_mu);
+    kiln_device_count_transfer(dev, to_device, n, secs);
 }
 
 static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt);

@@ -433,10 +433,8 @@ static kiln_status transfer(kiln_tensor *dst, const kiln_tensor *src)
     else
         return kiln_error(KILN_ERR_UNSUPPORTED, "transfer %s -> %s: go through the cpu", sd->name, dd->name);
     double dt = now_seconds() - t0;
-    kiln_device *acct = dd->type != KILN_DEV_CPU ? dd : sd;
-    if (dd->type != KILN_DEV_CPU) acct->bytes_to_device += n;
-    else acct->bytes_to_host += n;
-    acct->seconds_copying += dt;
+    if (dd->type != KILN_DEV_CPU) kiln_device_count_transfer(dd, 1, n, dt);
+    else kiln_device_count_transfer(sd, 0, n, dt);
     return st;
 }
 
