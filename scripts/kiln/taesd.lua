@@ -185,20 +185,17 @@ local function run_half(half, x)
       up = 2
     elseif e == "block" then
       set(pass:run(p .. ".", function()
-        local a = nn.conv2d(h, W(p .. ".conv.0.weight"), W(p .. ".conv.0.bias"), { padding = 1 })
-        local b = a:maximum(0)
+        -- the ReLUs after the first two convolutions run inside them (leaky_relu = 0)
+        local b = nn.conv2d(h, W(p .. ".conv.0.weight"), W(p .. ".conv.0.bias"), { padding = 1, leaky_relu = 0 })
+        local a = nn.conv2d(b, W(p .. ".conv.2.weight"), W(p .. ".conv.2.bias"), { padding = 1, leaky_relu = 0 })
+        b:free()
+        b = nn.conv2d(a, W(p .. ".conv.4.weight"), W(p .. ".conv.4.bias"), { padding = 1 })
         a:free()
-        a = nn.conv2d(b, W(p .. ".conv.2.weight"), W(p .. ".conv.2.bias"), { padding = 1 })
+        a = b + h -- the skip is the identity at the published (equal) widths
         b:free()
         b = a:maximum(0)
         a:free()
-        a = nn.conv2d(b, W(p .. ".conv.4.weight"), W(p .. ".conv.4.bias"), { padding = 1 })
-        b:free()
-        b = a + h -- the skip is the identity at the published (equal) widths
-        a:free()
-        a = b:maximum(0)
-        b:free()
-        return a
+        return b
       end))
     else
       set(pass:run(p .. ".", function()
