@@ -185,6 +185,11 @@ static int m_load(lua_State *L)
     } else if (lua_istable(L, 3)) {
         if (lua_getfield(L, 3, "dtype") != LUA_TNIL) dtype = (int)l_check_dtype(L, lua_gettop(L));
         lua_pop(L, 1);
+        /* a partial residency keeps whole blocks: the networks know theirs, a bare store does not */
+        if (lua_getfield(L, 3, "resident") != LUA_TNIL)
+            luaL_argerror(L, 3, "resident applies to a network (ckpt.unet, ckpt.vae, a ControlNet: "
+                                "part:load(dev, {resident = bytes})), whose blocks kiln knows; a kiln.Model loads whole");
+        lua_pop(L, 1);
     } else if (!lua_isnoneornil(L, 3)) {
         luaL_typeerror(L, 3, "options table or dtype name");
     }

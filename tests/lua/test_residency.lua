@@ -139,6 +139,7 @@ test("residency: bad values are named", function()
   raises(function() ck.unet:load("sim", { resident = -1 }) end, "resident must be a number of bytes")
   raises(function() ck.unet:load("sim", { resident = "lots" }) end, "resident 'lots'")
   raises(function() ck.clip:load("sim", { resident = 0 }) end, "resident needs a network streamed block by block")
+  raises(function() ck.unet.model:load("sim", { resident = 0 }) end, "resident applies to a network")
 end)
 
 x:free(); t:free(); ctx:free()
