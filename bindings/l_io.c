@@ -53,6 +53,84 @@ static int load_weights(lua_State *L, kiln_status (*opener)(const char *, kiln_s
 static int l_load_safetensors(lua_State *L) { return load_weights(L, kiln_st_open); }
 static int l_load_gguf(lua_State *L) { return load_weights(L, kiln_gguf_open); }
 
+/* What a save writes: host copies of a Lua table of name -> tensor (each in the dtype
+ * dtype_of picks), anchored in a Lua table left on the stack so that an error frees
+ * them, and the metadata table's strings. `what` names the function in errors. */
+typedef struct {
+    int n, n_meta;
+    kiln_st_item *items;
+    const char **mk, **mv;
+} save_set;
+
+typedef kiln_dtype (*save_dtype_fn)(const kiln_tensor *t, void *ud);
+
+static save_set collect_save_set(lua_State *L, const char *what, int tensors, int meta, save_dtype_fn dtype_of,
+                                 void *ud)
+{
+    save_set s = {0, 0, NULL, NULL, NULL};
+    int has_meta = !lua_isnoneornil(L, meta);
+    lua_pushnil(L);
+    while (lua_next(L, tensors)) { s.n++; lua_pop(L, 1); }
+    if (has_meta) {
+        lua_pushnil(L);
+        while (lua_next(L, meta)) { s.n_meta++; lua_pop(L, 1); }
+    }
+    lua_createtable(L, s.n, 0);
+    int keep = lua_gettop(L);
+    s.items = lua_newuserdatauv(L, sizeof(kiln_st_item) * (size_t)(s.n ? s.n : 1), 0);
+    s.mk = lua_newuserdatauv(L, sizeof(char *) * (size_t)(s.n_meta ? s.n_meta : 1), 0);
+    s.mv = lua_newuserdatauv(L, sizeof(char *) * (size_t)(s.n_meta ? s.n_meta : 1), 0);
+    int i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, tensors)) {
+        if (lua_type(L, -2) != LUA_TSTRING)
+            luaL_error(L, "%s: tensor names must be strings (got a %s key)", what, luaL_typename(L, -2));
+        const char *name = lua_tostring(L, -2);
+        kiln_tensor *t = l_test_tensor(L, -1);
+        if (!t) luaL_error(L, "%s: '%s' is not a live tensor (a %s)", what, name, luaL_typename(L, -1));
+        kiln_tensor *c;
+        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), dtype_of(t, ud), &c));
+        l_push_tensor(L, c);
+        lua_rawseti(L, keep, i + 1);
+        s.items[i] = (kiln_st_item){.name = name, .dtype = c->dtype, .ndim = c->ndim, .shape = c->shape,
+                                    .data = kiln_tensor_data(c)};
+        i++;
+        lua_pop(L, 1);
+    }
+    i = 0;
+    if (has_meta) {
+        lua_pushnil(L);
+        while (lua_next(L, meta)) {
+            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
+                luaL_error(L, "%s: metadata must map strings to strings", what);
+            s.mk[i] = lua_tostring(L, -2);
+            s.mv[i] = lua_tostring(L, -1);
+            i++;
+            lua_pop(L, 1);
+        }
+    }
+    return s;
+}
+
+/* save_gguf: float tensors whose rows hold whole blocks in the asked type, fp8 as f16,
+ * what GGUF cannot hold as f32, the rest as they are */
+static kiln_dtype gguf_dtype_of(const kiln_tensor *t, void *ud)
+{
+    int qtype = *(const int *)ud;
+    int blk = qtype >= 0 ? kiln_dtype_block((kiln_dtype)qtype) : 1;
+    if (qtype >= 0 && kiln_dtype_is_float(t->dtype) && t->ndim >= 2 && t->shape[t->ndim - 1] % blk == 0)
+        return (kiln_dtype)qtype;
+    if (t->dtype == KILN_F8_E4M3FN || t->dtype == KILN_F8_E5M2) return KILN_F16;
+    if (kiln_gguf_type_of(t->dtype) < 0) return KILN_F32;
+    return t->dtype;
+}
+
+static kiln_dtype same_dtype(const kiln_tensor *t, void *ud)
+{
+    (void)ud;
+    return t->dtype;
+}
+
 /* kiln.save_gguf(path, {name = tensor} [, {type = "q8_0", metadata = {k = v}}]):
  * with a type, every tensor of 2 or more dimensions whose last dimension holds whole
  * blocks is quantized (ggml's reference quantizers); the others (biases, norms, 3x3
@@ -80,56 +158,8 @@ static int l_save_gguf(lua_State *L)
     }
     int meta = lua_gettop(L); /* 4 */
     if (!lua_isnil(L, meta)) luaL_checktype(L, meta, LUA_TTABLE);
-    int n = 0, n_meta = 0;
-    lua_pushnil(L);
-    while (lua_next(L, 2)) { n++; lua_pop(L, 1); }
-    if (!lua_isnil(L, meta)) {
-        lua_pushnil(L);
-        while (lua_next(L, meta)) { n_meta++; lua_pop(L, 1); }
-    }
-    lua_createtable(L, n, 0);
-    int keep = lua_gettop(L);
-    kiln_st_item *items = lua_newuserdatauv(L, sizeof(kiln_st_item) * (size_t)(n ? n : 1), 0);
-    const char **mk = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
-    const char **mv = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
-    int i = 0;
-    lua_pushnil(L);
-    while (lua_next(L, 2)) {
-        if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_gguf: tensor names must be strings (got a %s key)", luaL_typename(L, -2));
-        const char *name = lua_tostring(L, -2);
-        kiln_tensor *t = l_test_tensor(L, -1);
-        if (!t) luaL_error(L, "save_gguf: '%s' is not a live tensor (a %s)", name, luaL_typename(L, -1));
-        kiln_dtype want = t->dtype;
-        int blk = qtype >= 0 ? kiln_dtype_block((kiln_dtype)qtype) : 1;
-        if (qtype >= 0 && kiln_dtype_is_float(t->dtype) && t->ndim >= 2 && t->shape[t->ndim - 1] % blk == 0)
-            want = (kiln_dtype)qtype;
-        else if (want == KILN_F8_E4M3FN || want == KILN_F8_E5M2) want = KILN_F16;
-        else if (kiln_gguf_type_of(want) < 0) want = KILN_F32;
-        kiln_tensor *c;
-        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), want, &c));
-        l_push_tensor(L, c);
-        lua_rawseti(L, keep, i + 1);
-        items[i].name = name;
-        items[i].dtype = c->dtype;
-        items[i].ndim = c->ndim;
-        items[i].shape = c->shape;
-        items[i].data = kiln_tensor_data(c);
-        i++;
-        lua_pop(L, 1);
-    }
-    i = 0;
-    if (!lua_isnil(L, meta)) {
-        lua_pushnil(L);
-        while (lua_next(L, meta)) {
-            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
-                luaL_error(L, "save_gguf: metadata must map strings to strings");
-            mk[i] = lua_tostring(L, -2);
-            mv[i] = lua_tostring(L, -1);
-            i++;
-            lua_pop(L, 1);
-        }
-    }
-    L_TRY(L, kiln_gguf_save(path, n, items, n_meta, mk, mv));
+    save_set set = collect_save_set(L, "save_gguf", 2, meta, gguf_dtype_of, &qtype);
+    L_TRY(L, kiln_gguf_save(path, set.n, set.items, set.n_meta, set.mk, set.mv));
     return 0;
 }
 
@@ -140,51 +170,8 @@ static int l_save_safetensors(lua_State *L)
     luaL_checktype(L, 2, LUA_TTABLE);
     if (!lua_isnoneornil(L, 3)) luaL_checktype(L, 3, LUA_TTABLE);
     lua_settop(L, 3); /* the work table below must not land on the metadata slot */
-    int n = 0, n_meta = 0;
-    lua_pushnil(L);
-    while (lua_next(L, 2)) { n++; lua_pop(L, 1); }
-    if (!lua_isnoneornil(L, 3)) {
-        lua_pushnil(L);
-        while (lua_next(L, 3)) { n_meta++; lua_pop(L, 1); }
-    }
-    /* host copies (contiguous, on cpu) live in a Lua table so errors free them */
-    lua_createtable(L, n, 0);
-    int keep = lua_gettop(L);
-    kiln_st_item *items = lua_newuserdatauv(L, sizeof(kiln_st_item) * (size_t)(n ? n : 1), 0);
-    const char **mk = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
-    const char **mv = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_meta ? n_meta : 1), 0);
-    int i = 0;
-    lua_pushnil(L);
-    while (lua_next(L, 2)) {
-        if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_safetensors: tensor names must be strings (got a %s key)", luaL_typename(L, -2));
-        const char *name = lua_tostring(L, -2);
-        kiln_tensor *t = l_test_tensor(L, -1);
-        if (!t) luaL_error(L, "save_safetensors: '%s' is not a live tensor (a %s)", name, luaL_typename(L, -1));
-        kiln_tensor *c;
-        L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), t->dtype, &c));
-        l_push_tensor(L, c);
-        lua_rawseti(L, keep, i + 1);
-        items[i].name = name;
-        items[i].dtype = c->dtype;
-        items[i].ndim = c->ndim;
-        items[i].shape = c->shape;
-        items[i].data = kiln_tensor_data(c);
-        i++;
-        lua_pop(L, 1);
-    }
-    i = 0;
-    if (!lua_isnoneornil(L, 3)) {
-        lua_pushnil(L);
-        while (lua_next(L, 3)) {
-            if (lua_type(L, -2) != LUA_TSTRING || lua_type(L, -1) != LUA_TSTRING)
-                luaL_error(L, "save_safetensors: metadata must map strings to strings");
-            mk[i] = lua_tostring(L, -2);
-            mv[i] = lua_tostring(L, -1);
-            i++;
-            lua_pop(L, 1);
-        }
-    }
-    L_TRY(L, kiln_st_save(path, n, items, n_meta, mk, mv));
+    save_set set = collect_save_set(L, "save_safetensors", 2, 3, same_dtype, NULL);
+    L_TRY(L, kiln_st_save(path, set.n, set.items, set.n_meta, set.mk, set.mv));
     return 0;
 }
 
