@@ -7,7 +7,7 @@
 
 #include "device.h"
 #include "gguf.h"
-#include "model.h"
+#include "fuzz_model.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -40,15 +40,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < f->n_meta; i++) fuzz_sink += strlen(f->meta_keys[i]) + strlen(f->meta_values[i]);
     kiln_st_release(f);
 
-    if (size <= 4096) {
-        kiln_model *m = NULL;
-        if (kiln_model_open(&path, 1, "fuzz", &m) == KILN_OK) {
-            if (kiln_model_load(m, kiln_device_cpu(), KILN_F32) == KILN_OK && kiln_model_count(m) > 0) {
-                kiln_tensor *t = NULL;
-                if (kiln_model_tensor(m, kiln_model_tensor_name(m, 0), &t) == KILN_OK) kiln_tensor_free(t);
-            }
-            kiln_model_close(m);
-        }
-    }
+    if (size <= 4096) fuzz_open_as_model(path);
     return 0;
 }

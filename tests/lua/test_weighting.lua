@@ -18,19 +18,8 @@ local shape_of = H.shape_of
 
 local function close(a, b, what) return H.close_rel(a, b, TOL, what) end
 
--- The golden's ids are the built-in CLIP vocabulary's (a 320, photo 1125, of 539,
--- cat 2368); a whitespace tokenizer over those words stands in for the binding.
-local WORDS = { a = 320, photo = 1125, of = 539, cat = 2368 }
-local fake_tok = {
-  encode = function(_, s)
-    local r = {}
-    for w in s:gmatch("[^%s,]+") do r[#r + 1] = assert(WORDS[w], "fake tokenizer: unknown word " .. w) end
-    return r
-  end,
-  bos = function() return 49406 end,
-  eos = function() return 49407 end,
-  token_id = function() return nil end,
-}
+-- the goldens' words through the built-in vocabulary's ids (tiny_sd.lua)
+local fake_tok = T.word_tokenizer
 
 local function open(family)
   local ck = kiln.load_checkpoint(T.ckpt_file(family or "sd1"))

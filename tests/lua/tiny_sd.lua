@@ -91,4 +91,19 @@ function T.inputs(ctx_dim)
   return kiln.randn({ 2, 4, 8, 8 }, { seed = 1 }), kiln.tensor({ 10, 500 }), kiln.randn({ 2, 77, ctx_dim }, { seed = 2 })
 end
 
+-- A whitespace tokenizer over the goldens' words with the ids CLIP's vocabulary gives
+-- them (a 320, photo 1125, of 539, cat 2368; commas dropped): stands in for the binding
+-- where a test's prompts use only these words.
+local WORDS = { a = 320, photo = 1125, of = 539, cat = 2368 }
+T.word_tokenizer = {
+  encode = function(_, s)
+    local r = {}
+    for w in s:gmatch("[^%s,]+") do r[#r + 1] = assert(WORDS[w], "fake tokenizer: unknown word " .. w) end
+    return r
+  end,
+  bos = function() return 49406 end,
+  eos = function() return 49407 end,
+  token_id = function() return nil end,
+}
+
 return T
