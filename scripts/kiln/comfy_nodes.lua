@@ -44,12 +44,7 @@ local function resize(ctx, t, w, h, method, crop)
 end
 
 -- ComfyUI rounds a scaled size to the nearest whole number (Python's round)
-local function pyround(x)
-  local f = math.floor(x)
-  local d = x - f
-  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
-  return math.tointeger(f)
-end
+local pyround = require("kiln.util").round_half_even
 
 -- the model behind a value, loaded to the run's device for this node
 local function use(ctx, part) ctx:use(part) return part end

@@ -116,12 +116,7 @@ end
 -- [0, 1] on the gradient magnitude; returns [N, 3, H, W]: 1 on edges, 0 elsewhere
 -- (ComfyUI's Canny node returns the edge map as an RGB image).
 -- Python's round(): halves to the even neighbour (ComfyUI's crop offsets use it)
-local function round_half_even(x)
-  local f = math.floor(x)
-  local d = x - f
-  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
-  return math.tointeger(f)
-end
+local round_half_even = require("kiln.util").round_half_even
 
 --- img [B, C, H, W] resized to w x h as ComfyUI's common_upscale does: with
 -- opts.crop = "center" the image is first cut to the target's aspect ratio (the

@@ -906,13 +906,7 @@ local function beta_ppf(q, a, b)
 end
 sample.beta_ppf = beta_ppf
 
--- numpy.rint: to the nearest integer, halves to even
-local function rint(x)
-  local f = math.floor(x)
-  local d = x - f
-  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
-  return f
-end
+local rint = require("kiln.util").round_half_even -- numpy.rint
 
 -- ComfyUI's "beta" schedule (after Lee et al. 2024, arXiv:2407.12173): the model's
 -- discrete sigmas at the timesteps rint(ppf_Beta(alpha, beta)(1 - i/steps) * 999),

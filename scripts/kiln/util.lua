@@ -1,6 +1,16 @@
 -- kiln.util: small helpers shared by the shipped scripts: command-line parsing and
--- its usage errors, the out-of-memory test, and reading a network's shapes.
+-- its usage errors, the out-of-memory test, reading a network's shapes, and rounding
+-- as Python and NumPy round.
 local util = {}
+
+--- x rounded to the nearest whole number, halves to the even neighbour (Python's
+-- round, numpy.rint), as an integer when it is one.
+function util.round_half_even(x)
+  local f = math.floor(x)
+  local d = x - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
+  return math.tointeger(f) or f
+end
 
 -- A usage error says the command line is wrong, not the script: the kiln program
 -- prints "kiln: <message>" and exits with status 2, without a traceback.
