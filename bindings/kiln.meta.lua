@@ -1210,6 +1210,12 @@ function kiln.util.parse_args(args, defaults) end
 ---@param msg string
 function kiln.util.usage_error(msg) end
 
+---x rounded to the nearest whole number, halves to the even neighbour (Python's round,
+---numpy.rint); an integer when it is one.
+---@param x number
+---@return number
+function kiln.util.round_half_even(x) end
+
 ---@param e any
 ---@return boolean
 function kiln.util.is_usage_error(e) end
