@@ -63,9 +63,9 @@ CLI_LIBS := -lreadline
 endif
 
 RUNTIME_SRC  := $(wildcard runtime/*.c)
-KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c) kernels/cuda/cuda_none.c
+KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_none.c
 ifeq ($(CUDA),1)
-KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c) kernels/cuda/cuda_backend.c
+KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_backend.c
 CU_OBJ       := $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard kernels/cuda/*.cu))
 NVCCFLAGS    := -std=c++17 -O2 -g -Xcompiler -Wall,-Wextra,-fPIC,-fvisibility=hidden \
                 $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \

@@ -8,6 +8,7 @@
 #include "l_scripts.h"
 #include "../runtime/events.h"
 #include "../runtime/png_io.h"
+#include "../runtime/suspend.h"
 #include "kiln.h"
 
 #include <lualib.h>
@@ -42,6 +43,7 @@ struct kiln_ctx {
     char *traceback;
     char *summary;
     int trace_started;        /* config.trace: kiln_close stops it */
+    kiln_gate *gate;          /* kiln_suspend / kiln_resume meet the running call here */
 };
 
 /* Messages of calls made without a context (kiln_open's failures). */
@@ -203,7 +205,44 @@ static void cancel_hook(lua_State *L, lua_Debug *ar)
 
 void kiln_cancel(kiln_ctx *ctx)
 {
-    if (ctx) atomic_store(&ctx->cancel, 1);
+    if (!ctx) return;
+    atomic_store(&ctx->cancel, 1);
+    kiln_gate_wake(ctx->gate); /* a parked call wakes into the cancel */
+}
+
+/* The parked call's stop test (under the gate's lock: an atomic load only). */
+static int gate_stop(void *ud)
+{
+    return atomic_load(&((kiln_ctx *)ud)->cancel);
+}
+
+kiln_status kiln_suspend(kiln_ctx *ctx)
+{
+    if (!ctx) return fail(NULL, KILN_ERR_ARG, "kiln_suspend: the context is NULL");
+    kiln_status st = kiln_gate_suspend(ctx->gate);
+    /* the message goes to the caller's thread: ctx's belongs to the running call */
+    if (st) fail(NULL, st, "%s", kiln_last_error());
+    return st;
+}
+
+kiln_status kiln_resume(kiln_ctx *ctx)
+{
+    if (!ctx) return fail(NULL, KILN_ERR_ARG, "kiln_resume: the context is NULL");
+    kiln_status st = kiln_gate_resume(ctx->gate);
+    if (st) fail(NULL, st, "%s", kiln_last_error());
+    return st;
+}
+
+kiln_status kiln_suspend_info(kiln_ctx *ctx, kiln_suspend_stats *out)
+{
+    if (!ctx || !out) return fail(NULL, KILN_ERR_ARG, "kiln_suspend_info: %s is NULL", ctx ? "out" : "the context");
+    kiln_gate_stats s = kiln_gate_get_stats(ctx->gate);
+    out->parks = s.parks;
+    out->bytes = s.bytes;
+    out->park_seconds = s.park_seconds;
+    out->resume_seconds = s.resume_seconds;
+    out->parked = kiln_gate_parked(ctx->gate);
+    return KILN_OK;
 }
 
 void kiln_set_progress(kiln_ctx *ctx, kiln_progress_fn fn, void *user)
@@ -324,6 +363,9 @@ static kiln_status protected_run(job *j, lua_CFunction fn, const char *what)
     atomic_store(&ctx->cancel, 0);
     /* under memory pressure, this thread collects this state's garbage */
     lua_State *outer = l_pressure_enter(L);
+    kiln_gate_enter(ctx->gate);
+    /* a call starts with the budgets as they are: no grace left from a live change */
+    for (int i = 0; i < kiln_device_count(); i++) kiln_allocator_end_grace(kiln_device_at(i)->alloc);
 
     lua_settop(L, 0);
     lua_pushcfunction(L, msghandler);
@@ -337,6 +379,7 @@ static kiln_status protected_run(job *j, lua_CFunction fn, const char *what)
     lua_settop(L, 0);
     lua_gc(L, LUA_GCCOLLECT);
 
+    kiln_gate_leave(ctx->gate);
     l_pressure_leave(outer);
     ctx->busy = 0;
     return st;
@@ -429,6 +472,7 @@ static int open_state(lua_State *L)
         lua_pop(L, 1);
     }
     l_progress_set_host(L, &j->ctx->host);
+    l_suspend_set_gate(L, j->ctx->gate, gate_stop, j->ctx);
     configure(L, j);
     return 0;
 }
@@ -438,6 +482,7 @@ static void free_ctx(kiln_ctx *ctx)
     free(ctx->message);
     free(ctx->traceback);
     free(ctx->summary);
+    kiln_gate_free(ctx->gate);
     free(ctx);
 }
 
@@ -462,6 +507,11 @@ kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
     ctx->log_user = cfg->log_user;
     ctx->log_level = cfg->log_level == KILN_LOG_DEFAULT ? KILN_LOG_INFO : cfg->log_level;
     ctx->host = (l_progress_host){host_progress, host_cancelled, host_cancel, ctx, host_preview, host_preview_every};
+    ctx->gate = kiln_gate_new();
+    if (!ctx->gate) {
+        free_ctx(ctx);
+        return fail(NULL, KILN_ERR_OOM, "kiln_open: out of memory");
+    }
     snprintf(ctx->device, sizeof ctx->device, "%s", device);
     ctx->L = luaL_newstate();
     if (!ctx->L) {
@@ -789,7 +839,8 @@ kiln_status kiln_memory_set_budget(kiln_ctx *ctx, const char *device, uint64_t b
 {
     kiln_device *d = find_device(ctx, device, "kiln_memory_set_budget");
     if (!d) return KILN_ERR_ARG;
-    kiln_allocator_set_budget(d->alloc, bytes);
+    /* a call may be running: the change reaches it at its next suspend point */
+    kiln_allocator_set_budget_live(d->alloc, bytes);
     return KILN_OK;
 }
 

@@ -19,7 +19,8 @@
  *
  * Threads: one context per thread. A context is used by one thread at a time (it may
  * move between threads between calls); kiln_cancel is the only function that may be
- * called from any thread at any time. Contexts in different threads may run at once:
+ * called from any thread at any time (kiln_suspend, kiln_resume and kiln_suspend_info
+ * from any thread but the running call's). Contexts in different threads may run at once:
  * they share the devices, their budgets and the CPU thread pool (whose jobs run one
  * after another). kiln_memory_stats may be called from any thread. When an allocation
  * does not fit a budget, the runtime collects the Lua garbage of the context running
@@ -196,6 +197,42 @@ KILN_API kiln_status kiln_call(kiln_ctx *ctx, const char *function, const kiln_i
  * from the progress callback. Each call starts with the request cleared. */
 KILN_API void kiln_cancel(kiln_ctx *ctx);
 
+/* ---- suspend and resume -------------------------------------------------------- */
+
+/* Parks the running call (kiln_run_*, kiln_call) of ctx so that the devices' memory is
+ * free for the host (a game that needs its VRAM back now): at the call's next suspend
+ * point (kiln.suspend_point: between network blocks, sampler steps and tiles; about one
+ * block's time) every byte it holds on sim / cuda devices (weights, latent, sampler
+ * history, residuals, the allocator's cache and kernel workspaces) moves to host
+ * memory and the call waits. The state stays as it was (step, RNG position, history),
+ * so after kiln_resume the picture is bit-identical to an uninterrupted run. Callable
+ * from any thread but the call's own; blocks until parked and returns KILN_OK (also
+ * when already parked); KILN_ERR_STATE when no call is running, when called on the
+ * call's own thread (its callbacks: it would wait for itself), when the call ended
+ * before it parked, or when kiln_resume withdrew the request; another status
+ * when parking failed (host memory: the call goes on unparked). Only this context's
+ * call parks; other contexts using the same devices at the same time are not stopped
+ * and must not be running then. Messages: kiln_last_message(NULL), on the caller's
+ * thread. */
+KILN_API kiln_status kiln_suspend(kiln_ctx *ctx);
+/* Lets a parked call go on: blocks until its bytes are back on their devices (new
+ * blocks of the same sizes) and returns KILN_OK; KILN_ERR_OOM when a device's budget
+ * no longer has room for them (the call then fails with that error). Withdraws a
+ * kiln_suspend not yet served; KILN_OK when nothing is parked. kiln_cancel during a
+ * park wakes the call into the cancel (its bytes come back first, then it returns
+ * KILN_ERR_CANCELLED). Any thread. */
+KILN_API kiln_status kiln_resume(kiln_ctx *ctx);
+
+typedef struct {
+    uint64_t parks;          /* times parked since kiln_open */
+    uint64_t bytes;          /* bytes moved to the host at the last park */
+    double park_seconds;     /* last park: kiln_suspend called to parked */
+    double resume_seconds;   /* last resume: kiln_resume called to running */
+    int parked;              /* 1 while parked */
+} kiln_suspend_stats;
+/* Latencies of the last park; any thread. */
+KILN_API kiln_status kiln_suspend_info(kiln_ctx *ctx, kiln_suspend_stats *out);
+
 /* The progress callback (fn NULL: none): scripts report with kiln.progress(step,
  * total, message); the samplers do so every step. */
 KILN_API void kiln_set_progress(kiln_ctx *ctx, kiln_progress_fn fn, void *user);
@@ -232,7 +269,12 @@ typedef struct {
 
 /* Statistics of a device (NULL: the config's device). ctx may be NULL. */
 KILN_API kiln_status kiln_memory_stats(kiln_ctx *ctx, const char *device, kiln_memory_info *out);
-/* Sets a device's budget in bytes (0 = unlimited); it applies to the whole process. */
+/* Sets a device's budget in bytes (0 = unlimited); it applies to the whole process.
+ * Any thread, also while a call runs: a lowered budget takes effect at the call's
+ * next suspend point (block, step or tile): unpinned models are evicted, then the
+ * running networks stream their weights block by block, then tiled stages choose
+ * smaller tiles; allocations made before that point may still use the old budget.
+ * A raised budget is used from the next stage on (e.g. a model loaded whole again). */
 KILN_API kiln_status kiln_memory_set_budget(kiln_ctx *ctx, const char *device, uint64_t bytes);
 /* kiln.mem.summary(): a text table of every device and what holds its memory, for
  * logs and out-of-memory reports. NULL on failure. Valid until the next call. */

@@ -254,6 +254,27 @@ function kiln.set_threads(n) end
 ---@return integer
 function kiln.threads() end
 
+---The arithmetic of the networks: "f32", "bf16" (on the CPU: products with bf16 inputs
+---and f32 sums, AVX-512 needed) or "f16" (on the CPU: f16 weights, f32 arithmetic), for
+---every device; "auto" gives each device its own default back (the CPU's is f32).
+---Returns the precision of the default device before the call (no argument: the current one).
+---@param name? "f32"|"bf16"|"f16"|"auto"
+---@return "f32"|"bf16"|"f16"
+function kiln.precision(name) end
+
+---The precision the networks on a device compute in: the one set, else the device's default.
+---@param device? kiln.DeviceName default: the default device
+---@return "f32"|"bf16"|"f16"
+function kiln.precision_of(device) end
+
+---The dtype the networks keep their activations in on a device under the precision in
+---effect there (kiln.precision): "f16" / "bf16" on a GPU under a half precision, else
+---"f32" (the CPU rounds inside its kernels instead). Networks convert their input to it
+---and their output back to f32.
+---@param device? kiln.DeviceName default: the default device
+---@return "f32"|"f16"|"bf16"
+function kiln.activation_dtype(device) end
+
 ---Sets (and returns) the memory mode: "high" keeps weights on the device, "normal" evicts
 ---least recently used models when the budget requires, "low" streams weights layer by
 ---layer, "none"/"cpu" runs on the CPU.
@@ -428,6 +449,22 @@ function kiln.cancel(on) end
 ---@return boolean
 function kiln.cancelled() end
 
+---Where a run may park for its embedding host (kiln_suspend: every device byte moves to
+---host memory until kiln_resume; "cancelled" is raised when kiln_cancel came meanwhile)
+---and where a budget lowered live takes effect (evict, then stream the running networks,
+---then enforce it). The pipelines call it between network blocks, sampler steps and tiles.
+function kiln.suspend_point() end
+
+---@class kiln.SuspendStats
+---@field parks integer times parked (kiln_suspend) in this state
+---@field bytes integer bytes moved to the host at the last park
+---@field park_seconds number last park: kiln_suspend called to parked
+---@field resume_seconds number last resume: kiln_resume called to running
+
+---The embedding host's parks of this state (zeros without a host).
+---@return kiln.SuspendStats
+function kiln.suspend_stats() end
+
 ---How often the embedding host wants previews (kiln_set_preview's every), nil when it
 ---wants none (or there is no host). The pipelines ask it; a script's own loop may too.
 ---@return integer|nil
@@ -461,6 +498,7 @@ function kiln.load_checkpoint(path, opts) end
 
 ---@class kiln.ControlNet: kiln.Model
 ---@field config table hyper-parameters read from the shapes (unet.config's, plus hint_channels)
+---@field tileable? "x"|"y"|"xy" circular padding as the UNet's (the pipelines set it for tileable runs)
 local ControlNet = {}
 
 ---Runs the ControlNet: the residuals to add to the UNet (one per input block, then the
@@ -489,14 +527,16 @@ function kiln.load_controlnet(path) end
 ---@field scale integer 1, 2, 4 or 8
 ---@field arch string "RRDBNet" or "SRVGGNetCompact"
 ---@field config table hyper-parameters read from the shapes (nf, gc, nb, unshuffle, ...)
+---@field tileable? "x"|"y"|"xy" circular padding and wrapped tiles by default (upscale's option)
 local Upscaler = {}
 
 ---img [B, C, H, W] in [0, 1] (C 3; 4: RGBA, the alpha upscaled bilinearly apart; 1: grey,
 ---returned as RGB) -> [B, 3 or 4, sH, sW] in [0, 1] on img's device. Tiled (tile and
 ---overlap in input pixels; default tile from the free budget; false: untiled), an
----out-of-memory error retried with the tile halved, seams blended.
+---out-of-memory error retried with the tile halved, seams blended. tileable: a picture that
+---tiles (circular padding on those axes, tiles that wrap around).
 ---@param img kiln.Tensor
----@param opts? {tile?: integer|"auto"|false, overlap?: integer, min_tile?: integer}
+---@param opts? {tile?: integer|"auto"|false, overlap?: integer, min_tile?: integer, tileable?: "x"|"y"|"xy"}
 ---@return kiln.Tensor
 function Upscaler:upscale(img, opts) end
 
@@ -518,6 +558,7 @@ function kiln.load_upscaler(path) end
 ---@class kiln.TAESD: kiln.Model
 ---@field latent_channels integer 4 for SD 1.x/2.x/XL
 ---@field width integer channels of the stack (64 as published)
+---@field tileable? "x"|"y"|"xy" circular padding and wrapped tiles (the pipelines set it for tileable runs)
 local TAESD = {}
 
 ---Latents as samplers produce them (the same scaled latents as vae:decode) -> images
@@ -596,11 +637,12 @@ kiln.image = {}
 function kiln.image.canny(img, low, high) end
 
 ---An image resized as ComfyUI's common_upscale does: with crop = "center" first cut to
----the target's aspect ratio about the centre, then interpolated (ControlNet hints).
+---the target's aspect ratio about the centre, then interpolated (ControlNet hints); area and
+---bicubic as PyTorch's interpolate, lanczos as Pillow's on 8-bit RGB, bislerp as ComfyUI's.
 ---@param img kiln.Tensor [B, C, H, W]
 ---@param w integer
 ---@param h integer
----@param opts? {mode?: "nearest-exact"|"nearest"|"bilinear", crop?: "center"|"disabled"}
+---@param opts? {mode?: "nearest-exact"|"nearest"|"bilinear"|"area"|"bicubic"|"lanczos"|"bislerp", crop?: "center"|"disabled"}
 ---@return kiln.Tensor
 function kiln.image.resize(img, w, h, opts) end
 
@@ -770,10 +812,85 @@ function kiln.mem.reset_peak(device) end
 function kiln.mem.empty_cache(device) end
 
 ---Sets a device's budget (0 = unlimited): allocations beyond it evict, then fail with
----an out-of-memory error {kind = "oom", device, requested, free, budget}.
+---an out-of-memory error {kind = "oom", device, requested, free, budget}. live: a change
+---for a run in progress (as kiln_memory_set_budget from a host's thread): until its next
+---kiln.suspend_point the block in flight may still use the old budget; there the run
+---evicts, streams its networks, and the budget holds.
 ---@param device kiln.DeviceName
 ---@param bytes integer
-function kiln.mem.set_budget(device, bytes) end
+---@param opts? {live: boolean}
+function kiln.mem.set_budget(device, bytes, opts) end
+
+---@class kiln.BudgetWatch
+---@field changes integer budget changes of the device
+---@field grace boolean a live lowering not yet applied (the old budget still holds)
+---@field over boolean reserved > budget now
+---@field lowered_at number the last lowering, seconds on the runtime's event clock (0: none)
+---@field compliant_at number when reserved was first within it, no grace left (0: not yet)
+---@field compliance_seconds? number compliant_at - lowered_at, nil until compliant
+---@field peak_since integer most bytes reserved from compliant_at on
+---@field peak_before integer most bytes reserved (since reset_peak) when it was lowered
+
+---How the device's last budget lowering went.
+---@param device? kiln.DeviceName
+---@return kiln.BudgetWatch
+function kiln.mem.budget_watch(device) end
+
+---Evicts unpinned models' copies on the device, least recently used first, whatever
+---the memory mode, until `bytes` are given back; returns the bytes given back.
+---@param device kiln.DeviceName
+---@param bytes integer
+---@return integer
+function kiln.mem.evict(device, bytes) end
+
+---Starts a dry run by hand (kiln.dry_run does this around a function): the shape-only
+---device meta models `device` under `budget` (0 or nil: none) and answers to its name.
+---@param device kiln.DeviceName
+---@param budget? integer|string bytes or a size such as "6G"
+---@return string device the name meta answers to
+function kiln.mem.meta_begin(device, budget) end
+
+---Ends a dry run: models' copies made during it are dropped, meta is given back.
+---@return integer bytes still allocated on meta by tensors that outlived the run
+function kiln.mem.meta_end() end
+
+---The device a running dry run models, or nil.
+---@return string?
+function kiln.mem.meta_target() end
+
+---Peak allocated and reserved bytes on meta since the previous mark (or meta_begin).
+---@return integer peak_allocated
+---@return integer peak_reserved
+function kiln.mem.meta_mark() end
+
+---@class kiln.DryRunStage
+---@field name string "encode", or nested "hires > decode"
+---@field peak integer bytes allocated at the stage's peak
+---@field peak_reserved integer
+
+---@class kiln.DryRunReport
+---@field device string the device modelled
+---@field budget integer bytes (0: none)
+---@field fits boolean
+---@field oom? string the out-of-memory message, naming the stage
+---@field peak integer same as peak_allocated
+---@field peak_allocated integer
+---@field peak_reserved integer
+---@field stages kiln.DryRunStage[]
+---@field seconds number
+---@field leaked integer bytes left on meta after the run
+
+---@class kiln.DryRunOptions
+---@field device? kiln.DeviceName the device to model (default: the default device)
+---@field budget? integer|string bytes or "6G" (default: the device's budget)
+---@field mode? "high"|"normal"|"low"|"none" memory mode during the run
+
+---Runs fn on the shape-only device meta modelling a device: same allocator, budget and
+---decisions, no arithmetic, no weight file read; returns the predicted peaks.
+---@param fn fun(...)
+---@param opts? kiln.DryRunOptions
+---@return kiln.DryRunReport
+function kiln.dry_run(fn, opts, ...) end
 
 ---A text table of every device and what holds its memory.
 ---@return string
@@ -790,6 +907,81 @@ function kiln.mem.clear_events() end
 ---@param bytes? integer
 ---@return integer
 function kiln.mem.event_threshold(bytes) end
+
+---@class kiln.MemPlotOwner
+---@field name string "model:unet", "lora:NAME", "tensor", "scratch", "workspace", ...
+---@field color integer[] {r, g, b} in 0..255
+
+---@class kiln.MemPlotLayout
+---@field device string
+---@field width integer
+---@field height integer
+---@field x0 integer the plot area is [x0, x1) x [y0, y1) in pixels from 0; y1 is 0 bytes
+---@field x1 integer
+---@field y0 integer
+---@field y1 integer
+---@field t0 number the time at x0 (the clock of kiln.mem.timeline)
+---@field t1 number the time at x1
+---@field ymax number bytes at y0
+---@field owners kiln.MemPlotOwner[] bottom of the stack first
+---@field budget_color integer[]
+
+---@class kiln.MemTimelineFrame
+---@field t0 number
+---@field t1 number
+---@field peak integer highest total within the frame
+---@field budget integer
+---@field at_peak table<string, integer> bytes by owner at the peak
+---@field at_end table<string, integer> bytes by owner after the frame's last change
+
+---@class kiln.MemStage
+---@field name string
+---@field t0 number
+---@field t1? number nil while open
+---@field depth integer
+---@field thread integer
+---@field failed boolean ended by an error
+---@field peak integer the device's highest total while the stage was open
+---@field peak_time number
+---@field top_owner? string who held most at that moment
+---@field top_bytes? integer
+
+---@class kiln.MemTimeline
+---@field device string
+---@field start number
+---@field stop number
+---@field total integer bytes allocated now (the allocator's `allocated`)
+---@field budget integer
+---@field peak integer
+---@field peak_time number
+---@field owners string[]
+---@field now table<string, integer> bytes by owner now
+---@field frames kiln.MemTimelineFrame[]
+---@field stages kiln.MemStage[]
+---@field stages_dropped integer
+
+---The memory picture: draws the device's bytes over time, stacked by owner, with the
+---budget line and the stages (kiln.trace.span) into a PNG; returns the per-stage peak
+---table (text) and where things were drawn. The device: opts.device, else the
+---default device (or the device that recorded the most when that one recorded nothing).
+---@param path string
+---@param opts? {device?: kiln.DeviceName, width?: integer, height?: integer, title?: string}
+---@return string table
+---@return kiln.MemPlotLayout layout
+function kiln.mem.plot(path, opts) end
+
+---The per-stage peak table of kiln.mem.plot, without the picture.
+---@param device? kiln.DeviceName
+---@return string
+function kiln.mem.stage_table(device) end
+
+---The raw timeline: frames of bytes by owner and the stages with their peaks.
+---@param device? kiln.DeviceName
+---@return kiln.MemTimeline
+function kiln.mem.timeline(device) end
+
+---Forgets the frames and stages recorded so far (what is held now stays known).
+function kiln.mem.clear_timeline() end
 
 ---Measures the peak bytes fn(inputs...) needs (run on a dry device), for sizing tiles
 ---and checking a budget before spending it; returns bytes and the details.
@@ -883,6 +1075,7 @@ function kiln.trace.stop() end
 function kiln.trace.active() end
 
 ---Runs fn(...) inside a named span and returns its results (the span closes on error too).
+---The span is also a stage of the memory picture (kiln.mem.plot), trace running or not.
 ---@generic R
 ---@param name string
 ---@param fn fun(...): R
@@ -1192,6 +1385,11 @@ function kiln.pipeline.parameters(opts, ckpt, extra) end
 ---@param extra? table
 ---@return string path
 function kiln.pipeline.save(image, path, opts, ckpt, extra) end
+
+---The measured peak of every device that held bytes since kiln.mem.reset_peak, as the
+---PNG's kiln.peak text: "cpu: 80.2 MiB, sim: 459.1 MiB" (nil when none did).
+---@return string?
+function kiln.pipeline.peak_text() end
 
 -- ---------------------------------------------------------------- kiln.util, kiln.cli
 

@@ -22,6 +22,10 @@
 static const char *progname = PROGNAME; /* NULL in the REPL: no prefix on errors */
 static int usage_failed;                /* a usage error was reported: exit EXIT_USAGE */
 static int log_failed;                  /* the library logged an error (a trace not written) */
+/* --device meta[:NAME]: the script runs as a dry run modelling NAME ("" the default
+ * target) under the --vram budget (0: the device's own) */
+static const char *dry_target;
+static uint64_t dry_budget;
 
 /* ---------------------------------------------------------------- options */
 
@@ -37,6 +41,8 @@ typedef struct {
     const char *mode;   /* --mode MODE */
     uint64_t vram_bytes; /* --vram SIZE */
     const char *trace;  /* --trace FILE */
+    const char *memory_plot; /* --memory-plot FILE.png */
+    const char *precision; /* --precision NAME */
     int threads;        /* --threads N; 0: one per core */
     char error[200];    /* usage error, "" if none */
 } cli_options;
@@ -55,11 +61,16 @@ static void print_usage(FILE *f)
             "  -v, --version  show version information\n"
             "  -E             ignore environment variables (LUA_PATH, LUA_CPATH, KILN_PATH)\n"
             "  -W             turn warnings on\n"
-            "  --device NAME  default device for new tensors (cpu, sim, cuda:0, ...)\n"
+            "  --device NAME  default device for new tensors (cpu, sim, cuda:0, ...); meta or\n"
+            "                 meta:NAME: a dry run of the script modelling NAME (the first GPU,\n"
+            "                 else sim), its peak per stage printed (kiln.dry_run)\n"
             "  --mode MODE    memory mode: high, normal, low, none\n"
             "  --vram SIZE    memory budget of the device, e.g. 6G, 512M, 1.5GiB\n"
             "  --threads N    CPU threads (0: one per core)\n"
+            "  --precision P  arithmetic of the networks: f32, bf16, f16 (default: the device's)\n"
             "  --trace FILE   write a trace (chrome://tracing, Perfetto) until exit\n"
+            "  --memory-plot FILE.png  draw the device's memory over the run at exit\n"
+            "                 (also after an error); its stage table goes to stderr\n"
             "  --quiet        no banner, less chatter\n"
             "  -h, --help     show this help\n"
             "  --             stop handling options\n"
@@ -96,7 +107,7 @@ static int long_option(cli_options *opt, char **argv, int *i)
     const char *eq = strchr(a, '=');
     size_t n = eq ? (size_t)(eq - a) : strlen(a);
     static const char *const flags[] = {"version", "help", "quiet"};
-    static const char *const valued[] = {"device", "mode", "vram", "threads", "trace"};
+    static const char *const valued[] = {"device", "mode", "vram", "threads", "trace", "memory-plot", "precision"};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++) {
         if (strlen(flags[k]) == n && strncmp(a, flags[k], n) == 0) {
             if (eq) return bad_option(opt, "option '%s' takes no value", argv[*i]);
@@ -127,7 +138,13 @@ static int long_option(cli_options *opt, char **argv, int *i)
             opt->threads = (int)t;
             break;
         }
-        default: opt->trace = v; break;
+        case 4: opt->trace = v; break;
+        case 5: opt->memory_plot = v; break;
+        default:
+            if (strcmp(v, "f32") && strcmp(v, "bf16") && strcmp(v, "f16") && strcmp(v, "auto"))
+                return bad_option(opt, "--precision %s: expected f32, bf16, f16 or auto", v);
+            opt->precision = v;
+            break;
         }
         return 1;
     }
@@ -367,6 +384,17 @@ static int handle_script(lua_State *L, char **argv)
     if (status == LUA_ERRFILE) usage_failed = 1; /* a missing script: a usage error */
     if (status == LUA_OK) {
         int n = pushargs(L);
+        if (dry_target) { /* kiln.dry_run's main(target, budget, chunk, args...) below the chunk */
+            lua_getglobal(L, "require");
+            lua_pushstring(L, "kiln.dry_run");
+            lua_call(L, 1, 1);
+            lua_getfield(L, -1, "main");
+            lua_remove(L, -2);
+            lua_pushstring(L, dry_target);
+            lua_pushinteger(L, (lua_Integer)dry_budget);
+            lua_rotate(L, -(n + 4), 3);
+            n += 3;
+        }
         status = docall(L, n, LUA_MULTRET);
     }
     return report(L, status);
@@ -378,7 +406,8 @@ static int runargs(lua_State *L, char **argv, int n)
     for (int i = 1; i < n; i++) {
         const char *a = argv[i];
         if (a[1] == '-') { /* --name[=value]: skip a separate value */
-            static const char *const valued[] = {"--device", "--mode", "--vram", "--threads", "--trace"};
+            static const char *const valued[] = {"--device", "--mode", "--vram", "--threads", "--trace",
+                                                 "--memory-plot", "--precision"};
             for (size_t k = 0; k < sizeof valued / sizeof valued[0]; k++)
                 if (strcmp(a, valued[k]) == 0) i++;
             continue;
@@ -600,6 +629,35 @@ static int pmain(lua_State *L)
     return 1;
 }
 
+/* --memory-plot: kiln.mem.plot(path) once the script has ended, whether it finished
+ * or raised (the picture of a failed run shows where it failed); the stage table
+ * goes to stderr, as the other reports about the run. Returns 0 when it failed. */
+static int write_memory_plot(lua_State *L, const char *path, const char *device)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+    int ok = lua_getfield(L, -1, "kiln") == LUA_TTABLE && lua_getfield(L, -1, "mem") == LUA_TTABLE &&
+             lua_getfield(L, -1, "plot") == LUA_TFUNCTION;
+    if (!ok) {
+        fprintf(stderr, "%s: --memory-plot %s: kiln.mem.plot is not available\n", PROGNAME, path);
+        return 0;
+    }
+    lua_pushstring(L, path);
+    lua_createtable(L, 0, 1);
+    if (device) { /* --device NAME; meta for a dry run: the predicted picture */
+        lua_pushstring(L, device);
+        lua_setfield(L, -2, "device");
+    }
+    if (lua_pcall(L, 2, 1, 0) != LUA_OK) {
+        const char *msg = luaL_tolstring(L, -1, NULL);
+        fprintf(stderr, "%s: --memory-plot %s: %s\n", PROGNAME, path, msg);
+        return 0;
+    }
+    const char *table = lua_tostring(L, -1);
+    if (table) fputs(table, stderr);
+    fflush(stderr);
+    return 1;
+}
+
 /* KILN_CHECK_LEAKS (set by the test runner): once the script's context is closed, no
  * device may still have bytes allocated (every tensor and model was freed). A leak is a
  * FAIL line in the runner's format and a failed exit. */
@@ -629,9 +687,25 @@ int main(int argc, char **argv)
         return EXIT_SUCCESS;
     }
     if (opt.flags & HAS_V) print_version();
+    if (opt.device && strncmp(opt.device, "meta", 4) == 0 && (opt.device[4] == 0 || opt.device[4] == ':')) {
+        /* the context opens on the host; the script's run models the device named */
+        dry_target = opt.device[4] ? opt.device + 5 : "";
+        dry_budget = opt.vram_bytes;
+        opt.device = NULL;
+        opt.vram_bytes = 0;
+    }
     kiln_ctx *ctx = open_context(&opt);
     if (ctx == NULL) return usage_failed ? EXIT_USAGE : EXIT_FAILURE;
     lua_State *L = kiln_lua_state(ctx);
+    if (opt.precision) { /* kiln.precision(NAME), as a script would set it */
+        lua_getglobal(L, "kiln");
+        if (lua_istable(L, -1) && lua_getfield(L, -1, "precision") == LUA_TFUNCTION) {
+            lua_pushstring(L, opt.precision);
+            if (lua_pcall(L, 1, 0, 0) != LUA_OK)
+                fprintf(stderr, "%s: --precision %s: %s\n", PROGNAME, opt.precision, lua_tostring(L, -1));
+        }
+        lua_settop(L, 0);
+    }
     lua_pushcfunction(L, pmain);
     lua_pushinteger(L, argc);
     lua_pushlightuserdata(L, argv);
@@ -640,8 +714,10 @@ int main(int argc, char **argv)
     int result = lua_toboolean(L, -1);
     report(L, status);
     lua_settop(L, 0);
+    int plot_failed = opt.memory_plot && !write_memory_plot(L, opt.memory_plot, dry_target ? "meta" : opt.device);
+    lua_settop(L, 0);
     kiln_close(ctx); /* stops --trace, whatever happened */
     int leaked = getenv("KILN_CHECK_LEAKS") ? check_leaks() : 0;
     if (usage_failed) return EXIT_USAGE;
-    return (result && status == LUA_OK && !log_failed && !leaked) ? EXIT_SUCCESS : EXIT_FAILURE;
+    return (result && status == LUA_OK && !log_failed && !leaked && !plot_failed) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

@@ -14,6 +14,7 @@ static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_controlnet", "kiln.controlnet", "load"},
     {"load_taesd", "kiln.taesd", "load"},
     {"load_upscaler", "kiln.upscaler", "load"},
+    {"dry_run", "kiln.dry_run", "run"},
     {"show", "kiln.repl", "show"},
     {NULL, NULL, NULL},
 };
@@ -53,11 +54,14 @@ int luaopen_kiln(lua_State *L)
     l_open_progress(L);
     l_open_model(L);
     l_open_trace(L);
+    l_open_mem_plot(L);
     l_open_tile(L);
     l_open_tokenizer(L);
     l_open_json(L);
     l_open_config(L);
     l_open_queue(L);
+    l_open_meta(L);
+    l_open_suspend(L);
     l_open_fault(L);
 
     lua_createtable(L, 0, 1);

@@ -18,12 +18,20 @@ void l_open_mem(lua_State *L);
 void l_open_progress(lua_State *L); /* kiln.progress, on_progress, cancel, cancelled, preview_* */
 void l_open_model(lua_State *L);
 void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
+void l_open_mem_plot(lua_State *L); /* after l_open_mem: kiln.mem.plot, timeline, stage_table */
 void l_open_tile(lua_State *L);  /* kiln.tile; adds kiln.mem.estimate */
 void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
 void l_open_json(lua_State *L);      /* kiln.json */
 void l_open_fault(lua_State *L);     /* kiln.fault: the tests' fault injection */
 void l_open_config(lua_State *L);    /* kiln.configure, parse_size; the pressure hook (l_config.h) */
 void l_open_queue(lua_State *L);     /* kiln.queue: the Redis client of `kiln batch` */
+void l_open_meta(lua_State *L);      /* after l_open_mem: kiln.mem.meta_begin/meta_end (dry runs) */
+void l_open_suspend(lua_State *L);   /* after l_open_mem: kiln.suspend_point, suspend_stats;
+                                        adds kiln.mem.budget_watch, evict */
+/* The gate a host parks a run through (kiln_suspend) and its cancel test, for
+ * kiln.suspend_point (gate NULL: none). */
+struct kiln_gate;
+void l_suspend_set_gate(lua_State *L, struct kiln_gate *gate, int (*stop)(void *ud), void *ud);
 
 /* An embedding host's progress and cancel (bindings/embed.c): kiln.progress reports
  * to it and kiln.cancelled() asks it. The struct outlives the host's use of L. */

@@ -50,13 +50,16 @@ static int mem_empty_cache(lua_State *L)
     return 0;
 }
 
-/* kiln.mem.set_budget(device, bytes) (0 = unlimited) */
+/* kiln.mem.set_budget(device, bytes [, {live = true}]) (0 = unlimited). live: the
+ * change reaches a run in progress at its next suspend point, as kiln_memory_set_budget
+ * from a host's thread does (kiln_allocator_set_budget_live) */
 static int mem_set_budget(lua_State *L)
 {
     kiln_device *d = l_check_device(L, 1);
     lua_Integer b = luaL_checkinteger(L, 2);
     if (b < 0) luaL_argerror(L, 2, "budget must be >= 0 bytes (0 = unlimited)");
-    kiln_allocator_set_budget(d->alloc, (uint64_t)b);
+    if (l_opt_bool_field(L, 3, "live", 0)) kiln_allocator_set_budget_live(d->alloc, (uint64_t)b);
+    else kiln_allocator_set_budget(d->alloc, (uint64_t)b);
     return 0;
 }
 

@@ -5,7 +5,10 @@
 #include "l_kiln.h"
 #include "kiln.h"
 #include "../runtime/device.h"
+#include "../runtime/precision.h"
+#include "../runtime/activation.h"
 
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -99,11 +102,47 @@ static int l_format_bytes(lua_State *L)
     return 1;
 }
 
+/* kiln.precision([name]) -> the precision the default device's networks computed in
+ * before the call ("f32", "bf16", "f16"). A name sets it for every device; "auto"
+ * forgets the setting, so each device takes its own default again. */
+static int l_precision(lua_State *L)
+{
+    kiln_precision before = kiln_precision_for(l_default_device(L));
+    if (!lua_isnoneornil(L, 1)) {
+        const char *name = luaL_checkstring(L, 1);
+        int p = kiln_precision_from_name(name);
+        if (p >= 0) kiln_precision_set((kiln_precision)p);
+        else if (!strcmp(name, "auto")) kiln_precision_unset();
+        else return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16 or auto)", name));
+    }
+    lua_pushstring(L, kiln_precision_name(before));
+    return 1;
+}
+
+/* kiln.activation_dtype([device]) -> "f32", "f16" or "bf16": the dtype the networks
+ * keep their activations in on that device (default: the default device) under the
+ * precision in effect there; network scripts convert their input to it and their
+ * output back. */
+static int l_activation_dtype(lua_State *L)
+{
+    kiln_device *dev = l_opt_device(L, 1);
+    lua_pushstring(L, kiln_dtype_name(kiln_activation_dtype(dev)));
+    return 1;
+}
+
+/* kiln.precision_of([device]) -> the precision the networks on device (default: the
+ * default device) compute in: the set one, else the device's own default. */
+static int l_precision_of(lua_State *L)
+{
+    lua_pushstring(L, kiln_precision_name(kiln_precision_for(l_opt_device(L, 1))));
+    return 1;
+}
+
 static const luaL_Reg runtime_funcs[] = {
     {"time", l_time}, {"isatty", l_isatty}, {"set_quiet", l_set_quiet}, {"quiet", l_quiet},
     {"devices", l_devices}, {"set_default_device", l_set_default_device_fn},
     {"default_device", l_default_device_name}, {"set_threads", l_set_threads}, {"threads", l_threads},
-    {"format_bytes", l_format_bytes},
+    {"format_bytes", l_format_bytes}, {"precision", l_precision}, {"precision_of", l_precision_of}, {"activation_dtype", l_activation_dtype},
     {NULL, NULL},
 };
 

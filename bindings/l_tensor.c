@@ -102,10 +102,17 @@ static void nested_fill(lua_State *L, int idx, const int64_t *shape, int ndim, i
     }
 }
 
-/* kiln.tensor(nested_table_or_number [, dtype]) */
+static void opt_dtype_device(lua_State *L, int idx, kiln_dtype *dt, kiln_device **dev);
+
+/* kiln.tensor(nested_table_or_number [, dtype | {dtype=, device=}]) */
 static int l_tensor_new(lua_State *L)
 {
-    kiln_dtype want = lua_isnoneornil(L, 2) ? KILN_F32 : l_check_dtype(L, 2);
+    kiln_dtype want = KILN_F32;
+    kiln_device *dev = l_default_device(L);
+    /* a device named: host data such as a schedule stays on the cpu even while the
+     * default device is another (a dry run's meta reads back only zeros) */
+    if (lua_istable(L, 2)) opt_dtype_device(L, 2, &want, &dev);
+    else if (!lua_isnoneornil(L, 2)) want = l_check_dtype(L, 2);
     /* a block type is quantized from f32 as a whole (its elements are not addressable) */
     kiln_dtype dt = kiln_dtype_is_blocked(want) ? KILN_F32 : want;
     int64_t shape[KILN_MAX_DIMS];
@@ -140,7 +147,6 @@ static int l_tensor_new(lua_State *L)
         t = q;
         dt = want;
     }
-    kiln_device *dev = l_default_device(L);
     if (dev != kiln_device_cpu()) {
         kiln_tensor *m;
         kiln_status st = kiln_tensor_to(t, dev, dt, &m);

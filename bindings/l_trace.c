@@ -2,6 +2,7 @@
  * the event log kiln.mem.events. */
 #include "l_kiln.h"
 #include "../runtime/events.h"
+#include "../runtime/mem_timeline.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -33,7 +34,7 @@ static int tr_active(lua_State *L)
     return 1;
 }
 
-typedef struct { double t0; int done; char name[120]; } span_ud;
+typedef struct { double t0; int done; uint64_t timeline; char name[120]; } span_ud;
 
 /* __close of the span guard: ends the span, noting the error when fn raised one. */
 static int span_close(lua_State *L)
@@ -42,6 +43,8 @@ static int span_close(lua_State *L)
     if (s->done) return 0;
     s->done = 1;
     double t1 = kiln_events_now();
+    /* the memory picture's stages are kept whether or not a trace file runs */
+    kiln_mem_timeline_span_end(s->timeline, t1, !lua_isnoneornil(L, 2));
     if (lua_isnoneornil(L, 2)) {
         kiln_trace_span(s->name, "span", s->t0, t1, NULL);
         return 0;
@@ -67,11 +70,13 @@ static int tr_span(lua_State *L)
     int nargs = lua_gettop(L) - 2;
     span_ud *s = lua_newuserdatauv(L, sizeof *s, 0);
     s->done = 0;
+    s->timeline = 0;
     snprintf(s->name, sizeof s->name, "%s", name);
     luaL_setmetatable(L, KILN_SPAN_MT);
     lua_insert(L, 1);
     lua_toclose(L, 1);
     s->t0 = kiln_events_now();
+    s->timeline = kiln_mem_timeline_span_begin(s->name, s->t0);
     lua_call(L, nargs, LUA_MULTRET); /* stack: span, name, results... */
     return lua_gettop(L) - 2;
 }

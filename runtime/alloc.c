@@ -3,10 +3,12 @@
  * coalesced inside them, best fit from two free pools, and a budget on reserved bytes. */
 #define _POSIX_C_SOURCE 200809L
 #include "alloc.h"
+#include "events.h"
 #include "fault.h"
 #include "format_bytes.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +65,13 @@ struct kiln_allocator {
     uint64_t free_bytes;      /* sum of cached free block sizes */
     uint64_t n_bad_releases;  /* releases of pointers that are not live blocks */
 
+    /* a lowered budget (kiln_allocator_set_budget) */
+    uint64_t grace;           /* 0: none; else the cap new segments still get (UINT64_MAX: none) */
+    uint64_t budget_changes;
+    double lowered_at, compliant_at;
+    uint64_t peak_since;
+    uint64_t peak_before;     /* most bytes reserved (since reset_peak) when it was lowered */
+
     segment *segments;
     block *small_pool, *large_pool;
     block **buckets;          /* live blocks by ptr */
@@ -70,6 +79,8 @@ struct kiln_allocator {
     block *spare;             /* unused block records */
     uint32_t rng;
 };
+
+static atomic_int n_graced; /* allocators in a grace */
 
 /* ---- sizes ---- */
 
@@ -254,7 +265,8 @@ enum { SEG_OK = 0, SEG_BUDGET, SEG_DEVICE, SEG_HOST };
  * back to the device before it could succeed. */
 static int segment_new(kiln_allocator *a, size_t size, int small, block **out, uint64_t *shortfall)
 {
-    uint64_t budget = a->st.budget;
+    uint64_t budget = a->grace ? a->grace : a->st.budget;
+    if (budget == UINT64_MAX) budget = 0;
     if (budget && a->st.reserved + size > budget) {
         *shortfall = a->st.reserved + size - budget;
         return SEG_BUDGET;
@@ -302,8 +314,28 @@ static int segment_new(kiln_allocator *a, size_t size, int small, block **out, u
     a->st.reserved += raw_size;
     a->st.n_segments++;
     if (a->st.reserved > a->st.peak_reserved) a->st.peak_reserved = a->st.reserved;
+    if (a->compliant_at > 0 && a->st.reserved > a->peak_since) a->peak_since = a->st.reserved;
     *out = b;
     return SEG_OK;
+}
+
+/* After reserved fell or a grace ended: a lowered budget met, with no grace left,
+ * is compliance, and its peak starts there. */
+static void watch_locked(kiln_allocator *a)
+{
+    if (a->grace || (a->st.budget && a->st.reserved > a->st.budget)) return;
+    if (a->lowered_at > 0 && a->compliant_at == 0) {
+        a->compliant_at = kiln_events_now();
+        a->peak_since = a->st.reserved;
+    }
+}
+
+static void grace_end_locked(kiln_allocator *a)
+{
+    if (!a->grace) return;
+    a->grace = 0;
+    atomic_fetch_sub(&n_graced, 1);
+    watch_locked(a);
 }
 
 /* Gives a segment with no live block back to the device. Its one block must not be
@@ -318,6 +350,7 @@ static void segment_release(kiln_allocator *a, segment *s)
     a->st.reserved -= s->raw_size;
     a->st.n_segments--;
     free(s);
+    watch_locked(a);
 }
 
 static uint64_t releasable_bytes(const kiln_allocator *a)
@@ -571,6 +604,24 @@ void kiln_allocator_set_grain(kiln_allocator *a, size_t grain)
     pthread_mutex_unlock(&a->mu);
 }
 
+size_t kiln_allocator_grain(kiln_allocator *a)
+{
+    if (!a) return LARGE_GRAIN;
+    pthread_mutex_lock(&a->mu);
+    size_t g = a->grain;
+    pthread_mutex_unlock(&a->mu);
+    return g;
+}
+
+uint64_t kiln_allocator_cache_limit(kiln_allocator *a)
+{
+    if (!a) return 0;
+    pthread_mutex_lock(&a->mu);
+    uint64_t c = a->cache_limit;
+    pthread_mutex_unlock(&a->mu);
+    return c;
+}
+
 uint64_t kiln_allocator_free(kiln_allocator *a)
 {
     if (!a) return 0;
@@ -589,18 +640,78 @@ uint64_t kiln_allocator_free(kiln_allocator *a)
         free(b);
     }
     free(a->buckets);
+    if (a->grace) atomic_fetch_sub(&n_graced, 1);
     pthread_mutex_destroy(&a->mu);
     free(a);
     return leaked;
 }
 
-void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget)
+static void set_budget(kiln_allocator *a, uint64_t budget, int live)
 {
     if (!a) return;
     pthread_mutex_lock(&a->mu);
+    uint64_t old = a->st.budget;
     a->st.budget = budget;
+    a->budget_changes++;
+    if (budget && (!old || budget < old)) {
+        a->lowered_at = kiln_events_now();
+        a->compliant_at = 0;
+        a->peak_since = 0;
+        a->peak_before = a->st.peak_reserved > a->st.reserved ? a->st.peak_reserved : a->st.reserved;
+        if (live && !a->grace) {
+            /* the cap the run had, and never below what it holds now */
+            uint64_t cap = old ? old : UINT64_MAX;
+            if (cap < a->st.reserved) cap = a->st.reserved;
+            a->grace = cap;
+            atomic_fetch_add(&n_graced, 1);
+        }
+    } else if (a->grace) {
+        a->grace = 0; /* raised: the new budget is the one that holds */
+        atomic_fetch_sub(&n_graced, 1);
+    }
     if (budget && a->st.reserved > budget) empty_cache_locked(a);
+    watch_locked(a);
     pthread_mutex_unlock(&a->mu);
+}
+
+void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget)
+{
+    set_budget(a, budget, 0);
+}
+
+void kiln_allocator_set_budget_live(kiln_allocator *a, uint64_t budget)
+{
+    set_budget(a, budget, 1);
+}
+
+kiln_budget_watch kiln_allocator_budget_watch(kiln_allocator *a)
+{
+    kiln_budget_watch w;
+    memset(&w, 0, sizeof w);
+    if (!a) return w;
+    pthread_mutex_lock(&a->mu);
+    w.changes = a->budget_changes;
+    w.grace = a->grace != 0;
+    w.over = a->st.budget && a->st.reserved > a->st.budget;
+    w.lowered_at = a->lowered_at;
+    w.compliant_at = a->compliant_at;
+    w.peak_since = a->peak_since;
+    w.peak_before = a->peak_before;
+    pthread_mutex_unlock(&a->mu);
+    return w;
+}
+
+void kiln_allocator_end_grace(kiln_allocator *a)
+{
+    if (!a) return;
+    pthread_mutex_lock(&a->mu);
+    grace_end_locked(a);
+    pthread_mutex_unlock(&a->mu);
+}
+
+int kiln_allocator_graced(void)
+{
+    return atomic_load(&n_graced);
 }
 
 kiln_mem_stats kiln_allocator_stats(kiln_allocator *a)

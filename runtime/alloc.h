@@ -56,7 +56,36 @@ void kiln_allocator_release(kiln_allocator *a, void *ptr);
 /* The usable size of a live block (>= requested). */
 size_t kiln_allocator_block_size(kiln_allocator *a, void *ptr);
 
+/* Any thread, at any time. A budget lowered below what the device reserves gives back
+ * the cached free segments at once; live blocks over it go as they are freed (a
+ * segment left wholly free is returned), and the next allocation that does not fit
+ * evicts and fails as usual. */
 void kiln_allocator_set_budget(kiln_allocator *a, uint64_t budget);
+/* The same for a budget changed while a run goes on, from another thread (a host's
+ * kiln_memory_set_budget): a lowering starts a grace in which new segments may still
+ * grow to the earlier budget, so the block in flight is not failed for a change it has
+ * not yet seen; the run's next suspend point (kiln.suspend_point) adapts the running
+ * networks (evict, stream, tile) and ends it, as does the start of the next call
+ * (kiln_allocator_end_grace). Compliance is counted from there. */
+void kiln_allocator_set_budget_live(kiln_allocator *a, uint64_t budget);
+
+/* The last budget change as a run sees it (times on kiln_events_now's clock). */
+typedef struct {
+    uint64_t changes;         /* kiln_allocator_set_budget calls since creation */
+    int grace;                /* 1: lowered live, allocations still use the old one */
+    int over;                 /* reserved > budget now */
+    double lowered_at;        /* the last change that lowered the budget; 0: none */
+    double compliant_at;      /* when reserved was first within it, with no grace left;
+                               * 0: not yet */
+    uint64_t peak_since;      /* most bytes reserved from compliant_at on */
+    uint64_t peak_before;     /* most bytes reserved (since reset_peak) when it was lowered:
+                               * what the run needed so far, for the boundary's decision */
+} kiln_budget_watch;
+kiln_budget_watch kiln_allocator_budget_watch(kiln_allocator *a);
+/* Ends a grace: from now on the lowered budget is enforced (evicting, then failing). */
+void kiln_allocator_end_grace(kiln_allocator *a);
+/* Allocators in a grace now, over the process (a cheap poll for suspend points). */
+int kiln_allocator_graced(void);
 /* Rounding of new large segments of a caching allocator (default 2 MiB, as
  * PyTorch's CUDA allocator; the host uses 4 KiB pages: its segments come from malloc,
  * so a fine grain wastes nothing and keeps the statistics close to what was asked). */
@@ -65,6 +94,9 @@ void kiln_allocator_set_grain(kiln_allocator *a, size_t grain);
  * the cache holds more is given back at once (0: no limit; the budget still
  * applies). The host uses 2 GiB: without a budget nothing else would bound it. */
 void kiln_allocator_set_cache_limit(kiln_allocator *a, uint64_t bytes);
+/* The settings above, as they are (a dry run copies them onto the meta device). */
+size_t kiln_allocator_grain(kiln_allocator *a);
+uint64_t kiln_allocator_cache_limit(kiln_allocator *a);
 kiln_mem_stats kiln_allocator_stats(kiln_allocator *a);
 void kiln_allocator_reset_peak(kiln_allocator *a);
 /* Returns every unused cached segment to the device. */

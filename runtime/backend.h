@@ -112,6 +112,12 @@ struct kiln_backend {
     /* Why the backend has no device ("built without CUDA", "no CUDA-capable device"),
      * for the message of a device name that is not present. Optional. */
     const char *(*unavailable_reason)(void);
+    /* The dtype the networks' activations take on dev under a half precision (dt
+     * KILN_F16 or KILN_BF16): dt where every op the networks use runs natively in it
+     * (CUDA: tensor-core GEMMs and convolutions, f32 statistics), else KILN_F32.
+     * Optional: NULL keeps f32 activations (the CPU rounds inside its kernels
+     * instead). Read through kiln_activation_dtype (activation.h). */
+    kiln_dtype (*activation_dtype)(kiln_device *dev, kiln_dtype dt);
 };
 
 /* ---- registration: the one seam between the runtime and kernels/ ----

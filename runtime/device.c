@@ -4,12 +4,15 @@
  * sim: a simulated accelerator: its own caching allocator and budget in host memory,
  *      explicit copies counted in bytes and time, CPU kernels for compute.
  * cuda:N: registered by the CUDA backend when present (its register_devices).
+ * meta: shapes without data over reserved address space (meta.c), listed last.
  * Backends are met only through their tables, handed over at first use by
  * kiln_backends_register_all (kernels/backends.c). */
 #define _GNU_SOURCE
 #include "device.h"
 #include "backend.h"
 #include "events.h"
+#include "meta.h"
+#include "mem_timeline.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -29,6 +32,7 @@ static int n_backends;
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t storage_lock = PTHREAD_MUTEX_INITIALIZER;
 static kiln_storage *live_heads[MAX_DEVICES]; /* per device index in `devices` */
+static kiln_device *meta_device;
 
 static void *host_raw_alloc(void *ctx, size_t n)
 {
@@ -87,6 +91,13 @@ static void init_devices_locked(void)
     add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, host);
     for (int i = 0; i < n_backends; i++)
         if (backends[i]->register_devices) backends[i]->register_devices();
+    const kiln_backend *meta = find_backend("meta");
+    if (meta) {
+        meta_device = kiln_device_register(KILN_DEV_META, 0, "meta", kiln_meta_raw_memory(), 0, meta);
+        /* outside a dry run meta models sim's settings (no budget) */
+        if (meta_device && n_devices > 1)
+            kiln_allocator_set_grain(meta_device->alloc, kiln_allocator_grain(devices[1]->alloc));
+    }
 }
 
 static void init_devices(void)
@@ -178,7 +189,11 @@ kiln_mem_stats kiln_device_stats(kiln_device *dev)
 kiln_status kiln_device_scratch_alloc(kiln_device *dev, size_t n, int flags, void **p)
 {
     *p = NULL;
-    if (!(flags & KILN_SCRATCH_NO_EVICT)) return kiln_allocator_alloc(dev->alloc, n ? n : 1, p);
+    if (!(flags & KILN_SCRATCH_NO_EVICT)) {
+        kiln_status st = kiln_allocator_alloc(dev->alloc, n ? n : 1, p);
+        if (st == KILN_OK) kiln_mem_timeline_alloc(dev, *p, "scratch");
+        return st;
+    }
     kiln_mem_stats s = kiln_allocator_stats(dev->alloc);
     const uint64_t grain = 2u << 20; /* the allocator's large-segment rounding */
     uint64_t seg = (n + grain - 1) / grain * grain;
@@ -191,12 +206,16 @@ kiln_status kiln_device_scratch_alloc(kiln_device *dev, size_t n, int flags, voi
         kiln_error(saved_st, "%s", saved);
         return KILN_ERR_OOM;
     }
+    /* optional scratch kept between ops (the cuBLAS workspace) */
+    kiln_mem_timeline_alloc(dev, *p, "workspace");
     return KILN_OK;
 }
 
 void kiln_device_scratch_free(kiln_device *dev, void *p)
 {
-    if (p) kiln_allocator_release(dev->alloc, p);
+    if (!p) return;
+    kiln_mem_timeline_free(dev, p);
+    kiln_allocator_release(dev->alloc, p);
 }
 
 int kiln_threads(void)
@@ -217,13 +236,24 @@ kiln_device *kiln_device_cpu(void)
     return devices[0];
 }
 
+kiln_device *kiln_device_meta(void)
+{
+    init_devices();
+    return meta_device;
+}
+
 kiln_device *kiln_device_get(const char *name)
 {
     init_devices();
     if (!name) return devices[0];
     const char *want = strcmp(name, "cuda") == 0 ? "cuda:0" : name;
+    if (meta_device && strcmp(want, "meta") == 0) return meta_device;
     for (int i = 0; i < n_devices; i++)
-        if (strcmp(devices[i]->name, want) == 0) return devices[i];
+        if (strcmp(devices[i]->name, want) == 0) {
+            /* a dry run: the modelled device's name means meta */
+            if (meta_device && devices[i] != meta_device && devices[i] == kiln_meta_target()) return meta_device;
+            return devices[i];
+        }
     char list[256] = "";
     for (int i = 0; i < n_devices; i++) {
         strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
@@ -289,7 +319,9 @@ kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out
     atomic_init((atomic_int *)&s->refcount, 1);
     snprintf(s->owner, sizeof s->owner, "tensor");
     link_storage(s);
+    kiln_mem_timeline_alloc(dev, p, s->owner);
     kiln_events_storage(s, 1);
+    if (dev == meta_device) kiln_meta_note(dev); /* a dry run's stage watermarks */
     *out = s;
     return KILN_OK;
 }
@@ -322,6 +354,7 @@ void kiln_storage_release(kiln_storage *s)
     unlink_storage(s);
     if (s->release) s->release(s);
     else {
+        kiln_mem_timeline_free(s->device, s->data);
         kiln_allocator_release(s->device->alloc, s->data);
         kiln_events_storage(s, 0);
     }
@@ -330,7 +363,9 @@ void kiln_storage_release(kiln_storage *s)
 
 void kiln_storage_set_owner(kiln_storage *s, const char *owner)
 {
-    if (s && owner) snprintf(s->owner, sizeof s->owner, "%s", owner);
+    if (!s || !owner) return;
+    snprintf(s->owner, sizeof s->owner, "%s", owner);
+    if (!s->release) kiln_mem_timeline_set_owner(s->device, s->data, owner);
 }
 
 void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx)

@@ -8,7 +8,8 @@
 #include "alloc.h"
 
 /* ORDER DEVTYPE */
-typedef enum { KILN_DEV_CPU = 0, KILN_DEV_SIM, KILN_DEV_CUDA } kiln_device_type;
+/* META: shapes and accounted bytes without data, modelling another device (meta.h) */
+typedef enum { KILN_DEV_CPU = 0, KILN_DEV_SIM, KILN_DEV_CUDA, KILN_DEV_META } kiln_device_type;
 
 typedef struct kiln_backend kiln_backend;
 typedef struct kiln_device kiln_device;
@@ -40,6 +41,9 @@ kiln_transfer_stats kiln_device_transfers(kiln_device *dev);
  * listing the devices present when absent. Devices are created on first use. */
 kiln_device *kiln_device_get(const char *name);
 kiln_device *kiln_device_cpu(void);
+/* The shape-only device (meta.h); always the last one listed. "meta" names it, and
+ * during a dry run so does the name of the device it models. */
+kiln_device *kiln_device_meta(void);
 int kiln_device_count(void);
 kiln_device *kiln_device_at(int i);
 /* Gives back what dev holds but does not use: its allocator's free cached blocks and

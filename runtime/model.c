@@ -15,6 +15,7 @@
 #include "format_bytes.h"
 #include "safetensors.h"
 #include "gguf.h"
+#include "meta.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -35,6 +36,8 @@ typedef struct {
     kiln_tensor *mapped;     /* view of the file (cpu, wrapped storage) */
     kiln_tensor *host;       /* host copy in the cpu allocator, or NULL */
     kiln_tensor *dev;        /* device copy, or NULL */
+    kiln_tensor *parked;     /* the real device copy set aside while a dry run's copy on
+                              * meta stands in its slot (put back when the run ends) */
     unsigned char streamed;  /* dev came from fetch/prefetch: release frees it */
     unsigned char fetched;   /* in use after fetch: not evictable until release */
     unsigned char prefetched;/* dev came from the copy thread and was not fetched yet */
@@ -138,10 +141,30 @@ const char *kiln_residency_name(kiln_residency r)
 static kiln_device *tensor_device(const kiln_tensor *t) { return t->storage->device; }
 static size_t tensor_bytes(const kiln_tensor *t) { return t ? t->storage->nbytes : 0; }
 
+/* Where a model streams to: its load target, or meta while a dry run models that
+ * device (a target taken before the run would otherwise be the real device). */
+static kiln_device *target_of(const kiln_model *m)
+{
+    kiln_device *mt = m->target ? kiln_meta_target() : NULL;
+    return mt && m->target == mt ? kiln_device_meta() : m->target;
+}
+
 static void drop(kiln_tensor **t)
 {
     kiln_tensor_free(*t);
     *t = NULL;
+}
+
+/* t->dev = r (under reg_mu). A dry run's copy on meta does not free a real device
+ * copy it replaces: that one is parked and comes back when the run ends. */
+static void set_dev_locked(mtensor *t, kiln_tensor *r)
+{
+    if (t->dev && r && kiln_device_is_meta(tensor_device(r)) && !kiln_device_is_meta(tensor_device(t->dev)) &&
+        !t->parked)
+        t->parked = t->dev;
+    else
+        kiln_tensor_free(t->dev);
+    t->dev = r;
 }
 
 /* The copy new copies are made from: the host copy, else the file. */
@@ -258,6 +281,32 @@ static kiln_status check_source(const kiln_tensor *src)
     return kiln_st_check(src->storage->ctx);
 }
 
+/* A copy onto dev that must not read its source: dev is meta, or a dry run is on and
+ * the copy is a host one (the file is never read during a dry run; the host copy
+ * reads as zeros and is dropped when the run ends). *out is the copy, its bytes
+ * accounted as a real one's; 0 when the copy is an ordinary one. */
+static int dry_copy(const kiln_tensor *src, kiln_device *dev, kiln_dtype dt, const char *owner,
+                    kiln_tensor **out, kiln_status *st)
+{
+    *out = NULL;
+    *st = KILN_OK;
+    if (kiln_device_is_meta(dev)) {
+        if ((*st = kiln_tensor_new(dev, dt, src->ndim, src->shape, out))) return 1;
+        kiln_storage_set_owner((*out)->storage, owner);
+        count_transfer(dev, 1, kiln_tensor_nbytes(*out), 0);
+        return 1;
+    }
+    if (dev->type != KILN_DEV_CPU || !kiln_meta_target()) return 0;
+    size_t n = kiln_dtype_nbytes(dt, kiln_tensor_numel(src));
+    kiln_storage *s = kiln_meta_host_storage(n);
+    if (!s) { *st = kiln_error(KILN_ERR_OOM, "dry run: no address space for a host copy of %zu bytes", n); return 1; }
+    kiln_storage_set_owner(s, owner);
+    *out = kiln_tensor_from_storage(s, 0, dt, src->ndim, src->shape, NULL);
+    kiln_storage_release(s);
+    if (!*out) *st = kiln_error(KILN_ERR_OOM, "out of host memory");
+    return 1;
+}
+
 /* A new copy of src on dev in dtype dt, accounted to owner. Host sources (the file
  * or a host copy) are converted straight into the new copy (through a bounded
  * staging buffer for devices with their own memory); anything else goes through
@@ -268,6 +317,7 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
     *out = NULL;
     kiln_status st;
     kiln_tensor *r;
+    if (dry_copy(src, dev, dt, owner, out, &st)) return st;
     if (tensor_device(src)->type != KILN_DEV_CPU || !kiln_tensor_is_contiguous(src)) {
         if ((st = kiln_tensor_to(src, dev, dt, &r))) return st;
         kiln_storage_set_owner(r->storage, owner);
@@ -335,7 +385,7 @@ static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype 
     kiln_dtype dt = dst->dtype;
     size_t n = (size_t)kiln_tensor_numel(dst);
     kiln_status st = KILN_OK;
-    if (n == 0) return KILN_OK;
+    if (n == 0 || kiln_device_is_meta(dev)) return KILN_OK;
     if (!dev->backend->to_device) {
         kiln_convert(kiln_tensor_data(dst), dt, src, sdt, n);
     } else if (dt == sdt) {
@@ -407,6 +457,8 @@ static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const
 
 static kiln_status build_into(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
 {
+    /* a dry run's copy (meta, or zero host memory) holds no values to rebuild */
+    if (kiln_device_is_meta(tensor_device(dst)) || kiln_meta_is_host_storage(dst->storage)) return KILN_OK;
     kiln_status cs = check_source(mapped);
     if (cs) return cs;
     if (!ps || ps->n == 0) return fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
@@ -456,8 +508,9 @@ static kiln_status make_copy(const kiln_tensor *src, const patchset *ps, kiln_de
                              const char *owner, kiln_tensor **out)
 {
     *out = NULL;
-    kiln_status cs = check_source(src);
-    if (cs) return cs;
+    kiln_status cs;
+    if (dry_copy(src, dev, dt, owner, out, &cs)) return cs; /* patches too: nothing is computed */
+    if ((cs = check_source(src))) return cs;
     if (!ps) return copy_to(src, dev, dt, owner, out);
     kiln_tensor *r;
     kiln_status st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r);
@@ -586,6 +639,7 @@ static void model_free_all(kiln_model *m)
     for (int i = 0; i < m->n; i++) {
         mtensor *t = &m->t[i];
         kiln_tensor_free(t->dev);
+        kiln_tensor_free(t->parked);
         kiln_tensor_free(t->host);
         kiln_tensor_free(t->mapped);
         ps_release(t->ps);
@@ -719,12 +773,47 @@ static uint64_t drop_copies_locked(kiln_model *m)
     uint64_t bytes = 0;
     for (int i = 0; i < m->n; i++) {
         mtensor *t = &m->t[i];
+        /* a real copy parked by a dry run stays until the run ends, unless the model
+         * closes (an unload inside a dry run leaves the real device as it was) */
+        if (!kiln_meta_target()) drop(&t->parked);
         bytes += tensor_bytes(t->dev) + tensor_bytes(t->host);
         drop(&t->dev);
         drop(&t->host);
         t->streamed = t->fetched = t->prefetched = 0;
     }
     return bytes;
+}
+
+void kiln_model_drop_dry_copies(kiln_device *meta)
+{
+    pthread_mutex_lock(&reg_mu);
+    for (kiln_model *m = models; m; m = m->next) cancel_prefetches_locked(m);
+    for (kiln_model *m = models; m; m = m->next) {
+        int dropped = 0;
+        kiln_device *restored = NULL;
+        for (int i = 0; i < m->n; i++) {
+            mtensor *t = &m->t[i];
+            if (t->dev && (tensor_device(t->dev) == meta || kiln_meta_is_host_storage(t->dev->storage))) {
+                drop(&t->dev);
+                t->streamed = t->fetched = t->prefetched = 0;
+                dropped = 1;
+            }
+            if (t->parked && !t->dev) {
+                t->dev = t->parked;
+                t->parked = NULL;
+                restored = tensor_device(t->dev);
+            }
+            drop(&t->parked); /* a copy of its own came back meanwhile */
+            if (t->host && (tensor_device(t->host) == meta || kiln_meta_is_host_storage(t->host->storage))) {
+                drop(&t->host);
+                t->patch_host = 0;
+                dropped = 1;
+            }
+        }
+        if (restored) m->target = restored; /* as before the run, whatever it loaded or unloaded */
+        else if (dropped && m->target == meta) m->target = NULL;
+    }
+    pthread_mutex_unlock(&reg_mu);
 }
 
 void kiln_model_close(kiln_model *m)
@@ -1016,9 +1105,12 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
         ps_release(ps);
         if (st) break;
         pthread_mutex_lock(&reg_mu);
-        kiln_tensor **slot = low ? &t->host : &t->dev;
-        kiln_tensor_free(*slot);
-        *slot = r;
+        if (low) {
+            kiln_tensor_free(t->host);
+            t->host = r;
+        } else {
+            set_dev_locked(t, r);
+        }
         if (low) t->patch_host = 0;
         if (!low) { t->streamed = t->fetched = t->prefetched = 0; made[i] = 1; }
         pthread_mutex_unlock(&reg_mu);
@@ -1181,7 +1273,7 @@ kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
     if (st) return st;
     pthread_mutex_lock(&reg_mu);
     st = need_target_locked(m, "fetch");
-    kiln_device *dev = m->target;
+    kiln_device *dev = target_of(m);
     int dtype = m->dtype;
     m->last_used = ++lru_clock;
     pthread_mutex_unlock(&reg_mu);
@@ -1214,8 +1306,7 @@ kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
         if (t->dev && tensor_device(t->dev) == dev) {
             kiln_tensor_free(r); /* another thread was faster */
         } else {
-            kiln_tensor_free(t->dev);
-            t->dev = r;
+            set_dev_locked(t, r);
             t->streamed = 1;
             t->fetched = 1;
         }
@@ -1292,7 +1383,7 @@ static void *copy_thread(void *arg)
         mtensor *t = &m->t[j->idx];
         free(j);
         kiln_device *dev = w->dev;
-        if (m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+        if (target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
             kiln_dtype want = want_dtype(m->dtype, source_of(t));
             patchset *ps;
             kiln_tensor *src = source_locked(t, want, &ps);
@@ -1316,9 +1407,8 @@ static void *copy_thread(void *arg)
             }
             pthread_mutex_lock(&reg_mu);
             /* a failed prefetch is not an error: fetch copies the tensor itself */
-            if (!st && t->gen == gen && m->target == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-                kiln_tensor_free(t->dev);
-                t->dev = r;
+            if (!st && t->gen == gen && target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+                set_dev_locked(t, r);
                 r = NULL;
                 t->streamed = 1;
                 t->prefetched = 1;
@@ -1335,6 +1425,18 @@ static void *copy_thread(void *arg)
     return NULL;
 }
 
+void kiln_model_wait_copies(void)
+{
+    pthread_mutex_lock(&reg_mu);
+    for (;;) {
+        int busy = 0;
+        for (kiln_model *m = models; m && !busy; m = m->next) busy = m->inflight > 0;
+        if (!busy) break;
+        pthread_cond_wait(&done_cv, &reg_mu);
+    }
+    pthread_mutex_unlock(&reg_mu);
+}
+
 kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n)
 {
     int *idx;
@@ -1342,7 +1444,7 @@ kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n)
     if (st) return st;
     pthread_mutex_lock(&reg_mu);
     st = need_target_locked(m, "prefetch");
-    kiln_device *dev = m->target;
+    kiln_device *dev = target_of(m);
     int q = st ? -1 : queue_slot(dev);
     if (!st && q < 0) st = kiln_error(KILN_ERR_ARG, "model '%s': prefetch: no copy queue for %s", m->name, dev->name);
     if (!st && !queues[q].w) {

@@ -98,6 +98,9 @@ kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *ou
 kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
+/* Waits until no prefetch of any model is queued or copying (a suspension moves the
+ * device blocks the copy threads write into). */
+void kiln_model_wait_copies(void);
 
 /* Adds a patch to tensor `target` (a floating-point tensor of m): the store keeps
  * views of a's factors (their storages stay alive until the patch goes). row_count
@@ -158,5 +161,9 @@ int kiln_model_usage_list(kiln_model_usage *out, int max);
  * elsewhere are dropped but not counted). The allocators' evict hook calls this in
  * every mode but "high". */
 size_t kiln_model_evict(kiln_device *dev, size_t need);
+
+/* The end of a dry run (meta.h): drops every model copy on meta and every host copy
+ * made without reading its file, so later loads read the real weights. */
+void kiln_model_drop_dry_copies(kiln_device *meta);
 
 #endif

@@ -342,14 +342,15 @@ kiln_status kiln_op_group_norm_in_place(kiln_tensor *x, int64_t groups, const ki
 {
     char b1[128];
     kiln_status st;
-    if (x->dtype != KILN_F32 || !kiln_tensor_is_contiguous(x))
-        return kiln_error(KILN_ERR_ARG, "group_norm in place: input %s must be a contiguous f32 tensor (is %s%s)",
+    int half = x->dtype == KILN_F16 || x->dtype == KILN_BF16; /* half activations (a GPU's) */
+    if ((x->dtype != KILN_F32 && !half) || !kiln_tensor_is_contiguous(x))
+        return kiln_error(KILN_ERR_ARG, "group_norm in place: input %s must be a contiguous f32, f16 or bf16 tensor (is %s%s)",
                           SHAPE(x, b1), kiln_dtype_name(x->dtype), kiln_tensor_is_contiguous(x) ? "" : ", strided");
     if (x->storage->refcount != 1 || x->storage->release)
         return kiln_error(KILN_ERR_ARG, "group_norm in place: input %s shares its memory (a view, or a mapped file): "
                           "run it out of place", SHAPE(x, b1));
     const kiln_backend *be = be_of(x);
-    if (be->group_norm_in_place) {
+    if (be->group_norm_in_place && !half) { /* the flag promises f32 only */
         if ((st = check_group_norm(x, groups, w, b))) return st;
         if ((st = need(be, (void *)be->group_norm, "group_norm"))) return st;
         return be->group_norm(x, x, w, b, groups, eps, silu);

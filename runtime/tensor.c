@@ -3,6 +3,7 @@
  * element data moves only through the device backend's copy or an explicit transfer. */
 #define _POSIX_C_SOURCE 200809L
 #include "tensor.h"
+#include "meta.h"
 #include "backend.h"
 
 #include <stdio.h>
@@ -455,12 +456,41 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
      * target is smaller, after arriving otherwise; the wire format is contiguous. */
     kiln_tensor *c = NULL;
     kiln_dtype wire = kiln_dtype_size(dt) <= kiln_dtype_size(t->dtype) ? dt : t->dtype;
-    if (wire != t->dtype || !kiln_tensor_is_contiguous(t)) st = kiln_tensor_to(t, sd, wire, &c);
+    if (kiln_device_is_meta(dev) && !kiln_device_is_meta(sd)) {
+        /* onto meta: nothing is read, so the sending side converts nothing; what the
+         * device holds (the wire copy, then its conversion) is as for a real one */
+        c = kiln_tensor_view_of(t);
+        st = c ? KILN_OK : kiln_error(KILN_ERR_OOM, "host out of memory for a view");
+    } else if (wire != t->dtype || !kiln_tensor_is_contiguous(t)) st = kiln_tensor_to(t, sd, wire, &c);
     else st = kiln_tensor_contiguous(t, &c);
     if (st) return st;
     kiln_tensor *r;
+    if (kiln_device_is_meta(sd) && dev->type == KILN_DEV_CPU) {
+        /* off meta: host memory that reads as zeros and costs nothing until written, so
+         * a dry run parks tiles and offloads weights without filling gigabytes */
+        kiln_storage *hs = kiln_meta_host_storage(kiln_dtype_nbytes(wire, kiln_tensor_numel(c)));
+        r = hs ? kiln_tensor_from_storage(hs, 0, wire, c->ndim, c->shape, NULL) : NULL;
+        kiln_storage_release(hs);
+        kiln_tensor_free(c);
+        if (!r) return kiln_error(KILN_ERR_OOM, "host out of memory for a copy off meta");
+        kiln_device_count_transfer(sd, 0, kiln_tensor_nbytes(r), 0);
+        if (wire != dt) {
+            kiln_tensor *r2;
+            st = kiln_tensor_to(r, dev, dt, &r2);
+            kiln_tensor_free(r);
+            if (st) return st;
+            r = r2;
+        }
+        *out = r;
+        return KILN_OK;
+    }
     if ((st = kiln_tensor_new(dev, wire, c->ndim, c->shape, &r))) { kiln_tensor_free(c); return st; }
-    st = transfer(r, c);
+    if (kiln_device_is_meta(dev) && !kiln_device_is_meta(sd)) {
+        kiln_device_count_transfer(dev, 1, kiln_tensor_nbytes(r), 0);
+        st = KILN_OK;
+    } else {
+        st = transfer(r, c);
+    }
     kiln_tensor_free(c);
     if (st) { kiln_tensor_free(r); return st; }
     if (wire != dt) {

@@ -2,6 +2,7 @@
  * separable feather weights normalized to a partition of unity, and in-place
  * accumulation of each tile's output into the result (see tile.h). */
 #include "tile.h"
+#include "meta.h"
 #include "ops.h"
 
 #include <math.h>
@@ -258,10 +259,8 @@ kiln_status kiln_tile_result_new(const kiln_tile_plan *p, const kiln_tensor *y, 
     return kiln_tensor_zeros(y->storage->device, y->dtype, y->ndim, shape, out);
 }
 
-static int host_memory(const kiln_device *d)
-{
-    return !d->backend->to_host && !d->backend->to_device;
-}
+/* meta answers for the device it models: the same path, without its arithmetic */
+static int host_memory(const kiln_device *d) { return kiln_device_host_memory(d); }
 
 /* result window += y * (wy x wx) on host f32 memory, no temporaries. */
 static void accumulate_f32(const kiln_tile_plan *p, kiln_tensor *result, int i, const kiln_tensor *y)
@@ -332,7 +331,7 @@ kiln_status kiln_tile_accumulate(const kiln_tile_plan *p, kiln_tensor *result, i
     kiln_tensor *c = NULL;
     kiln_status st = kiln_tensor_contiguous(y, &c);
     if (st) return st;
-    accumulate_f32(p, result, i, c);
+    if (!kiln_device_is_meta(result->storage->device)) accumulate_f32(p, result, i, c);
     kiln_tensor_free(c);
     return KILN_OK;
 }

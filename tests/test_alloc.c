@@ -523,6 +523,54 @@ static void t_set_budget(void)
     finish(a, &m);
 }
 
+/* A budget lowered live (a host's thread while a run goes on): the block in flight may
+ * still grow to the old budget until the run's boundary ends the grace; compliance is
+ * counted from the first moment within the new budget with no grace left. */
+static void t_set_budget_live(void)
+{
+    mock_mem m;
+    mock_init(&m, 0);
+    kiln_allocator *a = new_alloc(&m, 32 * MiB, 1);
+    void *x, *y, *z;
+    kiln_allocator_alloc(a, 6 * MiB, &x);
+    kiln_allocator_alloc(a, 6 * MiB, &y);
+    int graced = kiln_allocator_graced();
+    kiln_allocator_set_budget_live(a, 8 * MiB);
+    kiln_budget_watch w = kiln_allocator_budget_watch(a);
+    CHECK(w.grace && w.over && w.lowered_at > 0 && w.compliant_at == 0, "grace %d over %d", w.grace, w.over);
+    CHECK(kiln_allocator_graced() == graced + 1, "graced %d", kiln_allocator_graced());
+    CHECK(w.peak_before == 12 * MiB, "peak before %llu", (unsigned long long)w.peak_before);
+    CHECK(kiln_allocator_alloc(a, 4 * MiB, &z) == KILN_OK, "in the grace the old budget holds");
+    void *big;
+    CHECK(kiln_allocator_alloc(a, 32 * MiB, &big) == KILN_ERR_OOM, "but no more than it");
+    kiln_allocator_release(a, z);
+    kiln_allocator_release(a, y);
+    w = kiln_allocator_budget_watch(a);
+    CHECK(w.grace && w.compliant_at == 0, "within the budget in the grace is not compliance yet");
+    kiln_allocator_end_grace(a);
+    w = kiln_allocator_budget_watch(a);
+    CHECK(!w.grace && !w.over && w.compliant_at >= w.lowered_at && w.peak_since == 6 * MiB,
+          "compliant at the grace's end: grace %d, peak since %llu", w.grace, (unsigned long long)w.peak_since);
+    CHECK(kiln_allocator_graced() == graced, "graced %d", kiln_allocator_graced());
+    CHECK(kiln_allocator_alloc(a, 4 * MiB, &z) == KILN_ERR_OOM, "from there the new budget holds");
+    CHECK(kiln_allocator_alloc(a, 2 * MiB, &z) == KILN_OK, "within it");
+    w = kiln_allocator_budget_watch(a);
+    CHECK(w.peak_since == 8 * MiB, "peak since %llu", (unsigned long long)w.peak_since);
+    kiln_allocator_release(a, z);
+    /* raised during a grace: the grace ends, the new budget holds */
+    kiln_allocator_alloc(a, 2 * MiB, &y);
+    kiln_allocator_set_budget_live(a, 4 * MiB);
+    CHECK(kiln_allocator_budget_watch(a).grace, "lowered live again");
+    kiln_allocator_set_budget_live(a, 0);
+    CHECK(!kiln_allocator_budget_watch(a).grace && kiln_allocator_graced() == graced, "raised: no grace");
+    kiln_allocator_release(a, y);
+    kiln_allocator_release(a, x);
+    /* a plain set_budget has no grace: enforced at once */
+    kiln_allocator_set_budget(a, 2 * MiB);
+    CHECK(!kiln_allocator_budget_watch(a).grace, "set_budget: no grace");
+    finish(a, &m);
+}
+
 static void t_bad_release(void)
 {
     mock_mem m;
@@ -768,6 +816,7 @@ int main(void)
     RUN(t_cache_before_evict);
     RUN(t_fail_after);
     RUN(t_set_budget);
+    RUN(t_set_budget_live);
     RUN(t_bad_release);
     RUN(t_passthrough);
     RUN(t_leak_report);

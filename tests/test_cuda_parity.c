@@ -6,7 +6,8 @@
  * a storage with guard bytes before and after it that must stay untouched. Also:
  * transfers (chunked, pending copies followed at once by compute), typed OOM under
  * a budget, conv2d with no room for a workspace, the backend's workspace counted
- * and released by empty_cache, and clean errors.
+ * and released by empty_cache, clean errors, and a network's chain of ops in f16 /
+ * bf16 activations against the cpu's f32 within bounds from the unit roundoff.
  *
  * Without a CUDA device it prints one SKIP with the reason. KILN_PARITY_DEVICE=sim
  * runs the same cases against the sim device (checks the harness on any machine).
@@ -503,6 +504,20 @@ static void t_linear(void)
         if (x && w && b) linear_case(x, w, b, " (mixed)");
         kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b);
     }
+    /* half activations with a weight of another dtype (f32, the other half, fp8, a block
+     * type): the GEMM runs in the activations' dtype with the weight converted to it, so a
+     * half network stays half whatever its file's dtype */
+    for (int di = 1; di < 3; di++) {
+        const kiln_dtype wdts[4] = {KILN_F32, fdts[3 - di], KILN_F8_E4M3FN, KILN_Q8_0};
+        int64_t sxh[3] = {2, 7, 256}, swh[2] = {24, 256};
+        for (int wi = 0; wi < 4; wi++) {
+            kiln_tensor *x = rnd(fdts[di], 3, sxh, -1, 1), *w = rnd(KILN_F32, 2, swh, -0.1f, 0.1f);
+            kiln_tensor *b = rnd(KILN_F32, 1, swh, -1, 1), *wc = NULL;
+            if (x && w && b && (wdts[wi] == KILN_F32 || kiln_tensor_to(w, cpu, wdts[wi], &wc) == KILN_OK))
+                linear_case(x, wc ? wc : w, b, " (half activations)");
+            kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b); kiln_tensor_free(wc);
+        }
+    }
     /* low-bit weights (fp8, block types): decoded on the device before the GEMM */
     static const kiln_dtype low[] = {KILN_F8_E4M3FN, KILN_F8_E5M2, KILN_Q8_0, KILN_Q4_0, KILN_Q4_1, KILN_Q5_0,
                                      KILN_Q5_1, KILN_Q4_K, KILN_Q5_K, KILN_Q6_K};
@@ -574,6 +589,10 @@ static void t_conv2d(void)
     conv_case(&cases[6], KILN_F32, KILN_BF16, 1, 0, 0);
     conv_case(&cases[6], KILN_F16, KILN_F16, 1, 0, 1);
     conv_case(&cases[6], KILN_F32, KILN_F32, 1, 0, 1);
+    /* half activations with weights of another dtype: computed in the activations' dtype */
+    conv_case(&cases[6], KILN_F16, KILN_F32, 1, 0, 0);
+    conv_case(&cases[0], KILN_BF16, KILN_F16, 1, 1, 0);
+    conv_case(&cases[3], KILN_BF16, KILN_F32, 0, 0, 0);
 }
 
 /* ---- norms, softmax, attention, geglu ---- */
@@ -774,6 +793,109 @@ static void t_pad2d(void)
     }
 }
 
+/* ---- a network in half activations against the f32 reference ----
+ * What a UNet / VAE / CLIP block does, in one chain: conv -> GroupNorm+SiLU -> conv ->
+ * tokens -> LayerNorm -> q, k, v -> attention -> out projection + residual -> GEGLU MLP
+ * -> back to an image -> nearest 2x -> pad -> conv -> softmax over channels. The device
+ * runs it with its inputs and weights rounded to f16 / bf16 (as a half network loads
+ * them), the cpu in f32 from the same f32 values.
+ * Bound, from the unit roundoff u (2^-11 f16, 2^-8 bf16), not tuned: each rounding to
+ * the half dtype (an input, a weight, an op's output) adds a relative error of at most
+ * u, mean square u^2/3 when it is spread evenly; the chain rounds k = 16 times along its
+ * longest path, and its ops carry a relative error of the input about unchanged to the
+ * output (random weights scale the error as the signal, the norms renormalize both), so
+ * the normalized MSE is about k u^2/3. Allowed: 4 k u^2, twelve times that, for the
+ * steps that amplify (the softmaxes' exponentials, cancellation in the GEMMs' sums). */
+enum { HN_X, HN_W1, HN_B1, HN_GG, HN_GB, HN_W2, HN_B2, HN_LG, HN_LB, HN_WQ, HN_WK, HN_WV, HN_WO, HN_BO, HN_WF, HN_BF,
+       HN_W3, HN_B3, HN_COUNT };
+#define HN_ROUNDINGS 16
+
+static kiln_tensor *hn_run(kiln_tensor *const *in)
+{
+    kiln_tensor *tmp[40] = {0}, *r = NULL;
+    int nt = 0;
+    kiln_status s = KILN_OK;
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0}, o0 = {{1, 1}, {0, 0}, {1, 1}, 1, 0, 0, 0};
+#define HN(call) (s ? NULL : ((s = (call)) ? NULL : tmp[nt - 1]))
+#define OUT (tmp[nt++] = NULL, &tmp[nt - 1])
+    int64_t tok[3] = {2, 64, 256}, heads[4] = {2, 256, 2, 32}, flat[3] = {2, 256, 64}, img[4] = {2, 64, 16, 16};
+    int perm[4] = {0, 2, 1, 3};
+    int64_t pads[4] = {1, 1, 1, 1};
+    kiln_tensor *c1 = HN(kiln_op_conv2d(in[HN_X], in[HN_W1], in[HN_B1], &o, OUT));
+    kiln_tensor *g = HN(kiln_op_group_norm(c1, 8, in[HN_GG], in[HN_GB], 1e-5, 1, OUT));
+    kiln_tensor *c2 = HN(kiln_op_conv2d(g, in[HN_W2], in[HN_B2], &o, OUT));
+    kiln_tensor *t3 = HN(kiln_tensor_reshape(c2, 3, tok, OUT));
+    kiln_tensor *tt = HN(kiln_tensor_transpose(t3, 1, 2, OUT));
+    kiln_tensor *seq = HN(kiln_tensor_contiguous(tt, OUT));
+    kiln_tensor *ln = HN(kiln_op_layer_norm(seq, in[HN_LG], in[HN_LB], 1e-5, OUT));
+    kiln_tensor *q = HN(kiln_op_linear(ln, in[HN_WQ], NULL, OUT)), *k = HN(kiln_op_linear(ln, in[HN_WK], NULL, OUT));
+    kiln_tensor *v = HN(kiln_op_linear(ln, in[HN_WV], NULL, OUT));
+    kiln_tensor *q4 = HN(kiln_tensor_reshape(q, 4, heads, OUT)), *k4 = HN(kiln_tensor_reshape(k, 4, heads, OUT));
+    kiln_tensor *v4 = HN(kiln_tensor_reshape(v, 4, heads, OUT));
+    kiln_tensor *qh = HN(kiln_tensor_permute(q4, perm, OUT)), *kh = HN(kiln_tensor_permute(k4, perm, OUT));
+    kiln_tensor *vh = HN(kiln_tensor_permute(v4, perm, OUT));
+    kiln_tensor *a = HN(kiln_op_attention(qh, kh, vh, 1.0 / sqrt(32.0), 0, OUT));
+    kiln_tensor *ap = HN(kiln_tensor_permute(a, perm, OUT));
+    kiln_tensor *ac = HN(kiln_tensor_contiguous(ap, OUT));
+    kiln_tensor *a3 = HN(kiln_tensor_reshape(ac, 3, flat, OUT));
+    kiln_tensor *po = HN(kiln_op_linear(a3, in[HN_WO], in[HN_BO], OUT));
+    kiln_tensor *r1 = HN(kiln_op_binary(KILN_BIN_ADD, po, seq, OUT));
+    kiln_tensor *f = HN(kiln_op_linear(r1, in[HN_WF], in[HN_BF], OUT));
+    kiln_tensor *gg = HN(kiln_op_geglu(f, OUT));
+    kiln_tensor *r2 = HN(kiln_op_binary(KILN_BIN_ADD, gg, r1, OUT));
+    kiln_tensor *rt = HN(kiln_tensor_transpose(r2, 1, 2, OUT));
+    kiln_tensor *rc = HN(kiln_tensor_contiguous(rt, OUT));
+    kiln_tensor *im = HN(kiln_tensor_reshape(rc, 4, img, OUT));
+    kiln_tensor *up = HN(kiln_op_resample(KILN_RS_NEAREST, im, 32, 32, OUT));
+    kiln_tensor *pd = HN(kiln_op_pad2d(up, pads, KILN_PAD_REFLECT, 0, OUT));
+    kiln_tensor *c3 = HN(kiln_op_conv2d(pd, in[HN_W3], in[HN_B3], &o0, OUT));
+    if (!s) s = kiln_op_softmax(c3, 1, &r);
+#undef HN
+#undef OUT
+    if (s) CHECK(0, "half network on %s: %s", tmp[0] ? tmp[0]->storage->device->name : "?", kiln_last_error());
+    for (int i = 0; i < nt; i++) kiln_tensor_free(tmp[i]);
+    return s ? NULL : r;
+}
+
+static void t_half_network(void)
+{
+    /* ndim, shape; value range */
+    static const struct { int nd; int64_t shape[4]; float lo, hi; } spec[HN_COUNT] = {
+        {4, {2, 32, 16, 16}, -1, 1}, {4, {32, 32, 3, 3}, -0.1f, 0.1f}, {1, {32}, -0.1f, 0.1f}, {1, {32}, 0.5f, 1.5f},
+        {1, {32}, -0.5f, 0.5f}, {4, {64, 32, 3, 3}, -0.1f, 0.1f}, {1, {64}, -0.1f, 0.1f}, {1, {64}, 0.5f, 1.5f},
+        {1, {64}, -0.5f, 0.5f}, {2, {64, 64}, -0.2f, 0.2f}, {2, {64, 64}, -0.2f, 0.2f}, {2, {64, 64}, -0.2f, 0.2f},
+        {2, {64, 64}, -0.2f, 0.2f}, {1, {64}, -0.1f, 0.1f}, {2, {128, 64}, -0.2f, 0.2f}, {1, {128}, -0.1f, 0.1f},
+        {4, {4, 64, 3, 3}, -0.07f, 0.07f}, {1, {4}, -0.1f, 0.1f},
+    };
+    kiln_tensor *host[HN_COUNT] = {0};
+    int ok = 1;
+    for (int i = 0; i < HN_COUNT; i++) ok &= (host[i] = rnd(KILN_F32, spec[i].nd, spec[i].shape, spec[i].lo, spec[i].hi)) != NULL;
+    kiln_tensor *ref = ok ? hn_run(host) : NULL;
+    for (int di = 1; di < 3 && ref; di++) {
+        kiln_tensor *d[HN_COUNT] = {0};
+        int dok = 1;
+        for (int i = 0; i < HN_COUNT; i++)
+            if (kiln_tensor_to(host[i], dev, fdts[di], &d[i])) { CHECK(0, "to %s: %s", dev_name, kiln_last_error()); dok = 0; }
+        kiln_tensor *got = dok ? hn_run(d) : NULL;
+        if (got) {
+            CHECK(got->dtype == fdts[di], "the chain's output is %s, not %s (an op widened the activations)",
+                  kiln_dtype_name(got->dtype), kiln_dtype_name(fdts[di]));
+            double u = fdts[di] == KILN_F16 ? 1.0 / 2048 : 1.0 / 256, bound = 4.0 * HN_ROUNDINGS * u * u;
+            double e = nmse(ref, got);
+            printf("#   half network %s vs f32: nmse %.3g (bound %.3g = 4 * %d * u^2)\n", kiln_dtype_name(fdts[di]), e, bound,
+                   HN_ROUNDINGS);
+            CHECK(e <= bound, "half network %s: nmse %.3g above %.3g", kiln_dtype_name(fdts[di]), e, bound);
+            /* and not the f32 result itself: the chain really ran in half */
+            CHECK(e > 0, "half network %s: identical to f32", kiln_dtype_name(fdts[di]));
+            n_cases++;
+        }
+        kiln_tensor_free(got);
+        for (int i = 0; i < HN_COUNT; i++) kiln_tensor_free(d[i]);
+    }
+    kiln_tensor_free(ref);
+    for (int i = 0; i < HN_COUNT; i++) kiln_tensor_free(host[i]);
+}
+
 /* ---- transfers, memory, errors ---- */
 
 static void t_transfer(void)
@@ -958,7 +1080,7 @@ int main(int argc, char **argv)
         {"t_unary", t_unary}, {"t_reduce", t_reduce}, {"t_matmul", t_matmul}, {"t_linear", t_linear},
         {"t_conv2d", t_conv2d}, {"t_group_norm", t_group_norm}, {"t_layer_norm", t_layer_norm},
         {"t_softmax", t_softmax}, {"t_attention", t_attention}, {"t_geglu", t_geglu}, {"t_resample", t_resample},
-        {"t_pad2d", t_pad2d}, {"t_oom", t_oom}, {"t_workspace", t_workspace}, {"t_errors", t_errors},
+        {"t_pad2d", t_pad2d}, {"t_half_network", t_half_network}, {"t_oom", t_oom}, {"t_workspace", t_workspace}, {"t_errors", t_errors},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         int want = argc < 2;

@@ -3,8 +3,11 @@
  * an online softmax, so a thread's scratch is QT*(D+Dv+2) + D*KB + QB*KB floats
  * (about 136 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block
  * products are our own register-tiled kernels, AVX-512 or AVX2+FMA chosen at run
- * time, portable C otherwise (OpenBLAS would start its own threads inside ours). */
+ * time, portable C otherwise (OpenBLAS would start its own threads inside ours); under
+ * kiln.precision("bf16") the two products take bf16 inputs (see "bf16 products" below;
+ * the values of a key block then take KB/2 x Dv more floats of scratch). */
 #include "cpu_isa.h"
+#include "cpu_internal.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -35,6 +38,7 @@ typedef struct {
     int64_t Lq, Lk, D, Dv, nqb;
     float scale2;               /* scale * log2(e): the softmax runs in base 2 */
     int causal, isa;
+    int bf16;                   /* products with bf16 inputs: 1 vdpbf16ps, 2 emulated */
     float *scratch;             /* one slot per pool thread */
     size_t slot;                /* floats per slot */
     int nslots;
@@ -46,7 +50,8 @@ static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 /* Scratch layout of one slot, in floats (each part 64-byte aligned). */
 static size_t slot_floats(int64_t D, int64_t Dv)
 {
-    return (size_t)(round16(QT * D) + round16(D * KB) + QB * KB + round16(QT * Dv) + 2 * QT);
+    return (size_t)(round16(QT * D) + round16(D * KB) + QB * KB + round16(QT * Dv) + 2 * QT +
+                    (KB / 2) * round16(Dv));
 }
 
 /* ---------------- portable path ---------------- */
@@ -473,6 +478,213 @@ AVX2 static void softmax_row_avx2(float *s, int64_t nvalid, int64_t kn, float *m
 }
 #endif
 
+#ifdef ATT_X86
+/* ---------------- bf16 products (kiln.precision "bf16") ----------------
+ * q.k^T and p.v with inputs rounded to bf16 (nearest even) and f32 sums: operands in
+ * pair lanes (depth 2i in the low half of a 32-bit lane, 2i+1 in the high half), what
+ * vdpbf16ps multiplies. The scaled queries and the transposed keys are rounded in place
+ * (pair row i where f32 row 2i was), the probabilities row by row in place, the values
+ * once per key block into their own buffer. The softmax statistics stay f32. Without
+ * AVX512_BF16 (emu) the same lanes go through two f32 FMAs, odd depth first, as the
+ * instruction is specified; those functions never execute a bf16 instruction. */
+#define BF16_FN static __attribute__((target("avx512f,avx512bf16,fma")))
+#define BF16_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bf16,fma")))
+
+BF16_INLINE __m512i bf16_hi(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+BF16_INLINE __m512i bf16_pair(__m512 even, __m512 odd)
+{
+    return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
+}
+
+/* acc += a . b over the pairs of each lane */
+BF16_INLINE __m512 bf16_dot(int emu, __m512 acc, __m512i a, __m512i b)
+{
+    if (!emu) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+    const __m512i hm = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hm)), _mm512_castsi512_ps(_mm512_and_si512(b, hm)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+
+/* rows x n f32 values (row stride ld floats) -> rows of ceil(n/2) pair lanes, in place */
+BF16_FN void bf16_rows_inplace(float *x, int64_t rows, int64_t n, int64_t ld)
+{
+    int64_t np = (n + 1) / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * ld;
+        uint32_t *dst = (uint32_t *)row;
+        for (int64_t j = 0; j < np; j += 16) { /* reads [2j, 2j+32) before writing [j, j+16) */
+            __mmask16 mk = tail_mask(np - j);
+            int64_t left = n - 2 * j; /* values from 2j on */
+            __m512 a = _mm512_maskz_loadu_ps(tail_mask(left), row + 2 * j);
+            __m512 b = _mm512_maskz_loadu_ps(tail_mask(left - 16 < 0 ? 0 : left - 16), row + 2 * j + 16);
+            /* even and odd elements of the 32 values */
+            const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
+            _mm512_mask_storeu_epi32(dst + j, mk, bf16_pair(e, o));
+        }
+    }
+}
+
+/* transposed keys kt[d][j] (rows of KB) -> pair rows kt[d/2][j] for knp keys, in place */
+BF16_FN void keys_pairs(float *kt, int64_t knp, int64_t D)
+{
+    uint32_t *dst = (uint32_t *)kt;
+    for (int64_t dp = 0; dp < (D + 1) / 2; dp++)
+        for (int64_t j = 0; j < knp; j += 16) {
+            __m512 e = _mm512_load_ps(kt + 2 * dp * KB + j);
+            __m512 o = 2 * dp + 1 < D ? _mm512_load_ps(kt + (2 * dp + 1) * KB + j) : _mm512_setzero_ps();
+            _mm512_store_si512(dst + dp * KB + j, bf16_pair(e, o));
+        }
+}
+
+/* values v[j][c] of the block (kn keys) -> vp[j/2][c] pair rows of dvp lanes (zero past Dv, kn) */
+BF16_FN void values_pairs(uint32_t *vp, const float *v, int64_t kn, int64_t Dv, int64_t dvp)
+{
+    for (int64_t jp = 0; jp < (kn + 1) / 2; jp++) {
+        const float *v0 = v + 2 * jp * Dv, *v1 = v0 + Dv;
+        int odd = 2 * jp + 1 < kn;
+        for (int64_t c = 0; c < dvp; c += 16) {
+            __mmask16 mk = tail_mask(Dv - c < 0 ? 0 : Dv - c);
+            __m512 e = _mm512_maskz_loadu_ps(mk, v0 + c);
+            __m512 o = odd ? _mm512_maskz_loadu_ps(mk, v1 + c) : _mm512_setzero_ps();
+            _mm512_store_si512(vp + jp * dvp + c, bf16_pair(e, o));
+        }
+    }
+}
+
+/* TR rows x NC*16 keys of s from pair rows of q (stride D floats) and kt (stride KB) */
+BF16_INLINE void qk_tile_bf16(int emu, int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
+{
+    int64_t dp_n = (D + 1) / 2;
+#define QK_DECL(r) \
+    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    const uint32_t *q##r = (const uint32_t *)(qs + (r < qn ? r : 0) * D);
+    R8(QK_DECL)
+    for (int64_t d = 0; d < dp_n; d++) {
+        const uint32_t *kd = (const uint32_t *)kt + d * KB;
+        __m512i k0 = _mm512_load_si512(kd);
+        __m512i k1 = NC > 1 ? _mm512_load_si512(kd + 16) : k0;
+        __m512i k2 = NC > 2 ? _mm512_load_si512(kd + 32) : k0;
+#define QK_STEP(r) { \
+        __m512i bq = _mm512_set1_epi32((int)q##r[d]); \
+        a##r##0 = bf16_dot(emu, a##r##0, bq, k0); \
+        if (NC > 1) a##r##1 = bf16_dot(emu, a##r##1, bq, k1); \
+        if (NC > 2) a##r##2 = bf16_dot(emu, a##r##2, bq, k2); }
+        R8(QK_STEP)
+    }
+#define QK_STORE(r) \
+    if (r < qn) { \
+        _mm512_store_ps(s + r * KB, a##r##0); \
+        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##1); \
+        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##2); }
+    R8(QK_STORE)
+#undef QK_DECL
+#undef QK_STEP
+#undef QK_STORE
+}
+
+BF16_INLINE void qk_bf16_body(int emu, float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    for (int64_t i = 0; i < qn; i += TR)
+        for (int64_t j = 0; j < kn; j += 48) {
+            int64_t left = kn - j;
+            const float *q0 = qs + i * D, *k0 = kt + j;
+            float *s0 = s + i * KB + j;
+            if (left > 32) qk_tile_bf16(emu, 3, s0, q0, k0, qn - i, D);
+            else if (left > 16) qk_tile_bf16(emu, 2, s0, q0, k0, qn - i, D);
+            else qk_tile_bf16(emu, 1, s0, q0, k0, qn - i, D);
+        }
+}
+
+BF16_FN void qk_bf16(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    qk_bf16_body(0, s, qs, kt, qn, kn, D);
+}
+
+BF16_FN void qk_bf16_emu(float *s, const float *qs, const float *kt, int64_t qn, int64_t kn, int64_t D)
+{
+    qk_bf16_body(1, s, qs, kt, qn, kn, D);
+}
+
+/* o[r][c] += sum over key pairs of p pairs (rows of s, stride KB lanes) times vp pair
+ * rows (dvp lanes); NV vectors of columns from c0, the last masked by vm */
+BF16_INLINE void pv_tile_bf16(int emu, int NV, float *o, const uint32_t *p, const uint32_t *vp, int64_t qn,
+                              int64_t knp2, int64_t Dv, int64_t dvp, __mmask16 vm)
+{
+    const __mmask16 full = (__mmask16)0xFFFF;
+    const __mmask16 m0 = NV == 1 ? vm : full, m1 = NV == 2 ? vm : full, m2 = NV == 3 ? vm : full;
+#define PV_DECL(r) \
+    const float *o##r = o + (r < qn ? r : 0) * Dv; const uint32_t *p##r = p + (r < qn ? r : 0) * KB; \
+    __m512 a##r##0 = _mm512_maskz_loadu_ps(m0, o##r); \
+    __m512 a##r##1 = NV > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
+    __m512 a##r##2 = NV > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps();
+    R8(PV_DECL)
+    for (int64_t j = 0; j < knp2; j++) {
+        const uint32_t *vr = vp + j * dvp;
+        __m512i v0 = _mm512_load_si512(vr);
+        __m512i v1 = NV > 1 ? _mm512_load_si512(vr + 16) : v0;
+        __m512i v2 = NV > 2 ? _mm512_load_si512(vr + 32) : v0;
+#define PV_STEP(r) { \
+        __m512i bp = _mm512_set1_epi32((int)p##r[j]); \
+        a##r##0 = bf16_dot(emu, a##r##0, bp, v0); \
+        if (NV > 1) a##r##1 = bf16_dot(emu, a##r##1, bp, v1); \
+        if (NV > 2) a##r##2 = bf16_dot(emu, a##r##2, bp, v2); }
+        R8(PV_STEP)
+    }
+#define PV_STORE(r) \
+    if (r < qn) { \
+        float *w##r = o + r * Dv; \
+        _mm512_mask_storeu_ps(w##r, m0, a##r##0); \
+        if (NV > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##1); \
+        if (NV > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##2); }
+    R8(PV_STORE)
+#undef PV_DECL
+#undef PV_STEP
+#undef PV_STORE
+}
+
+BF16_INLINE void pv_bf16_body(int emu, float *o, const float *s, const uint32_t *vp, int64_t qn, int64_t kn,
+                              int64_t Dv)
+{
+    int64_t nvec = (Dv + 15) / 16, nchunk = (nvec + 2) / 3, dvp = nvec * 16, knp2 = (kn + 1) / 2;
+    const uint32_t *p = (const uint32_t *)s;
+    for (int64_t i = 0; i < qn; i += TR) {
+        int64_t vec0 = 0;
+        for (int64_t ch = 0; ch < nchunk; ch++) {
+            int64_t nv = (nvec - vec0) / (nchunk - ch) + ((nvec - vec0) % (nchunk - ch) ? 1 : 0);
+            int64_t c0 = 16 * vec0, w = Dv - c0 < 16 * nv ? Dv - c0 : 16 * nv;
+            __mmask16 vm = tail_mask(w - 16 * (nv - 1));
+            float *oc = o + i * Dv + c0;
+            const uint32_t *pc = p + i * KB, *vc = vp + c0;
+            if (nv == 1) pv_tile_bf16(emu, 1, oc, pc, vc, qn - i, knp2, Dv, dvp, vm);
+            else if (nv == 2) pv_tile_bf16(emu, 2, oc, pc, vc, qn - i, knp2, Dv, dvp, vm);
+            else pv_tile_bf16(emu, 3, oc, pc, vc, qn - i, knp2, Dv, dvp, vm);
+            vec0 += nv;
+        }
+    }
+}
+
+BF16_FN void pv_bf16(float *o, const float *s, const uint32_t *vp, int64_t qn, int64_t kn, int64_t Dv)
+{
+    pv_bf16_body(0, o, s, vp, qn, kn, Dv);
+}
+
+BF16_FN void pv_bf16_emu(float *o, const float *s, const uint32_t *vp, int64_t qn, int64_t kn, int64_t Dv)
+{
+    pv_bf16_body(1, o, s, vp, qn, kn, Dv);
+}
+#endif
+
 /* ---------------- one task ---------------- */
 
 /* Rows [qt0, qt0+qtn) of head b. Each key block is transposed once into kt and then
@@ -489,11 +701,15 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
     float *o = s + QB * KB;
     float *m = o + round16(QT * Dv);
     float *l = m + QT;
+    uint32_t *vp = (uint32_t *)(l + QT); /* bf16: the block's values in pairs */
     const float *q = c->q + (b * c->Lq + qt0) * D;
     const float *k = c->k + b * Lk * D;
     const float *v = c->v + b * Lk * Dv;
 
     for (int64_t i = 0; i < qtn * D; i++) qs[i] = q[i] * c->scale2;
+#ifdef ATT_X86
+    if (c->bf16) bf16_rows_inplace(qs, qtn, D, D);
+#endif
     memset(o, 0, (size_t)(qtn * Dv) * sizeof(float));
     for (int64_t i = 0; i < qtn; i++) { m[i] = -INFINITY; l[i] = 0; }
 
@@ -504,8 +720,13 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
         int64_t knp = round16(kn);
         /* kt[d][j] = k[k0 + j][d], zero-padded to a multiple of 16 keys */
 #ifdef ATT_X86
-        if (c->isa == ISA_AVX512) keys_t_avx512(kt, k + k0 * D, kn, knp, D);
-        else
+        if (c->isa == ISA_AVX512) {
+            keys_t_avx512(kt, k + k0 * D, kn, knp, D);
+            if (c->bf16) {
+                keys_pairs(kt, knp, D);
+                values_pairs(vp, v + k0 * Dv, kn, Dv, round16(Dv));
+            }
+        } else
 #endif
         {
             for (int64_t j = 0; j < kn; j++) {
@@ -521,7 +742,9 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
             const float *qsb = qs + sb * D;
             float *osb = o + sb * Dv;
 #ifdef ATT_X86
-            if (c->isa == ISA_AVX512) qk_avx512(s, qsb, kt, qn, knp, D);
+            if (c->bf16 == 1) qk_bf16(s, qsb, kt, qn, knp, D);
+            else if (c->bf16) qk_bf16_emu(s, qsb, kt, qn, knp, D);
+            else if (c->isa == ISA_AVX512) qk_avx512(s, qsb, kt, qn, knp, D);
             else if (c->isa == ISA_AVX2) qk_avx2(s, qsb, kt, qn, knp, D);
             else
 #endif
@@ -537,7 +760,11 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
                     softmax_row_generic(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
             }
 #ifdef ATT_X86
-            if (c->isa == ISA_AVX512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);
+            if (c->bf16) {
+                bf16_rows_inplace(s, qn, kn, KB);
+                if (c->bf16 == 1) pv_bf16(osb, s, vp, qn, kn, Dv);
+                else pv_bf16_emu(osb, s, vp, qn, kn, Dv);
+            } else if (c->isa == ISA_AVX512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);
             else if (c->isa == ISA_AVX2) pv_avx2(osb, s, v + k0 * Dv, qn, kn, Dv);
             else
 #endif
@@ -605,6 +832,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     c.scale2 = scale * LOG2E;
     c.causal = causal != 0;
     c.isa = kiln_cpu_isa();
+    c.bf16 = c.isa == ISA_AVX512 ? kiln_cpu_bf16_active() : 0;
     c.scratch = scratch; c.slot = slot; c.nslots = nslots;
     atomic_init(&c.oom, 0);
     kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);

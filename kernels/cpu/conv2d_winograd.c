@@ -62,6 +62,7 @@ typedef struct wino_ctx {
     /* U[P][ns][C][12] and V[P][tp/32][C][32] in the GEMM's sliver layout (no packing
      * there); M[P][kb][tp] row-major */
     float *U, *V, *M;
+    int u_bf16;                 /* U rounded to bf16 pairs (kiln.precision "bf16") */
     float *wbuf;                /* kiln_cpu_threads() x 12*144 floats: converted weights */
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
@@ -543,7 +544,14 @@ static void set_strip(wino_ctx *c, int64_t st, int64_t ts)
 
 static void gemms(const wino_ctx *c)
 {
-    kiln_cpu_gemm_prepacked(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+    kiln_cpu_gemm_prepacked_ex(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm, c->u_bf16);
+}
+
+/* With bf16 products, U (used by every strip and image) is rounded once, here. */
+static void u_round_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const wino_ctx *c = vctx;
+    for (int64_t xi = begin; xi < end; xi++) kiln_cpu_bf16_pairs_a(c->U + xi * c->su, c->ns, c->C, c->C * 12);
 }
 
 /* Two ways to share the work, so that each thread runs a whole pipeline (transforms
@@ -575,6 +583,7 @@ AVX512 static void block_task(void *vctx, int64_t begin, int64_t end)
     for (int64_t bk = begin; bk < end; bk++) {
         set_block(&c, bk, j->kb);
         weight_fn(&c, 0, c.ns * ((c.C + 15) / 16));
+        if (c.u_bf16) u_round_fn(&c, 0, c.P);
         for (int64_t i = 0; i < j->n_img; i++) {
             c.V = j->V + (size_t)i * j->nV;
             c.y = j->y + i * c.K * c.yhw;
@@ -667,6 +676,7 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
     c->p = p; c->w = w; c->w_dt = w_dtype; c->bias = bias; c->C = C; c->K = K; c->TW = TW; c->TH = TH;
     c->m = m; c->r = mp->r; c->a = A; c->P = P; c->nv = (int)((16 * m + mp->r - 1 + 15) / 16);
     c->up = mp->up; c->py = mp->py; c->px = mp->px; c->yw = mp->yw; c->yhw = mp->yhw;
+    c->u_bf16 = kiln_cpu_bf16_active();
     j.kb = kb; j.ts = ts; j.nU = nU; j.nV = v_img; j.nM = nM; j.nB = nB * bsz * sizeof(float) / sizeof(blk_setup);
     j.U = buf; j.V = j.U + tot_U; j.M = j.V + tot_V; c->wbuf = j.M + (size_t)threads * nM;
     j.blk = (blk_setup *)(void *)(c->wbuf + nW); /* every part a multiple of 16 floats */
@@ -694,6 +704,7 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
         for (int64_t bk = 0; bk < nkb; bk++) {
             set_block(c, bk, kb);
             kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
+            if (c->u_bf16) kiln_parallel_for(c->P, 1, u_round_fn, c);
             for (int64_t n = 0; n < p->n; n++) {
                 c->x = x + n * C * p->h * p->w;
                 c->y = y + n * yimg;

@@ -22,11 +22,26 @@ int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype 
                      pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row);
 /* 1 when the packed AVX-512 kernels run on this CPU. */
 int kiln_cpu_gemm_have_simd(void);
+/* 1 when products with more than 8 rows run with bf16 inputs (precision bf16 and the
+ * packed AVX-512 kernel); kiln_cpu_bf16_set_emulation(1) makes them take the emulated
+ * kernel even where the CPU has vdpbf16ps (tests compare the two). */
+int kiln_cpu_bf16_active(void);
+void kiln_cpu_bf16_set_emulation(int on);
 /* batch products of A and B both already in sliver layout (A [M/12][K][12], B
  * [N/32][K][32]), each C row-major with row stride ldc. */
 int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-/* One product on the calling thread (see gemm.c); scratch holds this many floats. */
+/* The same with A already rounded to bf16 pairs by kiln_cpu_bf16_pairs_a when a_bf16
+ * (the product then runs in bf16 whatever its size); -1 when a_bf16 and bf16 is not
+ * active (kiln_cpu_bf16_active). */
+int kiln_cpu_gemm_prepacked_ex(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                               const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c, int a_bf16);
+/* Rounds n A slivers ([K][12] floats each, stride floats apart) to bf16 in place, in the
+ * pair layout the bf16 kernel reads: an operand used by many products (Winograd's
+ * transformed weights) is rounded once instead of in every product. */
+void kiln_cpu_bf16_pairs_a(float *A, int64_t n, int64_t K, int64_t stride);
+/* One product on the calling thread (see gemm.c); scratch holds this many floats.
+ * Always f32: its products are small (few tiles). */
 enum { KILN_CPU_GEMM_SERIAL_SCRATCH = 384 * 12 + 16 };
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
                          int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch);

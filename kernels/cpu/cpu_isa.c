@@ -23,3 +23,18 @@ int kiln_cpu_isa(void)
     }
     return c;
 }
+
+int kiln_cpu_has_bf16(void)
+{
+    static atomic_int cached = -1;
+    int c = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (c < 0) {
+        c = 0;
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
+        const char *e = getenv("KILN_CPU_ISA");
+        c = kiln_cpu_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512bf16") && !(e && !strcmp(e, "avx512"));
+#endif
+        atomic_store_explicit(&cached, c, memory_order_relaxed);
+    }
+    return c;
+}

@@ -1,4 +1,5 @@
-/* gemm.c - f32 matrix products (gemm, batched gemm, linear) on the shared thread pool.
+/* gemm.c - f32 matrix products (gemm, batched gemm, linear) on the shared thread pool,
+ * and their bf16 form (bf16 inputs, f32 sums) under kiln.precision("bf16").
  * On CPUs with AVX-512 a packed, cache-blocked kernel of our own runs (`make bench`
  * compares it with OpenBLAS; it shares our pool instead of a second set of spinning
  * threads); elsewhere OpenBLAS sgemm does the work. The same kernel serves
@@ -8,6 +9,7 @@
 #include "cpu_isa.h"
 #include "cpu_internal.h"
 #include "threadpool.h"
+#include "../../runtime/precision.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -132,6 +134,9 @@ typedef struct {
     const float *bias_row, *bias_col;   /* C[i][j] += bias_row[i] + bias_col[j]; may be NULL */
     int a_packed, b_packed;             /* A / B already in sliver layout for all of K (see _prepacked) */
     int64_t b_sliver;                   /* packed B: floats from one sliver to the next (0: K*NR) */
+    int bf16;                           /* 0 f32; bf16 inputs: 1 vdpbf16ps, 2 emulated (see bf16_mode) */
+    int a_bf16;                         /* prepacked A already in bf16 pairs (kiln_cpu_bf16_pairs_a) */
+    int64_t a_sliver;                   /* a_bf16: lanes from one A sliver to the next (0: K*MR) */
 } gemm_args;
 
 /* ---------- OpenBLAS fallback ---------- */
@@ -562,10 +567,17 @@ static int rows_alias(int64_t lda)
     return worst > 6;
 }
 
+AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1,
+                                  int64_t j0, int64_t j1);
+
 /* The block of C rows [i0, i1) x columns [j0, j1), all of K. */
 AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1, int64_t j0,
                              int64_t j1)
 {
+    if (g->bf16) {
+        run_block_bf16(g, bpanel, asliver, i0, i1, j0, j1);
+        return;
+    }
     int64_t n = j1 - j0, bsl = g->b_sliver ? g->b_sliver : g->K * NR;
     const int in_place_ok = !g->a_packed && !g->trans_a && g->a_dt == KILN_F32 && !rows_alias(g->lda);
     /* panels of equal depth (K = 1280: 4 x 320, not 3 x 384 + 128): C is read and
@@ -634,6 +646,268 @@ AVX512 static void run_block(const gemm_args *g, float *bpanel, float *asliver, 
     }
 }
 
+/* ---------- bf16 products (kiln.precision "bf16") ----------
+ * Inputs rounded to bf16 (nearest even), products accumulated in f32. Panels are packed
+ * as f32 first (the same packing code as above, custom B sources included), then
+ * rounded into pair layout: one 32-bit lane holds depths k (low half) and k+1 (high
+ * half), what vdpbf16ps multiplies pairwise and adds into an f32 lane. B: [kc/2][NR]
+ * lanes per sliver; A: [kc/2][MR] lanes, one broadcast per row and depth pair.
+ * Without AVX512_BF16 the same lanes are split back to f32 and go through two FMAs, in
+ * the order the instruction is specified to add them (odd depth, then even). */
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
+/* Depth of a bf16 panel: twice KC, so that its B panel takes the L2 bytes of an f32 one
+ * and C, read and written once per panel, is streamed half as often (with the faster
+ * products that traffic would otherwise show). KCB / 2 depth pairs. */
+enum { KCB = 2 * KC, KCBP = KC };
+
+/* Per-thread bf16 panel (KCBP x NB_MAX lanes) and A sliver (KCBP x MR), made on first
+ * use by a thread and kept for its life: the prepacked products (Winograd) run without
+ * the caller's scratch. */
+static _Thread_local uint32_t *bf_buf;
+
+static uint32_t *bf16_buffer(void)
+{
+    if (!bf_buf) bf_buf = aligned_alloc(64, ((size_t)KCBP * NB_MAX + (size_t)KCBP * MR + 16) * sizeof(uint32_t));
+    return bf_buf;
+}
+
+/* x rounded to bf16 (nearest even, nan kept quiet), in the high half of each lane. */
+AVX512 static inline __m512i bf16_hi(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* Pair lanes from depth k (even) and depth k+1 (odd). */
+AVX512 static inline __m512i bf16_pair(__m512 even, __m512 odd)
+{
+    return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
+}
+
+/* kc x w f32 rows (row stride ld floats, w <= 16) -> kcp pair rows of w lanes (stride
+ * ldo). May run in place (dst == src, ldo == ld): pair row j is written after f32 rows
+ * 2j and 2j+1 are read, and no later read reaches back to it. */
+AVX512 static void bf16_rows(uint32_t *dst, int64_t ldo, const float *src, int64_t ld, int64_t kc, int w)
+{
+    __mmask16 mk = w >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1);
+    for (int64_t k = 0; k < kc; k += 2) {
+        __m512 e = _mm512_maskz_loadu_ps(mk, src + k * ld);
+        __m512 o = k + 1 < kc ? _mm512_maskz_loadu_ps(mk, src + (k + 1) * ld) : _mm512_setzero_ps();
+        _mm512_mask_storeu_epi32(dst + (k / 2) * ldo, mk, bf16_pair(e, o));
+    }
+}
+
+/* n columns of f32 slivers (sliver s at src + s*ss floats, [kc][NR]) -> bf16 pair
+ * slivers ds lanes apart. */
+AVX512 static void bf16_b_panel(uint32_t *restrict dst, int64_t ds, const float *restrict src, int64_t ss, int64_t n,
+                                int64_t kc)
+{
+    for (int64_t s = 0; s * NR < n; s++) {
+        bf16_rows(dst + s * ds, NR, src + s * ss, NR, kc, 16);
+        bf16_rows(dst + s * ds + 16, NR, src + s * ss + 16, NR, kc, 16);
+    }
+}
+
+/* B panel (columns [j0, j0+n) x depths [k0, k0+kc), kc <= KCB) straight from an f32 /
+ * f16 / bf16 B into bf16 pair slivers of ds lanes: what pack_b then bf16_b_panel do,
+ * without the f32 panel in between. 0 when B is of another kind (custom source, low-bit). */
+AVX512 static int pack_b_bf16(uint32_t *restrict dst, int64_t ds, const gemm_args *g, int64_t j0, int64_t n,
+                              int64_t k0, int64_t kc)
+{
+    if (g->pack_b || lowbit_dt(g->b_dt)) return 0;
+    size_t esz = kiln_dtype_size(g->b_dt);
+    const char *B = g->B;
+    for (int64_t js = 0; js < n; js += NR) {
+        int nn = n - js < NR ? (int)(n - js) : NR;
+        uint32_t *d = dst + (js / NR) * ds;
+        if (!g->trans_b) { /* rows k and k+1 hold the columns contiguously */
+            for (int64_t k = 0; k < kc; k += 2) {
+                const char *r0 = B + (size_t)((k0 + k) * g->ldb + j0 + js) * esz, *r1 = r0 + (size_t)g->ldb * esz;
+                int odd = k + 1 < kc;
+                for (int h = 0; h < 2; h++) {
+                    __m512 e = load16(r0 + 16 * h * esz, g->b_dt, nn - 16 * h);
+                    __m512 o = odd ? load16(r1 + 16 * h * esz, g->b_dt, nn - 16 * h) : _mm512_setzero_ps();
+                    _mm512_store_si512(d + (k / 2) * NR + 16 * h, bf16_pair(e, o));
+                }
+            }
+        } else { /* 16 x 16 blocks of rows of B transposed in registers, then paired */
+            for (int h = 0; h < 2; h++) {
+                int jn = nn - h * 16;
+                for (int64_t kb = 0; kb < kc; kb += 16) {
+                    int kn = kc - kb < 16 ? (int)(kc - kb) : 16;
+                    __m512 r[16];
+                    for (int jj = 0; jj < 16; jj++)
+                        r[jj] = jj < jn ? load16(B + (size_t)((j0 + js + h * 16 + jj) * g->ldb + k0 + kb) * esz, g->b_dt, kn)
+                                        : _mm512_setzero_ps();
+                    transpose16(r);
+                    for (int kk = 0; kk < kn; kk += 2)
+                        _mm512_store_si512(d + ((kb + kk) / 2) * NR + 16 * h, bf16_pair(r[kk], r[kk + 1]));
+                }
+            }
+        }
+    }
+    return 1;
+}
+
+/* A sliver (rows [i0, i0+m) x depths [k0, k0+kc)) in bf16 pair layout [kc/2][MR]. A
+ * row-major A is read 16 depths at a time, transposed in registers and rounded there;
+ * other layouts go through the f32 packing (tmp: KC x MR floats). */
+AVX512 static void pack_a_bf16(uint32_t *restrict ab, float *restrict tmp, const gemm_args *g, int64_t i0, int m,
+                               int64_t k0, int64_t kc)
+{
+    if (g->a_packed) {
+        bf16_rows(ab, MR, (const float *)g->A + (i0 / MR) * g->K * MR + k0 * MR, MR, kc, MR);
+        return;
+    }
+    if (g->trans_a) {
+        for (int64_t c = 0; c < kc; c += KC) {
+            int64_t cn = kc - c < KC ? kc - c : KC;
+            pack_a(tmp, g, i0, m, k0 + c, cn);
+            bf16_rows(ab + (c / 2) * MR, MR, tmp, MR, cn, MR);
+        }
+        return;
+    }
+    size_t esz = kiln_dtype_size(g->a_dt);
+    for (int64_t kk = 0; kk < kc; kk += 16) {
+        int n = kc - kk < 16 ? (int)(kc - kk) : 16;
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < m ? load16((const char *)g->A + (size_t)((i0 + i) * g->lda + k0 + kk) * esz, g->a_dt, n)
+                         : _mm512_setzero_ps();
+        transpose16(r);
+        for (int j = 0; j < n; j += 2)
+            _mm512_mask_storeu_epi32(ab + ((kk + j) / 2) * MR, (__mmask16)((1u << MR) - 1), bf16_pair(r[j], r[j + 1]));
+    }
+}
+
+#define UKR_ZERO()                                                                                             \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;            \
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, b0_ = a0, b1_ = a0, b2_ = a0, b3_ = a0, b4_ = a0, b5_ = a0;   \
+    __m512 b6_ = a0, b7_ = a0, b8_ = a0, b9_ = a0, b10_ = a0, b11_ = a0;
+
+#define UKR_STORE(o)                                                                                           \
+    __m512 lo[MR] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};                                        \
+    __m512 hi[MR] = {b0_, b1_, b2_, b3_, b4_, b5_, b6_, b7_, b8_, b9_, b10_, b11_};                            \
+    store_tile(o, lo, hi);
+
+/* MR x NR tile over kcp depth pairs: vdpbf16ps */
+#define ROW(lo, hi, src)                                                                                       \
+    s = (__m512bh)_mm512_set1_epi32((int)(src));                                                               \
+    lo = _mm512_dpbf16_ps(lo, s, x0);                                                                          \
+    hi = _mm512_dpbf16_ps(hi, s, x1);
+
+AVX512BF16 static void ukr_bf16(int64_t kcp, const uint32_t *restrict ap, const uint32_t *restrict bp,
+                                const tile_out *o)
+{
+    UKR_ZERO()
+    for (int64_t k = 0; k < kcp; k++) {
+        __m512bh x0 = (__m512bh)_mm512_load_si512(bp), x1 = (__m512bh)_mm512_load_si512(bp + 16), s;
+        _mm_prefetch((const char *)(bp + 8 * NR), _MM_HINT_T0);
+        ROW(a0, b0_, ap[0]) ROW(a1, b1_, ap[1]) ROW(a2, b2_, ap[2]) ROW(a3, b3_, ap[3])
+        ROW(a4, b4_, ap[4]) ROW(a5, b5_, ap[5]) ROW(a6, b6_, ap[6]) ROW(a7, b7_, ap[7])
+        ROW(a8, b8_, ap[8]) ROW(a9, b9_, ap[9]) ROW(a10, b10_, ap[10]) ROW(a11, b11_, ap[11])
+        ap += MR;
+        bp += NR;
+    }
+    UKR_STORE(o)
+}
+#undef ROW
+
+/* The same tile without AVX512_BF16: each pair lane split into its two f32 values
+ * (exact), added as the instruction adds them. */
+#define ROW(lo, hi, src)                                                                                       \
+    s = _mm512_set1_epi32((int)(src));                                                                         \
+    se = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));                                                        \
+    so = _mm512_castsi512_ps(_mm512_and_si512(s, himask));                                                     \
+    lo = _mm512_fmadd_ps(se, x0e, _mm512_fmadd_ps(so, x0o, lo));                                               \
+    hi = _mm512_fmadd_ps(se, x1e, _mm512_fmadd_ps(so, x1o, hi));
+
+AVX512 static void ukr_bf16_emulated(int64_t kcp, const uint32_t *restrict ap, const uint32_t *restrict bp,
+                                     const tile_out *o)
+{
+    UKR_ZERO()
+    const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t k = 0; k < kcp; k++) {
+        __m512i x0 = _mm512_load_si512(bp), x1 = _mm512_load_si512(bp + 16), s;
+        __m512 x0e = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)), x0o = _mm512_castsi512_ps(_mm512_and_si512(x0, himask));
+        __m512 x1e = _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)), x1o = _mm512_castsi512_ps(_mm512_and_si512(x1, himask));
+        __m512 se, so;
+        ROW(a0, b0_, ap[0]) ROW(a1, b1_, ap[1]) ROW(a2, b2_, ap[2]) ROW(a3, b3_, ap[3])
+        ROW(a4, b4_, ap[4]) ROW(a5, b5_, ap[5]) ROW(a6, b6_, ap[6]) ROW(a7, b7_, ap[7])
+        ROW(a8, b8_, ap[8]) ROW(a9, b9_, ap[9]) ROW(a10, b10_, ap[10]) ROW(a11, b11_, ap[11])
+        ap += MR;
+        bp += NR;
+    }
+    UKR_STORE(o)
+}
+#undef ROW
+#undef UKR_ZERO
+#undef UKR_STORE
+
+/* run_block in bf16: B panels of at most NB_MAX columns and KCB depths rounded once per
+ * panel, each A sliver once per panel and column chunk. bpanel: the f32 packing scratch
+ * (KC x NB_MAX floats; NULL for prepacked B), filled KC depths at a time. */
+AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asliver, int64_t i0, int64_t i1,
+                                  int64_t j0, int64_t j1)
+{
+    (void)asliver;
+    uint32_t *bb = bf16_buffer();
+    float a_tmp[KC * MR] __attribute__((aligned(64)));
+    /* without the thread's buffer (no memory): one sliver of columns at a time, on the stack */
+    uint32_t small[KCBP * NR + KCBP * MR] __attribute__((aligned(64)));
+    int64_t chunk = bb ? NB_MAX : NR;
+    uint32_t *ab = bb ? bb + (size_t)KCBP * NB_MAX : small + KCBP * NR;
+    if (!bb) bb = small;
+    int64_t bsl = g->b_sliver ? g->b_sliver : g->K * NR;
+    int64_t npan = (g->K + KCB - 1) / KCB, step = ((g->K + npan - 1) / npan + 15) / 16 * 16;
+    if (step > KCB) step = KCB;
+    for (int64_t jc = j0; jc < j1; jc += chunk) {
+        int64_t jce = jc + chunk < j1 ? jc + chunk : j1, n = jce - jc;
+        for (int64_t k0 = 0; k0 < g->K; k0 += step) {
+            int64_t kc = g->K - k0 < step ? g->K - k0 : step, kcp = (kc + 1) / 2;
+            int last = k0 + kc == g->K;
+            if (g->b_packed) {
+                bf16_b_panel(bb, kcp * NR, (const float *)g->B + (jc / NR) * bsl + k0 * NR, bsl, n, kc);
+            } else if (!pack_b_bf16(bb, kcp * NR, g, jc, n, k0, kc)) {
+                for (int64_t c = 0; c < kc; c += KC) { /* KC is even: the halves meet on a pair */
+                    int64_t cn = kc - c < KC ? kc - c : KC;
+                    pack_b(bpanel, g, jc, n, k0 + c, cn);
+                    bf16_b_panel(bb + (c / 2) * NR, kcp * NR, bpanel, cn * NR, n, cn);
+                }
+            }
+            for (int64_t i = i0; i < i1; i += MR) {
+                int m = i1 - i < MR ? (int)(i1 - i) : MR;
+                const uint32_t *ap = ab;
+                /* a prepacked A rounded once by its owner is read in place */
+                if (g->a_bf16)
+                    ap = (const uint32_t *)g->A + (i / MR) * (g->a_sliver ? g->a_sliver : g->K * MR) + (k0 / 2) * MR;
+                else pack_a_bf16(ab, a_tmp, g, i, m, k0, kc);
+                for (int64_t js = 0; js < n; js += NR) {
+                    tile_out o = {g->C + i * g->ldc + jc + js, g->ldc, m, n - js < NR ? (int)(n - js) : NR,
+                                  g->alpha, g->beta, k0 > 0,
+                                  last && g->bias_row ? g->bias_row + i : NULL,
+                                  last && g->bias_col ? g->bias_col + jc + js : NULL};
+                    const uint32_t *bp = bb + (js / NR) * kcp * NR;
+                    if (g->bf16 == 1) ukr_bf16(kcp, ap, bp, &o);
+                    else ukr_bf16_emulated(kcp, ap, bp, &o);
+                }
+            }
+        }
+    }
+}
+
+/* Rounds n A slivers (sliver s at A + s*stride floats, [K][MR]) to bf16 pairs in place:
+ * pair row j of a sliver where f32 row j was. */
+AVX512 static void pairs_a(float *A, int64_t n, int64_t K, int64_t stride)
+{
+    for (int64_t s = 0; s < n; s++) bf16_rows((uint32_t *)(A + s * stride), MR, A + s * stride, MR, K, MR);
+}
+
 typedef struct {
     const gemm_args *g;
     int64_t mb, nb, n_nblk;     /* block sizes, number of column blocks */
@@ -699,13 +973,43 @@ static void choose_blocks(int64_t M, int64_t N, int64_t K, int threads, int64_t 
     }
 }
 
+/* A rounded to bf16 pair slivers once, for products whose column blocks would each
+ * round it again. */
+typedef struct { const gemm_args *g; uint32_t *dst; int64_t kp; } a_round_ctx;
+
+AVX512 static void a_round_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const a_round_ctx *c = vctx;
+    float tmp[KC * MR] __attribute__((aligned(64)));
+    for (int64_t sl = begin; sl < end; sl++) {
+        int64_t i0 = sl * MR;
+        int m = c->g->M - i0 < MR ? (int)(c->g->M - i0) : MR;
+        pack_a_bf16(c->dst + sl * c->kp * MR, tmp, c->g, i0, m, 0, c->g->K);
+    }
+}
+
 /* Runs g on the pool (serially when called from a pool worker); -1 when no scratch. */
 static int packed_gemm(const gemm_args *g, float *scratch, int threads)
 {
     task_ctx t;
-    t.g = g;
     choose_blocks(g->M, g->N, g->K, threads, &t.mb, &t.nb);
     t.n_nblk = (g->N + t.nb - 1) / t.nb;
+    gemm_args ga;
+    uint32_t *a_round = NULL;
+    if (g->bf16 && !g->a_packed && t.n_nblk > 1) {
+        int64_t kp = (g->K + 1) / 2, ns = (g->M + MR - 1) / MR;
+        a_round = kiln_cpu_scratch_get((size_t)(ns * kp * MR) * sizeof(uint32_t));
+        if (a_round) { /* else every block rounds its own slivers */
+            a_round_ctx rc = {g, a_round, kp};
+            kiln_parallel_for(ns, 1, a_round_fn, &rc);
+            ga = *g;
+            ga.A = a_round;
+            ga.a_packed = ga.a_bf16 = 1;
+            ga.a_sliver = kp * MR;
+            g = &ga;
+        }
+    }
+    t.g = g;
     t.per_thread = g->a_packed && g->b_packed ? 0 : per_thread_floats(t.nb);
     float *own = NULL;
     if (!scratch && t.per_thread) {
@@ -717,6 +1021,7 @@ static int packed_gemm(const gemm_args *g, float *scratch, int threads)
     int64_t n_tasks = ((g->M + t.mb - 1) / t.mb) * t.n_nblk;
     kiln_parallel_for(n_tasks, 1, task_fn, &t);
     kiln_cpu_scratch_put(own);
+    kiln_cpu_scratch_put(a_round);
     return 0;
 }
 
@@ -737,6 +1042,23 @@ static size_t per_thread_floats(int64_t nb) { return (size_t)nb; }
 #endif
 
 /* ---------- entry points ---------- */
+
+static atomic_int bf16_emulate; /* tests: the emulated bf16 kernel even where vdpbf16ps exists */
+
+void kiln_cpu_bf16_set_emulation(int on) { atomic_store(&bf16_emulate, on != 0); }
+
+/* How a product of M rows runs under the current precision: 0 f32, 1 bf16 on
+ * vdpbf16ps, 2 bf16 emulated. Only the packed AVX-512 kernel has a bf16 form: the
+ * OpenBLAS path (CPUs without AVX-512, and products under SMALL_MACS) stays f32, and so
+ * do products of at most 8 rows, bound by reading the weights (the 4 x 96 tile), which
+ * rounding would not speed up. */
+static int bf16_mode(int64_t M)
+{
+    if (M <= 8 || !have_avx512() || kiln_precision_for(NULL) != KILN_PREC_BF16) return 0;
+    return kiln_cpu_has_bf16() && !atomic_load_explicit(&bf16_emulate, memory_order_relaxed) ? 1 : 2;
+}
+
+int kiln_cpu_bf16_active(void) { return bf16_mode(MR); }
 
 /* Handles the degenerate shapes BLAS leaves to the caller; returns 1 when done. */
 static int trivial(const gemm_args *g)
@@ -787,7 +1109,8 @@ int kiln_cpu_gemm_ex(int64_t M, int64_t N, int64_t K, const void *A, kiln_dtype 
                      pack_b_fn pack_b, void *pack_ctx, float *C, int64_t ldc, const float *bias_row)
 {
     gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = A, .lda = lda, .a_dt = a_dt, .b_dt = KILN_F32,
-                   .pack_b = pack_b, .pack_ctx = pack_ctx, .C = C, .ldc = ldc, .bias_row = bias_row};
+                   .pack_b = pack_b, .pack_ctx = pack_ctx, .C = C, .ldc = ldc, .bias_row = bias_row,
+                   .bf16 = bf16_mode(M)};
     if (!have_avx512()) return -1;
     if (trivial(&g)) return 0;
     return packed_gemm(&g, NULL, kiln_cpu_threads());
@@ -798,7 +1121,8 @@ void kiln_cpu_gemm_f32(int trans_a, int trans_b, int64_t M, int64_t N, int64_t K
                        float beta, float *C, int64_t ldc)
 {
     gemm_args g = {.trans_a = trans_a, .trans_b = trans_b, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
-                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc};
+                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc,
+                   .bf16 = bf16_mode(M)};
     gemm_dispatch(&g);
 }
 
@@ -836,7 +1160,8 @@ void kiln_cpu_gemm_batched_f32(int trans_a, int trans_b, int64_t batch, int64_t 
 {
     if (batch <= 0) return;
     gemm_args g = {.trans_a = trans_a, .trans_b = trans_b, .M = M, .N = N, .K = K, .alpha = alpha, .beta = beta,
-                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc};
+                   .A = A, .lda = lda, .a_dt = KILN_F32, .B = B, .ldb = ldb, .b_dt = KILN_F32, .C = C, .ldc = ldc,
+                   .bf16 = bf16_mode(M)};
     int threads = kiln_cpu_threads();
     double macs = (double)M * (double)N * (double)K;
     /* Many products (or several small ones): one whole product per task, each on one
@@ -889,12 +1214,23 @@ int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_
 #endif
 }
 
-int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c)
+void kiln_cpu_bf16_pairs_a(float *A, int64_t n, int64_t K, int64_t stride)
+{
+#ifdef GEMM_X86
+    if (have_avx512()) pairs_a(A, n, K, stride);
+#else
+    (void)A; (void)n; (void)K; (void)stride;
+#endif
+}
+
+int kiln_cpu_gemm_prepacked_ex(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                               const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c, int a_bf16)
 {
     if (!have_avx512()) return -1;
     gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
-                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1};
+                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1, .bf16 = a_bf16 ? bf16_mode(MR) : bf16_mode(M),
+                   .a_bf16 = a_bf16};
+    if (a_bf16 && !g.bf16) return -1;
     if (batch <= 0 || trivial(&g)) return 0;
     int threads = kiln_cpu_threads();
     if (threads > 1 && batch >= threads) {
@@ -910,6 +1246,12 @@ int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, cons
         packed_gemm(&gi, NULL, threads);
     }
     return 0;
+}
+
+int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
+                            const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c)
+{
+    return kiln_cpu_gemm_prepacked_ex(batch, M, N, K, Ap, stride_a, Bp, stride_b, C, ldc, stride_c, 0);
 }
 
 /* Low-bit weights (fp8, ggml's block types): rows of W are decoded to f32 a panel
@@ -941,7 +1283,7 @@ static kiln_status linear_lowbit(float *y, const float *x, const void *w, kiln_d
         kiln_parallel_for(rows, 8, decode_rows, &c);
         gemm_args g = {.trans_b = 1, .M = M, .N = rows, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
                        .B = panel, .ldb = K, .b_dt = KILN_F32, .C = y + n0, .ldc = N,
-                       .bias_col = bias ? bias + n0 : NULL};
+                       .bias_col = bias ? bias + n0 : NULL, .bf16 = bf16_mode(M)};
         gemm_dispatch(&g);
     }
     kiln_cpu_scratch_put(panel);
@@ -963,7 +1305,7 @@ kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype 
     if (lowbit) {
         /* the packed kernel decodes while packing B; elsewhere, decoded panels */
         gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
-                       .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias};
+                       .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias, .bf16 = bf16_mode(M)};
         if (K % kiln_dtype_block(w_dtype) == 0 && have_avx512() && (double)M * (double)N * (double)K >= SMALL_MACS &&
             packed_gemm(&g, NULL, kiln_cpu_threads()) == 0)
             return KILN_OK;
@@ -972,7 +1314,7 @@ kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype 
     /* f16/bf16 weights are converted while packing B, one KC x NB panel at a time (on
      * the BLAS path, 256 rows at a time); the bias is added as C is stored. */
     gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,
-                   .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias};
+                   .B = w, .ldb = K, .b_dt = w_dtype, .C = y, .ldc = N, .bias_col = bias, .bf16 = bf16_mode(M)};
     gemm_dispatch(&g);
     return KILN_OK;
 }

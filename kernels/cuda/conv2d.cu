@@ -1,6 +1,7 @@
 /* conv2d.cu - 2-D convolution through cuDNN (NCHW, groups, dilation; f32 compute).
- * x, w and out of one float dtype run natively (f16/bf16 on tensor cores); any
- * other mix runs in f32 on converted temporaries, as the CPU backend does. The
+ * Half activations (x and out f16 or bf16) run natively on tensor cores, the weight
+ * converted to their dtype when it differs (kiln_cuda_compute_dtype); f32
+ * activations run in f32 (half weights converted), as the CPU backend does. The
  * algorithm list is asked once per shape (cudnnGetConvolutionForwardAlgorithm_v7,
  * or cudnnFindConvolutionForwardAlgorithmEx with KILN_CUDA_CONV_BENCHMARK=1) and
  * cached per device. The workspace comes from the device's allocator and only when
@@ -203,7 +204,7 @@ extern "C" kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, 
     kiln_cuda_ctx *c = kiln_cuda_enter(name, &st, out, x, w, bias, NULL);
     if (!c) return st;
     if (kiln_tensor_numel(out) == 0) return KILN_OK;
-    kiln_dtype ct = (x->dtype == w->dtype && x->dtype == out->dtype && kiln_dtype_is_float(x->dtype)) ? x->dtype : KILN_F32;
+    kiln_dtype ct = kiln_cuda_compute_dtype(x, out);
     int64_t xe = kiln_tensor_numel(x), ye = kiln_tensor_numel(out), we = kiln_tensor_numel(w);
     const int64_t v[] = {x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0], w->shape[2], w->shape[3],
                          o->padding[0], o->padding[1], o->stride[0], o->stride[1], o->dilation[0], o->dilation[1], o->groups,

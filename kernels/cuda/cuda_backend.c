@@ -5,6 +5,7 @@
  * and the operation table. The ops themselves live in one .cu file each. */
 #define _GNU_SOURCE
 #include "cuda_backend.h"
+#include "../../runtime/precision.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -476,6 +477,17 @@ static void cuda_workspace_release(kiln_device *dev)
     pthread_mutex_unlock(&c->init_mu);
 }
 
+/* Half-precision activations: f16 on every card (tensor cores since sm_70); bf16 from
+ * sm_80 (cuBLAS and cuDNN have no bf16 tensor-core path below: activations stay f32
+ * there and bf16 weights are converted per op). */
+static kiln_dtype cuda_activation_dtype(kiln_device *dev, kiln_dtype dt)
+{
+    if (dev->index < 0 || dev->index >= n_ctxs) return KILN_F32;
+    if (dt == KILN_F16) return KILN_F16;
+    if (dt == KILN_BF16 && ctxs[dev->index].cc_major >= 8) return KILN_BF16;
+    return KILN_F32;
+}
+
 static void cuda_register_devices(void);
 static const char *cuda_unavailable_reason(void);
 
@@ -503,6 +515,7 @@ static const kiln_backend cuda_backend = {
     .to_host = cuda_to_host,
     .register_devices = cuda_register_devices,
     .unavailable_reason = cuda_unavailable_reason,
+    .activation_dtype = cuda_activation_dtype,
 };
 
 void kiln_cuda_backend_register(void) { kiln_backend_register(&cuda_backend); }
@@ -519,9 +532,11 @@ static void cuda_register_devices(void)
         return;
     }
     if (n > KILN_CUDA_MAX_DEVICES) n = KILN_CUDA_MAX_DEVICES;
+    int min_major = 1 << 30;
     for (int i = 0; i < n; i++) {
         struct cudaDeviceProp p;
         uint64_t total = 0;
+        memset(&p, 0, sizeof p);
         if (cudaGetDeviceProperties(&p, i) == cudaSuccess) total = p.totalGlobalMem;
         else (void)cudaGetLastError();
         kiln_cuda_ctx *c = &ctxs[n_ctxs];
@@ -533,12 +548,19 @@ static void cuda_register_devices(void)
         pthread_mutex_init(&c->conv_mu, NULL);
         char name[32];
         snprintf(name, sizeof name, "cuda:%d", i);
+        c->cc_major = p.major; /* known before the context starts: the precision's default needs it */
+        c->cc_minor = p.minor;
+        if (p.major < min_major) min_major = p.major;
         kiln_raw_memory raw = {cuda_raw_alloc, cuda_raw_free, c};
         c->dev = kiln_device_register(KILN_DEV_CUDA, i, name, raw, total, &cuda_backend);
         if (!c->dev) break;
         n_ctxs++;
     }
     snprintf(unavailable, sizeof unavailable, "%d CUDA device%s present", n_ctxs, n_ctxs == 1 ? "" : "s");
+    /* The networks' default precision on CUDA (one per device type, so the weakest card
+     * decides): bf16 from sm_80, where it runs at f16's speed with f32's range (SDXL's
+     * VAE overflows f16 into NaN); f16 below. kiln.precision overrides it. */
+    if (n_ctxs > 0) kiln_precision_set_default(KILN_DEV_CUDA, min_major >= 8 ? KILN_PREC_BF16 : KILN_PREC_F16);
 }
 
 static const char *cuda_unavailable_reason(void)

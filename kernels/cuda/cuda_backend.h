@@ -105,8 +105,8 @@ void kiln_cuda_scratch_free(kiln_cuda_ctx *c, void *p);
 /* ---- the operation table entries (backend.h semantics), one file each ---- */
 /* elementwise.cu */
 kiln_status kiln_cuda_copy(kiln_tensor *dst, const kiln_tensor *src);
-/* dequant.cu: n elements of a low-bit dtype (fp8, a ggml block type) at src to f32
- * or f16 at dst, both contiguous on c's device (launched on c's compute stream). */
+/* dequant.cu: n elements of a low-bit dtype (fp8, a ggml block type) at src to f32,
+ * f16 or bf16 at dst, both contiguous on c's device (launched on c's compute stream). */
 kiln_status kiln_cuda_dequantize(kiln_cuda_ctx *c, void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, int64_t n);
 kiln_status kiln_cuda_fill(kiln_tensor *t, double v);
 kiln_status kiln_cuda_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b, double s, int swap);

@@ -25,6 +25,17 @@ template <> __device__ __forceinline__ float kf_from<float>(float v) { return v;
 template <> __device__ __forceinline__ __half kf_from<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ kiln_bf16_t kf_from<kiln_bf16_t>(float v) { return __float2bfloat16_rn(v); }
 
+/* ---- the dtype a GEMM or convolution computes in ----
+ * Half activations (x f16 / bf16, out the same) keep theirs, whatever the weights'
+ * dtype (f32, the other half, fp8, a block type: converted to it per op), so a half
+ * network stays on tensor cores; anything else computes in f32. Accumulation is f32
+ * either way (CUBLAS_COMPUTE_32F, cuDNN's f32 convolution type). */
+static inline kiln_dtype kiln_cuda_compute_dtype(const kiln_tensor *x, const kiln_tensor *out)
+{
+    int half = x->dtype == KILN_F16 || x->dtype == KILN_BF16;
+    return half && out->dtype == x->dtype ? x->dtype : KILN_F32;
+}
+
 /* ---- untyped access by kiln_dtype (uniform branch per launch) ---- */
 __device__ __forceinline__ double kd_load(const char *p, int dt)
 {

@@ -1,5 +1,5 @@
-/* dequant.cu - low-bit weights on CUDA: fp8 and ggml's block types decoded to f32 or
- * f16, one thread an element, before a GEMM or convolution uses them (kiln_cuda_copy
+/* dequant.cu - low-bit weights on CUDA: fp8 and ggml's block types decoded to f32,
+ * f16 or bf16 (a GEMM in half activations), one thread an element, before a GEMM or convolution uses them (kiln_cuda_copy
  * sends every low-bit source here). Same values as runtime/quant.c: each product and
  * difference is rounded on its own (the _rn intrinsics keep nvcc from fusing them). */
 #include "cuda_dev.h"
@@ -80,6 +80,7 @@ __global__ void dequant_k(char *d, int ddt, const uint8_t *s, int sdt, int64_t n
     KILN_GRID_STRIDE(i, n) {
         float v = decode_elem(s, sdt, i);
         if (ddt == KILN_F16) ((__half *)d)[i] = __float2half_rn(v);
+        else if (ddt == KILN_BF16) ((kiln_bf16_t *)d)[i] = __float2bfloat16_rn(v);
         else ((float *)d)[i] = v;
     }
 }

@@ -67,15 +67,15 @@ extern "C" kiln_status kiln_cuda_copy(kiln_tensor *dst, const kiln_tensor *src)
     if (flat && dst->dtype == src->dtype)
         return kiln_cuda_check(c, op, "cudaMemcpyAsync",
                                cudaMemcpyAsync(d, s, kiln_tensor_nbytes(dst), cudaMemcpyDeviceToDevice, c->compute));
-    /* low-bit weights (fp8, block types) only decode here, into contiguous f32 / f16:
-     * what a GEMM or convolution asks for (kiln_cuda_as); quantizing is the host's */
+    /* low-bit weights (fp8, block types) only decode here, into contiguous f32 / f16 /
+     * bf16: what a GEMM or convolution asks for (kiln_cuda_as); quantizing is the host's */
     int low_s = src->dtype == KILN_F8_E4M3FN || src->dtype == KILN_F8_E5M2 || kiln_dtype_is_blocked(src->dtype);
     int low_d = dst->dtype == KILN_F8_E4M3FN || dst->dtype == KILN_F8_E5M2 || kiln_dtype_is_blocked(dst->dtype);
     if (low_s || low_d) {
         if (low_d || !kiln_tensor_is_contiguous(src) || !kiln_tensor_is_contiguous(dst) || !kiln_shape_equal(dst, src) ||
-            (dst->dtype != KILN_F32 && dst->dtype != KILN_F16))
+            (dst->dtype != KILN_F32 && dst->dtype != KILN_F16 && dst->dtype != KILN_BF16))
             return kiln_error(KILN_ERR_UNSUPPORTED, "%s: copy %s -> %s: on CUDA low-bit tensors only decode, contiguous, "
-                              "to f32 or f16 (convert on the cpu)", c->dev->name, kiln_dtype_name(src->dtype),
+                              "to f32, f16 or bf16 (convert on the cpu)", c->dev->name, kiln_dtype_name(src->dtype),
                               kiln_dtype_name(dst->dtype));
         kiln_status ds = kiln_cuda_dequantize(c, d, dst->dtype, s, src->dtype, n);
         return ds ? ds : kiln_cuda_done(c, op);

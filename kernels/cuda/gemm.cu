@@ -1,7 +1,9 @@
 /* gemm.cu - matmul and linear through cuBLAS (cublasGemmEx / GemmStridedBatchedEx,
  * CUBLAS_COMPUTE_32F: f32 accumulation; f16/bf16 operands run on tensor cores).
- * Operands in f16 or bf16 of one type stay in it; any other mix is computed in f32
- * (operands converted into budgeted temporaries), as the CPU backend does. f32 GEMMs
+ * matmul: operands in f16 or bf16 of one type stay in it; any other mix is computed
+ * in f32 (operands converted into budgeted temporaries), as the CPU backend does.
+ * linear: half activations keep their dtype and the weight is converted to it when
+ * it differs (kiln_cuda_compute_dtype); f32 activations compute in f32. f32 GEMMs
  * are plain FP32 unless KILN_CUDA_TF32=1. Row-major kiln matrices are handed to
  * column-major cuBLAS as their transposes: C^T = B^T A^T. Strided views (transposes,
  * broadcast batches) are used in place when cuBLAS can describe them. */
@@ -163,8 +165,7 @@ extern "C" kiln_status kiln_cuda_linear(kiln_tensor *out, const kiln_tensor *x, 
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0];
     int64_t M = N ? kiln_tensor_numel(out) / N : 0;
     if (M * N == 0) return KILN_OK;
-    kiln_dtype ct = (x->dtype == w->dtype && (x->dtype == KILN_F16 || x->dtype == KILN_BF16) && out->dtype == x->dtype)
-                        ? x->dtype : KILN_F32;
+    kiln_dtype ct = kiln_cuda_compute_dtype(x, out);
     kiln_tensor *tx = NULL, *tw = NULL, *to = NULL, *bv = NULL, *ov = NULL;
     const void *X = NULL, *W = NULL;
     void *Y = kiln_tensor_data(out);

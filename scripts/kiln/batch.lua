@@ -301,7 +301,8 @@ function Worker:generate(j)
   end
   if lat then lat:free() end
   local path = self.o.output .. "/" .. j.id .. ".png"
-  local ok, err = pcall(pipeline.save, img, path, o, ckpt)
+  -- no kiln.peak: a job's picture is the same bytes whichever worker runs it
+  local ok, err = pcall(pipeline.save, img, path, o, ckpt, { peak = false })
   img:free()
   if not ok then error(err, 0) end
   return path

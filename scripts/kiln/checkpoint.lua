@@ -1144,6 +1144,72 @@ end
 -- kiln.load_checkpoint is this function (bindings/l_kiln.c loads this module lazily)
 M.load = M.load_checkpoint
 
+-- ---------------------------------------------------------------- parts alone
+
+-- A VAE file alone (LDM or diffusers names) -> the VAE part. The scale factor belongs
+-- to the model whose latents it decodes, so the caller names it (opts.scale_factor,
+-- opts.shift_factor); else the file's kiln.scale_factor metadata, else SD's.
+function M.load_vae(path, opts)
+  opts = opts or {}
+  if type(path) ~= "string" or not file_exists(path) then fail(nil, tostring(path) .. ": no such file") end
+  local vsrc, sub = vae_override(path)
+  local ok, vcfg = pcall(vae.config, sub, {
+    scale_factor = opts.scale_factor or meta_num(vsrc.meta, "kiln.scale_factor") or DEFAULT_SCALE.sd1,
+    shift_factor = opts.shift_factor or meta_num(vsrc.meta, "kiln.shift_factor") or 0,
+  })
+  if not ok then fail(path, tostring(vcfg)) end
+  return build_vae(vsrc, vcfg)
+end
+
+-- Text-encoder files alone -> a checkpoint holding only `clip` (ckpt.clip:encode,
+-- ckpt:add_lora and embeddings work as on a whole one). The family: opts.family ("sd1",
+-- "sd2", "sdxl"), else a file's kiln.family metadata, else told by the encoders: one is
+-- SD 2.x when OpenCLIP-shaped or 1024 wide, else SD 1.x; two are SDXL (CLIP-L and bigG
+-- in either order). Also tokenizer, loras, embeddings as load_checkpoint's.
+function M.load_text_encoders(paths, opts)
+  if type(paths) == "string" then paths = { paths } end
+  opts = opts or {}
+  if type(paths) ~= "table" or #paths < 1 or #paths > 2 then
+    error("kiln.checkpoint.load_text_encoders: one or two text-encoder files", 2)
+  end
+  local encs, meta = {}, {}
+  for i, p in ipairs(paths) do
+    if type(p) ~= "string" or not file_exists(p) then fail(nil, tostring(p) .. ": no such file") end
+    local esrc, sub = clip_override(p, "text encoder")
+    local ok, cfg = pcall(clip.config, sub, { heads = meta_num(esrc.meta, "kiln.heads.clip"),
+      activation = esrc.meta["kiln.clip.activation"] })
+    if not ok then fail(p, tostring(cfg)) end
+    encs[i] = { src = esrc, cfg = cfg }
+    for k, v in pairs(esrc.meta) do if meta[k] == nil then meta[k] = v end end
+  end
+  local family = opts.family or meta["kiln.family"]
+  if not family then
+    if #encs == 2 then family = "sdxl"
+    else
+      local c = encs[1].cfg
+      family = (c.layout == "openclip" or c.width == 1024) and "sd2" or "sd1"
+    end
+  end
+  if (family == "sdxl") ~= (#encs == 2) then
+    fail(paths[1], fmt("%s needs %s text encoder(s), got %d", family, family == "sdxl" and "two" or "one", #encs))
+  end
+  if family == "sdxl" then
+    -- bigG is the wider one; at equal widths the OpenCLIP-shaped or projecting one
+    local function g_like(c) return (c.layout == "openclip" or c.projection ~= nil) and 1 or 0 end
+    local a, b = encs[1].cfg, encs[2].cfg
+    if a.width > b.width or (a.width == b.width and g_like(a) > g_like(b)) then encs[1], encs[2] = encs[2], encs[1] end
+    encs[1].cfg.role, encs[2].cfg.role = "l", "g"
+  else
+    encs[1].cfg.role = family == "sd2" and "h" or "l"
+  end
+  for _, e in ipairs(encs) do e.use = encoder_use(family, e.cfg.role, e.cfg, e.src.meta) end
+  local tok, tok_src = find_tokenizer(opts, beside_dirs(encs[1].src.path))
+  local ckpt = { family = family, path = paths[1], metadata = meta }
+  ckpt.clip = build_clip(encs, family, tok, kiln.tokenizer and "" or " (this build has no kiln.tokenizer binding)")
+  ckpt.clip.tokenizer_source = tok_src
+  return with_adapters(finish(ckpt), opts)
+end
+
 -- The loading steps other model kinds share (kiln.controlnet).
 M.internal = {
   validate = validate, open_store = open_store, as_model = as_model, names_of = names_of,

@@ -15,7 +15,7 @@ local COMMON = {
   device = "", mode = "", vram = "", quiet = false, tile = 0, overlap = 0,
   lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
   tileable = "",
-  preview = "", preview_every = 0, previewer = "latent2rgb", vae = "",
+  preview = "", preview_every = 0, previewer = "latent2rgb", vae = "", precision = "",
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -67,6 +67,7 @@ local function help_of(k)
     model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",
     device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
     vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
+    precision = "arithmetic of the networks: f32, bf16 or f16 (default: the device's; the CPU's is f32)",
     tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
     lora = "NAME[:W] or NAME:TE:UNET, a LoRA of the --loras folder (repeatable; also <lora:NAME:W> in the prompt)",
     loras = "folder of LoRA files (found by name)", embeddings = "folder of embeddings (embedding:NAME in a prompt)",
@@ -168,6 +169,12 @@ local function apply_runtime(o)
     local what = ({ device = "--device " .. o.device, mode = "--mode " .. o.mode, budget = "--vram " .. o.vram })[field]
       or cfg.device and ("--device " .. cfg.device) or cfg.mode and ("--mode " .. cfg.mode) or "--vram " .. o.vram
     util.usage_error(("%s: %s"):format(what, msg))
+  end
+  if o.precision ~= "" then
+    local pok, perr = pcall(kiln.precision, o.precision)
+    if not pok then
+      util.usage_error(("--precision %s: %s"):format(o.precision, tostring(perr):match("%((.*)%)") or tostring(perr)))
+    end
   end
 end
 

@@ -315,6 +315,20 @@ function Encoder:forward(ids, opts)
     x:free()
     x = xd
   end
+  -- the layers run in the device's activation dtype (f16 / bf16 on a GPU under a half
+  -- precision: kiln.activation_dtype); what is returned is f32 again
+  local act = kiln.activation_dtype(dev)
+  if x.dtype ~= act then
+    local xa = x:to(act)
+    x:free()
+    x = xa
+  end
+  local function f32(t)
+    if not t or t.dtype == "f32" then return t end
+    local r = t:to("f32")
+    t:free()
+    return r
+  end
   local hidden
   for i = 0, last - 1 do
     if i == layer then hidden = x end
@@ -323,8 +337,9 @@ function Encoder:forward(ids, opts)
     x = nx
   end
   if layer == last then hidden = x end
-  if not (final_norm or want_pooled) then return hidden end
-  return pass:run("final", self._finish, self, hidden, x, final_norm, want_pooled and batch)
+  if not (final_norm or want_pooled) then return f32(hidden) end
+  local out, pooled = pass:run("final", self._finish, self, hidden, x, final_norm, want_pooled and batch)
+  return f32(out), f32(pooled)
 end
 
 -- The final norm of the chosen hidden state and (pooled_batch given) the pooled vector

@@ -107,16 +107,27 @@ local function node_name(id, n) return fmt("node %s (%s)", id, n and n.class_typ
 
 local LITERAL = { INT = true, FLOAT = true, STRING = true, BOOLEAN = true }
 
--- where a model file of `folder` named `name` is: models/folder/name (or found by
--- name below it); input/ for LoadImage (opts.input overrides it)
-local function find_model(opts, folder, name, where)
+-- where a model file of `folders` (ComfyUI's folder names, "|" between a current and a
+-- legacy one: "diffusion_models|unet") named `name` is: models/folder/name (or found by
+-- name below it); input/ for LoadImage (opts.input overrides it). A name the nodes
+-- alias (VAELoader's "taesd") is looked for as the file it stands for.
+local function find_model(opts, folders, name, where)
   if type(name) ~= "string" or name == "" then fail(fmt("%s: needs a file name", where)) end
-  local dir = folder == "input" and opts.input or join(opts.models or "models", folder)
-  local p = join(dir, name)
-  if mode_of(p) == "file" then return p end
-  local found = mode_of(dir) == "directory" and util.find_file(dir, name)
-  if found then return found end
-  fail(fmt("%s: model '%s' not found in %s/", where, name, dir))
+  local looked = {}
+  for folder in folders:gmatch("[^|]+") do
+    local cands = { name }
+    local afolder, anames = nodes.file_alias(folder, name)
+    if afolder then folder, cands = afolder, anames end
+    local dir = folder == "input" and opts.input or join(opts.models or "models", folder)
+    for _, n in ipairs(cands) do
+      local p = join(dir, n)
+      if mode_of(p) == "file" then return p end
+      local found = mode_of(dir) == "directory" and util.find_file(dir, n)
+      if found then return found end
+    end
+    looked[#looked + 1] = dir .. "/"
+  end
+  fail(fmt("%s: model '%s' not found in %s", where, name, table.concat(looked, " or ")))
 end
 
 -- The graph checked: every node known, every link to an existing node's output of the
@@ -168,7 +179,10 @@ local function check(g, opts)
         n.args[name] = { link = src.id, index = idx }
       else
         if v == nil then v = default end
-        if v == nil then fail(fmt("%s: input '%s' (%s) is missing", where, name, ty)) end
+        if v == nil then
+          local what = ty:match("^FILE:") and ("a file name in " .. ty:sub(6):gsub("|", "/ or ") .. "/") or ty
+          fail(fmt("%s: input '%s' (%s) is missing", where, name, what))
+        end
         if v == false and not LITERAL[ty] and not ty:match("^FILE:") then
           v = nil                               -- an optional link left out
         elseif ty == "INT" then
@@ -178,6 +192,14 @@ local function check(g, opts)
           if type(v) ~= "number" then fail(fmt("%s: input '%s' must be a number, got %s", where, name, type(v))) end
         elseif ty == "STRING" then
           if type(v) ~= "string" then fail(fmt("%s: input '%s' must be a string, got %s", where, name, type(v))) end
+          local choices = inp[4]     -- a list: the names the node takes (ComfyUI's combo box)
+          if choices then
+            local ok = false
+            for _, c in ipairs(choices) do ok = ok or c == v end
+            if not ok then
+              fail(fmt("%s: input '%s' is '%s', not one of %s", where, name, v, table.concat(choices, ", ")))
+            end
+          end
         elseif ty == "BOOLEAN" then
           if type(v) ~= "boolean" then fail(fmt("%s: input '%s' must be true or false, got %s", where, name, tostring(v))) end
         elseif ty:match("^FILE:") then
@@ -300,9 +322,11 @@ end
 
 function Ctx:log(s) if not self.quiet then io.stderr:write(s, "\n") end end
 
---- Loads a model to the run's device for the node running now.
-function Ctx:use(part)
-  part:load(self.device)
+--- Loads a model to the run's device (or opts.device) for the node running now;
+-- opts.dtype: the dtype its weights take there (UNETLoader's weight_dtype).
+function Ctx:use(part, opts)
+  opts = opts or {}
+  part:load(opts.device or self.device, opts.dtype and { dtype = opts.dtype } or nil)
   self.used[part] = true
 end
 
@@ -312,16 +336,66 @@ function Ctx:note_use(part) self.used[part] = true end
 function Ctx:checkpoint(path)
   local c = self.ckpts[path]
   if c then return c end
+  c = kiln.load_checkpoint(path, self:adapter_dirs())
+  self:opened(path, c)
+  return c
+end
+
+-- the adapter folders of the models folder, as load_checkpoint's options
+function Ctx:adapter_dirs()
   local o = {}
   local lo, em = join(self.models, "loras"), join(self.models, "embeddings")
   if mode_of(lo) == "directory" then o.loras = lo end
   if mode_of(em) == "directory" then o.embeddings = em end
-  c = kiln.load_checkpoint(path, o)
-  self.ckpts[path] = c
+  return o
+end
+
+-- a checkpoint (or parts of one) opened for key: cached, closed at the end, its parts named
+function Ctx:opened(key, c)
+  self.ckpts[key] = c
   self.closers[#self.closers + 1] = c
-  local stem = path:match("([^/]+)$")
-  self.names[c.unet], self.names[c.clip], self.names[c.vae] = stem .. " unet", stem .. " clip", stem .. " vae"
+  local stem = key:match("([^/]+)$")
+  for _, k in ipairs({ "unet", "clip", "vae" }) do
+    local p = rawget(c, k)
+    if p then self.names[p] = stem .. " " .. k end
+  end
+end
+
+--- Text encoders alone (CLIPLoader, DualCLIPLoader): a checkpoint holding only `clip`,
+-- opened once per list of files and family.
+function Ctx:text_encoders(paths, family)
+  local key = table.concat(paths, "+") .. "#" .. (family or "")
+  local c = self.ckpts[key]
+  if c then return c end
+  local o = self:adapter_dirs()
+  o.family = family
+  c = require("kiln.checkpoint").load_text_encoders(paths, o)
+  self:opened(key, c)
   return c
+end
+
+--- The scale factor of the graph's latents, for a VAE loaded alone (in kiln the VAE
+-- scales, in ComfyUI the model's latent format): the first model loader's (by node id),
+-- else the VAE file's own or SD's.
+function Ctx:latent_scale()
+  if self.scale ~= nil then return self.scale or nil end
+  self.scale = false
+  local ids = {}
+  for id, n in pairs(self.graph or {}) do
+    if nodes.MODEL_LOADERS[n.class_type] then ids[#ids + 1] = id end
+  end
+  table.sort(ids, function(a, b) return (tonumber(a) or math.huge) < (tonumber(b) or math.huge) or
+    ((tonumber(a) or math.huge) == (tonumber(b) or math.huge) and a < b) end)
+  for _, id in ipairs(ids) do
+    local n = self.graph[id]
+    local path = n.args[nodes.MODEL_LOADERS[n.class_type]].value
+    local ok, c = pcall(self.checkpoint, self, path)
+    if ok and c.scale_factor then
+      self.scale = c.scale_factor
+      break
+    end
+  end
+  return self.scale or nil
 end
 
 --- A model the run closes at its end.
@@ -443,7 +517,7 @@ local function estimate(graph, order, last, opts)
         weights_of[id] = (weights_of[id] or 0) + (lfs.attributes(arg(n, inp[1]), "size") or 0)
       end
     end
-    if weights_of[id] and (c == "CheckpointLoaderSimple" or c == "ControlNetLoader") then
+    if weights_of[id] and (nodes.MODEL_LOADERS[c] or c == "ControlNetLoader") then
       local planner = require "kiln.planner"
       local function size(part)
         local total, window = planner.part_bytes(part)
@@ -454,8 +528,9 @@ local function estimate(graph, order, last, opts)
           local cn <close> = kiln.load_controlnet(arg(n, "control_net_name"))
           return size(cn)
         end
-        local ck <close> = kiln.load_checkpoint(arg(n, "ckpt_name"))
-        return { model = size(ck.unet), clip = size(ck.clip), vae = size(ck.vae) }
+        local ck <close> = kiln.load_checkpoint(arg(n, nodes.MODEL_LOADERS[c]))
+        local function part(k) local p = rawget(ck, k) return p and size(p) or 0 end
+        return { model = part("unet"), clip = part("clip"), vae = part("vae") }
       end)
       if ok then weights_of[id] = r end
     end
@@ -530,6 +605,8 @@ local function collect(ctx, graph, values, n)
   return a
 end
 
+local predict
+
 --- Plans a workflow: reads and checks it, and returns the plan {graph, order, rows
 -- (each node's estimate), text} without running anything.
 function M.plan(src, opts)
@@ -550,8 +627,14 @@ function M.format_plan(plan, opts)
   local st = kiln.mem.stats(dev)
   local lines = { fmt("schedule: %d nodes on %s, mode %s%s", #plan.order, dev, kiln.memory_mode(),
     st.budget and st.budget > 0 and (", budget " .. human(st.budget)) or "") }
-  lines[#lines + 1] = "  (est. peak: the weights a node needs on the device + the results alive then; " ..
-    "activations inside the networks not counted)"
+  if plan.meta then
+    lines[#lines + 1] = fmt("  (peak: predicted by a dry run on the meta device modelling %s: the whole run %s%s; " ..
+      "est.: the weights a node needs + the results alive then)", plan.meta.device, human(plan.meta.peak),
+      plan.meta.fits and "" or (", does not fit: " .. tostring(plan.meta.oom)))
+  else
+    lines[#lines + 1] = "  (est. peak: the weights a node needs on the device + the results alive then; " ..
+      "activations inside the networks not counted" .. (plan.meta_error and ("; no dry run: " .. plan.meta_error) or "") .. ")"
+  end
   local frees = {}
   for k, pos in pairs(plan.last) do
     frees[pos] = frees[pos] or {}
@@ -560,23 +643,64 @@ function M.format_plan(plan, opts)
   for pos, r in ipairs(plan.rows) do
     local f = frees[pos] or {}
     table.sort(f)
-    lines[#lines + 1] = fmt("%3d. node %-4s %-26s est. peak %10s (weights %s, results %s)%s", pos, r.id,
-      r.class_type, human(r.peak), human(r.weights), human(r.results),
+    local predicted = r.predicted and fmt("peak %10s, ", human(r.predicted)) or ""
+    lines[#lines + 1] = fmt("%3d. node %-4s %-26s %sest. peak %10s (weights %s, results %s)%s", pos, r.id,
+      r.class_type, predicted, human(r.peak), human(r.weights), human(r.results),
       #f > 0 and ("; frees " .. table.concat(f, " ")) or "")
   end
   return table.concat(lines, "\n")
 end
 
+-- kiln.dry_run where this build has it (it loads on first use)
+local function dry_run_fn()
+  local ok, f = pcall(function() return kiln.dry_run end)
+  return ok and type(f) == "function" and f or nil
+end
+
+-- The dry run's prediction: the graph run on the shape-only device `meta` modelling the
+-- run's device, budget and mode (SaveImage writes nothing there), every node's peak taken
+-- from its trace span ("<id> <class_type>"). Sets plan.predicted (id -> bytes) and
+-- plan.meta (the dry run's report), or plan.meta_error (why the estimate stands alone).
+predict = function(src, plan, opts)
+  local dry = dry_run_fn()
+  if not dry or opts.estimate_only then
+    plan.meta_error = not dry and "this build has no kiln.dry_run" or nil
+    return
+  end
+  local dev = opts.device or kiln.default_device()
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.dry_run, o.quiet, o._on_meta, o.device = nil, true, true, dev
+  local ok, rep = pcall(dry, function() M.run(src, o) end, { device = dev })
+  if not ok then
+    plan.meta_error = tostring(rep)
+    return
+  end
+  plan.meta, plan.predicted = rep, {}
+  for _, s in ipairs(rep.stages) do
+    for pos, id in ipairs(plan.order) do
+      local label = fmt("%s %s", id, plan.graph[id].class_type)
+      if s.name == label or s.name:sub(-#label - 3) == " > " .. label then
+        plan.predicted[id] = math.max(plan.predicted[id] or 0, s.peak)
+        plan.rows[pos].predicted = plan.predicted[id]
+      end
+    end
+  end
+end
+
 --- Runs a workflow. src: a .json / .png path, JSON text or a table. opts: models (the
--- ComfyUI models folder: checkpoints/, loras/, controlnet/, upscale_models/,
--- embeddings/, vae/, vae_approx/, input/), output (where SaveImage writes; "output"),
+-- ComfyUI models folder: checkpoints/, diffusion_models/, text_encoders/, loras/,
+-- controlnet/, upscale_models/, embeddings/, vae/, vae_approx/, input/), output (where
+-- SaveImage writes; "output"),
 -- input (LoadImage's folder; models/input), device, keep_all (free nothing until the
--- end), quiet, dry_run (only the plan). Returns the list of files written and a report
+-- end), quiet, dry_run (only the plan, with each node's peak predicted on the meta
+-- device; estimate_only: the estimate alone). Returns the list of files written and a report
 -- {nodes = {{id, class_type, peak, seconds}...}, peak, previews}.
 function M.run(src, opts)
   opts = opts or {}
   local plan = M.plan(src, opts)
   if opts.dry_run then
+    predict(src, plan, opts)
     return {}, { plan = plan, text = M.format_plan(plan, opts) }
   end
   local dev = opts.device or kiln.default_device()
@@ -584,8 +708,9 @@ function M.run(src, opts)
     device = dev, models = opts.models or "models", output = opts.output or "output",
     quiet = opts.quiet, prompt_text = plan.text, files = {}, previews = {},
     tcount = {}, rcount = {}, names = {}, ckpts = {}, closers = {}, counters = {}, used = {},
+    graph = plan.graph, dry = opts._on_meta,
   }, Ctx)
-  if mode_of(ctx.output) == nil then lfs.mkdir(ctx.output) end
+  if not ctx.dry and mode_of(ctx.output) == nil then lfs.mkdir(ctx.output) end
   local graph, order, last = plan.graph, plan.order, plan.last
   local values = {}
   local report = { nodes = {}, peak = 0 }
@@ -600,7 +725,7 @@ function M.run(src, opts)
       local args = collect(ctx, graph, values, n)
       kiln.mem.reset_peak(dev)
       local t0 = kiln.time()
-      local outs = kiln.trace.span(fmt("comfy %s %s", id, n.class_type), n.spec.run, ctx, args)
+      local outs = kiln.trace.span(fmt("%s %s", id, n.class_type), n.spec.run, ctx, args)
       values[id] = outs
       -- results nobody reads die at once; inputs whose last reader this was die now
       for i = 1, #n.spec.outputs do
@@ -640,7 +765,7 @@ end
 -- ------------------------------------------------------------------ command line
 
 local USAGE = "usage: kiln comfy FILE.json|FILE.png --models DIR [--output DIR] [--input DIR] [--dry-run] "
-  .. "[--keep-all] [--device D] [--mode M] [--vram SIZE] [--quiet]"
+  .. "[--keep-all] [--device D] [--mode M] [--vram SIZE] [--memory-plot FILE.png] [--quiet]"
 
 --- `kiln comfy FILE --models DIR --output DIR [--dry-run]`: the arguments as the CLI gives
 -- them (or one list of them).
@@ -659,14 +784,25 @@ function M.main(...)
   end
   if not file then util.usage_error(USAGE) end
   local o = util.parse_args(rest, { models = "models", output = "output", input = "", dry_run = false,
-    keep_all = false, device = "", mode = "", vram = "", quiet = false })
+    keep_all = false, device = "", mode = "", vram = "", quiet = false, memory_plot = "" })
   local cfg = { device = o.device ~= "" and o.device or nil, mode = o.mode ~= "" and o.mode or nil,
     budget = o.vram ~= "" and o.vram or nil, quiet = o.quiet or nil }
   local okc, e = pcall(kiln.configure, cfg)
   if not okc then util.usage_error(type(e) == "table" and (e.message or tostring(e)) or tostring(e)) end
   if mode_of(o.models) ~= "directory" then util.usage_error(("--models %s: no such folder"):format(o.models)) end
+  local plot = o.memory_plot ~= "" and o.memory_plot or nil
+  if plot and not (kiln.mem and type(kiln.mem.plot) == "function") then
+    util.usage_error("--memory-plot " .. plot .. ": kiln.mem.plot is not available in this build")
+  end
   local ok, files, report = pcall(M.run, file, { models = o.models, output = o.output, input = o.input ~= "" and o.input or nil,
     dry_run = o.dry_run, keep_all = o.keep_all, quiet = o.quiet })
+  -- the device's bytes over the run, each node a stage (its trace span "<id> <class_type>");
+  -- drawn for a failed run too, to show where it failed
+  if plot then
+    local okp, table_text = pcall(kiln.mem.plot, plot)
+    if not okp then io.stderr:write(("kiln comfy: --memory-plot %s: %s\n"):format(plot, tostring(table_text)))
+    elseif type(table_text) == "string" and not o.quiet then io.stderr:write(table_text) end
+  end
   if not ok then
     local msg = tostring(files)
     if msg:match("^kiln%.comfy: ") then util.usage_error((msg:gsub("^kiln%.comfy: ", "comfy: "))) end

@@ -10,6 +10,7 @@ local pipeline = require "kiln.pipeline"
 local inpaint = require "kiln.inpaint"
 local image = require "kiln.image"
 local sample = require "kiln.sample"
+local lfs = require "lfs"
 
 local N = {}
 local fmt = string.format
@@ -26,25 +27,25 @@ end
 -- round(x) for x in [0, 1] as torch.round (half to even: 0.5 -> 0)
 local function round01(t) return inpaint.grow_mask(t, 0) end
 
--- LatentUpscale / ImageScale's methods that kiln's interpolation has
-local SCALE_METHODS = { ["nearest-exact"] = "nearest-exact", bilinear = "bilinear" }
-local ALL_METHODS = { "nearest-exact", "bilinear", "area", "bicubic", "bislerp", "lanczos" }
+-- The upscale_method names each kind of node takes, as ComfyUI lists them: latents
+-- have bislerp, pictures lanczos (Pillow's, on 8 bits); kiln.image.resize computes all
+local LATENT_METHODS = { "nearest-exact", "bilinear", "area", "bicubic", "bislerp" }
+local IMAGE_METHODS = { "nearest-exact", "bilinear", "area", "bicubic", "lanczos" }
 
-local function scale_mode(ctx, m)
-  local mode = SCALE_METHODS[m]
-  if not mode then
-    fail(ctx, fmt("upscale_method '%s' is not supported yet (supported: nearest-exact, bilinear)", tostring(m)))
-  end
-  return mode
+local function scale_mode(ctx, m, list)
+  for _, x in ipairs(list) do if x == m then return m end end
+  fail(ctx, fmt("upscale_method '%s' is not one of %s", tostring(m), table.concat(list, ", ")))
 end
 
 -- common_upscale of ComfyUI (kiln.image.resize) for latents and images alike
-local function resize(ctx, t, w, h, method, crop)
-  return image.resize(t, w, h, { mode = scale_mode(ctx, method), crop = crop or "disabled" })
+local function resize(ctx, t, w, h, method, crop, list)
+  return image.resize(t, w, h, { mode = scale_mode(ctx, method, list), crop = crop or "disabled" })
 end
 
 -- ComfyUI rounds a scaled size to the nearest whole number (Python's round)
 local pyround = require("kiln.util").round_half_even
+
+local add_lora -- (below, with the conditioning)
 
 -- the model behind a value, loaded to the run's device for this node
 local function use(ctx, part) ctx:use(part) return part end
@@ -99,7 +100,8 @@ N.CLIPSetLastLayer = {
   run = function(ctx, a)
     local n = a.stop_at_clip_layer
     if n >= 0 then fail(ctx, fmt("stop_at_clip_layer %d: must be -1 (the last layer) or below", n)) end
-    local fields = { ckpt = a.clip.ckpt, part = a.clip.part, loras = a.clip.loras, clip_skip = -n }
+    local fields = { ckpt = a.clip.ckpt, part = a.clip.part, loras = a.clip.loras, clip_skip = -n,
+      device = a.clip.device }
     return { ctx:value("CLIP", fields, nil, a.clip.res) }
   end,
 }
@@ -112,6 +114,112 @@ N.ControlNetLoader = {
     return { ctx:value("CONTROL_NET", { net = net }, nil, { net }) }
   end,
 }
+
+-- UNETLoader's weight_dtype: the dtype the weights take on the device ("_fast" is
+-- ComfyUI's fp8 matrix multiply; kiln computes in its precision either way)
+local WEIGHT_DTYPES = { default = false, fp8_e4m3fn = "f8_e4m3fn", fp8_e4m3fn_fast = "f8_e4m3fn",
+  fp8_e5m2 = "f8_e5m2" }
+
+local function one_of(ctx, what, v, t)
+  if t[v] == nil then
+    local names = {}
+    for k in pairs(t) do names[#names + 1] = k end
+    table.sort(names)
+    fail(ctx, fmt("%s '%s' is not supported (supported: %s)", what, tostring(v), table.concat(names, ", ")))
+  end
+  return t[v]
+end
+
+-- a UNet alone (safetensors in any dtype kiln reads, fp8, or GGUF): kiln.load_checkpoint
+-- of the file gives a checkpoint whose only part is the UNet (the family, prediction and
+-- scale factor from its shapes and metadata)
+local function unet_value(ctx, path, dtype)
+  local ckpt = ctx:checkpoint(path)
+  local unet = rawget(ckpt, "unet")
+  if not unet then fail(ctx, path .. ": no UNet in this file") end
+  return ctx:value("MODEL", { ckpt = ckpt, part = unet, loras = {}, dtype = dtype or nil }, nil, { unet })
+end
+
+N.UNETLoader = {
+  inputs = { { "unet_name", "FILE:diffusion_models|unet" }, { "weight_dtype", "STRING", "default", { "default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2" } } },
+  outputs = { "MODEL" },
+  run = function(ctx, a)
+    return { unet_value(ctx, a.unet_name, one_of(ctx, "weight_dtype", a.weight_dtype, WEIGHT_DTYPES)) }
+  end,
+}
+
+-- ComfyUI-GGUF's loader (its files sit in unet/ or diffusion_models/)
+N.UnetLoaderGGUF = {
+  inputs = { { "unet_name", "FILE:unet|diffusion_models" } },
+  outputs = { "MODEL" },
+  run = function(ctx, a) return { unet_value(ctx, a.unet_name) } end,
+}
+
+-- CLIPLoader's and DualCLIPLoader's types kiln has models for: the family (nil: told
+-- by the encoder, SD 1.x or 2.x, as ComfyUI's stable_diffusion type does)
+local CLIP_TYPES = { stable_diffusion = false }
+local DUAL_CLIP_TYPES = { sdxl = "sdxl" }
+local CLIP_DEVICES = { default = false, cpu = "cpu" }
+
+local function clip_value(ctx, paths, family, device)
+  local ckpt = ctx:text_encoders(paths, family or nil)
+  return ctx:value("CLIP", { ckpt = ckpt, part = ckpt.clip, loras = {}, device = device or nil }, nil, { ckpt.clip })
+end
+
+N.CLIPLoader = {
+  inputs = { { "clip_name", "FILE:text_encoders|clip" }, { "type", "STRING", "stable_diffusion", { "stable_diffusion" } },
+    { "device", "STRING", "default", { "default", "cpu" } } },
+  outputs = { "CLIP" },
+  run = function(ctx, a)
+    local fam = one_of(ctx, "type", a.type, CLIP_TYPES)
+    return { clip_value(ctx, { a.clip_name }, fam, one_of(ctx, "device", a.device, CLIP_DEVICES)) }
+  end,
+}
+
+N.DualCLIPLoader = {
+  inputs = { { "clip_name1", "FILE:text_encoders|clip" }, { "clip_name2", "FILE:text_encoders|clip" },
+    { "type", "STRING", "sdxl", { "sdxl" } }, { "device", "STRING", "default", { "default", "cpu" } } },
+  outputs = { "CLIP" },
+  run = function(ctx, a)
+    local fam = one_of(ctx, "type", a.type, DUAL_CLIP_TYPES)
+    return { clip_value(ctx, { a.clip_name1, a.clip_name2 }, fam, one_of(ctx, "device", a.device, CLIP_DEVICES)) }
+  end,
+}
+
+-- VAELoader's names for the TAESDs in vae_approx/ (ComfyUI lists one when its decoder
+-- and encoder are there); the 16-channel ones (taesd3, taef1) have no kiln model to go with
+local TAESD_NAMES = { taesd = true, taesdxl = true }
+
+--- The file a loader's name stands for: (folder, candidate file names) or nil.
+function N.file_alias(folder, name)
+  if folder == "vae" and TAESD_NAMES[name] then
+    return "vae_approx", { name .. "_decoder.safetensors", name .. "_decoder.sft" }
+  end
+end
+
+N.VAELoader = {
+  inputs = { { "vae_name", "FILE:vae" } },
+  outputs = { "VAE" },
+  run = function(ctx, a)
+    local path = a.vae_name
+    local taesd = require "kiln.taesd"
+    local vae
+    if taesd.is_file(path) then
+      -- a TAESD works on the model's scaled latents as kiln's VAE does: no factor to set
+      local enc = path:gsub("_decoder(%.[^/]*)$", "_encoder%1")
+      vae = kiln.load_taesd({ decoder = path, encoder = enc ~= path and lfs.attributes(enc, "mode") == "file" and enc or nil })
+    else
+      vae = require("kiln.checkpoint").load_vae(path, { scale_factor = ctx:latent_scale() })
+    end
+    ctx:own_model(vae)
+    ctx.names[vae] = path:match("([^/]+)$")
+    return { ctx:value("VAE", { part = vae }, nil, { vae }) }
+  end,
+}
+
+-- The loaders whose file is a UNet, with the input naming it (the graph's latent scale
+-- factor is theirs: kiln.comfy's latent_scale).
+N.MODEL_LOADERS = { CheckpointLoaderSimple = "ckpt_name", UNETLoader = "unet_name", UnetLoaderGGUF = "unet_name" }
 
 N.UpscaleModelLoader = {
   inputs = { { "model_name", "FILE:upscale_models" } },
@@ -150,12 +258,25 @@ local function copy_entry(e)
   return r
 end
 
+-- A LoRA on a checkpoint for one use (a handle to remove after). A part loaded alone
+-- (UNETLoader, CLIPLoader) has nothing for the other part's keys: a LoRA of only those
+-- changes nothing there, as in ComfyUI, instead of failing for matching no weight.
+local NO_HANDLE = { remove = function() end }
+add_lora = function(ckpt, path, o)
+  local alone = not (rawget(ckpt, "unet") and rawget(ckpt, "clip"))
+  if not alone then return ckpt:add_lora(path, o) end
+  local ok, h = pcall(ckpt.add_lora, ckpt, path, o)
+  if ok then return h end
+  if tostring(h):match("none of its %d+ keys matches a weight") then return NO_HANDLE end
+  error(h, 0)
+end
+
 -- the text encoder of a CLIP value with its LoRAs on, for fn(clip)
 local function with_clip(ctx, clip, fn)
   local ckpt = clip.ckpt
   local hs = {}
-  for _, l in ipairs(clip.loras) do hs[#hs + 1] = ckpt:add_lora(l.path, { unet = 0, clip = l.strength }) end
-  use(ctx, clip.part)
+  for _, l in ipairs(clip.loras) do hs[#hs + 1] = add_lora(ckpt, l.path, { unet = 0, clip = l.strength }) end
+  ctx:use(clip.part, { device = clip.device })
   local ok, a, b = pcall(fn, clip.part)
   for i = #hs, 1, -1 do hs[i]:remove() end
   if not ok then error(a, 0) end
@@ -291,14 +412,14 @@ N.EmptyLatentImage = {
 }
 
 local function scaled_latent(ctx, l, w, h, method, crop)
-  local s = resize(ctx, l.samples, w, h, method, crop)
+  local s = resize(ctx, l.samples, w, h, method, crop, LATENT_METHODS)
   local v = latent_value(ctx, s, l.noise_mask)
   return v
 end
 
 N.LatentUpscale = {
-  inputs = { { "samples", "LATENT" }, { "upscale_method", "STRING", "nearest-exact" }, { "width", "INT", 512 },
-    { "height", "INT", 512 }, { "crop", "STRING", "disabled" } },
+  inputs = { { "samples", "LATENT" }, { "upscale_method", "STRING", "nearest-exact", LATENT_METHODS }, { "width", "INT", 512 },
+    { "height", "INT", 512 }, { "crop", "STRING", "disabled", { "disabled", "center" } } },
   outputs = { "LATENT" },
   run = function(ctx, a)
     local s = a.samples.samples
@@ -312,7 +433,7 @@ N.LatentUpscale = {
 }
 
 N.LatentUpscaleBy = {
-  inputs = { { "samples", "LATENT" }, { "upscale_method", "STRING", "nearest-exact" }, { "scale_by", "FLOAT", 1.5 } },
+  inputs = { { "samples", "LATENT" }, { "upscale_method", "STRING", "nearest-exact", LATENT_METHODS }, { "scale_by", "FLOAT", 1.5 } },
   outputs = { "LATENT" },
   run = function(ctx, a)
     local s = a.samples.samples
@@ -515,16 +636,18 @@ local function ksample(ctx, a, adv)
     local vals = full:narrow(1, first + 1, last - first + 1):table()
     full:free()
     if last < n and a.return_with_leftover_noise ~= "enable" then vals[#vals] = 0 end
-    o.sigmas = kiln.tensor(vals)
+    o.sigmas = kiln.tensor(vals, { device = "cpu" }) -- a schedule: host data
     made[#made + 1] = o.sigmas
     o.add_noise = a.add_noise == "enable"
   end
   local hs = {}
-  for _, l in ipairs(model.loras) do hs[#hs + 1] = ckpt:add_lora(l.path, { unet = l.strength, clip = 0 }) end
-  use(ctx, unet)
+  for _, l in ipairs(model.loras) do hs[#hs + 1] = add_lora(ckpt, l.path, { unet = l.strength, clip = 0 }) end
+  ctx:use(unet, { dtype = model.dtype })
   for _, c in ipairs(o.control or {}) do ctx:note_use(c.net) end
-  -- latents stay on the host between nodes, as in kiln's pipelines
-  local x = x0.device == "cpu" and x0 or x0:to("cpu")
+  -- the latents where the pipeline makes its noise: the default device (the host,
+  -- unless the run's default is another, as `kiln --device sim comfy ...` makes it)
+  local home = kiln.default_device()
+  local x = x0.device == home and x0 or x0:to(home)
   local ok, out
   if plain then
     ok, out = pcall(pipeline.sample_latents, ckpt, cond, uncond, o, x, x.shape)
@@ -715,8 +838,8 @@ N.LoadImageMask = {
 }
 
 N.ImageScale = {
-  inputs = { { "image", "IMAGE" }, { "upscale_method", "STRING", "nearest-exact" }, { "width", "INT", 512 },
-    { "height", "INT", 512 }, { "crop", "STRING", "disabled" } },
+  inputs = { { "image", "IMAGE" }, { "upscale_method", "STRING", "nearest-exact", IMAGE_METHODS }, { "width", "INT", 512 },
+    { "height", "INT", 512 }, { "crop", "STRING", "disabled", { "disabled", "center" } } },
   outputs = { "IMAGE" },
   run = function(ctx, a)
     local t = a.image.t
@@ -725,17 +848,17 @@ N.ImageScale = {
     if w == 0 and h == 0 then w, h = w0, h0
     elseif w == 0 then w = math.max(1, pyround(w0 * h / h0))
     elseif h == 0 then h = math.max(1, pyround(h0 * w / w0)) end
-    return { image_value(ctx, resize(ctx, t, w, h, a.upscale_method, a.crop), true) }
+    return { image_value(ctx, resize(ctx, t, w, h, a.upscale_method, a.crop, IMAGE_METHODS), true) }
   end,
 }
 
 N.ImageScaleBy = {
-  inputs = { { "image", "IMAGE" }, { "upscale_method", "STRING", "nearest-exact" }, { "scale_by", "FLOAT", 1.0 } },
+  inputs = { { "image", "IMAGE" }, { "upscale_method", "STRING", "nearest-exact", IMAGE_METHODS }, { "scale_by", "FLOAT", 1.0 } },
   outputs = { "IMAGE" },
   run = function(ctx, a)
     local t = a.image.t
     local w, h = pyround(t.shape[4] * a.scale_by), pyround(t.shape[3] * a.scale_by)
-    return { image_value(ctx, resize(ctx, t, w, h, a.upscale_method), true) }
+    return { image_value(ctx, resize(ctx, t, w, h, a.upscale_method, nil, IMAGE_METHODS), true) }
   end,
 }
 
@@ -769,6 +892,7 @@ N.SaveImage = {
   output = true,
   run = function(ctx, a)
     local t = a.images.t
+    if ctx.dry then return {} end   -- a dry run (shapes only) writes nothing
     for i = 1, t.shape[1] do
       local one = t:narrow(1, i, 1)
       local c, copied = to_cpu(one)
@@ -795,14 +919,9 @@ N.PreviewImage = {
   end,
 }
 
--- Node types that exist in ComfyUI and the issue lists, which kiln cannot run yet:
--- named, so that a workflow using one fails before anything runs and says why.
-N.not_yet = {
-  UNETLoader = "a diffusion model alone (no CLIP, no VAE) is not loadable yet; use CheckpointLoaderSimple",
-  CLIPLoader = "a text encoder alone is not loadable yet; use CheckpointLoaderSimple",
-  DualCLIPLoader = "text encoders alone are not loadable yet; use CheckpointLoaderSimple",
-  VAELoader = "a VAE alone is not loadable yet; use the checkpoint's VAE",
-}
+-- Node types that exist in ComfyUI which kiln cannot run yet: named, so that a
+-- workflow using one fails before anything runs and says why.
+N.not_yet = {}
 
-N.SCALE_METHODS = ALL_METHODS
+N.LATENT_METHODS, N.IMAGE_METHODS = LATENT_METHODS, IMAGE_METHODS
 return N

@@ -1,6 +1,7 @@
 -- kiln.controlnet: the ControlNet of SD 1.x, 2.x and SDXL (cldm.ControlNet): the UNet's
 -- input and middle blocks (kiln.unet's pieces) plus the hint encoder and the zero
--- convolutions, loaded as a model like the checkpoint's parts.
+-- convolutions, loaded as a model like the checkpoint's parts. `cn.tileable` pads its
+-- convolutions circularly as the UNet's (the pipelines set both for tileable runs).
 --
 --   local cn = kiln.load_controlnet(path)
 --   local res = cn:forward(x, t, context, hint [, y] [, {strength = s}])
@@ -106,7 +107,8 @@ function ControlNet:_hint(hint)
   local h = hint
   for k, c in ipairs(self.config.hint) do
     local p = fmt("input_hint_block.%d.", 2 * (k - 1))
-    local o = nn.conv2d(h, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1, stride = c.stride })
+    -- circular on the axes of self.tileable, as the UNet's convolutions (kiln.seamless)
+    local o = self:_conv(h, self:w(p .. "weight"), self:w(p .. "bias"), { padding = 1, stride = c.stride })
     if h ~= hint then h:free() end
     if k < #self.config.hint then
       h = nn.silu(o)
@@ -176,10 +178,14 @@ function ControlNet:forward(x, t, context, hint, y, opts)
   if y and not cfg.adm_in_channels then error("controlnet:forward: y given but this ControlNet has no label embedding", 2) end
   local pass <close> = self.streamer:pass()
   local dev = self:_device()
-  local dt = x.dtype
+  -- the activations' dtype as the UNet's (kiln.activation_dtype under a half precision,
+  -- else x's); the residuals stay in it: the UNet adds them in its own
+  local act = kiln.activation_dtype(dev)
+  local dt = act ~= "f32" and act or x.dtype
   local copies <close> = setmetatable({}, { __close = function(c) for _, v in ipairs(c) do v:free() end end })
   local function own(v) copies[#copies + 1] = v; return v end
   if x.device ~= dev then x = own(x:to(dev)) end
+  if x.dtype ~= dt then x = own(x:to(dt)) end
   if context.device ~= dev then context = own(context:to(dev)) end
   if context.dtype ~= dt then context = own(context:to(dt)) end
   local hint0 = hint

@@ -61,7 +61,7 @@ local function gaussian5(sigma)
     local x = i - 3
     g[i] = math.exp(-(x * x) / (2 * sigma * sigma))
   end
-  local t <close> = kiln.tensor(g)
+  local t <close> = kiln.tensor(g, { device = "cpu" }) -- host data, read back below
   local s = t:sum()
   local n <close> = t / s
   return n:table()
@@ -121,7 +121,8 @@ local round_half_even = require("kiln.util").round_half_even
 --- img [B, C, H, W] resized to w x h as ComfyUI's common_upscale does: with
 -- opts.crop = "center" the image is first cut to the target's aspect ratio (the
 -- same rows or columns off each side), then interpolated (opts.mode "nearest-exact"
--- by default, "nearest" or "bilinear"). Returns a new tensor (img stays the caller's).
+-- by default, "nearest" or "bilinear"; "area", "bicubic", "lanczos" and "bislerp" as
+-- kiln.resample computes them). Returns a new tensor (img stays the caller's).
 function image.resize(img, w, h, opts)
   opts = opts or {}
   if mt_name(img) ~= "kiln.Tensor" or #img.shape ~= 4 then
@@ -141,8 +142,12 @@ function image.resize(img, w, h, opts)
   elseif opts.crop ~= nil and opts.crop ~= "disabled" then
     error(("kiln.image.resize: crop '%s' (\"center\" or \"disabled\")"):format(tostring(opts.crop)), 2)
   end
+  local mode = opts.mode or "nearest-exact"
+  if mode == "area" or mode == "bicubic" or mode == "lanczos" or mode == "bislerp" then
+    return require("kiln.resample").resize(src, w, h, mode)
+  end
   if src.shape[3] == h and src.shape[4] == w then return src:clone() end
-  return kiln.nn.interpolate(src, { size = { h, w }, mode = opts.mode or "nearest-exact" })
+  return kiln.nn.interpolate(src, { size = { h, w }, mode = mode })
 end
 
 function image.canny(img, low, high)

@@ -42,11 +42,15 @@ local function opts_with_defaults(opts, ckpt)
   return o
 end
 
--- opts.tileable = "x" | "y" | "xy": the run's UNet and VAE pad circularly on those
--- axes (kiln.seamless), so the picture tiles; closing the result (the end of the
--- run, or an error) gives them back their previous mode.
+-- opts.tileable = "x" | "y" | "xy": the run's UNet, VAE and ControlNets pad circularly
+-- on those axes (kiln.seamless), so the picture tiles; closing the result (the end of
+-- the run, or an error) gives them back their previous mode.
 local function run_tileable(ckpt, o)
-  return seamless.use({ ckpt.unet, ckpt.vae }, o.tileable, "kiln.pipeline: tileable")
+  local nets = { ckpt.unet, ckpt.vae }
+  for _, c in ipairs(type(o.control) == "table" and o.control or {}) do
+    if type(c) == "table" and type(c.net) == "table" then nets[#nets + 1] = c.net end
+  end
+  return seamless.use(nets, o.tileable, "kiln.pipeline: tileable")
 end
 
 -- opts.vae = "taesd" (found beside the checkpoint), a TAESD file or a kiln.load_taesd
@@ -97,7 +101,7 @@ end
 function pipeline.sigmas(ckpt, scheduler, steps, d)
   local ms = pipeline.model_sampling(ckpt)
   d = d or 1
-  if d <= 0 then return kiln.tensor({ 0 }) end
+  if d <= 0 then return kiln.tensor({ 0 }, { device = "cpu" }) end -- host data, as the schedules
   local total = d < 1 and math.floor(steps / d) or steps
   local s = sample.sigmas(scheduler, total, { model_sampling = ms })
   if total > steps then s = s:narrow(1, total - steps + 1, steps + 1):contiguous() end
@@ -404,7 +408,7 @@ local function conditioning(ckpt, o, W, H)
     { clip_skip = o.clip_skip, weighting = o.weighting })
   if ckpt.unet.config.adm_in_channels then
     if not (pooled and upooled) then
-      error("this UNet needs a pooled text vector (SDXL), but the text encoder gave none", 3)
+      error("this UNet needs a pooled text vector (SDXL), but the text encoder gave none", 6)
     end
     local size = { width = W, height = H }
     o.y_cond, o.y_uncond = ckpt.unet:sdxl_vector(pooled, size), ckpt.unet:sdxl_vector(upooled, size)
@@ -419,10 +423,16 @@ end
 local function unload_on_error(ckpt)
   return setmetatable({}, { __close = function(_, err)
     if err == nil then return end
-    for _, name in ipairs({ "clip", "unet", "vae" }) do
-      local part = ckpt[name]
-      if part and part.unload then pcall(part.unload, part) end
+    local function unload_all()
+      for _, name in ipairs({ "clip", "unet", "vae" }) do
+        local part = ckpt[name]
+        if part and part.unload then part:unload() end
+      end
     end
+    -- a cancel still requested raises again from the count hook every few thousand
+    -- instructions, also in here (a part's methods are Lua): the whole loop is
+    -- protected, and a second try runs clear of it (unloading twice is harmless)
+    if not pcall(unload_all) then pcall(unload_all) end
   end })
 end
 
@@ -439,6 +449,20 @@ local function free_y(o)
   o.y_cond, o.y_uncond = nil, nil
 end
 
+-- A stage of a run: a span in traces, and a named stretch of the memory picture
+-- (kiln.mem.plot) with its own peak.
+local function stage(name, fn) return kiln.trace.span(name, fn) end
+
+-- The last stage of the pipelines: the latents through the VAE decoder.
+local function decode(ckpt, dev, lat, o)
+  return stage("decode", function()
+    ckpt.vae:load(dev)
+    local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+    ckpt.vae:unload()
+    return img
+  end)
+end
+
 --- txt2img: text -> images [batch, 3, H, W] in [0, 1] (and the final latents).
 function pipeline.txt2img(ckpt, opts)
   local o = opts_with_defaults(opts, ckpt)
@@ -453,19 +477,22 @@ function pipeline.txt2img(ckpt, opts)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
 
-  ckpt.clip:load(dev)
-  local cond, uncond = conditioning(ckpt, o, W, H)
-  ckpt.clip:unload()                       -- the text encoder is not needed again
+  local cond, uncond = stage("encode", function()
+    ckpt.clip:load(dev)
+    local c, u = conditioning(ckpt, o, W, H)
+    ckpt.clip:unload()                     -- the text encoder is not needed again
+    return c, u
+  end)
 
-  ckpt.unet:load(dev)
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
-  cond:free(); uncond:free(); free_y(o)
-  ckpt.unet:unload()                       -- make room for the decoder
+  local lat = stage("sample", function()
+    ckpt.unet:load(dev)
+    local l = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+    cond:free(); uncond:free(); free_y(o)
+    ckpt.unet:unload()                     -- make room for the decoder
+    return l
+  end)
 
-  ckpt.vae:load(dev)
-  local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
-  ckpt.vae:unload()
-  return img, lat
+  return decode(ckpt, dev, lat, o), lat
 end
 
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
@@ -483,28 +510,34 @@ function pipeline.img2img(ckpt, image, opts)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
 
-  ckpt.vae:load(dev)
-  local x0 = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
-  if n > 1 and x0.shape[1] == 1 then
-    local r = repeat_batch(x0, n)
-    x0:free()
-    x0 = r
-  end
-  ckpt.vae:offload()                       -- needed again for the decode; keep it on the host
+  local x0 = stage("vae encode", function()
+    ckpt.vae:load(dev)
+    local x = ckpt.vae:encode(image:narrow(2, 1, 3), { tile = o.tile, overlap = o.overlap })
+    if n > 1 and x.shape[1] == 1 then
+      local r = repeat_batch(x, n)
+      x:free()
+      x = r
+    end
+    ckpt.vae:offload()                     -- needed again for the decode; keep it on the host
+    return x
+  end)
 
-  ckpt.clip:load(dev)
-  local cond, uncond = conditioning(ckpt, o, W, H)
-  ckpt.clip:unload()
+  local cond, uncond = stage("encode", function()
+    ckpt.clip:load(dev)
+    local c, u = conditioning(ckpt, o, W, H)
+    ckpt.clip:unload()
+    return c, u
+  end)
 
-  ckpt.unet:load(dev)
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
-  x0:free(); cond:free(); uncond:free(); free_y(o)
-  ckpt.unet:unload()
+  local lat = stage("sample", function()
+    ckpt.unet:load(dev)
+    local l = pipeline.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
+    x0:free(); cond:free(); uncond:free(); free_y(o)
+    ckpt.unet:unload()
+    return l
+  end)
 
-  ckpt.vae:load(dev)
-  local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
-  ckpt.vae:unload()
-  return img, lat
+  return decode(ckpt, dev, lat, o), lat
 end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
@@ -533,48 +566,56 @@ function pipeline.hires_fix(ckpt, opts)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
 
-  ckpt.clip:load(dev)
-  local cond, uncond = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size
-  ckpt.clip:unload()
+  local cond, uncond = stage("encode", function()
+    ckpt.clip:load(dev)
+    local c, u = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size
+    ckpt.clip:unload()
+    return c, u
+  end)
 
-  ckpt.unet:load(dev)
-  local first = opts_with_defaults(opts, ckpt)
-  first.denoise = 1
-  first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
-  local lat = pipeline.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+  local lat = stage("sample", function()
+    ckpt.unet:load(dev)
+    local first = opts_with_defaults(opts, ckpt)
+    first.denoise = 1
+    first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
+    return pipeline.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+  end)
 
-  local up
-  if upscale == "latent-nearest" or upscale == "latent-bilinear" then
-    local mode = upscale == "latent-nearest" and "nearest-exact" or "bilinear"
-    up = kiln.nn.interpolate(lat, { size = { lh2, lw2 }, mode = mode })
-  elseif upscale == "image" then
-    ckpt.unet:offload()                    -- the decoder/encoder need the room now
-    ckpt.vae:load(dev)
-    local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
-    local big = kiln.nn.interpolate(img, { size = { H2, W2 }, mode = "bilinear" }):clamp(0, 1)
-    img:free()
-    up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
-    big:free()
-    ckpt.vae:offload()
-    ckpt.unet:load(dev)
-  elseif type(upscale) ~= "string" or upscale:match("^model:") then
-    -- an upscale model (kiln.load_upscaler's, or "model:FILE"): the decoded image through
-    -- it, resized to the second pass's size, encoded again
-    ckpt.unet:offload()
-    ckpt.vae:load(dev)
-    local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
-    ckpt.vae:offload()
-    local big = require("kiln.upscaler").upscale_to(upscale, img, H2, W2, dev)
-    img:free()
-    ckpt.vae:load(dev)
-    up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
-    big:free()
-    ckpt.vae:offload()
-    ckpt.unet:load(dev)
-  else
-    error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image, model:FILE or an upscaler)"):format(upscale), 2)
-  end
-  lat:free()
+  local up = stage("upscale", function()
+    local up
+    if upscale == "latent-nearest" or upscale == "latent-bilinear" then
+      local mode = upscale == "latent-nearest" and "nearest-exact" or "bilinear"
+      up = kiln.nn.interpolate(lat, { size = { lh2, lw2 }, mode = mode })
+    elseif upscale == "image" then
+      ckpt.unet:offload()                    -- the decoder/encoder need the room now
+      ckpt.vae:load(dev)
+      local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+      local big = kiln.nn.interpolate(img, { size = { H2, W2 }, mode = "bilinear" }):clamp(0, 1)
+      img:free()
+      up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
+      big:free()
+      ckpt.vae:offload()
+      ckpt.unet:load(dev)
+    elseif type(upscale) ~= "string" or upscale:match("^model:") then
+      -- an upscale model (kiln.load_upscaler's, or "model:FILE"): the decoded image through
+      -- it, resized to the second pass's size, encoded again
+      ckpt.unet:offload()
+      ckpt.vae:load(dev)
+      local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
+      ckpt.vae:offload()
+      local big = require("kiln.upscaler").upscale_to(upscale, img, H2, W2, dev, o.tileable)
+      img:free()
+      ckpt.vae:load(dev)
+      up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
+      big:free()
+      ckpt.vae:offload()
+      ckpt.unet:load(dev)
+    else
+      error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image, model:FILE or an upscaler)"):format(upscale), 5)
+    end
+    lat:free()
+    return up
+  end)
 
   local second = opts_with_defaults(opts, ckpt)
   second.denoise = o.hires_denoise or 0.5
@@ -582,14 +623,14 @@ function pipeline.hires_fix(ckpt, opts)
   second.seed = o.seed + 1
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
   second.y_cond, second.y_uncond = o.y_cond, o.y_uncond
-  local lat2 = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
-  up:free(); cond:free(); uncond:free(); free_y(o)
-  ckpt.unet:unload()
+  local lat2 = stage("sample hires", function()
+    local l = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
+    up:free(); cond:free(); uncond:free(); free_y(o)
+    ckpt.unet:unload()
+    return l
+  end)
 
-  ckpt.vae:load(dev)
-  local img = ckpt.vae:decode(lat2, { tile = o.tile, overlap = o.overlap })
-  ckpt.vae:unload()
-  return img, lat2
+  return decode(ckpt, dev, lat2, o), lat2
 end
 
 -- The A1111 label of a registry entry (kiln.sample), else the name as given.
@@ -623,6 +664,7 @@ function pipeline.parameters(opts, ckpt, extra)
   if o.weighting and o.weighting ~= "a1111" then f[#f + 1] = "Weighting: " .. o.weighting end
   if (o.batch or 1) > 1 then f[#f + 1] = ("Batch size: %d"):format(o.batch) end
   if o.tileable and o.tileable ~= "" then f[#f + 1] = "Tileable: " .. o.tileable end
+  f[#f + 1] = "Precision: " .. kiln.precision_of(opts.device or kiln.default_device())
   f[#f + 1] = extra_networks.hashes_field(ckpt, o)
   for _, e in ipairs(extra or {}) do f[#f + 1] = e end
   f[#f + 1] = "Version: kiln " .. kiln.version
@@ -630,10 +672,24 @@ function pipeline.parameters(opts, ckpt, extra)
   return table.concat(lines, "\n")
 end
 
---- Saves an image with its generation parameters.
+--- The measured peak of every device that held bytes ("cpu: 80.2 MiB, sim: 459.1 MiB"),
+-- since kiln.mem.reset_peak: the PNG's kiln.peak text. nil when none did.
+function pipeline.peak_text()
+  local parts = {}
+  for _, d in ipairs(kiln.devices()) do
+    local p = d ~= "meta" and kiln.mem.stats(d).peak or 0
+    if p > 0 then parts[#parts + 1] = ("%s: %.1f MiB"):format(d, p / 1048576) end
+  end
+  return #parts > 0 and table.concat(parts, ", ") or nil
+end
+
+--- Saves an image with its generation parameters (extra: more "Key: value" fields) and
+-- the peak memory it took (kiln.peak), unless extra.peak == false: a peak varies from
+-- run to run, which a file that must be the same bytes every time cannot carry.
 function pipeline.save(img, path, o, ckpt, extra)
+  local peak = not (extra and extra.peak == false) and pipeline.peak_text() or nil
   return kiln.save_png(img, path, { text = { parameters = pipeline.parameters(o, ckpt, extra),
-    Software = "kiln " .. kiln.version } })
+    Software = "kiln " .. kiln.version, ["kiln.peak"] = peak } })
 end
 
 return pipeline

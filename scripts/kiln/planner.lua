@@ -6,10 +6,13 @@
 --             from its tensors (stored dtype), and the streaming window of "low"
 --             mode (the two largest adjacent blocks, kiln.stream);
 --   work      the activation peak of the stage at this run's size and batch
---             (the ControlNets' residuals included), from
---             kiln.mem.estimate: the stage runs on small probes of its real inputs
---             on the device, with its weights streamed, and the peak is fitted and
---             extrapolated (tiling.lua says how; measured, not computed from shapes).
+--             (the ControlNets' residuals included), from kiln.mem.estimate with
+--             its weights streamed: a dry run of the stage at its real size on the
+--             shape-only device modelling this one (kiln.dry_run: exact, the same
+--             allocations without the arithmetic), or where that cannot answer,
+--             small probes of its real inputs fitted and extrapolated (tiling.lua),
+--             in the device's activation dtype (kiln.activation_dtype: f16 / bf16
+--             on a GPU under a half precision halves it; plan.activation_dtype).
 --
 -- Then: "high" when every part's weights plus the largest stage's work fit (models
 -- stay resident across stages), else "normal" when each stage fits with its own
@@ -93,7 +96,9 @@ function M.choose(ckpt, o)
   collectgarbage(); collectgarbage()
   local st = kiln.mem.stats(dev)
   local budget = st.budget or 0
-  local plan = { device = dev, budget = budget, lines = {} }
+  -- the dtype the networks' activations take there (f16 / bf16 on a GPU under a half
+  -- precision): the work measured below is in it, so it halves with them
+  local plan = { device = dev, budget = budget, lines = {}, activation_dtype = kiln.activation_dtype(dev) }
   local function line(...) plan.lines[#plan.lines + 1] = fmt(...) end
   if budget == 0 then
     plan.mode = "high"
@@ -134,14 +139,16 @@ function M.choose(ckpt, o)
     local y = ucfg.adm_in_channels and kiln.zeros({ B, ucfg.adm_in_channels }):to(dev) or nil
     local stage = { ckpt.unet }
     for _, net in ipairs(nets) do stage[#stage + 1] = net end
-    by.unet.work, by.unet.why = work_of(stage, dev, function(xx)
+    -- every tensor of the stage is an argument: a dry run replaces those on dev by
+    -- shape-only ones (a closure's tensor on dev would send it back to the probes)
+    by.unet.work, by.unet.why = work_of(stage, dev, function(xx, tt, cc, yy)
       -- the residuals of every net, summed, handed to the UNet as the pipelines do
       -- (the hint at 8x the probe's size: the hint encoder's factor)
       local control
       local hint = #nets > 0 and kiln.zeros({ 1, 3, 8 * xx.shape[3], 8 * xx.shape[4] }):to(dev) or nil
       for _, net in ipairs(nets) do
         local xs = xx:narrow(2, 1, 4)
-        local r = net:forward(xs, t, ctx, hint, y)
+        local r = net:forward(xs, tt, cc, hint, yy)
         if not control then control = r
         else
           for i = 1, #control do
@@ -152,9 +159,9 @@ function M.choose(ckpt, o)
         end
       end
       if hint then hint:free() end
-      local r = ckpt.unet:forward(xx, t, ctx, y, control and { control = control, free_control = true } or nil)
+      local r = ckpt.unet:forward(xx, tt, cc, yy, control and { control = control, free_control = true } or nil)
       r:free()
-    end, { x })
+    end, { x, t, ctx, y, n = 4 })
     x:free(); t:free(); ctx:free()
     if y then y:free() end
   end
@@ -204,8 +211,8 @@ function M.choose(ckpt, o)
     local beside = plan.mode == "low" and by.vae.window or by.vae.bytes
     if by.vae.work + beside > avail then plan.vae_tile = "auto" end
   end
-  line("--mode auto on %s: budget %s, %s to plan with (90%% of the free bytes less 2 MiB)", dev, human(budget),
-    human(avail))
+  line("--mode auto on %s: budget %s, %s to plan with (90%% of the free bytes less 2 MiB), activations %s", dev,
+    human(budget), human(avail), plan.activation_dtype)
   line("  %-5s %12s %12s %12s", "model", "weights", "low window", "work")
   for _, p in ipairs(parts) do
     local work = p.stage and ("with " .. p.stage) or p.work and human(p.work) or ("? (" .. tostring(p.why) .. ")")

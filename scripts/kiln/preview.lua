@@ -150,8 +150,11 @@ function M.session(ckpt, o, device)
   end
   local family = ckpt.family
   local function picture(z)
-    if t then return t:decode(z) end
-    return M.latent2rgb(z, family)
+    if not t then return M.latent2rgb(z, family) end
+    -- a tileable run's previews wrap around as its decode does
+    if not o.tileable then return t:decode(z) end
+    local use <close> = require("kiln.seamless").use({ t }, o.tileable, "kiln.pipeline: tileable")
+    return t:decode(z)
   end
   local hook = { active = true }
   local mt = {}

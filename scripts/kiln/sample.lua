@@ -217,12 +217,15 @@ end
 
 -- Per step: report progress to an embedding host (kiln.progress raises a
 -- "cancelled" error when the host asked to stop; opts.progress = false when the
--- caller reports itself), then the user's callback.
+-- caller reports itself), then the user's callback; then a suspend point (a host may
+-- park the run between two steps; a lowered budget takes effect).
 local function stepper(opts, n)
   local cb = opts.callback
   local report = opts.progress ~= false and kiln.progress
+  local suspend = kiln.suspend_point
   return function(i, sigma, x, denoised)
     if report then report(i, n, "sample") end
+    if suspend then suspend() end
     if cb and cb({ i = i, n = n, sigma = sigma, x = x, denoised = denoised }) == false then
       error({ kind = "cancelled", message = "sampling cancelled at step " .. i }, 0)
     end
@@ -765,7 +768,8 @@ end
 
 local function with_zero(list)
   list[#list + 1] = 0
-  return kiln.tensor(list)
+  -- host data, read back with :table(): on the cpu whatever the default device
+  return kiln.tensor(list, { device = "cpu" })
 end
 
 -- name -> function(steps, opts); and name -> registry entry

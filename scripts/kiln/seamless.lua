@@ -4,11 +4,13 @@
 -- continues across its borders and tiles without a seam (A1111's "Tiling").
 --
 -- The switch is a field of the network, `net.tileable = "x" | "y" | "xy" | nil`, read
--- by its convolutions (kiln.unet, kiln.vae); seamless.use sets it for one run and
--- restores it after. A tiled run (tiled VAE, MultiDiffusion) cannot pad each tile
--- circularly (a tile is not periodic): it pads the whole input circularly by a
--- margin instead, runs the tiles with circular padding suspended (each border tile
--- then takes its context from the other side of the picture) and crops the margin.
+-- by its convolutions (kiln.unet, kiln.vae, kiln.controlnet, kiln.taesd,
+-- kiln.upscaler); seamless.use sets it for one run and restores it after. A tiled run
+-- (tiled VAE, TAESD and upscalers, MultiDiffusion) cannot pad each tile circularly (a
+-- tile is not periodic): it pads the whole input circularly by a margin instead, runs
+-- the tiles with circular padding suspended (each border tile then takes its context
+-- from the other side of the picture) and crops the margin; a halo of context around
+-- each tile (seamless.map) keeps the pixels zero padding distorts out of the blend.
 local kiln = require "kiln"
 local nn = kiln.nn
 
@@ -146,14 +148,55 @@ function M.margin(overlap, multiple)
   return (m + multiple - 1) // multiple * multiple
 end
 
+-- fn(tile, i) of kiln.tile.map over xp (x padded by m on the wrapped axes of mode)
+-- run on the tile grown by `halo` input units on every side that has pixels there
+-- (xh: x padded by m + halo), its output cropped back to the tile's: the pixels next
+-- to a tile's edge, which zero padding distorts, then lie outside what is blended.
+local function with_halo(fn, x, xp, mo, mode, m, halo)
+  local xh = M.wrap_pad(x, mode, m + halo)
+  local plan = kiln.tile.plan(xp.shape[3], xp.shape[4], mo)
+  local wy, wx = M.axes(mode)
+  local oy, ox = wy and halo or 0, wx and halo or 0 -- xh's rows / columns before xp's
+  local s = mo.scale or 1
+  local function px(v) return math.floor(v * s + 0.5) end
+  local run = function(_, i)
+    local r = plan[i].input
+    local y0, x0 = r.y + oy, r.x + ox
+    local t, b = math.min(halo, y0 - 1), math.min(halo, xh.shape[3] - (y0 + r.h - 1))
+    local l, rt = math.min(halo, x0 - 1), math.min(halo, xh.shape[4] - (x0 + r.w - 1))
+    local a = xh:narrow(3, y0 - t, r.h + t + b)
+    local c = a:narrow(4, x0 - l, r.w + l + rt)
+    local tile = c:contiguous()
+    c:free(); a:free()
+    local ok, y = pcall(fn, tile, i)
+    tile:free()
+    if not ok then error(y, 0) end
+    if t + b + l + rt == 0 then return y end
+    local ya = y:narrow(3, px(t) + 1, px(r.h))
+    local yc = ya:narrow(4, px(l) + 1, px(r.w))
+    local out = yc:contiguous()
+    yc:free(); ya:free(); y:free()
+    return out
+  end
+  return run, xh
+end
+
 --- kiln.tile.map(x, fn, mo) wrapping around on the axes of mode: x padded
 -- circularly by m (input units), the tiles run with circular padding suspended,
 -- the output's margin (m times mo.scale) cropped. The result equals the untiled
--- tileable run within the bound of a tiled run.
-function M.map(x, fn, mo, mode, m)
+-- tileable run within the bound of a tiled run. halo (input units, a multiple of
+-- mo.multiple; default 0): each tile runs with that much more context on every side
+-- inside the picture (cropped from its output before the blend). Every tile edge of a
+-- wrapped run is a seam inside the picture, where an ordinary run's border tiles end
+-- at the picture's edge (zero padding there is the untiled network's own); the halo
+-- keeps a wrapped run as close to its untiled run as an ordinary one is to its own.
+function M.map(x, fn, mo, mode, m, halo)
   local xp = M.wrap_pad(x, mode, m)
-  local ok, y = pcall(M.suspend, kiln.tile.map, xp, fn, mo)
+  local run, xh = fn, nil
+  if halo and halo > 0 then run, xh = with_halo(fn, x, xp, mo, mode, m, halo) end
+  local ok, y = pcall(M.suspend, kiln.tile.map, xp, run, mo)
   xp:free()
+  if xh then xh:free() end
   if not ok then error(y, 0) end
   local s = mo.scale or 1
   return M.crop(y, mode, math.floor(m * s + 0.5))

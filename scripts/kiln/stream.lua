@@ -24,6 +24,16 @@
 -- after fn. In all modes the model is pinned while a pass is open (its own weights are
 -- not evicted under it), and with a trace running each block is a span named
 -- "<net> <block>".
+--
+-- Each pass:run starts with kiln.suspend_point(): a host may park the run there
+-- (kiln_suspend), and a budget lowered while the run goes on takes effect there. When
+-- evicting what no network holds is not enough, kiln.suspend_point calls
+-- M.adapt(dev, excess):
+-- the open passes on that device whose weights are resident turn to streaming from
+-- their next block (the model's device copies go, it is marked streamed with no
+-- resident blocks, and the blocks are fetched one by one as in mode "low"), so the
+-- numbers stay the same. It stays streamed until the pipeline loads it again (the
+-- next stage, which then uses whatever budget there is).
 local kiln = require "kiln"
 
 local M = {}
@@ -60,14 +70,19 @@ function Weights:model()
   return nil
 end
 
--- True when this part's weights are streamed: mode "low" or a partial residency (the
--- model was loaded with {resident = bytes}: m.streamed), and a device target that is
--- not the cpu.
+-- True when this part's weights are streamed: a device target that is not the cpu,
+-- and mode "low", a partial residency (the model was loaded with {resident = bytes}:
+-- m.streamed), or no bytes left there (evicted since it was loaded).
 function Weights:streaming()
   local m = self:model()
-  if not m or (kiln.memory_mode() ~= "low" and not m.streamed) then return false end
+  if not m then return false end
   local dev = m.device
-  return dev ~= nil and dev ~= "cpu"
+  if dev == nil or dev == "cpu" then return false end
+  if kiln.memory_mode() == "low" or m.streamed then return true end
+  -- loaded to dev and evicted since (a lowered budget, another model's room): it
+  -- streams to where it was loaded rather than computing from the mapped file on
+  -- the cpu
+  return m:bytes(dev) == 0
 end
 
 -- The device the network computes on: the streaming target, else where the weight
@@ -182,6 +197,9 @@ end
 local Pass = {}
 Pass.__index = Pass
 
+-- The passes open now (M.adapt turns them to streaming).
+local open = setmetatable({}, { __mode = "k" })
+
 local function inactive_run(_, _, fn, ...) return fn(...) end
 local INACTIVE = setmetatable({ run = inactive_run, streaming = false }, { __close = function() end })
 
@@ -218,6 +236,7 @@ function Streamer:pass(order)
     current = nil,
   }, Pass)
   w.pass = p
+  open[p] = true
   return p
 end
 
@@ -288,6 +307,7 @@ end
 -- Runs fn(...) as block `key`: its weights are on the device while fn runs and the
 -- next block's are on their way.
 function Pass:run(key, fn, ...)
+  kiln.suspend_point()
   local b = self.s.index[key]
   if not b then error(fmt("%s: no block '%s' in the streaming plan", self.s.label, tostring(key)), 2) end
   -- position in the order: the next entry naming b at or after the current position
@@ -330,8 +350,44 @@ function Pass:close()
   if w.pass == self then w.pass = nil end
   -- the model may have been closed by the network's caller meanwhile
   if self.pinned and not self.model.closed then pcall(self.model.unpin, self.model) end
+  open[self] = nil
 end
 
 Pass.__close = Pass.close
+
+-- From here this pass streams its weights to dev block by block: the model's copies
+-- are dropped (handles given out keep theirs until freed) and it loads again with
+-- nothing resident, in the dtype it had.
+function Pass:_to_streaming(dev)
+  local m = self.model
+  local dtype = m:stats().dtype
+  m:unload()
+  m:set_streamed(true)
+  self.s:set_resident(nil)
+  m:load(dev, dtype and { dtype = dtype } or nil)
+  self.streaming = true
+  self.resident = {}
+  self.held = {}
+end
+
+-- kiln.suspend_point's answer to a lowered budget that the run's needs still exceed
+-- by `excess` bytes on dev after eviction: the open passes computing there from
+-- resident weights turn to streaming, the largest model first, until what they give
+-- back (their weights less the streaming window) covers the excess.
+function M.adapt(dev, excess)
+  local list = {}
+  for p in pairs(open) do
+    if p.active and not p.streaming and not p.model.closed and p.model.device == dev then
+      list[#list + 1] = { p = p, bytes = p.model:bytes(dev) }
+    end
+  end
+  table.sort(list, function(a, b) return a.bytes > b.bytes end)
+  for _, e in ipairs(list) do
+    if excess <= 0 then return end
+    local _, window = e.p.s:_sizes(e.p.model)
+    e.p:_to_streaming(dev)
+    excess = excess - math.max(0, e.bytes - window)
+  end
+end
 
 return M

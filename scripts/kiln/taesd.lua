@@ -12,11 +12,14 @@
 -- its latents times the family's scale factor), so it stands in for the checkpoint's
 -- VAE: a fast, low-memory decoder (taesd.attach, `vae = "taesd"`) and the previews'
 -- second previewer (kiln.preview). Both halves are kiln.Models (load, offload, unload,
--- budgets, streaming in mode "low"), one per file.
+-- budgets, streaming in mode "low"), one per file. `t.tileable = "x" | "y" | "xy"` pads
+-- its convolutions circularly (kiln.seamless; pipelines set it for tileable runs), and
+-- its tiled runs wrap around.
 local kiln = require "kiln"
 local lfs = require "lfs"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
+local seamless = require "kiln.seamless"
 local checkpoint = require "kiln.checkpoint"
 local nn = kiln.nn
 
@@ -157,13 +160,62 @@ local function open_half(path, want)
   }
 end
 
--- Runs a half's stack over x (not freed); returns a new tensor. ReLU is written as
--- x:maximum(0), the same values: the binary op's CPU kernel is the faster of the two at
--- these sizes (the full-size stage moves 64 channels of 512x512 floats through it).
--- The upsampling before a convolution is fused into it (conv2d's upsample option).
-local function run_half(half, x)
+-- A 3x3 convolution (padding 1, stride 1) to a few output channels (the decoder's last,
+-- to RGB) as one 1x1 convolution to the 9 taps' outputs side by side and a sum of
+-- their 9 shifted views: the 1x1 is a plain GEMM, where the CPU's direct path for a 3x3
+-- convolution to <= 4 channels is the slower at full image size.
+-- Circular on the wrapped axes of mode, as seamless.conv2d.
+local function conv_few(x, w, b, mode)
+  local K, C = w.shape[1], w.shape[2]
+  local wp = w:permute({ 3, 4, 1, 2 })      -- [ky, kx, K, C]: row (3 ky + kx) K + k
+  local wc = wp:contiguous()
+  wp:free()
+  local w1 = wc:reshape({ 9 * K, C, 1, 1 })
+  wc:free()
+  local b1
+  if b then -- the bias rides on the centre tap's outputs
+    local z = kiln.zeros({ 4 * K }, { dtype = b.dtype, device = b.device })
+    b1 = kiln.cat({ z, b, z }, 1)
+    z:free()
+  end
+  local ok, p = pcall(nn.conv2d, x, w1, b1)
+  w1:free()
+  if b1 then b1:free() end
+  if not ok then error(p, 0) end
+  local pp = seamless.pad(p, { 1, 1, 1, 1 }, mode)
+  p:free()
+  local H, W = x.shape[3], x.shape[4]
+  local out
+  for ky = 0, 2 do
+    for kx = 0, 2 do
+      local a = pp:narrow(2, (3 * ky + kx) * K + 1, K)
+      local r = a:narrow(3, ky + 1, H)
+      local v = r:narrow(4, kx + 1, W)
+      if out then
+        local s = out + v
+        out:free()
+        out = s
+      else
+        out = v:contiguous()
+      end
+      v:free(); r:free(); a:free()
+    end
+  end
+  pp:free()
+  return out
+end
+M.conv_few = conv_few
+
+-- Runs a half's stack over x (not freed); returns a new tensor. ReLU is the unary op
+-- (x:relu()), not x:maximum(0): the binary op's CPU loop, which reads a second operand
+-- or a scalar per element, is the slower of the two at these sizes (the full-size
+-- stage moves 64 channels of 512x512 floats through it). The upsampling before a
+-- convolution is fused into it (conv2d's upsample option).
+-- mode: the tileable mode (circular padding on those axes; nil: zeros).
+local function run_half(half, x, mode)
   local wts = half.weights
   local function W(name) return wts:tensor(name) end
+  local function conv(h, p, o) return seamless.conv2d(h, W(p .. ".weight"), W(p .. ".bias"), o, mode) end
   local h = x
   local function set(r)
     if h ~= x then h:free() end
@@ -180,28 +232,33 @@ local function run_half(half, x)
       set(t * 3)
       t:free()
     elseif e == "relu" then
-      set(h:maximum(0))
+      set(h:relu())
     elseif e == "up" then
       up = 2
     elseif e == "block" then
       set(pass:run(p .. ".", function()
         -- the ReLUs after the first two convolutions run inside them (leaky_relu = 0)
-        local b = nn.conv2d(h, W(p .. ".conv.0.weight"), W(p .. ".conv.0.bias"), { padding = 1, leaky_relu = 0 })
-        local a = nn.conv2d(b, W(p .. ".conv.2.weight"), W(p .. ".conv.2.bias"), { padding = 1, leaky_relu = 0 })
+        local b = conv(h, p .. ".conv.0", { padding = 1, leaky_relu = 0 })
+        local a = conv(b, p .. ".conv.2", { padding = 1, leaky_relu = 0 })
         b:free()
-        b = nn.conv2d(a, W(p .. ".conv.4.weight"), W(p .. ".conv.4.bias"), { padding = 1 })
+        b = conv(a, p .. ".conv.4", { padding = 1 })
         a:free()
         a = b + h -- the skip is the identity at the published (equal) widths
         b:free()
-        b = a:maximum(0)
+        b = a:relu()
         a:free()
         return b
       end))
     else
       set(pass:run(p .. ".", function()
-        local o = { padding = 1, stride = e.stride or 1, upsample = up }
-        if e.bias then return nn.conv2d(h, W(p .. ".weight"), W(p .. ".bias"), o) end
-        return nn.conv2d(h, W(p .. ".weight"), o)
+        local wt = W(p .. ".weight")
+        local bt = e.bias and W(p .. ".bias") or nil
+        -- (the CPU kernels' choice: on CUDA the convolution library's direct path is kept)
+        if wt.shape[1] <= 4 and up == 1 and (e.stride or 1) == 1 and wt.shape[2] >= 16
+            and not h.device:match("^cuda") then
+          return conv_few(h, wt, bt, seamless.active(mode))
+        end
+        return seamless.conv2d(h, wt, bt, { padding = 1, stride = e.stride or 1, upsample = up }, mode)
       end))
       up = 1
     end
@@ -222,7 +279,7 @@ function TAESD:_decode_untiled(z)
   local half = self.decoder_half
   local dev = device_of(half)
   local zd = z.device ~= dev and z:to(dev) or nil
-  local raw = run_half(half, zd or z)
+  local raw = run_half(half, zd or z, self.tileable)
   if zd then zd:free() end
   local img = raw:clamp(0, 1)
   raw:free()
@@ -233,9 +290,29 @@ function TAESD:_encode_untiled(img)
   local half = self.encoder_half
   local dev = device_of(half)
   local x = img.device ~= dev and img:to(dev) or nil
-  local z = run_half(half, x or img)
+  local z = run_half(half, x or img, self.tileable)
   if x then x:free() end
   return z
+end
+
+-- kiln.tiling's hooks for a tiled run (mo: kiln.tile.map options): the plain map, or
+-- while tileable the map that wraps around (kiln.seamless.map: the input padded
+-- circularly by a margin, the tiles run with zero padding and a halo of WRAP_HALO
+-- latent pixels of context, the margin cropped).
+local WRAP_HALO = 2
+local function map(self, x, fn, mo)
+  local mode = seamless.active(self.tileable)
+  if not mode then return kiln.tile.map(x, fn, mo) end
+  local unit = mo.multiple or 1
+  return seamless.map(x, fn, mo, mode, seamless.margin(mo.overlap, unit), WRAP_HALO * unit)
+end
+
+function TAESD:_decode_tiles(z, mo)
+  return map(self, z, function(t) return self:_decode_untiled(t) end, mo)
+end
+
+function TAESD:_encode_tiles(img, mo)
+  return map(self, img, function(t) return self:_encode_untiled(t) end, mo)
 end
 
 -- z [B, L, h, w] (latents as samplers produce them) -> images [B, 3, 8h, 8w] clamped

@@ -50,7 +50,8 @@
 -- probes with smaller tensors do not see; relative to tensors of tens of MiB (any
 -- real VAE or UNet stage) that is a few percent. Probes reset the
 -- device's peak counter (kiln.mem.reset_peak). auto_tile caches the fit per vae
--- (or opts.cache object), stage, device, batch, channels and dtype.
+-- (or opts.cache object), stage, device, batch, channels, dtype and the device's
+-- activation dtype (kiln.activation_dtype: the precision changes a network's cost).
 local kiln = require "kiln"
 local util = require "kiln.util"
 
@@ -242,16 +243,33 @@ end
 -- kiln.mem.estimate(fn, inputs [, opts]) -> bytes, details
 -- The peak bytes fn(inputs...) adds on the device (its intermediates and output),
 -- predicted from small measured probes (see the top of this file); details has the
--- fit (a, b, c), the probes ({h, w, px, peak}) and method "measured" or "exact"
--- (the input was no larger than a probe, so it was run as is).
+-- fit (a, b, c), the probes ({h, w, px, peak}) and method "meta" (a dry run at the
+-- real size: exact; no probes), "measured" or "exact" (the input was no larger than a
+-- probe, so it was run as is), and activation_dtype:
+-- the dtype the networks kept their activations in on the device while measured
+-- (kiln.activation_dtype: f16 / bf16 on a GPU under a half precision, which halves
+-- what they allocate; a precision changed afterwards needs a new estimate).
 function M.estimate(fn, inputs, opts)
+  -- exact where a dry run can answer (the inputs' real size on the shape-only device);
+  -- probes where it cannot (fn reads weights already resident on the device)
+  if not (opts and (opts.probes or opts.meta == false)) then
+    local args = input_list(inputs)
+    local dev = opts and opts.device
+    for i = 1, args.n do dev = dev or (is_tensor(args[i]) and args[i].device) or nil end
+    dev = dev or kiln.default_device()
+    local bytes = require("kiln.dry_run").peak_of(fn, args, dev)
+    if bytes then
+      return bytes, { device = dev, method = "meta", activation_dtype = kiln.activation_dtype(dev),
+        probes = {}, a = 0, b = 0, c = 0 }
+    end
+  end
   local m = M.measure(fn, inputs, opts)
   local bytes
   if m.exact then bytes = m.full
   else bytes = math.max(predict(m, m.px), m.probes[#m.probes].peak) end
   bytes = math.floor(bytes + 0.5)
   return bytes, { a = m.a, b = m.b, c = m.c, probes = m.probes, px = m.px, device = m.device,
-    method = m.exact and "exact" or "measured" }
+    method = m.exact and "exact" or "measured", activation_dtype = kiln.activation_dtype(m.device) }
 end
 
 -- ---------------------------------------------------------------- auto tile
@@ -274,6 +292,44 @@ local function free_bytes(dev)
 end
 M.free_bytes = free_bytes
 
+-- The largest tile (units) whose whole map over x peaks within plan bytes, each
+-- candidate's peak from a dry run of the map at the real size (exact: the result, the
+-- tile copies, the blend); nil where a dry run cannot answer (fn uses weights resident
+-- on the device), and the probes decide.
+local function meta_tile(fn, x, opts, dev, plan, size, mult)
+  -- a tiled run of the caller's own (the VAE's, with image-wide GroupNorm statistics
+  -- from the real input) cannot be replayed on meta: the probes decide
+  if opts.tiled then return nil end
+  local dry = require "kiln.dry_run"
+  local unit, scale = opts.unit or 1, opts.scale or 1
+  local function need(t)
+    return dry.peak_of(function(xx)
+      local r
+      if t >= size then r = fn(xx) -- one tile: apply runs it untiled
+      else
+        local o = opts.overlap or 8 -- as map_opts
+        if 2 * o >= t then o = t // 4 end
+        local mo = { tile = t * unit, overlap = o * unit, scale = scale, multiple = unit, blend = opts.blend }
+        r = kiln.tile.map(xx, fn, mo)
+      end
+      if r and r.free then r:free() end
+    end, { x, n = 1 }, dev)
+  end
+  local full = need(size)
+  if not full then return nil end
+  local m = { method = "meta", device = dev, full = full }
+  if full <= plan then return size, m end
+  local min_tile = opts.min_tile or 8
+  local lo, hi = 0, (size - 1) // mult -- in multiples of mult: lo fits (or is the floor), hi not known to
+  while lo < hi do
+    local mid = (lo + hi + 1) // 2
+    local b = need(math.max(mid * mult, min_tile))
+    if not b then return nil end
+    if b <= plan then lo = mid else hi = mid - 1 end
+  end
+  return math.max(lo * mult, min_tile), m
+end
+
 -- tiling.auto_tile(fn, x, opts) -> tile (units), model
 -- The largest tile whose map over x fits what is free on x's device. opts: scale
 -- (output/input), unit (input pixels per tile unit), min_tile, multiple (units),
@@ -289,9 +345,16 @@ function M.auto_tile(fn, x, opts)
   local free = free_bytes(dev)
   if free == math.huge then return size, nil end -- no budget: nothing to fit
   local mult = opts.multiple or 8
-  local key = fmt("%s|%s|%d|%d|%s", opts.key or "fn", dev, x.shape[1], x.shape[2], x.dtype)
+  -- the activations' dtype too: a network's cost halves under a half precision on a GPU
+  local key = fmt("%s|%s|%d|%d|%s|%s", opts.key or "fn", dev, x.shape[1], x.shape[2], x.dtype,
+    kiln.activation_dtype(dev))
   local owner = opts.cache
   local m = owner and cache[owner] and cache[owner][key]
+  -- first a dry run at the real size (exact), unless a fit is cached already
+  if not m and not opts.probes and opts.meta ~= false then
+    local t, mm = meta_tile(fn, x, opts, dev, free * (opts.safety or 0.85), size, mult)
+    if t then return t, mm end
+  end
   if not m then
     -- probe: a one-tile map of a crop, so the tile input copy and the blend count too
     local function probe_fn(crop)
@@ -404,7 +467,7 @@ function M.apply(fn, x, opts)
   local size = math.max(x.shape[3], x.shape[4]) // unit
   if tile == "auto" then
     tile = M.auto_tile(fn, x, { scale = scale, unit = unit, min_tile = opts.min_tile, cache = opts.cache,
-      key = opts.key or what })
+      key = opts.key or what, overlap = overlap, blend = opts.blend, tiled = opts.tiled })
   end
   if tile and tile >= size then tile = nil end -- one tile: run it untiled
   local function run(t)
@@ -412,7 +475,9 @@ function M.apply(fn, x, opts)
     if t >= size then return fn(x) end
     local mo = map_opts(t, overlap, unit, scale, opts.blend)
     if opts.tiled then return opts.tiled(mo) end
-    return kiln.tile.map(x, fn, mo)
+    -- each tile starts at a suspend point (a park, a lowered budget); a network run
+    -- by the tiles has its own between blocks
+    return kiln.tile.map(x, function(tx) kiln.suspend_point(); return fn(tx) end, mo)
   end
   if opts.retry == false then return run(tile), { tile = tile, attempts = {} } end
   return M.with_oom_retry(run, { tile = tile, size = size, min_tile = opts.min_tile, what = what })

@@ -446,11 +446,16 @@ function UNet:forward(x, t, context, y, opts)
   end
   local pass <close> = self.streamer:pass()
   local dev = self:_device()
-  local dt = x.dtype
+  -- the activations' dtype: the device's under a half precision (f16 / bf16 on a GPU,
+  -- kiln.activation_dtype), else x's own; the output goes back to x's dtype
+  local xdt = x.dtype
+  local act = kiln.activation_dtype(dev)
+  local dt = act ~= "f32" and act or xdt
   -- copies made here are freed when the pass ends (x itself is the caller's)
   local copies <close> = setmetatable({}, { __close = function(c) for _, v in ipairs(c) do v:free() end end })
   local function own(v) copies[#copies + 1] = v; return v end
   if x.device ~= dev then x = own(x:to(dev)) end
+  if x.dtype ~= dt then x = own(x:to(dt)) end
   if context.device ~= dev then context = own(context:to(dev)) end
   if context.dtype ~= dt then context = own(context:to(dt)) end
   local t0 = t
@@ -491,7 +496,13 @@ function UNet:forward(x, t, context, y, opts)
     cat:free()
   end
   emb_silu:free()
-  return pass:run("out.", self._out, self, h)
+  local out = pass:run("out.", self._out, self, h)
+  if out.dtype ~= xdt then
+    local o = out:to(xdt)
+    out:free()
+    out = o
+  end
+  return out
 end
 
 -- time (and label) embedding; every ResBlock applies SiLU to it first, so do it once

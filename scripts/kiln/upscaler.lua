@@ -4,7 +4,7 @@
 -- and run in tiles whose size comes from the free budget.
 --
 --   local up = kiln.load_upscaler(path)     -- up.scale, up.arch, up.config
---   local big = up:upscale(img [, {tile = 256, overlap = 16}])   -- [1, 3, sH, sW] in [0, 1]
+--   local big = up:upscale(img [, {tile = 256, overlap = 16, tileable = "xy"}])   -- [1, 3, sH, sW] in [0, 1]
 --   local y = up:forward(x)                 -- the bare network, untiled and unclamped
 --
 -- Architectures:
@@ -25,10 +25,15 @@
 -- Alpha: an RGBA image is upscaled as RGB by the network, its alpha plane bilinearly
 -- (clamped to [0, 1]) on its own; the result is RGBA. A grey image (1 channel) is run as
 -- RGB and comes back RGB.
+--
+-- Seamless pictures: with tileable = "x" | "y" | "xy" (the option, or up.tileable) the
+-- convolutions pad circularly on those axes (kiln.seamless) and the tiles wrap around,
+-- so a picture that tiles comes back tiling.
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
+local seamless = require "kiln.seamless"
 local checkpoint = require "kiln.checkpoint"
 local nn = kiln.nn
 
@@ -333,9 +338,10 @@ end
 
 -- A 3x3 convolution of the network; act: followed by LeakyReLU 0.2 (done by the op, in
 -- place); up: x upsampled 2x (nearest) first, fused with the convolution where it can be.
+-- Circular padding on the axes of self.tileable (kiln.seamless).
 local function conv(self, name, x, act, up)
-  return nn.conv2d(x, self:w(name .. ".weight"), self:w(name .. ".bias"),
-    { padding = 1, leaky_relu = act and 0.2 or nil, upsample = up and 2 or nil })
+  return seamless.conv2d(x, self:w(name .. ".weight"), self:w(name .. ".bias"),
+    { padding = 1, leaky_relu = act and 0.2 or nil, upsample = up and 2 or nil }, self.tileable)
 end
 
 -- One dense block over x [1, nf, H, W]; buf [1, nf + 4 gc, H, W] holds the input and
@@ -493,11 +499,37 @@ end
 
 -- ---------------------------------------------------------------- upscale
 
--- x padded at the bottom and right to multiples of u (edge pixels repeated), and the pads.
-local function pad_to(x, u)
+-- x padded at the bottom and right to multiples of u (edge pixels repeated; the other
+-- side's on a wrapped axis of mode, where the network then sees a period u-rounded: a
+-- picture of such a size comes back tiling only nearly), and the pads.
+local function pad_to(x, u, mode)
   local ph, pw = (-x.shape[3]) % u, (-x.shape[4]) % u
   if ph == 0 and pw == 0 then return x, 0, 0 end
-  return nn.pad(x, { 0, pw, 0, ph }, "replicate"), ph, pw
+  local wy, wx = seamless.axes(mode)
+  if not wy and not wx then return nn.pad(x, { 0, pw, 0, ph }, "replicate"), ph, pw end
+  local c = nn.pad(x, { 0, wx and pw or 0, 0, wy and ph or 0 }, "circular")
+  if (wx or pw == 0) and (wy or ph == 0) then return c, ph, pw end
+  local r = nn.pad(c, { 0, wx and 0 or pw, 0, wy and 0 or ph }, "replicate")
+  c:free()
+  return r, ph, pw
+end
+
+-- a [B, C, H, W] resized bilinearly by the whole factor s; on the wrapped axes of mode
+-- the picture continues across its edges (padded circularly by one pixel, which the
+-- resize turns into s, cropped).
+local function bilinear_up(a, s, mode)
+  local H, W = a.shape[3], a.shape[4]
+  local wy, wx = seamless.axes(mode)
+  local py, px = wy and 1 or 0, wx and 1 or 0
+  if py + px == 0 then return nn.interpolate(a, { size = { s * H, s * W }, mode = "bilinear" }) end
+  local p = nn.pad(a, { px, px, py, py }, "circular")
+  local r = nn.interpolate(p, { size = { s * (H + 2 * py), s * (W + 2 * px) }, mode = "bilinear" })
+  p:free()
+  local v = r:narrow(3, s * py + 1, s * H)
+  local c = v:narrow(4, s * px + 1, s * W)
+  local out = c:contiguous()
+  c:free(); v:free(); r:free()
+  return out
 end
 
 --- img [B, C, H, W] in [0, 1] (C = 3; 4: RGBA, alpha upscaled bilinearly apart; 1: grey,
@@ -506,8 +538,20 @@ end
 -- false: untiled), overlap (DEFAULT_OVERLAP times the unshuffle factor), min_tile. An
 -- out-of-memory error retries with the tile halved; tiles are blended with cosine
 -- feathering. H and W need not be multiples of an unshuffle factor (edges are padded).
+-- tileable ("x" | "y" | "xy"; default up.tileable): circular padding on those axes and
+-- tiles that wrap around (kiln.seamless), for a picture that tiles.
 function Upscaler:upscale(img, opts)
   opts = opts or {}
+  local mode = seamless.check(opts.tileable == nil and self.tileable or opts.tileable, "upscaler:upscale: tileable")
+  local prev = self.tileable
+  self.tileable = mode
+  local ok, r = pcall(self._upscale, self, img, opts, mode)
+  self.tileable = prev
+  if not ok then error(r, 0) end
+  return r
+end
+
+function Upscaler:_upscale(img, opts, mode)
   local cfg = self.config
   if type(img) ~= "userdata" or #img.shape ~= 4 then
     error("upscaler:upscale: img must be a tensor [B, C, H, W]", 2)
@@ -536,7 +580,7 @@ function Upscaler:upscale(img, opts)
     rgb = own(img:expand({ img.shape[1], 3, img.shape[3], img.shape[4] }))
   end
   local H, W = img.shape[3], img.shape[4]
-  local x, ph, pw = pad_to(rgb, u)
+  local x, ph, pw = pad_to(rgb, u, mode)
   if x ~= rgb then own(x) end
   local dev = img.device
   if tile == nil then
@@ -552,9 +596,17 @@ function Upscaler:upscale(img, opts)
     return y
   end
   local units = tile and tile ~= "auto" and math.max(1, tile // u) or tile or nil
+  -- tileable: the tiles wrap around (the input padded circularly by a margin, the tiles
+  -- run with zero padding and a halo of a quarter of the overlap, the margin cropped)
+  local tiled = mode and function(mo)
+    local m = mo.multiple or 1
+    local halo = math.max(m, (mo.overlap // 4 + m - 1) // m * m)
+    return seamless.map(x, fn, mo, mode, seamless.margin(mo.overlap, m), halo)
+  end or nil
   local y = tiling.apply(fn, x, {
     scale = s, unit = u, tile = units, overlap = math.max(1, overlap // u), blend = "cosine",
     min_tile = math.max(1, (opts.min_tile or 16) // u), what = "upscaler:upscale", cache = self, key = "upscale",
+    tiled = tiled,
   })
   if ph > 0 or pw > 0 then
     local vh = y:narrow(3, 1, s * H)
@@ -566,7 +618,7 @@ function Upscaler:upscale(img, opts)
   local out = y:clamp(0, 1)
   y:free()
   if alpha then
-    local a = nn.interpolate(alpha, { size = { s * H, s * W }, mode = "bilinear" })
+    local a = bilinear_up(alpha, s, mode)
     local ac = a:clamp(0, 1)
     a:free()
     local r = kiln.cat({ out, ac }, 2)
@@ -599,8 +651,9 @@ end
 --- The hires fix's image step: img [B, 3, H, W] through `upscale` (an upscaler from
 -- kiln.load_upscaler, or "model:FILE", loaded for this call and closed after), resized
 -- to h x w (M.resize). An upscaler not loaded anywhere is loaded to dev for the call and
--- unloaded after; one the caller loaded stays where it is.
-function M.upscale_to(upscale, img, h, w, dev)
+-- unloaded after; one the caller loaded stays where it is. tileable: the run's mode
+-- (Upscaler:upscale's option).
+function M.upscale_to(upscale, img, h, w, dev, tileable)
   local up, own = upscale, false
   if type(upscale) == "string" then
     up, own = M.load((upscale:gsub("^model:", ""))), true
@@ -610,7 +663,7 @@ function M.upscale_to(upscale, img, h, w, dev)
   end
   local here = own or up.device == nil
   if here then up:load(dev) end
-  local ok, big = pcall(up.upscale, up, img)
+  local ok, big = pcall(up.upscale, up, img, tileable and { tileable = tileable } or nil)
   if here then up:unload() end
   if own then up:close() end
   if not ok then error(big, 0) end

@@ -26,6 +26,24 @@ local count_indices = util.count_indices
 
 local function need(shapes, name, what) return util.need_shape(shapes, name, what, "VAE") end
 
+-- Half activations: under a half precision on a GPU the layers run in f16 / bf16
+-- (kiln.activation_dtype of the device); the network's input is converted at its entry
+-- and its output (and the tiles before they are blended) back to f32.
+-- x in the activation dtype of dev: a new tensor, or nil when x keeps its dtype.
+local function to_act(x, dev)
+  local dt = kiln.activation_dtype(dev)
+  if dt == "f32" or x.dtype == dt then return nil end
+  return x:to(dt)
+end
+
+-- t (freed) as f32
+local function to_f32(t)
+  if t.dtype == "f32" then return t end
+  local r = t:to("f32")
+  t:free()
+  return r
+end
+
 -- name -> shape (relative to the VAE root: "encoder.conv_in.weight") -> architecture.
 -- opts: scale_factor, shift_factor.
 function M.config(shapes, opts)
@@ -262,6 +280,11 @@ function VAE:_gn_affine(x, s, w, b, silu)
   b32:free(); ma:free()
   local a4 = a:reshape({ C, 1, 1, 1 })
   a:free()
+  if x.dtype ~= a4.dtype then -- half activations: the map in their dtype (an f32 weight would widen them)
+    local a5, c5 = a4:to(x.dtype), c:to(x.dtype)
+    a4:free(); c:free()
+    a4, c = a5, c5
+  end
   local y = nn.conv2d(x, a4, c, { groups = C })
   a4:free(); c:free()
   if silu then
@@ -394,11 +417,14 @@ function VAE:decode_raw(z)
   local cfg = self.config
   if not cfg.has_decoder then error("vae:decode: this VAE has no decoder", 2) end
   local pass <close> = self.streamer:pass(self.decode_order)
-  local h = self:_dec_head(pass, z)
+  local za = to_act(z, z.device)
+  local h = self:_dec_head(pass, za or z)
+  if za then za:free() end
   for i = cfg.levels - 1, 0, -1 do
     h = pass:run(fmt("decoder.up.%d.", i), self._dec_up, self, i, h)
   end
-  return pass:run("decoder.out", self._dec_out, self, h)
+  local out = pass:run("decoder.out", self._dec_out, self, h)
+  return za and to_f32(out) or out
 end
 
 function VAE:_enc_down(i, h)
@@ -430,12 +456,15 @@ function VAE:encode_raw(x)
   local cfg = self.config
   if not cfg.has_encoder then error("vae:encode: this VAE has no encoder", 2) end
   local pass <close> = self.streamer:pass(self.encode_order)
-  local h = pass:run("encoder.in", conv, self, "encoder.conv_in", x, { padding = 1 })
+  local xa = to_act(x, x.device)
+  local h = pass:run("encoder.in", conv, self, "encoder.conv_in", xa or x, { padding = 1 })
+  if xa then xa:free() end
   for i = 0, cfg.levels - 1 do
     h = pass:run(fmt("encoder.down.%d.", i), self._enc_down, self, i, h)
   end
   h = pass:run("encoder.mid.", self._mid, self, "encoder", h)
-  return pass:run("encoder.out", self._enc_out, self, h)
+  local m = pass:run("encoder.out", self._enc_out, self, h)
+  return xa and to_f32(m) or m
 end
 
 -- ---------------------------------------------------------------- tiling options
@@ -532,6 +561,8 @@ local HOST = "cpu"
 -- scaled-down latent (logged; ~15 dB less exact).
 function VAE:_decode_tiles(z, mo, mid)
   local zs, dev = self:_unscale(z)
+  local za = to_act(zs, dev) -- the parked tiles too are half then
+  if za then zs:free(); zs = za end
   local src, order = nil, self.decode_tail_order
   if mid ~= "tiled" then
     local ok, h = pcall(function()
@@ -570,6 +601,11 @@ function VAE:_decode_tiles(z, mo, mid)
   return img
 end
 
+-- The context a tile of a tileable lockstep run gets beyond its edges (tile units,
+-- VAE:_lockstep): two latent pixels carry the distortion zero padding makes at a
+-- tile's edge out of the pixels the blend weighs.
+local WRAP_HALO = 2
+
 -- The tiles of a tileable lockstep run: the plan over src padded by the margin on
 -- the wrapped axes, and the cores (lockstep.cores) cut to the picture, so every
 -- pixel counts once in the GroupNorm statistics. The margin is the overlap, halved
@@ -606,25 +642,54 @@ end
 -- Tileable (self.tileable): src is padded circularly by a margin on the wrapped
 -- axes, the tiles run with zero padding (their context at the border comes from the
 -- other side), the GroupNorm statistics count the picture's pixels once (the cores
--- cut at the margin), and the margin is cropped from the result.
+-- cut at the margin), and the margin is cropped from the result. Every tile edge
+-- inside the picture is then a seam (an ordinary run's border tiles end at the
+-- picture's edge, where zero padding is what the untiled network sees), and a
+-- wrapped picture's statistics, free of the border's strong responses, are smaller,
+-- which magnifies what zero padding distorts near a tile's edge: the tiles run with
+-- a halo of WRAP_HALO tile units of context beyond their edges (kept inside the
+-- picture on an axis that does not wrap), cropped from their outputs before the blend.
 function VAE:_lockstep(src, mo, dev, order, fns, label)
   local mode = seamless.active(self.tileable)
   local plan, cores, margin
+  local srch, halo = src, 0
   if mode then
     plan, cores, margin = wrap_plan(src, mo, mode, label)
+    halo = WRAP_HALO * (mo.multiple or 1)
+    srch = seamless.wrap_pad(src, mode, margin + halo)
     src = seamless.wrap_pad(src, mode, margin)
   else
     plan = kiln.tile.plan(src.shape[3], src.shape[4], mo)
     cores = lockstep.cores(plan)
   end
   local ctx = { device = dev, cores = cores, label = label, mode = "sync" }
-  local states = {}
+  local states, ext = {}, {}
+  local wy, wx = seamless.axes(mode)
+  local oy, ox = wy and halo or 0, wx and halo or 0 -- srch's rows / columns before src's
   for i = 1, plan.count do
-    local r = plan[i].input
-    local a = src:narrow(3, r.y, r.h)
-    local b = a:narrow(4, r.x, r.w)
+    local r, c = plan[i].input, cores[i]
+    local y0, x0 = r.y + oy, r.x + ox
+    local e = { t = math.min(halo, y0 - 1), b = math.min(halo, srch.shape[3] - (y0 + r.h - 1)),
+      l = math.min(halo, x0 - 1), r = math.min(halo, srch.shape[4] - (x0 + r.w - 1)) }
+    ext[i] = e
+    c.y0, c.y1, c.x0, c.x1 = c.y0 + e.t, c.y1 + e.t, c.x0 + e.l, c.x1 + e.l
+    c.h, c.w = r.h + e.t + e.b, r.w + e.l + e.r
+    local a = srch:narrow(3, y0 - e.t, c.h)
+    local b = a:narrow(4, x0 - e.l, c.w)
     states[i] = b:contiguous()
     b:free(); a:free()
+  end
+  if srch ~= src then srch:free() end
+  -- a tile's output without its halo
+  local function core_of(o, i)
+    local e, s = ext[i], mo.scale
+    if e.t + e.b + e.l + e.r == 0 then return o end
+    local ph, pw = math.floor(plan[i].input.h * s + 0.5), math.floor(plan[i].input.w * s + 0.5)
+    local a = o:narrow(3, math.floor(e.t * s + 0.5) + 1, ph)
+    local b = a:narrow(4, math.floor(e.l * s + 0.5) + 1, pw)
+    local r = b:contiguous()
+    b:free(); a:free(); o:free()
+    return r
   end
   self._gn_stats = ctx
   local ok, outs = pcall(seamless.suspend, function()
@@ -648,10 +713,11 @@ function VAE:_lockstep(src, mo, dev, order, fns, label)
     if is_oom(outs) and outs.device == HOST and dev ~= HOST then return nil, "no host memory to park the tiles" end
     error(outs, 0)
   end
+  local half = kiln.activation_dtype(dev) ~= "f32"
   local ok2, r = pcall(kiln.tile.map, src, function(_, i)
-    local o = outs[i]
+    local o = core_of(outs[i], i)
     outs[i] = nil
-    return o
+    return half and to_f32(o) or o -- blended in f32 (half activations end here)
   end, mo)
   if mode then src:free() end
   if not ok2 then
@@ -671,6 +737,8 @@ function VAE:_encode_tiles(img, mo)
   local x2 = img * 2
   local x = x2 - 1
   x2:free()
+  local xa = to_act(x, dev)
+  if xa then x:free(); x = xa end
   x:move(HOST)
   local fns = { ["encoder.in"] = function(t)
     local w, b = self:w("encoder.conv_in.weight"), self:w("encoder.conv_in.bias")
@@ -685,13 +753,15 @@ function VAE:_encode_tiles(img, mo)
     return self:_map(img, function(t) return self:_encode_untiled(t) end, mo)
   end
   h:move(dev)
+  local ha = to_act(h, dev)
+  if ha then h:free(); h = ha end
   local m
   do
     local pass <close> = self.streamer:pass(self.encode_tail_order)
     h = pass:run("encoder.mid.", self._mid, self, "encoder", h)
     m = pass:run("encoder.out", self._enc_out, self, h)
   end
-  return self:_scale_latent(m)
+  return self:_scale_latent(ha and to_f32(m) or m)
 end
 
 -- The fallback: every tile runs the whole decoder, normalizing with statistics
@@ -706,11 +776,13 @@ function VAE:_decode_tiles_estimated(z, mo, why)
   return self:_map(z, function(t) return self:_decode_untiled(t) end, mo)
 end
 
--- kiln.tile.map(x, fn, mo), wrapping around when tileable (kiln.seamless.map).
+-- kiln.tile.map(x, fn, mo), wrapping around when tileable (kiln.seamless.map, with
+-- the lockstep's halo).
 function VAE:_map(x, fn, mo)
   local mode = seamless.active(self.tileable)
   if not mode then return kiln.tile.map(x, fn, mo) end
-  return seamless.map(x, fn, mo, mode, seamless.margin(mo.overlap, mo.multiple))
+  local unit = mo.multiple or 1
+  return seamless.map(x, fn, mo, mode, seamless.margin(mo.overlap, unit), WRAP_HALO * unit)
 end
 
 -- The untiled network of vae:decode / vae:encode, per tile, as kiln.tiling expects

@@ -13,6 +13,7 @@
  * torch_gemm_conv.py. Other work on the machine shows up as noise: rerun and compare. */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu_kernels.h"
+#include "precision.h"
 #include "threadpool.h"
 
 #include <cblas.h>
@@ -325,6 +326,13 @@ int main(void)
                        th * 1e3, flops(c) / th * 1e-9, 100.0 * flops(c) / th * 1e-9 / peak);
                 free(wh);
             }
+        }
+        { /* kiln.precision("bf16"): bf16 inputs, f32 sums (where the CPU has AVX-512) */
+            kiln_precision_set(KILN_PREC_BF16);
+            double tb16 = best_of(run_kiln, &r, 1.0, 3);
+            kiln_precision_set(KILN_PREC_F32);
+            printf("%-26s %9.2f %7.0f %5.0f%%   (precision bf16: x%.2f the f32 time)\n", "  ... bf16", tb16 * 1e3,
+                   flops(c) / tb16 * 1e-9, 100.0 * flops(c) / tb16 * 1e-9 / peak, tb16 / t);
         }
         if (c->kind == 2) { /* the conv paths one by one */
             static const char *const paths[4] = {"gemm", "winograd", "winograd-few", "im2col"};

@@ -15,7 +15,7 @@
 --
 -- --quick: 32x32 latents (256x256 images), batch 1 only, the pipeline piece at
 -- 256x256 (a few minutes instead of about ten). --only: comma-separated subset of
--- unet,vae,clip,modes,pipeline,lora,control,preview,upscale,residency,comfy (a ComfyUI
+-- unet,vae,bf16,clip,modes,pipeline,meta,lora,control,preview,upscale,residency,comfy (a ComfyUI
 -- hires-fix graph with a LoRA and a ControlNet, low mode on sim inside --comfy-budget,
 -- default 768: liveness against keeping every result). --warmup: untimed evaluations before the timed ones, on
 -- both sides (default 1; the per-step cost a sampler pays: kiln's first evaluation on
@@ -26,11 +26,14 @@
 -- Tensors up to 1 Mi elements are kiln.randn with their own seed; larger ones repeat
 -- a seeded 1 Mi-element randn block (random enough for timing, and 5x faster to
 -- generate); weights are scaled by 1/sqrt(fan_in), norm weights are 1 + 0.1 N(0, 1).
+-- bf16: kiln.precision("bf16") against "f32" in the same run, runs alternating: the UNet
+-- (each batch) and the VAE decode, time ratio and relative error; bf16_e2e (opt-in, long):
+-- txt2img at 8x the latent size, 20 steps, CFG, euler, in f32 and in bf16.
 local kiln = require "kiln"
 local util = require "kiln.util"
 
 local opts = util.parse_args(arg or {}, {
-  quick = false, ["repeat"] = 1, only = "unet,lowbit,vae,clip,modes,pipeline,lora,control,preview,upscale,residency,comfy", no_torch = false, weights = "",
+  quick = false, ["repeat"] = 1, only = "unet,lowbit,vae,bf16,clip,modes,pipeline,meta,lora,control,preview,upscale,residency,comfy", no_torch = false, weights = "",
   fresh = false, clean = false, threads = 0, budget = 512, control_budget = 640, comfy_budget = 768, warmup = 1,
 })
 if opts.threads > 0 then kiln.set_threads(opts.threads) end
@@ -365,6 +368,73 @@ if only.vae then
   img:free()
 end
 
+-- bf16 against f32: each network timed in both precisions, alternating run by run so
+-- that both see the same stretch of a shared machine; the error is the bf16 output's
+-- max |difference| over the f32 output's max |value|
+local function precision_pair(label, flops, fn)
+  local best, outs, cpus = { f32 = math.huge, bf16 = math.huge }, {}, {}
+  collectgarbage(); collectgarbage()
+  kiln.mem.empty_cache("cpu")
+  for _, p in ipairs({ "f32", "bf16" }) do -- warm-up of both
+    for _ = 1, WARMUP do
+      kiln.precision(p)
+      local o = fn()
+      if o and o.free then o:free() end
+    end
+  end
+  for _ = 1, REPEAT do
+    for _, p in ipairs({ "f32", "bf16" }) do
+      kiln.precision(p)
+      if outs[p] then outs[p]:free() end
+      collectgarbage(); collectgarbage()
+      local t0, c0 = kiln.time(), os.clock()
+      outs[p] = fn()
+      local dt, dc = kiln.time() - t0, os.clock() - c0
+      if dt < best[p] then best[p], cpus[p] = dt, dc end
+    end
+  end
+  kiln.precision("auto")
+  local err = rel_err(outs.bf16, outs.f32)
+  row(label .. ", f32", best.f32, cpus.f32, flops, kiln.mem.stats("cpu").peak)
+  row(label .. ", bf16", best.bf16, cpus.bf16, flops, kiln.mem.stats("cpu").peak, nil, err)
+  say("  %s: bf16 x%.3f the f32 time, rel.err %.1e", label, best.bf16 / best.f32, err)
+  outs.f32:free(); outs.bf16:free()
+  return best.bf16 / best.f32, err
+end
+
+if only.bf16 then
+  say("\nbf16 against f32 (kiln.precision), cpu%s", kiln.precision_of and "" or ": kiln.precision missing")
+  for _, B in ipairs(BATCHES) do
+    local x, t, ctx = inputs(B, SIZE)
+    precision_pair(fmt("unet b%d %dx%d", B, SIZE, SIZE), unet_flops(ucfg, B, SIZE, SIZE, 77),
+      function() return ck.unet:forward(x, t, ctx) end)
+  end
+  local z = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 13 })
+  precision_pair(fmt("vae decode %dx%d", SIZE, SIZE), vae_decode_flops(ck.vae.config, SIZE, SIZE),
+    function() return ck.vae:decode(z) end)
+end
+
+if only.bf16_e2e then
+  local pipeline = require "kiln.pipeline"
+  say("\ntxt2img %dx%d, 20 steps, CFG 7, euler, cpu: f32 then bf16", 8 * SIZE, 8 * SIZE)
+  local o = { prompt = "a photograph of an astronaut riding a horse", seed = 1, steps = 20, cfg = 7,
+    sampler = "euler", scheduler = "normal", width = 8 * SIZE, height = 8 * SIZE }
+  local imgs, secs = {}, {}
+  for _, p in ipairs({ "f32", "bf16" }) do
+    kiln.precision(p)
+    collectgarbage(); collectgarbage()
+    local t0, c0 = kiln.time(), os.clock()
+    imgs[p] = pipeline.txt2img(ck, o)
+    secs[p] = kiln.time() - t0
+    row(fmt("txt2img %dx%d 20 steps, %s", 8 * SIZE, 8 * SIZE, p), secs[p], os.clock() - c0, nil,
+      kiln.mem.stats("cpu").peak)
+  end
+  kiln.precision("auto")
+  say("  txt2img: bf16 %.1f s, f32 %.1f s (x%.3f), rel.err %.1e", secs.bf16, secs.f32, secs.bf16 / secs.f32,
+    rel_err(imgs.bf16, imgs.f32))
+  imgs.f32:free(); imgs.bf16:free()
+end
+
 if only.clip then
   say("\nCLIP-L encode (77 tokens), cpu")
   local enc = ck.clip.encoders[1].enc
@@ -488,6 +558,38 @@ if only.pipeline and has_sim then
     return lat, "UNet step with CFG (2 evaluations)"
   end)
   pipe = { ok = ok, peak = st.peak_reserved, budget = budget }
+end
+
+-- 3b. the shape-only device (--only meta): the same piece as a dry run modelling sim
+-- (kiln.dry_run: same budget, low mode, no arithmetic, no weights read) against the
+-- real run: predicted and measured peaks, the error, the dry run's time
+local meta_row
+if only.meta and has_sim then
+  local budget = math.floor(opts.budget * MiB)
+  local function step(cond, uncond, pipeline)
+    ck.unet:load("sim")
+    local den = pipeline.denoiser(ck, cond, uncond, 7.5, {})
+    local x = kiln.randn({ 1, 4, SIZE, SIZE }, { seed = 14 }) * 14.6
+    local lat = den(x, 14.6)
+    ck.unet:unload()
+    x:free()
+    return lat, "UNet step with CFG (2 evaluations)"
+  end
+  say("\nDry run of the pipeline piece (kiln.dry_run modelling sim, mode low, budget %s) against the real run",
+    human(budget))
+  local r = kiln.dry_run(function() sim_piece(budget, step) end, { device = "sim", budget = budget })
+  say("  predicted in %.2f s: peak %s allocated, %s reserved%s", r.seconds, human(r.peak_allocated),
+    human(r.peak_reserved), r.fits and "" or (", does not fit: " .. tostring(r.oom)))
+  local t0 = kiln.time()
+  local ok, _, st = sim_piece(budget, step)
+  local real_s = kiln.time() - t0
+  if ok then
+    local err = (r.peak_allocated - st.peak) / st.peak
+    local err_r = (r.peak_reserved - st.peak_reserved) / st.peak_reserved
+    say("  measured in %.1f s: peak %s allocated, %s reserved; prediction error %+.2f%% allocated, %+.2f%% reserved",
+      real_s, human(st.peak), human(st.peak_reserved), 100 * err, 100 * err_r)
+    meta_row = { err = err, err_r = err_r, seconds = r.seconds, real = real_s }
+  end
 end
 
 -- 4. a rank-32 kohya LoRA (the layers kohya's trainer targets by default: the UNet's
@@ -815,6 +917,54 @@ if only.residency and has_sim then
   x:free(); t:free(); ctx:free()
 end
 
+-- A budget lowered live (as a host's kiln_memory_set_budget from its thread) in the
+-- middle of a UNet evaluation on sim, mode normal, the UNet resident: at the next block
+-- it turns to streaming; the time from the change to compliance (reserved within the
+-- new budget), the evaluation against an undisturbed one, the same output. Opt-in
+-- (--only live): its numbers go with the suspend / resume latencies of test_live.
+if only.live and has_sim then
+  say("\nA budget lowered live in the middle of a UNet evaluation on sim (batch 1, %dx%d)", SIZE, SIZE)
+  local x, t, ctx = inputs(1, SIZE)
+  kiln.memory_mode("normal")
+  kiln.mem.set_budget("sim", 0)
+  ck.unet:load("sim")
+  local warm = ck.unet:forward(x, t, ctx)
+  warm:free()
+  kiln.mem.reset_peak("sim")
+  local sec_ref, ref, cpu_ref = time_best(1, function() return ck.unet:forward(x, t, ctx) end, 0)
+  local peak_ref = kiln.mem.stats("sim").peak_reserved
+  local _, window = ck.unet.streamer:_sizes(ck.unet.model)
+  -- what a streamed evaluation needs: the activations and two blocks' weights
+  local low = peak_ref - ck.unet:bytes("sim") + window + 64 * MiB
+  local sp, n = kiln.suspend_point, 0
+  kiln.suspend_point = function()
+    n = n + 1
+    if n == 4 then kiln.mem.set_budget("sim", low, { live = true }) end
+    return sp()
+  end
+  local ok, sec, out, cpu = pcall(time_best, 1, function() return ck.unet:forward(x, t, ctx) end, 0)
+  kiln.suspend_point = sp
+  local w = kiln.mem.budget_watch("sim")
+  kiln.mem.set_budget("sim", 0)
+  if not ok then
+    say("  failed: %s", tostring(sec))
+  else
+    local d = out:to("cpu") - ref:to("cpu")
+    local same = d:max() == 0 and d:min() == 0
+    d:free()
+    row("unet step, undisturbed", sec_ref, cpu_ref, unet_flops(ucfg, 1, SIZE, SIZE, 77), peak_ref, nil, nil)
+    row(fmt("unet step, lowered to %s at block 4", human(low)), sec, cpu, unet_flops(ucfg, 1, SIZE, SIZE, 77),
+      w.peak_since, nil, nil)
+    say("  lowered to compliance: %s; peak after it %s of %s; same output: %s",
+      w.compliance_seconds and fmt("%.1f ms", w.compliance_seconds * 1000) or "never", human(w.peak_since),
+      human(low), tostring(same))
+    out:free()
+  end
+  ref:free()
+  ck.unet:unload()
+  x:free(); t:free(); ctx:free()
+end
+
 -- 6. a ComfyUI graph (kiln.comfy): hires fix + LoRA + ControlNet on the SD 1.5-shaped
 -- weights, low mode on sim inside --comfy-budget: the peak with results freed at their
 -- last reader against the same graph keeping every result (ComfyUI's way)
@@ -865,6 +1015,7 @@ if only.comfy and has_sim then
     kiln.mem.set_budget("sim", budget)
     local _, plan = comfy.run(g, { models = root .. "/models", output = root .. "/out", dry_run = true, device = "sim" })
     say("  dry run:\n    %s", plan.text:gsub("\n", "\n    "))
+    if plan.plan.meta then say("  predicted on meta (kiln.dry_run): peak %s", human(plan.plan.meta.peak)) end
     for _, keep in ipairs({ false, true }) do
       collectgarbage(); collectgarbage()
       kiln.mem.empty_cache("sim")

@@ -6,11 +6,15 @@
 #      OOM), then a compute-sanitizer memcheck of the custom kernels when available;
 #   3. examples/txt2img.lua on cuda:0 in each memory mode under a small --vram, and
 #      the images of the modes compared;
-#   4. benchmarks: single ops at SD 1.5 sizes, one SD 1.5 UNet step (random f16
-#      weights, 512x512, batch 2) and a VAE decode (512x512), with peak memory.
+#   4. the demo networks in f16 and bf16 activations against the cpu in f32
+#      (tests/gpu/half_networks.lua);
+#   5. benchmarks: single ops at SD 1.5 sizes, one SD 1.5 UNet step (random weights,
+#      512x512, batch 2) and a VAE decode (512x512) in f32, f16 and bf16: time, it/s
+#      and activation peak (tests/gpu/bench_precision.lua).
 # Usage (from anywhere): bash tests/gpu/run.sh [--quick]
 #   --quick  skips memcheck and the demo.  Logs go to $OUT (default build/gpu-run).
-# Exit status: non-zero when the build, the parity test or the demo fails.
+# Exit status: non-zero when the build, the parity test, the demo, the half-precision
+# networks or the halved activation peak fail.
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -53,7 +57,7 @@ else
   B=$ROOT/build/gpu-direct
   mkdir -p "$B/obj"
   {
-    for f in runtime/*.c kernels/*.c kernels/cpu/*.c; do
+    for f in runtime/*.c kernels/*.c $(ls kernels/*/*.c | grep -v '^kernels/cuda/'); do
       echo "gcc -std=c11 -Wall -Wextra -O2 -g -c $f -o $B/obj/$(echo "$f" | tr / _).o"
     done
     echo "gcc -std=c11 -Wall -Wextra -O2 -g -I$CUDA_HOME/include -c kernels/cuda/cuda_backend.c -o $B/obj/cuda_backend.o"
@@ -148,6 +152,15 @@ else
   fi
 fi
 
+section "the demo networks in half precision (f16, bf16) against the cpu in f32"
+if [ -z "$KILN" ] || [ ! -f examples/models/kiln-shapes.safetensors ]; then
+  echo "skipped: no kiln binary or no demo model"
+elif timeout 150 "$KILN" tests/gpu/half_networks.lua cuda:0 >"$OUT/half_networks.log" 2>&1; then
+  grep -E '^(PASS|SKIP|# )' "$OUT/half_networks.log" | sed 's/^/  /'
+else
+  sed 's/^/  /' "$OUT/half_networks.log" | tail -40; fail "half-precision networks"
+fi
+
 section "tiled VAE on cuda:0 against the untiled decode (lockstep GroupNorm)"
 if [ -z "$KILN" ] || [ ! -f examples/models/kiln-shapes.safetensors ]; then
   echo "skipped: no kiln binary or no demo model"
@@ -167,78 +180,9 @@ if [ -z "$KILN" ]; then
 elif [ ! -f scripts/kiln/unet.lua ] || [ ! -f scripts/kiln/vae.lua ]; then
   echo "UNet/VAE benchmark skipped: scripts/kiln/unet.lua or vae.lua does not exist yet"
 else
-  cat >"$OUT/bench_sd15.lua" <<'LUA'
--- SD 1.5-architecture UNet step (batch 2, 512x512 -> 64x64 latents) and VAE decode
--- (512x512) with random f16 weights made on the device (no checkpoint needed).
-local dev, dt = arg[1] or "cuda:0", "f16"
-local unet, vae = require "kiln.unet", require "kiln.vae"
-local has_stream, stream = pcall(require, "kiln.stream")
-
-local function numel(s) local n = 1 for _, d in ipairs(s) do n = n * d end return n end
-local pool = kiln.randn({ 32 * 1024 * 1024 }, { seed = 1 }):to(dev):to(dt)
-local function make(list) -- every weight: a scaled copy of a slice of the pool
-  local W, bytes = {}, 0
-  for _, e in ipairs(list) do
-    local shape = e[2]
-    local n = numel(shape)
-    local v = pool:narrow(1, 1, n)
-    local r = v:reshape(shape)
-    W[e[1]] = r * (1 / math.sqrt(math.max(n // shape[1], 1)))
-    v:free(); r:free()
-    bytes = bytes + W[e[1]]:nbytes()
-  end
-  return W, bytes
-end
-local function weights(W)
-  local store = { tensor = function(_, name)
-    local t = W[name] or error("bench: no tensor " .. name)
-    return t:reshape(t.shape) -- a new handle: networks free the handles they are given
-  end }
-  return has_stream and stream.weights and stream.weights(store, "") or store
-end
-local function free_all(W) for _, t in pairs(W) do t:free() end end
-local function sync(t) local h = t:to("cpu"); h:free() end -- device->host waits for the compute stream
-local function bench(label, fn, iters)
-  local r = fn(); sync(r); r:free() -- warm-up: cuDNN/cuBLAS choices, first allocations
-  kiln.mem.reset_peak(dev)
-  local t0 = kiln.time()
-  for i = 1, iters do r = fn(); if i < iters then r:free() end end
-  sync(r); r:free()
-  local s = kiln.mem.stats(dev)
-  print(("  %-44s %8.1f ms   peak allocated %6.0f MiB  (reserved %6.0f MiB)"):format(
-    label, (kiln.time() - t0) / iters * 1000, s.peak / 2^20, (s.peak_reserved or 0) / 2^20))
-end
-
-local ucfg = { model_channels = 320, in_channels = 4, out_channels = 4, time_embed_dim = 1280, num_res_blocks = 2,
-  levels = 4, channel_mult = { 1, 2, 4, 4 }, attention = { true, true, true, false }, transformer_depth = { 1, 1, 1, 0 },
-  transformer_depth_middle = 1, context_dim = 768, linear_proj = false, heads = 8 }
-local ok, err = pcall(function()
-  local W, bytes = make(unet.expected(ucfg))
-  print(("  UNet: %d tensors, %.0f MiB of f16 weights on %s"):format(#unet.expected(ucfg), bytes / 2^20, dev))
-  local u = unet.new(weights(W), ucfg)
-  local x = kiln.randn({ 2, 4, 64, 64 }, { seed = 2 }):to(dev):to(dt)
-  local ctx = kiln.randn({ 2, 77, 768 }, { seed = 3 }):to(dev):to(dt)
-  local t = kiln.tensor({ 999, 999 })
-  bench("UNet step (SD 1.5, batch 2, 64x64 latents)", function() return u:forward(x, t, ctx) end, 3)
-  x:free(); ctx:free(); free_all(W)
-end)
-if not ok then print("  UNet benchmark failed: " .. tostring(err)) end
-
-local vcfg = { has_encoder = false, has_decoder = true, z_channels = 4, levels = 4, num_res_blocks = 2, out_ch = 3,
-  ch = 128, ch_mult = { 1, 2, 4, 4 }, embed_dim = 4, in_channels = 3, factor = 8, scale_factor = 0.18215, shift_factor = 0 }
-ok, err = pcall(function()
-  local W, bytes = make(vae.expected(vcfg))
-  print(("  VAE decoder: %.0f MiB of f16 weights"):format(bytes / 2^20))
-  local v = vae.new(weights(W), vcfg)
-  local z = kiln.randn({ 1, 4, 64, 64 }, { seed = 4 }):to(dev):to(dt)
-  bench("VAE decode (512x512)", function() return v:decode_raw(z) end, 2)
-  z:free(); free_all(W)
-end)
-if not ok then print("  VAE benchmark failed: " .. tostring(err)) end
-pool:free()
-print(kiln.mem.summary and kiln.mem.summary() or "")
-LUA
-  timeout 180 "$KILN" "$OUT/bench_sd15.lua" cuda:0 2>&1 | tee "$OUT/bench_sd15.log"
+  # f32, f16, bf16: time, it/s and activation peak (halved in half precision)
+  timeout 150 "$KILN" tests/gpu/bench_precision.lua cuda:0 2>&1 | tee "$OUT/bench_precision.log"
+  grep -q '^FAIL' "$OUT/bench_precision.log" && fail "half precision does not halve the activation peak"
 fi
 
 # ---------------------------------------------------------------------------- summary

@@ -17,7 +17,8 @@ local DEMO = "examples/models/kiln-shapes.safetensors"
 local ROOT = T.TMP .. "/comfy"
 local MODELS, OUT = ROOT .. "/models", ROOT .. "/out"
 local dirs = { "/comfy", "/comfy/models", "/comfy/out" }
-for _, d in ipairs({ "checkpoints", "loras", "controlnet", "upscale_models", "input" }) do
+for _, d in ipairs({ "checkpoints", "loras", "controlnet", "upscale_models", "input", "diffusion_models",
+  "text_encoders", "text_encoders/xl", "vae", "vae_approx", "unet" }) do
   dirs[#dirs + 1] = "/comfy/models/" .. d
 end
 for _, d in ipairs(dirs) do lfs.mkdir(T.TMP .. d) end
@@ -35,6 +36,7 @@ end
 -- links, so that the demo model's tokenizer beside it is found (as a folder of links to
 -- a models collection is usually laid out)
 local function link(src, dst)
+  if lfs.symlinkattributes(dst, "mode") then return end
   local abs = src:sub(1, 1) == "/" and src or (lfs.currentdir() .. "/" .. src)
   assert(lfs.link(abs, dst, true))
   T.tmp(dst:sub(#T.TMP + 2))
@@ -361,6 +363,187 @@ test("comfy: CLIPTextEncodeSDXL on the tiny SDXL checkpoint equals kiln.pipeline
     cfg = 4, width = 32, height = 32, weighting = "comfy" }), "sdxl")
 end)
 
+-- the demo checkpoint split into files as ComfyUI's folders hold them: the UNet under
+-- its bare names (with the metadata that says what the shapes cannot), the text encoder
+-- with the demo's tokenizer beside it, the VAE; and a tiny TAESD in vae_approx/
+do
+  local all = kiln.load_safetensors(DEMO)
+  local meta = demo.metadata
+  local parts = { unet = {}, clip = {}, vae = {} }
+  for k, t in pairs(all) do
+    local u = k:match("^model%.diffusion_model%.(.*)$")
+    local c = k:match("^cond_stage_model%.transformer%.(.*)$")
+    local v = k:match("^first_stage_model%.(.*)$")
+    if u then parts.unet[u] = t elseif c then parts.clip[c] = t elseif v then parts.vae[v] = t end
+  end
+  local function save(rel, tensors, md)
+    kiln.save_safetensors(MODELS .. "/" .. rel, tensors, md)
+    T.tmp("comfy/models/" .. rel)
+  end
+  save("diffusion_models/demo_unet.safetensors", parts.unet, meta)
+  save("text_encoders/demo_clip.safetensors", parts.clip, { ["kiln.heads.clip"] = meta["kiln.heads.clip"],
+    ["kiln.clip.activation"] = meta["kiln.clip.activation"] })
+  save("vae/demo_vae.safetensors", parts.vae)
+  for _, f in ipairs({ "vocab.json", "merges.txt" }) do link("examples/models/" .. f, MODELS .. "/text_encoders/" .. f) end
+  save("vae_approx/taesd_decoder.safetensors", T.build_recipe("../taesd/decoder"))
+  save("vae_approx/taesd_encoder.safetensors", T.build_recipe("../taesd/encoder"))
+end
+
+-- the txt2img graph with the demo from separate files
+local function split_graph(s)
+  local g = txt2img_graph(s)
+  g["4"] = { class_type = "UNETLoader", inputs = { unet_name = "demo_unet.safetensors", weight_dtype = s.dtype or "default" } }
+  g["41"] = { class_type = "CLIPLoader", inputs = { clip_name = "demo_clip.safetensors", type = "stable_diffusion" } }
+  g["42"] = { class_type = "VAELoader", inputs = { vae_name = s.vae or "demo_vae.safetensors" } }
+  g["6"].inputs.clip = { "41", 0 }
+  g["7"].inputs.clip = { "41", 0 }
+  g["8"].inputs.vae = { "42", 0 }
+  return g
+end
+
+test("comfy: UNETLoader + CLIPLoader + VAELoader from separate files give the checkpoint graph's picture", function()
+  local s = { prompt = S.prompt, negative = S.negative, seed = S.seed, steps = S.steps, cfg = S.cfg,
+    sampler = S.sampler, scheduler = S.scheduler, prefix = "split" }
+  local files = run(split_graph(s))
+  same_picture(files[1], pipeline.txt2img(demo, popts()), "split files")
+  -- with a LoRA on both (LoraLoader over the separate MODEL and CLIP), as the hires graph's
+  local g = split_graph(s)
+  g["20"] = { class_type = "LoraLoader", inputs = { model = { "4", 0 }, clip = { "41", 0 }, lora_name = "lr.safetensors",
+    strength_model = 0.8, strength_clip = 0.6 } }
+  g["6"].inputs.clip, g["7"].inputs.clip, g["3"].inputs.model = { "20", 1 }, { "20", 1 }, { "20", 0 }
+  files = run(g)
+  same_picture(files[1], pipeline.txt2img(demo, popts({ lora = { { name = "lr", path = LORA, unet = 0.8, clip = 0.6 } } })),
+    "split files with a LoRA")
+  -- a LoRA with UNet keys only, through LoraLoader: the separate text encoder has nothing
+  -- to patch and stays as it is (ComfyUI's), the UNet gets it
+  local only_unet = MODELS .. "/loras/unet_only.safetensors"
+  local k = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn2_to_k"
+  kiln.save_safetensors(only_unet, { [k .. ".lora_down.weight"] = kiln.randn({ 2, 64 }, { seed = 1 }) * 0.3,
+    [k .. ".lora_up.weight"] = kiln.randn({ 64, 2 }, { seed = 2 }) * 0.3 })
+  T.tmp("comfy/models/loras/unet_only.safetensors")
+  g["20"].inputs.lora_name = "unet_only.safetensors"
+  files = run(g)
+  same_picture(files[1], pipeline.txt2img(demo, popts({ lora = { { name = "u", path = only_unet, unet = 0.8, clip = 0 } } })),
+    "a UNet-only LoRA on separate files")
+end)
+
+test("comfy: UNETLoader fp8 weights run close to f32; VAELoader \"taesd\" decodes with vae_approx/'s TAESD", function()
+  local s = { prompt = S.prompt, negative = S.negative, seed = S.seed, steps = S.steps, cfg = S.cfg,
+    sampler = S.sampler, scheduler = S.scheduler, prefix = "fp8", dtype = "fp8_e4m3fn" }
+  local f8 <close> = kiln.load_png(run(split_graph(s))[1])
+  local want <close> = as_png(pipeline.txt2img(demo, popts()))
+  local d = maxdiff(f8, want)
+  truthy(d > 0 and d < 0.5, "fp8 weights change the picture a little: " .. d)
+  s.dtype, s.prefix, s.vae = "default", "tae", "taesd"
+  local g = split_graph(s)
+  local files = run(g)
+  local got <close> = kiln.load_png(files[1])
+  eq(got.shape[3], 64 // math.tointeger(demo.vae.factor) * 8, "TAESD's factor 8 on the demo's latents")
+  -- a q8_0 GGUF of the same UNet through ComfyUI-GGUF's loader (in unet/)
+  local parts = {}
+  for k, t in pairs(kiln.load_safetensors(MODELS .. "/diffusion_models/demo_unet.safetensors")) do parts[k] = t end
+  kiln.save_gguf(MODELS .. "/unet/demo_q8.gguf", parts, { type = "q8_0", metadata = demo.metadata })
+  T.tmp("comfy/models/unet/demo_q8.gguf")
+  g = split_graph({ prompt = S.prompt, negative = S.negative, seed = S.seed, steps = S.steps, cfg = S.cfg,
+    sampler = S.sampler, scheduler = S.scheduler, prefix = "gguf" })
+  g["4"] = { class_type = "UnetLoaderGGUF", inputs = { unet_name = "demo_q8.gguf" } }
+  local q8 <close> = kiln.load_png(run(g)[1])
+  d = maxdiff(q8, want)
+  truthy(d > 0 and d < 0.5, "q8_0 weights change the picture a little: " .. d)
+  -- CLIPLoader's device cpu: the text encoder stays on the host while the rest runs on sim
+  g = split_graph({ prompt = S.prompt, negative = S.negative, seed = S.seed, steps = S.steps, cfg = S.cfg,
+    sampler = S.sampler, scheduler = S.scheduler, prefix = "clipcpu" })
+  g["41"].inputs.device = "cpu"
+  same_picture(run(g, { device = "sim" })[1], pipeline.txt2img(demo, popts()), "text encoder on the host")
+  eq(kiln.mem.stats("sim").allocated, 0, "nothing left on sim")
+  s.dtype = "fp16"
+  raises(function() run(split_graph(s)) end, "node 4 (UNETLoader): input 'weight_dtype' is 'fp16', not one of default, fp8_e4m3fn")
+  s.dtype, s.vae = "default", "taesd3"
+  raises(function() run(split_graph(s)) end, "model 'taesd3' not found in " .. MODELS .. "/vae/")
+  g = split_graph({ prompt = "x", seed = 1, steps = 1, cfg = 3 })
+  g["41"].inputs.type = "flux"
+  raises(function() run(g) end, "node 41 (CLIPLoader): input 'type' is 'flux', not one of stable_diffusion")
+  g = split_graph({ prompt = "x", seed = 1, steps = 1, cfg = 3 })
+  g["4"].inputs.unet_name = "none.gguf"
+  raises(function() run(g) end, "model 'none.gguf' not found in " .. MODELS .. "/diffusion_models/ or " .. MODELS .. "/unet/")
+end)
+
+test("comfy: DualCLIPLoader (type sdxl) of the tiny SDXL's two text encoders, given bigG first, equals its checkpoint", function()
+  link(T.ckpt_file("sdxl"), MODELS .. "/checkpoints/tiny-xl.safetensors")
+  local ck <close> = kiln.load_checkpoint(MODELS .. "/checkpoints/tiny-xl.safetensors")
+  local all = kiln.load_safetensors(T.ckpt_file("sdxl"))
+  local l, g = {}, {}
+  for k, t in pairs(all) do
+    local a = k:match("^conditioner%.embedders%.0%.transformer%.(.*)$")
+    local b = k:match("^conditioner%.embedders%.1%.model%.(.*)$")
+    if a then l[a] = t elseif b then g[b] = t end
+  end
+  -- in a folder of their own: the demo's tokenizer beside the demo's encoder is not theirs
+  kiln.save_safetensors(MODELS .. "/text_encoders/xl/xl_l.safetensors", l, { ["kiln.heads.clip"] = ck.metadata["kiln.heads.clip"] })
+  kiln.save_safetensors(MODELS .. "/text_encoders/xl/xl_g.safetensors", g, { ["kiln.heads.clip"] = ck.metadata["kiln.heads.clip_g"] })
+  T.tmp("comfy/models/text_encoders/xl/xl_l.safetensors")
+  T.tmp("comfy/models/text_encoders/xl/xl_g.safetensors")
+  local f = math.tointeger(ck.vae.factor)
+  local s = { ckpt = "tiny-xl.safetensors", prompt = "a red circle", negative = "blur", seed = 3, steps = 2, cfg = 4,
+    w = 8 * 32 // f, h = 8 * 32 // f, prefix = "xl2" }
+  local gr = txt2img_graph(s)
+  for _, k in ipairs({ "6", "7" }) do  -- the size the pipeline's pooled vector carries
+    local text = gr[k].inputs.text
+    gr[k] = { class_type = "CLIPTextEncodeSDXL", inputs = { clip = { "4", 1 }, width = 32, height = 32, crop_w = 0,
+      crop_h = 0, target_width = 32, target_height = 32, text_g = text, text_l = text } }
+  end
+  gr["44"] = { class_type = "DualCLIPLoader", inputs = { clip_name1 = "xl/xl_g.safetensors", clip_name2 = "xl/xl_l.safetensors",
+    type = "sdxl" } }
+  gr["6"].inputs.clip, gr["7"].inputs.clip = { "44", 0 }, { "44", 0 }
+  local files = run(gr)
+  same_picture(files[1], pipeline.txt2img(ck, { prompt = "a red circle", negative = "blur", seed = 3, steps = 2,
+    cfg = 4, width = 32, height = 32, weighting = "comfy" }), "sdxl with DualCLIPLoader")
+end)
+
+-- ComfyUI's other scale methods (kiln.image.resize through kiln.resample) against
+-- PyTorch and Pillow (tests/golden/gen_resize.py writes resize/methods.safetensors)
+do
+  local rs = kiln.load_safetensors("tests/golden/resize/methods.safetensors")
+  local keys = {}
+  for k in pairs(rs) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, key in ipairs(keys) do
+    local name, w, h, mode, crop = key:match("^(%a+)_(%d+)x(%d+)_([%a%-]+)_(%a+)$")
+    if name then
+      test("comfy: scale method " .. key .. " matches " .. (mode == "lanczos" and "Pillow" or "PyTorch"), function()
+        local got <close> = kiln.image.resize(rs[name], tonumber(w), tonumber(h), { mode = mode, crop = crop })
+        local d = maxdiff(got, rs[key])
+        if mode == "lanczos" then
+          eq(d, 0, "Pillow's 8-bit levels exactly")
+        else
+          truthy(d <= (mode == "bislerp" and 1e-4 or 1e-5), mode .. " max diff " .. d)
+        end
+      end)
+    end
+  end
+end
+
+test("comfy: LatentUpscaleBy bislerp / area and ImageScale lanczos / bicubic run; a method a node lacks is refused", function()
+  local g = txt2img_graph({ prompt = "x", seed = 1, steps = 1, cfg = 3, prefix = "methods" })
+  g["50"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "3", 0 }, upscale_method = "bislerp", scale_by = 1.5 } }
+  g["51"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "50", 0 }, upscale_method = "area", scale_by = 0.5 } }
+  g["8"].inputs.samples = { "51", 0 }
+  g["52"] = { class_type = "ImageScale", inputs = { image = { "8", 0 }, upscale_method = "lanczos", width = 40, height = 24,
+    crop = "center" } }
+  g["53"] = { class_type = "ImageScaleBy", inputs = { image = { "52", 0 }, upscale_method = "bicubic", scale_by = 2 } }
+  g["9"].inputs.images = { "53", 0 }
+  local files = run(g)
+  local img <close> = kiln.load_png(files[1])
+  eq(table.concat(img.shape, "x"), "1x3x48x80")
+  g["52"].inputs.upscale_method = "bislerp"
+  raises(function() run(g) end, "node 52 (ImageScale): input 'upscale_method' is 'bislerp', not one of " ..
+    "nearest-exact, bilinear, area, bicubic, lanczos")
+  g["52"].inputs.upscale_method = "lanczos"
+  g["50"].inputs.upscale_method = "lanczos"
+  raises(function() run(g) end, "node 50 (LatentUpscaleBy): input 'upscale_method' is 'lanczos', not one of " ..
+    "nearest-exact, bilinear, area, bicubic, bislerp")
+end)
+
 test("comfy: --dry-run prints the schedule with estimates and runs nothing", function()
   local files, r = run(hires_graph(), { dry_run = true })
   eq(#files, 0)
@@ -368,6 +551,27 @@ test("comfy: --dry-run prints the schedule with estimates and runs nothing", fun
   eq(#r.plan.order, 13)
   -- the loader comes first, the SaveImage last; the LoRA before both samplers
   eq(r.plan.graph[r.plan.order[#r.plan.order]].class_type, "SaveImage")
+end)
+
+test("comfy: --dry-run predicts each node's peak on the meta device as a real run on sim measures it", function()
+  local ok, dry = pcall(function() return kiln.dry_run end)
+  if not (ok and type(dry) == "function") then H.skip("this build has no kiln.dry_run") end
+  local before = 0
+  for _ in lfs.dir(OUT) do before = before + 1 end
+  local _, r = run(hires_graph(), { dry_run = true, device = "sim" })
+  truthy(r.plan.meta, "a dry run ran: " .. tostring(r.plan.meta_error))
+  truthy(r.text:find("predicted by a dry run on the meta device", 1, true), r.text)
+  local after = 0
+  for _ in lfs.dir(OUT) do after = after + 1 end
+  eq(after, before, "the dry run wrote no file")
+  local _, real = run(hires_graph(), { device = "sim" })
+  for _, n in ipairs(real.nodes) do
+    local p = r.plan.predicted[n.id]
+    truthy(p, "node " .. n.id .. " predicted")
+    -- within one small picture: a temporary the collector frees at another moment
+    truthy(math.abs(p - n.peak) <= 0.05 * n.peak + 512 * 1024, ("node %s %s: predicted %s, measured %s"):format(n.id,
+      n.class_type, comfy.human(p), comfy.human(n.peak)))
+  end
 end)
 
 test("comfy: bad graphs are named before anything runs", function()
@@ -391,9 +595,9 @@ test("comfy: bad graphs are named before anything runs", function()
   g["51"] = { class_type = "LatentUpscaleBy", inputs = { samples = { "50", 0 }, upscale_method = "bilinear", scale_by = 2 } }
   g["3"].inputs.latent_image = { "51", 0 }
   raises(function() run(g) end, "cycle", "node 50 (LatentUpscaleBy)", "node 51 (LatentUpscaleBy)")
-  g = txt2img_graph(S)
-  g["4"].class_type = "UNETLoader"
-  raises(function() run(g) end, "node 4 (UNETLoader): not supported yet")
+  g = split_graph(S)
+  g["4"].inputs.unet_name = nil
+  raises(function() run(g) end, "node 4 (UNETLoader): input 'unet_name' (a file name in diffusion_models/ or unet/) is missing")
   raises(function() run({ nodes = {}, links = {} }) end, "UI workflow", "Export (API)")
   raises(function() run(PIC) end, "no ComfyUI workflow in it")
   g = txt2img_graph(S)
@@ -419,6 +623,22 @@ test("comfy: the CLI runs `kiln comfy FILE.json --models DIR --output DIR`; a ba
   made_out[#made_out + 1] = path
   local _, _, code = os.execute(("'%s' comfy '%s' --models '%s/none' >'%s' 2>&1"):format(exe, wf, MODELS, log))
   eq(code, 2, "exit status")
+  -- --memory-plot: the device's bytes over the run, its stages the nodes (where kiln.mem.plot
+  -- exists); on sim as the default device
+  local png = T.tmp("comfy_mem.png")
+  local okp = os.execute(("'%s' comfy '%s' --device sim --models '%s' --output '%s' --memory-plot '%s' >'%s' 2>&1"):format(exe, wf,
+    MODELS, OUT, png, log))
+  lf = assert(io.open(log))
+  text = lf:read("a")
+  lf:close()
+  for p in text:gmatch("(%S+cli_%d+_%.png)") do made_out[#made_out + 1] = p end
+  if kiln.mem and type(kiln.mem.plot) == "function" then
+    assert(okp, text)
+    truthy(lfs.attributes(png, "size"), "the plot was written: " .. text)
+    truthy(text:find("3 KSampler", 1, true), "the nodes are its stages: " .. text)
+  else
+    truthy(not okp and text:find("kiln.mem.plot is not available", 1, true), text)
+  end
 end)
 
 for _, p in ipairs(made_out) do os.remove(p) end

@@ -3,7 +3,8 @@
 -- independent PyTorch TAESD: decode and encode, tiled decode, f16 weights, a combined
 -- ComfyUI-style file, TAESD as the checkpoint's VAE (vae = "taesd" found beside it, a
 -- path, an object), and bad input named (wrong latent channels, a full VAE given as a
--- TAESD, an encoder given as a decoder).
+-- TAESD, an encoder given as a decoder); tileable runs (circular padding, wrapped
+-- tiles, no seam at the wrap, --vae taesd and the previews in tileable pipelines).
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -169,6 +170,101 @@ test("taesd: txt2img with vae = \"taesd\" in the pipeline's options", function()
   eq(ckpt.vae, before, "the checkpoint's own VAE is back after the run")
   img:free()
   local _ = src
+end)
+
+-- x rolled circularly by s along dim d (torch.roll)
+local function roll(x, s, d)
+  local n = x.shape[d]
+  s = s % n
+  if s == 0 then return x:contiguous() end
+  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
+  local r = kiln.cat({ a, b }, d)
+  a:free(); b:free()
+  return r
+end
+
+-- The wrap-around pair's mean abs difference (last and first row, d = 3, or column,
+-- d = 4) over the mean of the interior neighbouring pairs (as test_tileable.lua).
+local function seam_ratio(img, d)
+  local n, sum = img.shape[d], 0
+  for j = 1, n - 1 do
+    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
+    local e = a - b
+    sum = sum + e:abs():mean()
+    a:free(); b:free(); e:free()
+  end
+  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
+  local e = a - b
+  local seam = e:abs():mean()
+  a:free(); b:free(); e:free()
+  return seam / (sum / (n - 1))
+end
+
+test("taesd: tileable pads circularly (shift-equivariant), tiles wrap around, no seam at the wrap", function()
+  local t <close> = kiln.load_taesd({ decoder = DEC, encoder = ENC })
+  local zx, zy, wx, wy, n = 0, 0, 0, 0, 3
+  for seed = 1, n do
+    local z = kiln.randn({ 1, 4, 24, 24 }, { seed = seed })
+    local zeros = t:decode(z)
+    t.tileable = "xy"
+    local a = t:decode(z)
+    if seed == 1 then
+      local b = t:decode(roll(roll(z, 5, 4), 3, 3))
+      local ar = roll(roll(a, 40, 4), 24, 3)
+      note("tileable decode shift", H.close_rel(b, ar, 1e-5, "decode equivariant to circular shifts"))
+      -- tiled: as close to the untiled tileable decode as an ordinary tiled decode to its own
+      local tw = t:decode(z, { tile = 16, overlap = 6 })
+      t.tileable = nil
+      local t0 = t:decode(z, { tile = 16, overlap = 6 })
+      local ew, e0 = (tw - a):abs():mean(), (t0 - zeros):abs():mean()
+      note("tiled tileable (mean abs)", ew)
+      note("tiled ordinary (mean abs)", e0)
+      H.truthy(ew <= e0, ("tiled tileable decode %.3g vs ordinary %.3g"):format(ew, e0))
+      -- the encoder: a shift of the image by whole latent pixels shifts the latents
+      t.tileable = "xy"
+      local img = G["enc.img"]
+      local e = t:encode(img)
+      local er = t:encode(roll(roll(img, 16, 4), 8, 3))
+      note("tileable encode shift", H.close_rel(er, roll(roll(e, 2, 4), 1, 3), 1e-5, "encode equivariant"))
+      local te = t:encode(img, { tile = 4, overlap = 1 })
+      t.tileable = nil
+      local e0, te0 = t:encode(img), t:encode(img, { tile = 4, overlap = 1 })
+      local dw, d0 = (te - e):abs():mean(), (te0 - e0):abs():mean()
+      note("tiled tileable encode (mean abs)", dw)
+      note("tiled ordinary encode (mean abs)", d0)
+      H.truthy(dw <= 1.2 * d0, ("tiled tileable encode %.3g vs ordinary %.3g"):format(dw, d0))
+    end
+    t.tileable = nil
+    zx, zy = zx + seam_ratio(zeros, 4) / n, zy + seam_ratio(zeros, 3) / n
+    wx, wy = wx + seam_ratio(a, 4) / n, wy + seam_ratio(a, 3) / n
+  end
+  report[#report + 1] = ("seam / interior zeros %.2f/%.2f, tileable %.2f/%.2f"):format(zx, zy, wx, wy)
+  H.truthy(zx > 2 and zy > 2, ("zero padding's seam %.2f / %.2f should be strong"):format(zx, zy))
+  H.truthy(wx <= 1.5 and wy <= 1.5, ("tileable seam %.2f / %.2f"):format(wx, wy))
+end)
+
+test("taesd: --vae taesd and TAESD previews in a tileable run wrap around", function()
+  local ck = T.TMP .. "/models/checkpoints/tiny.safetensors"
+  local ckpt <close> = kiln.load_checkpoint(ck, { tokenizer = os.getenv("KILN_TOKENIZER") })
+  local t <close> = kiln.load_taesd(DEC)
+  local modes, pv = {}, {}
+  local real = t._decode_untiled
+  t._decode_untiled = function(self, z)
+    modes[#modes + 1] = tostring(self.tileable)
+    return real(self, z)
+  end
+  local img = kiln.pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 2, width = 64, height = 64, seed = 1,
+    vae = t, tileable = "xy" })
+  img:free()
+  eq(modes[#modes], "xy", "the decode wraps")
+  eq(t.tileable, nil, "the mode is restored")
+  modes = {}
+  img = kiln.pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 2, width = 64, height = 64, seed = 1,
+    previewer = t, tileable = "x", preview = function(i) pv[#pv + 1] = i end })
+  img:free()
+  eq(#pv, 2, "a preview per step")
+  eq(table.concat(modes, ","), "x,x", "the previews wrap")
+  eq(t.tileable, nil, "the previewer's mode is restored")
 end)
 
 print("# taesd max relative errors: " .. table.concat(report, ", "))

@@ -259,8 +259,15 @@ test("group_norm inplace = true writes over its input", function()
   local x = kiln.randn({ 1, 64, 4, 4 }, { seed = 13 })
   local v = x:narrow(2, 1, 32)
   raises(function() return kiln.nn.group_norm(v, 32, nil, nil, 1e-6, { inplace = true }) end, "in place", "[1,32,4,4]")
-  raises(function() return kiln.nn.group_norm(x:to("f16"), 32, nil, nil, 1e-6, { inplace = true }) end,
-    "contiguous f32", "f16")
+  raises(function() return kiln.nn.group_norm(x:to("i32"), 32, nil, nil, 1e-6, { inplace = true }) end,
+    "contiguous f32, f16 or bf16", "i32")
+  -- half activations (a GPU's) too: out of place and copied back where the kernel
+  -- writes over f32 only
+  local h = x:to("f16")
+  local href = kiln.nn.group_norm(h, 32, nil, nil, 1e-6, { silu = true })
+  local hy = kiln.nn.group_norm(h, 32, nil, nil, 1e-6, { silu = true, inplace = true })
+  eq(hy.dtype, "f16", "f16 in place keeps its dtype")
+  eq((h:to("f32") - href:to("f32")):abs():max(), 0, "f16: x holds the result")
 end)
 
 test("sha256_file matches FIPS 180-4 test vector", function()

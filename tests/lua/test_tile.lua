@@ -361,7 +361,7 @@ test("kiln.mem.estimate is within 25% of the measured peak", function()
     return x * 2
   end
   local x = kiln.randn({ 1, 1, 40, 40 })
-  local est, info = kiln.mem.estimate(attn_like, x, { quadratic = true })
+  local est, info = kiln.mem.estimate(attn_like, x, { quadratic = true, meta = false }) -- the probes' fit
   fresh("cpu")
   local base = kiln.mem.stats("cpu").allocated
   kiln.mem.reset_peak("cpu")
@@ -370,6 +370,10 @@ test("kiln.mem.estimate is within 25% of the measured peak", function()
   truthy(info.c > 0, "quadratic term")
   truthy(math.abs(est - real) / real <= 0.25, ("quadratic: estimate %d, real %d"):format(est, real))
   note("estimate with quadratic = true, L x L scores at 40x40: predicted %s, measured %s", kiln.format_bytes(est), kiln.format_bytes(real))
+  -- by default a dry run at the real size answers: exact
+  local est2, info2 = kiln.mem.estimate(attn_like, x)
+  eq(info2.method, "meta")
+  eq(est2, real, "the dry run's peak")
   -- a small input is simply run: exact
   local net = conv_net(2, 4, 2, 60, "cpu")
   local _, info = kiln.mem.estimate(net, kiln.randn({ 1, 2, 8, 8 }))

@@ -4,7 +4,9 @@
 -- equivariant to circular shifts (so their wrap-around is an ordinary neighbour); the
 -- demo model's txt2img with tileable "xy" / "x" / "y": the wrap-around seam is no
 -- stronger than the interior's neighbouring-pixel differences on the wrapped axes
--- (and is on the others); the tiled VAE and MultiDiffusion wrap around too.
+-- (and is on the others); the tiled VAE (as close to its untiled run as an ordinary
+-- tiled decode) and MultiDiffusion wrap around too; a ControlNet run tileable (the
+-- pipelines set it) wraps as the UNet does.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -16,6 +18,7 @@ kiln.set_quiet(true)
 local DEV = os.getenv("KILN_TEST_DEVICE") or "sim"
 local report = {}
 local function note(fmt, ...) report[#report + 1] = fmt:format(...) end
+local function pipeline_txt2img(...) return require("kiln.pipeline").txt2img(...) end
 
 -- x rolled circularly by s along dim d (torch.roll)
 local function roll(x, s, d)
@@ -80,11 +83,97 @@ H.test("seamless.check names the valid modes", function()
   H.raises(function() seamless.check(true) end, "x, y, xy")
 end)
 
+-- The wrap-around pair's mean abs difference (last and first row, d = 3, or column,
+-- d = 4) over the mean of the interior neighbouring pairs, per channel map.
+local function seam_ratio(img, d)
+  local n, sum = img.shape[d], 0
+  for j = 1, n - 1 do
+    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
+    local e = a - b
+    sum = sum + e:abs():mean()
+    a:free(); b:free(); e:free()
+  end
+  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
+  local e = a - b
+  local seam = e:abs():mean()
+  a:free(); b:free(); e:free()
+  return seam / (sum / (n - 1))
+end
+
+-- the tiny SD 1.x checkpoint and ControlNet of the ControlNet tests
+local T = require "tiny_sd"
+local function cn_file()
+  local p = T.tmp("cn.safetensors")
+  kiln.save_safetensors(p, T.build_recipe("../controlnet/sd1"), { ["kiln.heads.unet"] = "2" })
+  return p
+end
+
+H.test("ControlNet run tileable: equivariant to circular shifts, no seam at the wrap; tileable pipelines set it", function()
+  local cn <close> = kiln.load_controlnet(cn_file())
+  -- smooth inputs that wrap around (the seam of noise would hide in its noise): noise
+  -- resized bilinearly past its circular padding, the padding cropped
+  local function smooth(shape, f, seed)
+    local n = kiln.randn(shape, { seed = seed })
+    local p = kiln.nn.pad(n, { 1, 1, 1, 1 }, "circular")
+    local u = kiln.nn.interpolate(p, { size = { f * (shape[3] + 2), f * (shape[4] + 2) }, mode = "bilinear" })
+    local r = u:narrow(3, f + 1, f * shape[3]):narrow(4, f + 1, f * shape[4]):contiguous()
+    n:free(); p:free(); u:free()
+    return r
+  end
+  local x = smooth({ 1, 4, 4, 4 }, 4, 4)
+  local t = kiln.tensor({ 400 })
+  local ctx = kiln.randn({ 1, 77, 64 }, { seed = 2 })
+  local hint = smooth({ 1, 3, 8, 8 }, 16, 6)
+  local s = 2 ^ (cn.config.levels - 1) // 1 -- latent pixels the network's grid keeps
+  local zeros = cn:forward(x, t, ctx, hint)
+  cn.tileable = "xy"
+  local a = cn:forward(x, t, ctx, hint)
+  local xr, hr = roll(roll(x, s, 4), s, 3), roll(roll(hint, 8 * s, 4), 8 * s, 3)
+  local b = cn:forward(xr, t, ctx, hr)
+  cn.tileable = nil
+  local worst = 0
+  for i, r in ipairs(a) do
+    local k = s * r.shape[4] // x.shape[4]
+    local rr = roll(roll(r, k, 4), k, 3)
+    worst = math.max(worst, H.close_rel(b[i], rr, 1e-4, "residual " .. i .. " shifted"))
+    rr:free()
+  end
+  -- the seam ratio over the residuals at the latent's size
+  local wx, wy, zx, zy, n = 0, 0, 0, 0, 0
+  for i, r in ipairs(a) do
+    if r.shape[4] == x.shape[4] then
+      n = n + 1
+      wx, wy = wx + seam_ratio(r, 4), wy + seam_ratio(r, 3)
+      zx, zy = zx + seam_ratio(zeros[i], 4), zy + seam_ratio(zeros[i], 3)
+    end
+  end
+  wx, wy, zx, zy = wx / n, wy / n, zx / n, zy / n
+  note("ControlNet tileable xy: shift equivariance %.2g; seam / interior of the %d latent-size residuals zeros "
+    .. "%.2f/%.2f, tileable %.2f/%.2f", worst, n, zx, zy, wx, wy)
+  H.truthy(wx <= 1.5 and wy <= 1.5, ("tileable seam %.2f / %.2f"):format(wx, wy))
+  H.truthy(zx > 1.5 * wx and zy > 1.5 * wy, ("zero padding's seam %.2f / %.2f should be stronger"):format(zx, zy))
+  -- a tileable pipeline run with the net: its convolutions wrap while it runs
+  local ck <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
+  local seen = {}
+  local real = cn.forward
+  cn.forward = function(self, ...)
+    seen[#seen + 1] = tostring(self.tileable)
+    return real(self, ...)
+  end
+  local img = pipeline_txt2img(ck, { prompt = "a red circle", steps = 1, width = 32, height = 32, seed = 1,
+    tileable = "xy", control = { { net = cn, image = hint } } })
+  img:free()
+  cn.forward = nil
+  H.truthy(#seen > 0 and seen[1] == "xy", "the ControlNet ran tileable: " .. table.concat(seen, ","))
+  H.eq(cn.tileable, nil, "its mode is restored")
+end)
+
 local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
 local f = io.open(MODEL, "rb")
 if not f then
   H.test("tileable demo model runs", function() H.skip(MODEL .. " is missing") end)
   for _, l in ipairs(report) do print("# " .. l) end
+  T.cleanup()
   H.done()
 end
 f:close()
@@ -224,10 +313,14 @@ local function picture(S, n)
   return kiln.tensor({ t })
 end
 
--- The wrapped tiled decode is less exact than a tiled decode of a picture that does
--- not wrap (there the border tiles' edges are the picture's, exact by construction;
--- here every edge of a tile is an inner seam): a few dB below its 40 dB.
-local DECODE_DB = 36
+-- The wrapped tiled decode against the ordinary one: in a wrapped run every tile edge
+-- is a seam inside the picture (an ordinary run's border tiles end at the picture's
+-- edge, exact by construction) and the wrapped picture's GroupNorm statistics are
+-- smaller (no strong responses at a zero-padded border), which magnifies what zero
+-- padding distorts at a tile's edge; the lockstep's halo (VAE:_lockstep) takes those
+-- pixels out of the blend. Bound: no more than DECODE_SLACK dB below the ordinary tiled
+-- decode's PSNR against its own untiled decode.
+local DECODE_SLACK = 1
 H.test("tiled VAE decode and encode with tileable equal the untiled tileable run", function()
   local vae = ckpt.vae
   vae:load(DEV)
@@ -236,23 +329,28 @@ H.test("tiled VAE decode and encode with tileable equal the untiled tileable run
     local use <close> = seamless.use({ vae }, m)
     local z = vae:encode(pic)
     local full = vae:decode(z)
+    vae.tileable = nil
+    local full0 = vae:decode(z)
+    vae.tileable = m
     for _, c in ipairs({ { 32, 8 }, { 24, 8 } }) do
       local t = vae:decode(z, { tile = c[1], overlap = c[2] })
       local p = imgcmp.psnr(t, full)
-      -- the control: a tiled decode that is not tileable (zeros at the picture's edge)
+      -- the controls: an ordinary tiled decode against its untiled decode, and against
+      -- the tileable one (zeros at the picture's edge: far off)
       vae.tileable = nil
       local plain = vae:decode(z, { tile = c[1], overlap = c[2] })
       vae.tileable = m
-      local p0 = imgcmp.psnr(plain, full)
+      local p0, pw = imgcmp.psnr(plain, full0), imgcmp.psnr(plain, full)
       local ze = vae:encode(pic, { tile = c[1], overlap = c[2] })
       local pe = imgcmp.psnr(ze, z)
-      note("tileable %s, tile %d overlap %d: decode PSNR %.1f dB (not tileable: %.1f), encode %.1f dB",
-        m, c[1], c[2], p, p0, pe)
-      H.truthy(p >= DECODE_DB, ("decode tile %d: PSNR %.1f dB < %d"):format(c[1], p, DECODE_DB))
+      note("tileable %s, tile %d overlap %d: decode PSNR %.1f dB (ordinary tiled vs untiled: %.1f; "
+        .. "not wrapped: %.1f), encode %.1f dB", m, c[1], c[2], p, p0, pw, pe)
+      H.truthy(p >= p0 - DECODE_SLACK, ("decode tile %d: PSNR %.1f dB, ordinary %.1f"):format(c[1], p, p0))
       H.truthy(pe >= 40, ("encode tile %d: PSNR %.1f dB < 40"):format(c[1], pe))
-      H.truthy(p > p0 + 20, "the tiles wrap around")
+      H.truthy(p > pw + 20, "the tiles wrap around")
       t:free(); plain:free(); ze:free()
     end
+    full0:free()
     -- the estimated-statistics fallback (the whole decoder per tile, as vae:decode
     -- runs it when the parked tiles do not fit the host) wraps as well
     local function fallback()
@@ -359,4 +457,5 @@ H.test("examples/txt2img.lua --tileable xy writes it in the parameters; a bad va
 end)
 
 for _, l in ipairs(report) do print("# " .. l) end
+T.cleanup()
 H.done()

@@ -2,7 +2,8 @@
 -- models against the independent PyTorch implementations of tests/golden/gen_upscale.py;
 -- tiled against untiled, odd sizes, RGBA and grey images, the sim device and its OOM
 -- retry, wrapper prefixes, the errors for other architectures, the example and the
--- hires fix with a model upscaler.
+-- hires fix with a model upscaler; tileable runs (circular padding, wrapped tiles, no
+-- seam at the wrap, the hires fix's mode passed on).
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -266,6 +267,120 @@ test("upscaler: hires fix with a model upscaler", function()
   local text = p:read("a")
   p:close()
   truthy(text:find("no such file", 1, true), text)
+end)
+
+-- x rolled circularly by s along dim d (torch.roll)
+local function roll(x, s, d)
+  local n = x.shape[d]
+  s = s % n
+  if s == 0 then return x:contiguous() end
+  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
+  local r = kiln.cat({ a, b }, d)
+  a:free(); b:free()
+  return r
+end
+
+-- The wrap-around pair's mean abs difference (last and first row, d = 3, or column,
+-- d = 4) over the mean of the interior neighbouring pairs (as test_tileable.lua).
+local function seam_ratio(img, d)
+  local n, sum = img.shape[d], 0
+  for j = 1, n - 1 do
+    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
+    local e = a - b
+    sum = sum + e:abs():mean()
+    a:free(); b:free(); e:free()
+  end
+  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
+  local e = a - b
+  local seam = e:abs():mean()
+  a:free(); b:free(); e:free()
+  return seam / (sum / (n - 1))
+end
+
+-- A smooth picture that tiles [1, 3, h, w] (sums of whole periods).
+local function periodic(h, w)
+  local t = {}
+  for c = 1, 3 do
+    t[c] = {}
+    for y = 1, h do
+      local row = {}
+      for x = 1, w do
+        local u, v = 2 * math.pi * (x - 1) / w, 2 * math.pi * (y - 1) / h
+        row[x] = 0.5 + 0.2 * math.sin(u + c) * math.cos(2 * v) + 0.15 * math.cos(3 * u - v + c)
+      end
+      t[c][y] = row
+    end
+  end
+  return kiln.tensor({ t })
+end
+
+test("upscaler: tileable pads circularly (shift-equivariant), tiles wrap around, no seam at the wrap", function()
+  local x = periodic(24, 32)
+  local notes = {}
+  for _, name in ipairs({ "rrdb_x4_new", "rrdb_x2_new", "compact_x4", "rrdb_x1_old" }) do
+    local up <close> = kiln.load_upscaler(GOLD .. name .. ".safetensors")
+    local s = up.scale
+    local zeros = up:upscale(x, { tile = false })
+    local a = up:upscale(x, { tile = false, tileable = "xy" })
+    eq(up.tileable, nil, name .. ": the mode is the call's")
+    -- a circular shift of the input (by whole unshuffle cells) shifts the output
+    local xr = roll(roll(x, 8, 4), 4, 3)
+    local b = up:upscale(xr, { tile = false, tileable = "xy" })
+    local ar = roll(roll(a, 8 * s, 4), 4 * s, 3)
+    truthy(H.maxdiff(b, ar) <= 1e-5, name .. ": tileable is equivariant to circular shifts")
+    -- tiled: as close to the untiled tileable run as an ordinary tiled run to its own
+    local t = up:upscale(x, { tile = 16, overlap = 4, tileable = "xy" })
+    local t0 = up:upscale(x, { tile = 16, overlap = 4 })
+    local ew, e0 = (t - a):abs():mean(), (t0 - zeros):abs():mean()
+    truthy(ew <= 1.2 * e0, ("%s: tiled tileable %.3g vs ordinary tiled %.3g"):format(name, ew, e0))
+    local wx, wy, zx, zy = seam_ratio(a, 4), seam_ratio(a, 3), seam_ratio(zeros, 4), seam_ratio(zeros, 3)
+    notes[#notes + 1] = ("%s seam x/y zeros %.2f/%.2f tileable %.2f/%.2f, tiled error %.2g (ordinary %.2g)"):format(
+      name, zx, zy, wx, wy, ew, e0)
+    if name == "rrdb_x4_new" or name == "compact_x4" then
+      truthy(wx <= 1.5 and wy <= 1.5, ("%s: tileable seam %.2f / %.2f"):format(name, wx, wy))
+    end
+    if name == "rrdb_x4_new" then truthy(zx > 2 and zy > 2, ("zeros: seam %.2f / %.2f should be strong"):format(zx, zy)) end
+    -- one axis only: the other keeps zero padding
+    local ox = up:upscale(x, { tile = false, tileable = "x" })
+    local ox2 = up:upscale(roll(x, 8, 4), { tile = false, tileable = "x" })
+    local oxr = roll(ox, 8 * s, 4)
+    truthy(H.maxdiff(ox2, oxr) <= 1e-5, name .. ": tileable x wraps columns")
+    for _, v in ipairs({ zeros, a, xr, b, ar, t, t0, ox, ox2, oxr }) do v:free() end
+  end
+  -- up.tileable (as kiln.seamless.use sets it) is the default; a bad mode is named
+  local up <close> = kiln.load_upscaler(GOLD .. "compact_x2.safetensors")
+  up.tileable = "xy"
+  local a = up:upscale(x, { tile = false })
+  local b = up:upscale(x, { tile = false, tileable = "xy" })
+  eq(H.maxdiff(a, b), 0)
+  up.tileable = nil
+  raises(function() up:upscale(x, { tileable = "z" }) end, "tileable", "x, y, xy")
+  -- RGBA: the alpha plane wraps as well
+  local rgba = kiln.cat({ x, x:narrow(2, 1, 1) }, 2)
+  local y = up:upscale(rgba, { tile = false, tileable = "xy" })
+  local al = y:narrow(2, 4, 1)
+  truthy(seam_ratio(al, 4) <= 1.5 and seam_ratio(al, 3) <= 1.5, "alpha has no seam")
+  for _, l in ipairs(notes) do print("# " .. l) end
+end)
+
+test("upscaler: the hires fix's model upscale honours a tileable run", function()
+  local MODEL = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+  if not io.open(MODEL, "rb") then H.skip(MODEL .. " is missing") end
+  local pipeline = require "kiln.pipeline"
+  local ckpt <close> = kiln.load_checkpoint(MODEL)
+  local up <close> = kiln.load_upscaler(GOLD .. "compact_x2.safetensors")
+  local seen = {}
+  local real = up.upscale
+  up.upscale = function(self, img, o)
+    seen[#seen + 1] = o and o.tileable or self.tileable or "none"
+    return real(self, img, o)
+  end
+  local o = { prompt = "a red circle", steps = 1, hires_steps = 1, seed = 1, width = 64, height = 64, scale = 2,
+    upscale = up }
+  pipeline.hires_fix(ckpt, o):free()
+  o.tileable = "xy"
+  pipeline.hires_fix(ckpt, o):free()
+  eq(table.concat(seen, ","), "none,xy")
 end)
 
 os.execute("rm -rf '" .. TMP .. "'")

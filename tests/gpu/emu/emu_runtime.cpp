@@ -180,7 +180,10 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
     strcpy(p->name, "emulated GPU");
     p->totalGlobalMem = (size_t)8 << 30;
     p->multiProcessorCount = 1;
-    p->major = 9; p->minor = 0;
+    /* EMU_CC=75 (say) emulates an older card: what depends on the compute capability */
+    const char *cc = getenv("EMU_CC");
+    int v = cc && atoi(cc) > 0 ? atoi(cc) : 90;
+    p->major = v / 10; p->minor = v % 10;
     return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : ret(cudaErrorInvalidDevice); }
@@ -301,9 +304,17 @@ struct cudnnTensorStruct { cudnnDataType_t t; int n, c, h, w; };
 struct cudnnFilterStruct { cudnnDataType_t t; int k, c, r, s; };
 struct cudnnConvolutionStruct { int ph, pw, sh, sw, dh, dw, g; cudnnMathType_t math; };
 long emu_convs, emu_conv_ws;
-static size_t ws_need(cudnnConvolutionFwdAlgo_t a)
+/* Workspaces that scale as cuDNN's do, in the data's element size (so half precision
+ * halves them too): GEMM an im2col buffer of the whole batch, FFT the padded input,
+ * filter and output spectra; the implicit GEMMs none. */
+static size_t ws_need(cudnnConvolutionFwdAlgo_t a, const cudnnTensorStruct *x, const cudnnFilterStruct *w,
+                      const cudnnTensorStruct *y)
 {
-    return a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM ? (size_t)48 << 20 : a == CUDNN_CONVOLUTION_FWD_ALGO_FFT ? (size_t)1 << 20 : 0;
+    size_t e = x->t == CUDNN_DATA_FLOAT ? 4 : 2;
+    if (a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM) return (size_t)y->n * w->c * w->r * w->s * y->h * y->w * e;
+    if (a == CUDNN_CONVOLUTION_FWD_ALGO_FFT)
+        return ((size_t)x->n * x->c + (size_t)w->k * w->c + (size_t)y->n * y->c) * (x->h + w->r) * (x->w + w->s) * 2 * e;
+    return 0;
 }
 static double dl(const void *p, cudnnDataType_t t, size_t i)
 {
@@ -357,14 +368,14 @@ cudnnStatus_t cudnnGetConvolutionForwardAlgorithm_v7(cudnnHandle_t h, const cudn
                                                      const cudnnConvolutionDescriptor_t c, const cudnnTensorDescriptor_t y,
                                                      const int req, int *n, cudnnConvolutionFwdAlgoPerf_t *perf)
 {
-    (void)h; (void)x; (void)w; (void)y;
+    (void)h;
     cudnnConvolutionFwdAlgo_t algos[3] = {CUDNN_CONVOLUTION_FWD_ALGO_GEMM, CUDNN_CONVOLUTION_FWD_ALGO_FFT, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM};
     *n = 0;
     for (int i = 0; i < 3 && i < req; i++) {
         memset(&perf[i], 0, sizeof perf[i]);
         perf[i].algo = algos[i];
         perf[i].status = CUDNN_STATUS_SUCCESS;
-        perf[i].memory = ws_need(algos[i]);
+        perf[i].memory = ws_need(algos[i], x, w, y);
         perf[i].mathType = c->math == CUDNN_FMA_MATH ? CUDNN_DEFAULT_MATH : c->math; // as cuDNN sometimes does
         (*n)++;
     }
@@ -378,8 +389,9 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t h, const void *alpha, const 
     (void)h;
     emu_convs++;
     if (xd->t != wd->t || xd->t != yd->t) { fprintf(stderr, "emu cuDNN: mixed data types\n"); return CUDNN_STATUS_EXECUTION_FAILED; }
-    if (wss < ws_need(algo) || (ws_need(algo) && !ws)) { fprintf(stderr, "emu cuDNN: workspace %zu < %zu\n", wss, ws_need(algo)); return CUDNN_STATUS_EXECUTION_FAILED; }
-    if (ws_need(algo)) emu_conv_ws++;
+    size_t need = ws_need(algo, xd, wd, yd);
+    if (wss < need || (need && !ws)) { fprintf(stderr, "emu cuDNN: workspace %zu < %zu\n", wss, need); return CUDNN_STATUS_EXECUTION_FAILED; }
+    if (need) emu_conv_ws++;
     if (xd->t == CUDNN_DATA_FLOAT && cd->math != CUDNN_FMA_MATH && !getenv("KILN_CUDA_TF32")) { fprintf(stderr, "emu cuDNN: f32 conv not FMA math\n"); return CUDNN_STATUS_EXECUTION_FAILED; }
     int on, ok_, oh, ow;
     if (cudnnGetConvolution2dForwardOutputDim(cd, xd, wd, &on, &ok_, &oh, &ow) || on != yd->n || ok_ != yd->c || oh != yd->h || ow != yd->w) {

@@ -7,6 +7,10 @@
 # stream ordering, real numerics and speed need tests/gpu/run.sh on a GPU.
 # Usage: bash tests/gpu/emu/run.sh [test names...]      (x86-64, g++, CUDA headers)
 #   B=FOLDER puts the objects and the test program elsewhere (default build/gpu-emu).
+#   KILN_LIB=FOLDER (a CUDA=0 build: make BUILD=FOLDER CUDA=0 all) also links the kiln
+#   program over the emulation ($B/kiln, whose cuda:0 is emulated) and runs the demo
+#   networks on it in half precision against the cpu (tests/gpu/half_networks.lua,
+#   a smaller run than on a GPU); EMU_ONLY=lua runs only that.
 set -eu
 cd "$(dirname "$0")/../../.."
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -14,7 +18,8 @@ B=${B:-build/gpu-emu}
 E=tests/gpu/emu
 mkdir -p "$B/obj"
 pids=()
-for f in runtime/*.c kernels/*.c kernels/cpu/*.c; do
+# every host backend (kernels/*/ but cuda's), so kernels/backends.c finds its registrars
+for f in runtime/*.c kernels/*.c $(ls kernels/*/*.c | grep -v '^kernels/cuda/'); do
   gcc -std=c11 -O1 -g -c "$f" -o "$B/obj/$(echo "$f" | tr / _).o" & pids+=($!)
 done
 # the runtime's compiled-in data (the built-in CLIP vocabulary), made as the Makefile makes it
@@ -33,4 +38,18 @@ done
 gcc -std=c11 -Wall -Wextra -O1 -g -Iruntime -Ikernels/cpu -c tests/test_cuda_parity.c -o "$B/obj/test_cuda_parity.o" & pids+=($!)
 for p in "${pids[@]}"; do wait "$p"; done
 g++ -o "$B/test_cuda_parity_emu" "$B"/obj/*.o -lopenblas -lpng -lz -lm -lpthread
-"$B/test_cuda_parity_emu" "$@"
+rc=0
+if [ "${EMU_ONLY:-}" != lua ]; then "$B/test_cuda_parity_emu" "$@" || rc=$?; fi
+if [ -n "${KILN_LIB:-}" ]; then
+  # the CUDA objects come first, so the archive's cuda_none.o (the CUDA=0 registrar)
+  # is never pulled in
+  defs=""; rl=""; redis=""
+  [ -f /usr/include/readline/readline.h ] && { defs="-DKILN_READLINE"; rl="-lreadline"; }
+  nm "$KILN_LIB/libkiln.a" 2>/dev/null | grep -q ' U redisConnect' && redis="-lhiredis"
+  gcc -std=c11 -O1 -g $defs $(pkg-config --cflags lua5.4) -c bindings/kiln_main.c -o "$B/kiln_main.o"
+  for f in bindings/repl_*.c; do gcc -std=c11 -O1 -g $defs $(pkg-config --cflags lua5.4) -c "$f" -o "$B/$(basename "$f" .c).o"; done
+  g++ -o "$B/kiln" "$B/kiln_main.o" "$B"/repl_*.o "$B/obj/cuda_backend.o" "$B"/obj/*.cu.o "$B/obj/emu_runtime.o" \
+    "$KILN_LIB/libkiln.a" $(pkg-config --libs lua5.4) -lopenblas -lpng -lz -lm -lpthread $redis $rl
+  KILN_EMU=1 "$B/kiln" tests/gpu/half_networks.lua cuda:0 || rc=1
+fi
+exit $rc

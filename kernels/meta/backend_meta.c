@@ -1,0 +1,227 @@
+/* backend_meta.c - the operation table of the shape-only device: every entry returns
+ * at once (runtime/ops.c has checked the arguments and allocated the output), after
+ * allocating and freeing, on the meta device, the temporaries the modelled device's
+ * backend would (the CPU backend's f32 copies of strided or half-precision operands and
+ * its f32 staging outputs), so a dry run's peak is the real one. Transfers move
+ * nothing; a read back gives zeros. */
+#include "meta_backend.h"
+#include "../../runtime/backend.h"
+#include "../../runtime/meta.h"
+#include "../cpu/cpu_kernels.h"
+
+#include <string.h>
+
+/* Whether the modelled backend is the CPU's (sim, cpu): its temporaries are mirrored.
+ * Other backends' kernels keep their scratch out of view here (not modelled). */
+static int models_cpu(void)
+{
+    const kiln_backend *b = kiln_meta_modelled_backend();
+    return b && strcmp(b->name, "cpu") == 0;
+}
+
+static int is_lowbit(kiln_dtype dt)
+{
+    return dt == KILN_F8_E4M3FN || dt == KILN_F8_E5M2 || kiln_dtype_is_blocked(dt);
+}
+
+static kiln_status tmp_like(const kiln_tensor *t, kiln_dtype dt, kiln_tensor **tmp)
+{
+    return kiln_tensor_new(t->storage->device, dt, t->ndim, t->shape, tmp);
+}
+
+/* The CPU backend's f32_data / out_data: an f32 copy unless t is contiguous f32. */
+static kiln_status tmp_f32(const kiln_tensor *t, kiln_tensor **tmp)
+{
+    *tmp = NULL;
+    if (!t || (t->dtype == KILN_F32 && kiln_tensor_is_contiguous(t))) return KILN_OK;
+    return tmp_like(t, KILN_F32, tmp);
+}
+
+/* The CPU backend's w_data: weights stay as stored when contiguous f32/f16/bf16 (or
+ * low-bit where the kernel decodes them), fp8 becomes an f16 copy, the rest f32. */
+static kiln_status tmp_weight(const kiln_tensor *w, int lowbit_ok, kiln_tensor **tmp)
+{
+    *tmp = NULL;
+    int contig = kiln_tensor_is_contiguous(w);
+    if (contig && (w->dtype == KILN_F32 || w->dtype == KILN_F16 || w->dtype == KILN_BF16 ||
+                   (lowbit_ok && is_lowbit(w->dtype))))
+        return KILN_OK;
+    if (contig && (w->dtype == KILN_F8_E4M3FN || w->dtype == KILN_F8_E5M2)) return tmp_like(w, KILN_F16, tmp);
+    return tmp_like(w, KILN_F32, tmp);
+}
+
+enum { MAX_IN = 4 };
+
+/* Takes the temporaries of an op with inputs in[0..n) (in[wi] a weight, wi < 0: none;
+ * NULL inputs skipped) and output out, in the CPU backend's order, then frees them as
+ * it does: the output's staging first, then the inputs'. */
+static kiln_status mirror(kiln_tensor *out, const kiln_tensor *const *in, int n, int wi, int lowbit_ok)
+{
+    if (!models_cpu()) return KILN_OK;
+    kiln_tensor *tmp[MAX_IN] = {0}, *to = NULL;
+    kiln_status st = KILN_OK;
+    for (int i = 0; i < n && !st; i++)
+        if (in[i]) st = i == wi ? tmp_weight(in[i], lowbit_ok, &tmp[i]) : tmp_f32(in[i], &tmp[i]);
+    if (!st && out) st = tmp_f32(out, &to);
+    kiln_tensor_free(to);
+    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
+    return st;
+}
+
+static int meta_supports(kiln_op op, kiln_dtype dt)
+{
+    (void)dt;
+    return op >= 0 && op < KILN_OP_COUNT;
+}
+
+static kiln_status meta_copy(kiln_tensor *dst, const kiln_tensor *src) { (void)dst; (void)src; return KILN_OK; }
+static kiln_status meta_fill(kiln_tensor *t, double v) { (void)t; (void)v; return KILN_OK; }
+
+static kiln_status meta_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b,
+                               double s, int swap)
+{
+    (void)op; (void)out; (void)a; (void)b; (void)s; (void)swap;
+    return KILN_OK;
+}
+
+static kiln_status meta_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)
+{
+    (void)op; (void)out; (void)a; (void)p0; (void)p1;
+    return KILN_OK;
+}
+
+/* The CPU reduction copies a strided or non-f32 input, and stages a non-f32 output. */
+static kiln_status meta_reduce(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased)
+{
+    (void)op; (void)dim; (void)unbiased;
+    if (!models_cpu()) return KILN_OK;
+    kiln_tensor *x = NULL, *y = NULL;
+    kiln_status st = tmp_f32(a, &x);
+    if (!st && out->dtype != KILN_F32) st = tmp_like(out, KILN_F32, &y);
+    kiln_tensor_free(y);
+    kiln_tensor_free(x);
+    return st;
+}
+
+static kiln_status meta_matmul(kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b)
+{
+    const kiln_tensor *in[] = {a, b};
+    return mirror(out, in, 2, -1, 0);
+}
+
+static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
+{
+    const kiln_tensor *in[] = {x, w, bias};
+    return mirror(out, in, 3, 1, 1);
+}
+
+static kiln_status meta_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                               const kiln_tensor *bias, const kiln_conv_opts *o)
+{
+    (void)o;
+    const kiln_tensor *in[] = {x, w, bias};
+    return mirror(out, in, 3, 1, 0);
+}
+
+/* Present in the table only where the modelled backend has the entry; the CPU's
+ * declines shapes it does not fuse (the op then upsamples into a tensor of its own). */
+static kiln_status meta_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                   const kiln_tensor *bias)
+{
+    if (models_cpu() && !kiln_cpu_conv2d_up2_fuses(x->shape[1], x->shape[2], x->shape[3], w->shape[0]))
+        return KILN_ERR_UNSUPPORTED;
+    const kiln_tensor *in[] = {x, w, bias};
+    return mirror(out, in, 3, 1, 0);
+}
+
+static kiln_status meta_group_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                   const kiln_tensor *b, int64_t groups, double eps, int silu)
+{
+    (void)groups; (void)eps; (void)silu;
+    const kiln_tensor *in[] = {x, w, b};
+    return mirror(out, in, 3, -1, 0);
+}
+
+static kiln_status meta_layer_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
+                                   const kiln_tensor *b, double eps)
+{
+    (void)eps;
+    const kiln_tensor *in[] = {x, w, b};
+    return mirror(out, in, 3, -1, 0);
+}
+
+static kiln_status meta_softmax(kiln_tensor *out, const kiln_tensor *x, int dim)
+{
+    (void)dim;
+    const kiln_tensor *in[] = {x};
+    return mirror(out, in, 1, -1, 0);
+}
+
+static kiln_status meta_attention(kiln_tensor *out, const kiln_tensor *q, const kiln_tensor *k,
+                                  const kiln_tensor *v, double scale, int causal)
+{
+    (void)scale; (void)causal;
+    const kiln_tensor *in[] = {q, k, v};
+    return mirror(out, in, 3, -1, 0);
+}
+
+static kiln_status meta_geglu(kiln_tensor *out, const kiln_tensor *x)
+{
+    const kiln_tensor *in[] = {x};
+    return mirror(out, in, 1, -1, 0);
+}
+
+static kiln_status meta_resample(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x)
+{
+    (void)mode;
+    const kiln_tensor *in[] = {x};
+    return mirror(out, in, 1, -1, 0);
+}
+
+static kiln_status meta_pad2d(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value)
+{
+    (void)pads; (void)mode; (void)value;
+    const kiln_tensor *in[] = {x};
+    return mirror(out, in, 1, -1, 0);
+}
+
+/* Always present, whatever the modelled device: the runtime then never reads or
+ * writes meta memory itself (kiln_device_host_memory answers for the modelled one). */
+static kiln_status meta_to_device(void *dst, const void *src, size_t n)
+{
+    (void)dst; (void)src; (void)n;
+    return KILN_OK;
+}
+
+static kiln_status meta_to_host(void *dst, const void *src, size_t n)
+{
+    (void)src;
+    memset(dst, 0, n);
+    return KILN_OK;
+}
+
+static const kiln_backend meta_backend = {
+    .name = "meta",
+    .supports = meta_supports,
+    .copy = meta_copy,
+    .fill = meta_fill,
+    .binary = meta_binary,
+    .unary = meta_unary,
+    .reduce = meta_reduce,
+    .matmul = meta_matmul,
+    .linear = meta_linear,
+    .conv2d = meta_conv2d,
+    .conv2d_up2 = meta_conv2d_up2,
+    .group_norm = meta_group_norm,
+    .group_norm_in_place = 1,
+    .layer_norm = meta_layer_norm,
+    .softmax = meta_softmax,
+    .attention = meta_attention,
+    .geglu = meta_geglu,
+    .resample = meta_resample,
+    .pad2d = meta_pad2d,
+    .to_device = meta_to_device,
+    .to_host = meta_to_host,
+};
+
+void kiln_meta_backend_register(void) { kiln_backend_register(&meta_backend); }

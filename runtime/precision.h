@@ -1,0 +1,34 @@
+/* precision.h - the arithmetic the networks run in: f32, bf16 or f16. One process-wide
+ * setting (kiln.precision, --precision) chosen by the user, or, while none is set, each
+ * device type's default (the CPU's f32; a GPU backend registers its own at start).
+ * Backends read it through kiln_precision_for when they choose a kernel. */
+#ifndef KILN_PRECISION_H
+#define KILN_PRECISION_H
+
+#include "device.h"
+
+/* ORDER PRECISION */
+typedef enum { KILN_PREC_F32 = 0, KILN_PREC_BF16, KILN_PREC_F16 } kiln_precision;
+
+/* The precision set by kiln_precision_set; while none is set, the CPU's default (f32). */
+kiln_precision kiln_precision_get(void);
+void kiln_precision_set(kiln_precision p);
+/* "f32", "bf16", "f16" ("?" past them). */
+const char *kiln_precision_name(kiln_precision p);
+/* The precision named (as kiln_precision_name writes it), -1 for any other string. */
+int kiln_precision_from_name(const char *name);
+
+/* What the networks on dev compute in: the set precision, or while none is set the
+ * default of dev's type. dev NULL means the host (the CPU backend, which also runs the
+ * sim device's kernels). Thread-safe. */
+kiln_precision kiln_precision_for(const kiln_device *dev);
+kiln_precision kiln_precision_for_type(kiln_device_type t);
+/* 1 once kiln_precision_set has been called (and not undone by kiln_precision_unset). */
+int kiln_precision_is_set(void);
+/* Forgets the set precision: every device goes back to its type's default. */
+void kiln_precision_unset(void);
+/* A backend's default for its device type (e.g. the CUDA backend at start, from what
+ * its cards do best); f32 for every type until one is registered. */
+void kiln_precision_set_default(kiln_device_type t, kiln_precision p);
+
+#endif
