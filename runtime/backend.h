@@ -60,6 +60,9 @@ struct kiln_backend {
     kiln_status (*linear)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias);
     kiln_status (*conv2d)(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                           const kiln_tensor *bias, const kiln_conv_opts *o);
+    /* 1: conv2d applies o->act itself, as it writes the output (no second pass over a
+     * large activation); 0: conv2d gets act = 0 and the op runs the activation after */
+    int conv2d_act;
     /* out [N,K,2H,2W] = conv2d(upsample_nearest(x [N,C,H,W], 2), w [K,C,3,3], padding 1)
      * + bias, without the upsampled image; optional (NULL, or KILN_ERR_UNSUPPORTED returned
      * without touching out: the op upsamples first) */

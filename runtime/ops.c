@@ -269,7 +269,7 @@ kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kil
     char b1[128], b2[128];
     kiln_status st;
     if (o->act != 0 && o->act != 1) return kiln_error(KILN_ERR_ARG, "conv2d: act=%d (0 none, 1 leaky relu)", o->act);
-    if (o->act) {
+    if (o->act && (o->upsample == 2 || !be_of(x)->conv2d_act)) {
         /* the activation in place over the result: one pass, no second tensor */
         kiln_conv_opts plain = *o;
         plain.act = 0;

@@ -149,6 +149,7 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
         .k = w->shape[0], .r = w->shape[2], .s = w->shape[3],
         .stride_h = o->stride[0], .stride_w = o->stride[1], .pad_h = o->padding[0], .pad_w = o->padding[1],
         .dil_h = o->dilation[0], .dil_w = o->dilation[1], .groups = o->groups,
+        .act = o->act, .act_slope = (float)o->act_slope,
     };
     kiln_status st = kiln_conv2d_out_size(&p);
     if (st) return st;
@@ -325,6 +326,7 @@ static const kiln_backend cpu_backend = {
     .matmul = cpu_matmul,
     .linear = cpu_linear,
     .conv2d = cpu_conv2d,
+    .conv2d_act = 1,
     .conv2d_up2 = cpu_conv2d_up2,
     .group_norm = cpu_group_norm, /* kiln_cpu_group_norm reads each value before writing it */
     .group_norm_in_place = 1,

@@ -12,6 +12,7 @@
  *     COL_MAX_FLOATS) and OpenBLAS sgemm. */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
+#include "cpu_isa.h"
 #include "threadpool.h"
 
 #include <stdlib.h>
@@ -454,8 +455,57 @@ static conv_path forced_path(void)
     return PATH_AUTO;
 }
 
+/* ---- the output's activation, where the path did not apply it ---- */
+
+typedef struct { float *y; float slope; } act_job;
+
+#ifdef CONV_X86
+AVX512 static void act_avx512(float *y, int64_t n, float slope)
+{
+    const __m512 zero = _mm512_setzero_ps(), s = _mm512_set1_ps(slope);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(y + i);
+        /* x < 0: x * slope (+ 0: ReLU's -0 becomes 0, as the unary op gives) */
+        v = _mm512_add_ps(_mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v, s), zero);
+        _mm512_storeu_ps(y + i, v);
+    }
+    for (; i < n; i++) y[i] = y[i] < 0.0f ? y[i] * slope + 0.0f : y[i];
+}
+#endif
+
+static void act_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const act_job *j = vctx;
+    float *y = j->y + begin;
+    int64_t n = end - begin;
+#ifdef CONV_X86
+    if (kiln_cpu_isa() == ISA_AVX512) { act_avx512(y, n, j->slope); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] < 0.0f ? y[i] * j->slope + 0.0f : y[i];
+}
+
+static void conv_act(float *y, const kiln_conv2d_params *p)
+{
+    act_job j = {y, p->act_slope};
+    kiln_parallel_for(p->n * p->k * p->oh * p->ow, 1 << 16, act_fn, &j);
+}
+
+/* The paths in order of preference; *act_done says whether the path applied p->act. */
+static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                              const float *bias, const kiln_conv2d_params *p, int *act_done);
+
 kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, const kiln_conv2d_params *p)
+{
+    int act_done = 0;
+    kiln_status st = conv_paths(y, x, w, w_dtype, bias, p, &act_done);
+    if (!st && p->act && !act_done) conv_act(y, p);
+    return st;
+}
+
+static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtype w_dtype,
+                              const float *bias, const kiln_conv2d_params *p, int *act_done)
 {
     if (!p) return kiln_error(KILN_ERR_ARG, "conv2d: NULL params");
     kiln_conv2d_params q = *p;
@@ -489,7 +539,10 @@ kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype 
     }
     if (path == PATH_AUTO || path == PATH_WINOGRAD) {
         int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p, path == PATH_WINOGRAD);
-        if (r == 0) return KILN_OK;
+        if (r == 0) {
+            *act_done = 1; /* its output transform applies it */
+            return KILN_OK;
+        }
     }
     if (path != PATH_IM2COL && conv_implicit_gemm(y, x, w, w_dtype, bias, p) == 0) return KILN_OK;
     return conv_im2col_blas(y, x, w, w_dtype, bias, p);
@@ -515,7 +568,7 @@ kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dt
     float *u = kiln_cpu_scratch_get(nu * sizeof(float));
     if (!u) return kiln_error_oom("cpu", nu * sizeof(float), 0, 0, "conv2d (upsample 2): no memory for the upsampled input");
     kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
-    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W};
+    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f};
     kiln_status st = kiln_cpu_conv2d(y, u, w, w_dtype, bias, &p);
     kiln_cpu_scratch_put(u);
     return st;

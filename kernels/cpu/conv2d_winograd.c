@@ -420,6 +420,8 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
         int64_t k = c->k0 + kk;
         float *plane = c->y + k * YHW;
         __m512 bv = _mm512_set1_ps(c->bias ? c->bias[k] : 0.0f);
+        const int act = p->act;
+        const __m512 zero = _mm512_setzero_ps(), slope = _mm512_set1_ps(p->act_slope);
         if (kk + 1 < end) { /* the next plane's rows, for writing */
             const char *a = (const char *)(plane + YHW + row0 * YW), *b = (const char *)(plane + YHW + row1 * YW);
             for (; a < b; a += 64) __builtin_prefetch(a, 1, 2);
@@ -442,6 +444,11 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                 at_apply(A, mv, o);
                 #pragma GCC unroll 8
                 for (int bb = 0; bb < m; bb++) o[bb] = _mm512_add_ps(o[bb], bv);
+                if (act) /* leaky ReLU as the unary op computes it: x < 0 -> x * slope (+ 0) */
+                    #pragma GCC unroll 8
+                    for (int bb = 0; bb < m; bb++)
+                        o[bb] = _mm512_add_ps(_mm512_mask_mul_ps(o[bb], _mm512_cmp_ps_mask(o[bb], zero, _CMP_LT_OQ),
+                                                                 o[bb], slope), zero);
                 if (m == 4) interleave4(o, r);
                 else
                     #pragma GCC unroll 8
@@ -759,7 +766,7 @@ int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_d
     int rc = 0;
     for (int par = 0; par < 4 && rc == 0; par++) {
         int py = par / 2, px = par % 2;
-        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W};
+        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W, 0, 0.0f};
         wino_map mp = {4, 2, 1, py, px, 2 * W, 4 * H * W};
         rc = wino_run(y, x, w, w_dtype, bias, &q, &mp);
     }

@@ -30,11 +30,16 @@ typedef struct {
     int64_t k, r, s;           /* weight [K, C/groups, R, S] */
     int64_t stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups;
     int64_t oh, ow;            /* output [N, K, OH, OW]; filled by kiln_conv2d_out_size */
+    /* act 1: leaky ReLU (x < 0: x * act_slope; 0 gives ReLU) over the output, applied by
+     * the kernel where it writes the output (Winograd) or in one pass after; 0 none */
+    int act;
+    float act_slope;
 } kiln_conv2d_params;
 
 /* Computes p->oh, p->ow; KILN_ERR_ARG when the output would be empty. */
 kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p);
-/* y[N,K,OH,OW] = conv2d(x, w) + bias, as torch.nn.functional.conv2d. w is f32/f16/bf16. */
+/* y[N,K,OH,OW] = act(conv2d(x, w) + bias), as torch.nn.functional.conv2d (then
+ * leaky_relu when p->act). w is f32/f16/bf16. */
 kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, const kiln_conv2d_params *p);
 /* y[N,K,2H,2W] = conv2d(upsample_nearest(x[N,C,H,W], 2), w[K,C,3,3], padding 1) + bias

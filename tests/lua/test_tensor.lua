@@ -278,4 +278,24 @@ test("sha256_file matches FIPS 180-4 test vector", function()
   raises(function() return kiln.sha256_file(p) end, p)
 end)
 
+test("relu, add, sub, mul: the contiguous vector loops agree with the strided ones", function()
+  local v = {}
+  for i = 1, 37 do v[i] = (i % 5 - 2) * 0.5 end -- 37: two vectors and a tail
+  v[3], v[20], v[21] = 0 / 0, -0.0, 0 / 0
+  local r = kiln.tensor(v):relu():table()
+  for i = 1, 37 do
+    if v[i] ~= v[i] then H.truthy(r[i] ~= r[i], "NaN stays NaN at " .. i)
+    else eq(r[i], v[i] > 0 and v[i] or 0, "relu at " .. i)
+      if v[i] <= 0 then H.truthy(1 / r[i] > 0, "relu gives +0 at " .. i) end
+    end
+  end
+  local a, b = kiln.randn({ 3, 1001 }, { seed = 1 }), kiln.randn({ 3, 1001 }, { seed = 2 })
+  local at, bt = a:transpose(1, 2), b:transpose(1, 2)
+  for _, op in ipairs({ "__add", "__sub", "__mul" }) do
+    local mt = getmetatable(a)
+    local fast, slow = mt[op](a, b), mt[op](at, bt):transpose(1, 2):contiguous()
+    eq((fast - slow):abs():max(), 0, op)
+  end
+end)
+
 H.done()

@@ -89,6 +89,32 @@ test("upscaler ops: leaky_relu, conv2d with leaky_relu = slope, min / max / relu
   raises(function() kiln.nn.conv2d(x, w, b, { leaky_relu = "yes" }) end, "leaky_relu")
 end)
 
+test("conv2d's fused activation equals the separate pass on every CPU path", function()
+  -- the CPU backend applies leaky_relu / ReLU where each path writes its output (the
+  -- Winograd output transform) or in one pass after: the same bits as conv then the op
+  local cases = { -- {N, C, H, W, K, kernel, stride, groups}: the shapes pick the path
+    { 1, 64, 32, 32, 64, 3, 1, 1 },  -- Winograd (tiles in lanes)
+    { 2, 64, 8, 8, 64, 3, 1, 1 },    -- Winograd, few tiles
+    { 1, 5, 7, 9, 6, 3, 1, 1 },      -- few channels
+    { 1, 8, 12, 12, 8, 3, 1, 8 },    -- depthwise
+    { 1, 32, 16, 16, 48, 3, 2, 1 },  -- strided: implicit GEMM
+    { 1, 32, 16, 16, 40, 1, 1, 1 },  -- 1x1
+  }
+  for i, c in ipairs(cases) do
+    local x = kiln.randn({ c[1], c[2], c[3], c[4] }, { seed = 10 + i })
+    local w = kiln.randn({ c[5], c[2] // c[8], c[6], c[6] }, { seed = 20 + i }) * 0.2
+    local b = kiln.randn({ c[5] }, { seed = 30 + i })
+    local o = { padding = c[6] // 2, stride = c[7], groups = c[8] }
+    local plain = kiln.nn.conv2d(x, w, b, o)
+    for _, slope in ipairs({ 0, 0.2 }) do
+      o.leaky_relu = slope
+      local fused = kiln.nn.conv2d(x, w, b, o)
+      local ref = slope == 0 and plain:relu() or kiln.nn.leaky_relu(plain, slope)
+      eq(H.maxdiff(fused, ref), 0, ("case %d slope %g"):format(i, slope))
+    end
+  end
+end)
+
 -- an image larger than the tiles
 local IMG = kiln.rand({ 1, 3, 40, 36 }, { seed = 7 })
 
