@@ -19,6 +19,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define ATT_X86 1
 #include <immintrin.h>
+#include "simd_bf16.h"
 #include "simd_transpose.h"
 #define AVX512 __attribute__((target("avx512f,fma")))
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f,fma")))
@@ -489,21 +490,6 @@ AVX2 static void softmax_row_avx2(float *s, int64_t nvalid, int64_t kn, float *m
  * instruction is specified; those functions never execute a bf16 instruction. */
 #define BF16_FN static __attribute__((target("avx512f,avx512bf16,fma")))
 #define BF16_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bf16,fma")))
-
-BF16_INLINE __m512i bf16_hi(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
-
-BF16_INLINE __m512i bf16_pair(__m512 even, __m512 odd)
-{
-    return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
-}
 
 /* acc += a . b over the pairs of each lane */
 BF16_INLINE __m512 bf16_dot(int emu, __m512 acc, __m512i a, __m512i b)

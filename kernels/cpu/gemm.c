@@ -22,6 +22,7 @@
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define GEMM_X86 1
 #include <immintrin.h>
+#include "simd_bf16.h"
 #include "simd_transpose.h"
 #define AVX512 __attribute__((target("avx512f")))
 #endif
@@ -670,23 +671,6 @@ static uint32_t *bf16_buffer(void)
 {
     if (!bf_buf) bf_buf = aligned_alloc(64, ((size_t)KCBP * NB_MAX + (size_t)KCBP * MR + 16) * sizeof(uint32_t));
     return bf_buf;
-}
-
-/* x rounded to bf16 (nearest even, nan kept quiet), in the high half of each lane. */
-AVX512 static inline __m512i bf16_hi(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
-
-/* Pair lanes from depth k (even) and depth k+1 (odd). */
-AVX512 static inline __m512i bf16_pair(__m512 even, __m512 odd)
-{
-    return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
 }
 
 /* kc x w f32 rows (row stride ld floats, w <= 16) -> kcp pair rows of w lanes (stride

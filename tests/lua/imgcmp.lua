@@ -1,5 +1,7 @@
 -- Comparing a tiled result with the untiled one: PSNR and the seam check of the
--- tiling tests (test_tile.lua, test_vae_tiled.lua).
+-- tiling tests (test_tile.lua, test_vae_tiled.lua); the shift and the wrap-around seam
+-- measure of the seamless tests (test_tileable.lua, test_taesd.lua, test_upscaler.lua).
+local kiln = require "kiln"
 local M = {}
 
 -- PSNR of a against the reference b, with b's value range as the peak.
@@ -50,6 +52,35 @@ function M.seam_check(a, b, plan)
     end
   end
   return border, inside
+end
+
+-- x rolled circularly by s along dim d (torch.roll): the shift of the seamless tests.
+function M.roll(x, s, d)
+  local n = x.shape[d]
+  s = s % n
+  if s == 0 then return x:contiguous() end
+  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
+  local r = kiln.cat({ a, b }, d)
+  a:free(); b:free()
+  return r
+end
+
+-- How strong the wrap-around seam of a tileable picture is: the mean abs difference of
+-- the wrap-around pair (last and first row, d = 3, or column, d = 4) over the mean of the
+-- interior neighbouring pairs (about 1: no seam).
+function M.seam_ratio(img, d)
+  local n, sum = img.shape[d], 0
+  for j = 1, n - 1 do
+    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
+    local e = a - b
+    sum = sum + e:abs():mean()
+    a:free(); b:free(); e:free()
+  end
+  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
+  local e = a - b
+  local seam = e:abs():mean()
+  a:free(); b:free(); e:free()
+  return seam / (sum / (n - 1))
 end
 
 return M

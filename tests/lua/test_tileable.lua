@@ -12,6 +12,7 @@ local H = require "harness"
 local kiln = require "kiln"
 local seamless = require "kiln.seamless"
 local imgcmp = require "imgcmp"
+local roll, seam_ratio = imgcmp.roll, imgcmp.seam_ratio
 
 kiln.set_quiet(true)
 -- the device the networks run on besides the cpu: sim here, cuda:0 in tests/gpu/run.sh
@@ -19,17 +20,6 @@ local DEV = os.getenv("KILN_TEST_DEVICE") or "sim"
 local report = {}
 local function note(fmt, ...) report[#report + 1] = fmt:format(...) end
 local function pipeline_txt2img(...) return require("kiln.pipeline").txt2img(...) end
-
--- x rolled circularly by s along dim d (torch.roll)
-local function roll(x, s, d)
-  local n = x.shape[d]
-  s = s % n
-  if s == 0 then return x:contiguous() end
-  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
-  local r = kiln.cat({ a, b }, d)
-  a:free(); b:free()
-  return r
-end
 
 H.test("kiln.nn.pad circular: the opposite edge, per side, wrapping again when wider", function()
   local x = kiln.tensor({ { { { 1, 2, 3 }, { 4, 5, 6 } } } })
@@ -82,23 +72,6 @@ H.test("seamless.check names the valid modes", function()
   H.raises(function() seamless.check("yx", "kiln.pipeline: tileable") end, "kiln.pipeline: tileable", "x, y, xy")
   H.raises(function() seamless.check(true) end, "x, y, xy")
 end)
-
--- The wrap-around pair's mean abs difference (last and first row, d = 3, or column,
--- d = 4) over the mean of the interior neighbouring pairs, per channel map.
-local function seam_ratio(img, d)
-  local n, sum = img.shape[d], 0
-  for j = 1, n - 1 do
-    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
-    local e = a - b
-    sum = sum + e:abs():mean()
-    a:free(); b:free(); e:free()
-  end
-  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
-  local e = a - b
-  local seam = e:abs():mean()
-  a:free(); b:free(); e:free()
-  return seam / (sum / (n - 1))
-end
 
 -- the tiny SD 1.x checkpoint and ControlNet of the ControlNet tests
 local T = require "tiny_sd"

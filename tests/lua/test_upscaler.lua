@@ -7,6 +7,8 @@
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
+local imgcmp = require "imgcmp"
+local roll, seam_ratio = imgcmp.roll, imgcmp.seam_ratio
 local upscaler = require "kiln.upscaler"
 local test, eq, raises, truthy = H.test, H.eq, H.raises, H.truthy
 
@@ -294,34 +296,6 @@ test("upscaler: hires fix with a model upscaler", function()
   p:close()
   truthy(text:find("no such file", 1, true), text)
 end)
-
--- x rolled circularly by s along dim d (torch.roll)
-local function roll(x, s, d)
-  local n = x.shape[d]
-  s = s % n
-  if s == 0 then return x:contiguous() end
-  local a, b = x:narrow(d, n - s + 1, s), x:narrow(d, 1, n - s)
-  local r = kiln.cat({ a, b }, d)
-  a:free(); b:free()
-  return r
-end
-
--- The wrap-around pair's mean abs difference (last and first row, d = 3, or column,
--- d = 4) over the mean of the interior neighbouring pairs (as test_tileable.lua).
-local function seam_ratio(img, d)
-  local n, sum = img.shape[d], 0
-  for j = 1, n - 1 do
-    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
-    local e = a - b
-    sum = sum + e:abs():mean()
-    a:free(); b:free(); e:free()
-  end
-  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
-  local e = a - b
-  local seam = e:abs():mean()
-  a:free(); b:free(); e:free()
-  return seam / (sum / (n - 1))
-end
 
 -- A smooth picture that tiles [1, 3, h, w] (sums of whole periods).
 local function periodic(h, w)

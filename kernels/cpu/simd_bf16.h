@@ -1,0 +1,29 @@
+/* simd_bf16.h - f32 rounded to bf16 in AVX-512 lanes, and the pairs `vdpbf16ps` takes,
+ * shared by the bf16 GEMM (gemm.c) and the attention's products (attention.c). Private
+ * to kernels/cpu; include only inside an x86 GCC/Clang section (the functions carry their
+ * own target attributes). */
+#ifndef KILN_SIMD_BF16_H
+#define KILN_SIMD_BF16_H
+
+#include <immintrin.h>
+
+#define SIMD_BF16_INLINE static inline __attribute__((always_inline, target("avx512f")))
+
+/* x rounded to bf16 (nearest even, nan kept quiet), in the high half of each lane. */
+SIMD_BF16_INLINE __m512i bf16_hi(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* Pair lanes from depth k (even: low half) and depth k+1 (odd: high half). */
+SIMD_BF16_INLINE __m512i bf16_pair(__m512 even, __m512 odd)
+{
+    return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
+}
+
+#endif
