@@ -4,6 +4,11 @@
 
 CC      ?= cc
 PREFIX  ?= /usr/local
+# One compile job per core unless -j was given (`make test` from a fresh clone spends
+# most of its build in nvcc); the tests themselves run one after another (tests/run.sh).
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+endif
 SAN     ?= 0
 # TSAN=1: ThreadSanitizer build in build-tsan; `make test TSAN=1` runs the tests that
 # use threads (contexts in two threads, cancels from another thread, copy threads)
