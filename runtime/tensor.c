@@ -439,6 +439,18 @@ static kiln_status transfer(kiln_tensor *dst, const kiln_tensor *src)
     return st;
 }
 
+/* A copy r that arrived on dev in the wire dtype becomes *out in dt (r consumed). */
+static kiln_status arrived(kiln_tensor *r, kiln_device *dev, kiln_dtype wire, kiln_dtype dt, kiln_tensor **out)
+{
+    if (wire == dt) {
+        *out = r;
+        return KILN_OK;
+    }
+    kiln_status st = kiln_tensor_to(r, dev, dt, out);
+    kiln_tensor_free(r);
+    return st;
+}
+
 kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt, kiln_tensor **out)
 {
     *out = NULL;
@@ -474,15 +486,7 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
         kiln_tensor_free(c);
         if (!r) return kiln_error(KILN_ERR_OOM, "host out of memory for a copy off meta");
         kiln_device_count_transfer(sd, 0, kiln_tensor_nbytes(r), 0);
-        if (wire != dt) {
-            kiln_tensor *r2;
-            st = kiln_tensor_to(r, dev, dt, &r2);
-            kiln_tensor_free(r);
-            if (st) return st;
-            r = r2;
-        }
-        *out = r;
-        return KILN_OK;
+        return arrived(r, dev, wire, dt, out);
     }
     if ((st = kiln_tensor_new(dev, wire, c->ndim, c->shape, &r))) { kiln_tensor_free(c); return st; }
     if (kiln_device_is_meta(dev) && !kiln_device_is_meta(sd)) {
@@ -493,13 +497,5 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
     }
     kiln_tensor_free(c);
     if (st) { kiln_tensor_free(r); return st; }
-    if (wire != dt) {
-        kiln_tensor *r2;
-        st = kiln_tensor_to(r, dev, dt, &r2);
-        kiln_tensor_free(r);
-        if (st) return st;
-        r = r2;
-    }
-    *out = r;
-    return KILN_OK;
+    return arrived(r, dev, wire, dt, out);
 }

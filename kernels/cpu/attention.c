@@ -151,7 +151,7 @@ AVX512 static void keys_t_avx512(float *kt, const float *k, int64_t kn, int64_t 
 AVX512_INLINE void qk_tile(int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
 {
 #define QK_DECL(r) \
-    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    __m512 a##r##_0 = _mm512_setzero_ps(), a##r##_1 = a##r##_0, a##r##_2 = a##r##_0; \
     const float *q##r = qs + (r < qn ? r : 0) * D;
     R8(QK_DECL)
     for (int64_t d = 0; d < D; d++) {
@@ -161,16 +161,16 @@ AVX512_INLINE void qk_tile(int NC, float *s, const float *qs, const float *kt, i
         __m512 k2 = NC > 2 ? _mm512_load_ps(kd + 32) : k0;
 #define QK_STEP(r) { \
         __m512 bq = _mm512_set1_ps(q##r[d]); \
-        a##r##0 = _mm512_fmadd_ps(bq, k0, a##r##0); \
-        if (NC > 1) a##r##1 = _mm512_fmadd_ps(bq, k1, a##r##1); \
-        if (NC > 2) a##r##2 = _mm512_fmadd_ps(bq, k2, a##r##2); }
+        a##r##_0 = _mm512_fmadd_ps(bq, k0, a##r##_0); \
+        if (NC > 1) a##r##_1 = _mm512_fmadd_ps(bq, k1, a##r##_1); \
+        if (NC > 2) a##r##_2 = _mm512_fmadd_ps(bq, k2, a##r##_2); }
         R8(QK_STEP)
     }
 #define QK_STORE(r) \
     if (r < qn) { \
-        _mm512_store_ps(s + r * KB, a##r##0); \
-        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##1); \
-        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##2); }
+        _mm512_store_ps(s + r * KB, a##r##_0); \
+        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##_1); \
+        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##_2); }
     R8(QK_STORE)
 #undef QK_DECL
 #undef QK_STEP
@@ -206,9 +206,9 @@ AVX512_INLINE void pv_tile(int NV, int TAIL, float *o, const float *p, const flo
     const __mmask16 m2 = TAIL == TAIL_MASK && NZ == 3 ? vm : full;
 #define PV_DECL(r) \
     const float *o##r = o + (r < qn ? r : 0) * Dv, *p##r = p + (r < qn ? r : 0) * KB; \
-    __m512 a##r##0 = NZ > 0 ? _mm512_maskz_loadu_ps(m0, o##r) : _mm512_setzero_ps(); \
-    __m512 a##r##1 = NZ > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
-    __m512 a##r##2 = NZ > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps(); \
+    __m512 a##r##_0 = NZ > 0 ? _mm512_maskz_loadu_ps(m0, o##r) : _mm512_setzero_ps(); \
+    __m512 a##r##_1 = NZ > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
+    __m512 a##r##_2 = NZ > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps(); \
     __m256 y##r = TAIL == TAIL_Y8 ? _mm256_loadu_ps(o##r + 16 * NZ) : _mm256_setzero_ps();
     R8(PV_DECL)
     for (int64_t j = 0; j < kn; j++) {
@@ -219,18 +219,18 @@ AVX512_INLINE void pv_tile(int NV, int TAIL, float *o, const float *p, const flo
         __m256 v8 = TAIL == TAIL_Y8 ? _mm256_loadu_ps(vr + 16 * NZ) : _mm256_setzero_ps();
 #define PV_STEP(r) { \
         __m512 bp = _mm512_set1_ps(p##r[j]); \
-        if (NZ > 0) a##r##0 = _mm512_fmadd_ps(bp, v0, a##r##0); \
-        if (NZ > 1) a##r##1 = _mm512_fmadd_ps(bp, v1, a##r##1); \
-        if (NZ > 2) a##r##2 = _mm512_fmadd_ps(bp, v2, a##r##2); \
+        if (NZ > 0) a##r##_0 = _mm512_fmadd_ps(bp, v0, a##r##_0); \
+        if (NZ > 1) a##r##_1 = _mm512_fmadd_ps(bp, v1, a##r##_1); \
+        if (NZ > 2) a##r##_2 = _mm512_fmadd_ps(bp, v2, a##r##_2); \
         if (TAIL == TAIL_Y8) y##r = _mm256_fmadd_ps(_mm512_castps512_ps256(bp), v8, y##r); }
         R8(PV_STEP)
     }
 #define PV_STORE(r) \
     if (r < qn) { \
         float *w##r = o + r * Dv; \
-        if (NZ > 0) _mm512_mask_storeu_ps(w##r, m0, a##r##0); \
-        if (NZ > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##1); \
-        if (NZ > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##2); \
+        if (NZ > 0) _mm512_mask_storeu_ps(w##r, m0, a##r##_0); \
+        if (NZ > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##_1); \
+        if (NZ > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##_2); \
         if (TAIL == TAIL_Y8) _mm256_storeu_ps(w##r + 16 * NZ, y##r); }
     R8(PV_STORE)
 #undef PV_DECL
@@ -353,7 +353,7 @@ AVX2_INLINE __m256 exp2_avx2(__m256 x)
 AVX2_INLINE void qk_tile2(int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
 {
 #define QK2_DECL(r) \
-    __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    __m256 a##r##_0 = _mm256_setzero_ps(), a##r##_1 = a##r##_0, a##r##_2 = a##r##_0; \
     const float *q##r = qs + (r < qn ? r : 0) * D;
     R4(QK2_DECL)
     for (int64_t d = 0; d < D; d++) {
@@ -363,16 +363,16 @@ AVX2_INLINE void qk_tile2(int NC, float *s, const float *qs, const float *kt, in
         __m256 k2 = NC > 2 ? _mm256_loadu_ps(kd + 16) : k0;
 #define QK2_STEP(r) { \
         __m256 bq = _mm256_broadcast_ss(q##r + d); \
-        a##r##0 = _mm256_fmadd_ps(bq, k0, a##r##0); \
-        if (NC > 1) a##r##1 = _mm256_fmadd_ps(bq, k1, a##r##1); \
-        if (NC > 2) a##r##2 = _mm256_fmadd_ps(bq, k2, a##r##2); }
+        a##r##_0 = _mm256_fmadd_ps(bq, k0, a##r##_0); \
+        if (NC > 1) a##r##_1 = _mm256_fmadd_ps(bq, k1, a##r##_1); \
+        if (NC > 2) a##r##_2 = _mm256_fmadd_ps(bq, k2, a##r##_2); }
         R4(QK2_STEP)
     }
 #define QK2_STORE(r) \
     if (r < qn) { \
-        _mm256_storeu_ps(s + r * KB, a##r##0); \
-        if (NC > 1) _mm256_storeu_ps(s + r * KB + 8, a##r##1); \
-        if (NC > 2) _mm256_storeu_ps(s + r * KB + 16, a##r##2); }
+        _mm256_storeu_ps(s + r * KB, a##r##_0); \
+        if (NC > 1) _mm256_storeu_ps(s + r * KB + 8, a##r##_1); \
+        if (NC > 2) _mm256_storeu_ps(s + r * KB + 16, a##r##_2); }
     R4(QK2_STORE)
 #undef QK2_DECL
 #undef QK2_STEP
@@ -401,9 +401,9 @@ AVX2_INLINE void pv_tile2(int NV, float *o, const float *p, const float *v, int6
     const __m256i m0 = NV == 1 ? vm : all, m1 = NV == 2 ? vm : all, m2 = NV == 3 ? vm : all;
 #define PV2_DECL(r) \
     const float *o##r = o + (r < qn ? r : 0) * Dv, *p##r = p + (r < qn ? r : 0) * KB; \
-    __m256 a##r##0 = _mm256_maskload_ps(o##r, m0); \
-    __m256 a##r##1 = NV > 1 ? _mm256_maskload_ps(o##r + 8, m1) : _mm256_setzero_ps(); \
-    __m256 a##r##2 = NV > 2 ? _mm256_maskload_ps(o##r + 16, m2) : _mm256_setzero_ps();
+    __m256 a##r##_0 = _mm256_maskload_ps(o##r, m0); \
+    __m256 a##r##_1 = NV > 1 ? _mm256_maskload_ps(o##r + 8, m1) : _mm256_setzero_ps(); \
+    __m256 a##r##_2 = NV > 2 ? _mm256_maskload_ps(o##r + 16, m2) : _mm256_setzero_ps();
     R4(PV2_DECL)
     for (int64_t j = 0; j < kn; j++) {
         const float *vr = v + j * Dv;
@@ -412,17 +412,17 @@ AVX2_INLINE void pv_tile2(int NV, float *o, const float *p, const float *v, int6
         __m256 v2 = NV > 2 ? _mm256_maskload_ps(vr + 16, m2) : v0;
 #define PV2_STEP(r) { \
         __m256 bp = _mm256_broadcast_ss(p##r + j); \
-        a##r##0 = _mm256_fmadd_ps(bp, v0, a##r##0); \
-        if (NV > 1) a##r##1 = _mm256_fmadd_ps(bp, v1, a##r##1); \
-        if (NV > 2) a##r##2 = _mm256_fmadd_ps(bp, v2, a##r##2); }
+        a##r##_0 = _mm256_fmadd_ps(bp, v0, a##r##_0); \
+        if (NV > 1) a##r##_1 = _mm256_fmadd_ps(bp, v1, a##r##_1); \
+        if (NV > 2) a##r##_2 = _mm256_fmadd_ps(bp, v2, a##r##_2); }
         R4(PV2_STEP)
     }
 #define PV2_STORE(r) \
     if (r < qn) { \
         float *w##r = o + r * Dv; \
-        _mm256_maskstore_ps(w##r, m0, a##r##0); \
-        if (NV > 1) _mm256_maskstore_ps(w##r + 8, m1, a##r##1); \
-        if (NV > 2) _mm256_maskstore_ps(w##r + 16, m2, a##r##2); }
+        _mm256_maskstore_ps(w##r, m0, a##r##_0); \
+        if (NV > 1) _mm256_maskstore_ps(w##r + 8, m1, a##r##_1); \
+        if (NV > 2) _mm256_maskstore_ps(w##r + 16, m2, a##r##_2); }
     R4(PV2_STORE)
 #undef PV2_DECL
 #undef PV2_STEP
@@ -553,7 +553,7 @@ BF16_INLINE void qk_tile_bf16(int emu, int NC, float *s, const float *qs, const 
 {
     int64_t dp_n = (D + 1) / 2;
 #define QK_DECL(r) \
-    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0; \
+    __m512 a##r##_0 = _mm512_setzero_ps(), a##r##_1 = a##r##_0, a##r##_2 = a##r##_0; \
     const uint32_t *q##r = (const uint32_t *)(qs + (r < qn ? r : 0) * D);
     R8(QK_DECL)
     for (int64_t d = 0; d < dp_n; d++) {
@@ -563,16 +563,16 @@ BF16_INLINE void qk_tile_bf16(int emu, int NC, float *s, const float *qs, const 
         __m512i k2 = NC > 2 ? _mm512_load_si512(kd + 32) : k0;
 #define QK_STEP(r) { \
         __m512i bq = _mm512_set1_epi32((int)q##r[d]); \
-        a##r##0 = bf16_dot(emu, a##r##0, bq, k0); \
-        if (NC > 1) a##r##1 = bf16_dot(emu, a##r##1, bq, k1); \
-        if (NC > 2) a##r##2 = bf16_dot(emu, a##r##2, bq, k2); }
+        a##r##_0 = bf16_dot(emu, a##r##_0, bq, k0); \
+        if (NC > 1) a##r##_1 = bf16_dot(emu, a##r##_1, bq, k1); \
+        if (NC > 2) a##r##_2 = bf16_dot(emu, a##r##_2, bq, k2); }
         R8(QK_STEP)
     }
 #define QK_STORE(r) \
     if (r < qn) { \
-        _mm512_store_ps(s + r * KB, a##r##0); \
-        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##1); \
-        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##2); }
+        _mm512_store_ps(s + r * KB, a##r##_0); \
+        if (NC > 1) _mm512_store_ps(s + r * KB + 16, a##r##_1); \
+        if (NC > 2) _mm512_store_ps(s + r * KB + 32, a##r##_2); }
     R8(QK_STORE)
 #undef QK_DECL
 #undef QK_STEP
@@ -611,9 +611,9 @@ BF16_INLINE void pv_tile_bf16(int emu, int NV, float *o, const uint32_t *p, cons
     const __mmask16 m0 = NV == 1 ? vm : full, m1 = NV == 2 ? vm : full, m2 = NV == 3 ? vm : full;
 #define PV_DECL(r) \
     const float *o##r = o + (r < qn ? r : 0) * Dv; const uint32_t *p##r = p + (r < qn ? r : 0) * KB; \
-    __m512 a##r##0 = _mm512_maskz_loadu_ps(m0, o##r); \
-    __m512 a##r##1 = NV > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
-    __m512 a##r##2 = NV > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps();
+    __m512 a##r##_0 = _mm512_maskz_loadu_ps(m0, o##r); \
+    __m512 a##r##_1 = NV > 1 ? _mm512_maskz_loadu_ps(m1, o##r + 16) : _mm512_setzero_ps(); \
+    __m512 a##r##_2 = NV > 2 ? _mm512_maskz_loadu_ps(m2, o##r + 32) : _mm512_setzero_ps();
     R8(PV_DECL)
     for (int64_t j = 0; j < knp2; j++) {
         const uint32_t *vr = vp + j * dvp;
@@ -622,17 +622,17 @@ BF16_INLINE void pv_tile_bf16(int emu, int NV, float *o, const uint32_t *p, cons
         __m512i v2 = NV > 2 ? _mm512_load_si512(vr + 32) : v0;
 #define PV_STEP(r) { \
         __m512i bp = _mm512_set1_epi32((int)p##r[j]); \
-        a##r##0 = bf16_dot(emu, a##r##0, bp, v0); \
-        if (NV > 1) a##r##1 = bf16_dot(emu, a##r##1, bp, v1); \
-        if (NV > 2) a##r##2 = bf16_dot(emu, a##r##2, bp, v2); }
+        a##r##_0 = bf16_dot(emu, a##r##_0, bp, v0); \
+        if (NV > 1) a##r##_1 = bf16_dot(emu, a##r##_1, bp, v1); \
+        if (NV > 2) a##r##_2 = bf16_dot(emu, a##r##_2, bp, v2); }
         R8(PV_STEP)
     }
 #define PV_STORE(r) \
     if (r < qn) { \
         float *w##r = o + r * Dv; \
-        _mm512_mask_storeu_ps(w##r, m0, a##r##0); \
-        if (NV > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##1); \
-        if (NV > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##2); }
+        _mm512_mask_storeu_ps(w##r, m0, a##r##_0); \
+        if (NV > 1) _mm512_mask_storeu_ps(w##r + 16, m1, a##r##_1); \
+        if (NV > 2) _mm512_mask_storeu_ps(w##r + 32, m2, a##r##_2); }
     R8(PV_STORE)
 #undef PV_DECL
 #undef PV_STEP
