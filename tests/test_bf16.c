@@ -335,13 +335,20 @@ static void check_winograd(const char *path, int64_t C, int64_t H, int64_t W, in
     float *y32 = malloc(ny * 4), *y16 = malloc(ny * 4);
     setenv("KILN_CONV_PATH", path, 1);
     setenv("KILN_WINOGRAD_TILE", "4", 1);
+    setenv("KILN_WINOGRAD_FEW_TILE", "4", 1);
     kiln_precision_set(KILN_PREC_F32);
     kiln_status st = kiln_cpu_conv2d(y32, x, w, KILN_F32, NULL, &p);
     kiln_precision_set(KILN_PREC_BF16);
     st |= kiln_cpu_conv2d(y16, x, w, KILN_F32, NULL, &p);
+    /* the emulated kernels (no vdpbf16ps) add in the instruction's order: the same bits */
+    float *y16e = malloc(ny * 4);
+    kiln_cpu_bf16_set_emulation(1);
+    st |= kiln_cpu_conv2d(y16e, x, w, KILN_F32, NULL, &p);
+    kiln_cpu_bf16_set_emulation(0);
     kiln_precision_set(KILN_PREC_F32);
     unsetenv("KILN_CONV_PATH");
     unsetenv("KILN_WINOGRAD_TILE");
+    unsetenv("KILN_WINOGRAD_FEW_TILE");
     CHECK(st == KILN_OK, "conv2d %s: %s", path, kiln_last_error());
     /* |U| per (k, c, point), |V| per (tile, c, point) */
     int64_t ty_n = (p.oh + 3) / 4, tx_n = (p.ow + 3) / 4;
@@ -398,7 +405,8 @@ static void check_winograd(const char *path, int64_t C, int64_t H, int64_t W, in
           (long long)H, (long long)W, (long long)K, worst);
     /* bf16 ran: the bf16 result is off by more than f32's somewhere */
     CHECK(memcmp(y32, y16, ny * 4) != 0, "winograd (%s): bf16 gave the f32 bits", path);
-    free(x); free(w); free(y32); free(y16); free(Ua); free(Va);
+    if (kiln_cpu_has_bf16()) CHECK(memcmp(y16e, y16, ny * 4) == 0, "winograd (%s): emulated bf16 differs from native", path);
+    free(x); free(w); free(y32); free(y16); free(y16e); free(Ua); free(Va);
 }
 
 static void t_conv_winograd_bf16(void)
@@ -406,6 +414,12 @@ static void t_conv_winograd_bf16(void)
     if (!bf16_here()) { SKIP("no AVX-512 on this CPU"); return; }
     check_winograd("winograd", 32, 20, 18, 48);
     check_winograd("winograd", 24, 9, 30, 20);
+    /* an odd channel count: a partial 16-channel chunk and a last pair with one channel */
+    check_winograd("winograd", 19, 12, 17, 40);
+    /* the few-tiles path (output channels in the lanes), both GEMM tiles (100 = 96 + 4) */
+    check_winograd("winograd-few", 32, 20, 18, 48);
+    check_winograd("winograd-few", 19, 12, 17, 100);
+    check_winograd("winograd-few", 150, 8, 8, 40);
 }
 
 /* ---- attention ---- */

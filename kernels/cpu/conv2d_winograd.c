@@ -10,6 +10,7 @@
  *  - F(4x4, 2x2) for a nearest 2x upsampling fused with a 3x3 convolution (the decoders'
  *    Upsample blocks, kiln_cpu_conv2d_up2): one 2x2 kernel per output parity on the small
  *    image, 25 products per 16 outputs, the outputs written to every other pixel.
+ * Under kiln.precision("bf16") the weight transform writes U as the GEMM's bf16 pairs.
  * Scratch is bounded (about 32 MB for F(4,3)): output channels go in blocks and tiles
  * in strips (see plan()). */
 #define _GNU_SOURCE
@@ -24,6 +25,7 @@
 #include <immintrin.h>
 #include "simd_transpose.h"
 #include "winograd_transforms.h"
+#include "simd_bf16.h"
 #define AVX512 __attribute__((target("avx512f")))
 
 /* Lanes of a 16-tile block that lie in one tile row: [l0, l1), row ty, first column tx. */
@@ -69,6 +71,25 @@ typedef struct wino_ctx {
 
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
 
+/* For bf16 products U is written as the GEMM's pairs: a sliver row j holds input
+ * channels 2j (low half) and 2j+1 (high half) of its 12 outputs. The 48 floats of 4
+ * channels x 12 outputs (3 vectors, element 16q + l) give two such rows: even / odd
+ * channel of pair 01 from vectors 0-1, of pair 23 from vectors 1-2 (vpermt2ps). */
+typedef struct { __m512i e01, o01, e23, o23; } pair_idx;
+
+static void pair_idx_init(pair_idx *t)
+{
+    int32_t e01[16], o01[16], e23[16], o23[16];
+    for (int l = 0; l < 16; l++) {
+        int k = l < 12 ? l : 11;
+        e01[l] = k;          /* elements 0..11 */
+        o01[l] = 12 + k;     /* elements 12..23 */
+        e23[l] = 24 + k - 16; /* elements 24..35, counted from vector 1 */
+        o23[l] = 36 + k - 16; /* elements 36..47 */
+    }
+    memcpy(&t->e01, e01, 64); memcpy(&t->o01, o01, 64); memcpy(&t->e23, e23, 64); memcpy(&t->o23, o23, 64);
+}
+
 /* Task: one A sliver (output channels kk in [12s, 12s+12) of the block) times 16 input
  * channels from c0. The 12 weight rows (16 channels x 9 taps each) are transposed so a
  * vector holds one tap of the 12 outputs; vectors then pair 4 input channels x 12
@@ -84,6 +105,8 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     const int64_t rstride = f32 ? C * 9 : 144;
     float *buf = c->wbuf + (size_t)kiln_thread_index() * (12 * 144);
     __m512 tb[144]; /* tb[c*9 + e], lane k: tap e of input channel c0+c for output 12s+k */
+    pair_idx pk;
+    pair_idx_init(&pk);
     for (int64_t task = begin; task < end; task++) {
         int64_t sl = task / chunks, c0 = (task % chunks) * 16;
         int64_t cn = C - c0 < 16 ? C - c0 : 16, kk0 = 12 * sl, kn = c->kb - kk0 < 12 ? c->kb - kk0 : 12;
@@ -143,6 +166,22 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                         for (int j = 0; j < A; j++) u[q][i * A + j] = o[j];
                     }
                 }
+            }
+            if (c->u_bf16) { /* straight to the GEMM's bf16 pairs: channels (cq, cq+1) and (cq+2, cq+3) */
+                uint32_t *dp = (uint32_t *)(void *)(c->U + sl * C * 12) + ((c0 + cq) / 2) * 12;
+                int pairs = cn - cq >= 3 ? 2 : 1;
+                for (int xi = 0; xi < A * A; xi++) {
+                    uint32_t *d = dp + xi * su;
+                    __m512 e01 = _mm512_permutex2var_ps(u[0][xi], pk.e01, u[1][xi]);
+                    __m512 o01 = _mm512_permutex2var_ps(u[0][xi], pk.o01, u[1][xi]);
+                    _mm512_mask_storeu_epi32(d, 0x0FFF, bf16_pair(e01, o01));
+                    if (pairs == 2) {
+                        __m512 e23 = _mm512_permutex2var_ps(u[1][xi], pk.e23, u[2][xi]);
+                        __m512 o23 = _mm512_permutex2var_ps(u[1][xi], pk.o23, u[2][xi]);
+                        _mm512_mask_storeu_epi32(d + 12, 0x0FFF, bf16_pair(e23, o23));
+                    }
+                }
+                continue;
             }
             float *dst = c->U + (sl * C + c0 + cq) * 12;
             if (cn - cq >= 4) {
@@ -554,13 +593,6 @@ static void gemms(const wino_ctx *c)
     kiln_cpu_gemm_prepacked_ex(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm, c->u_bf16);
 }
 
-/* With bf16 products, U (used by every strip and image) is rounded once, here. */
-static void u_round_fn(void *vctx, int64_t begin, int64_t end)
-{
-    const wino_ctx *c = vctx;
-    for (int64_t xi = begin; xi < end; xi++) kiln_cpu_bf16_pairs_a(c->U + xi * c->su, c->ns, c->C, c->C * 12);
-}
-
 /* Two ways to share the work, so that each thread runs a whole pipeline (transforms
  * and GEMMs) on data in its own cache, with one pool job per image instead of four per
  * step:
@@ -590,7 +622,6 @@ AVX512 static void block_task(void *vctx, int64_t begin, int64_t end)
     for (int64_t bk = begin; bk < end; bk++) {
         set_block(&c, bk, j->kb);
         weight_fn(&c, 0, c.ns * ((c.C + 15) / 16));
-        if (c.u_bf16) u_round_fn(&c, 0, c.P);
         for (int64_t i = 0; i < j->n_img; i++) {
             c.V = j->V + (size_t)i * j->nV;
             c.y = j->y + i * c.K * c.yhw;
@@ -711,7 +742,6 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
         for (int64_t bk = 0; bk < nkb; bk++) {
             set_block(c, bk, kb);
             kiln_parallel_for(c->ns * ((C + 15) / 16), 1, weight_fn, c);
-            if (c->u_bf16) kiln_parallel_for(c->P, 1, u_round_fn, c);
             for (int64_t n = 0; n < p->n; n++) {
                 c->x = x + n * C * p->h * p->w;
                 c->y = y + n * yimg;

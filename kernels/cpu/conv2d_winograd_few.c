@@ -18,7 +18,11 @@
  *
  * Input: a channels-last copy of x (16 channels = one vector), then V = B^T d B per
  * tile, stored [P][tiles][Cp] (row-major A for the GEMM). The transforms are those of the
- * other path (winograd_transforms.h), so F(4,3) rounds the same way. */
+ * other path (winograd_transforms.h), so F(4,3) rounds the same way.
+ *
+ * Under kiln.precision("bf16") the weight transform writes its U chunk as the GEMM's
+ * bf16 pairs, V is rounded into pair slivers once per convolution, and the products run
+ * on vdpbf16ps (kiln_cpu_gemm_serial_bf16). */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -30,6 +34,7 @@
 #include <immintrin.h>
 #include "simd_transpose.h"
 #include "winograd_transforms.h"
+#include "simd_bf16.h"
 #define AVX512 __attribute__((target("avx512f")))
 
 /* On SD's UNet shapes this path beats the implicit GEMM on small images and loses from
@@ -46,6 +51,7 @@ typedef struct {
     const void *w;
     kiln_dtype w_dt;
     const float *bias;
+    int bf16;                        /* bf16 products: U in pairs (kiln_cpu_gemm_serial_bf16) */
     int m, a, P;                     /* F(m x m, 3x3): output tile m (4 or 2), input tile a = m + 2,
                                       * P = a * a points xi */
     int64_t C, Cp, K, TH, TW, T, NT; /* Cp = C rounded up to 16; T tiles an image, NT all */
@@ -54,6 +60,8 @@ typedef struct {
     int64_t nkb;                     /* blocks of kb output channels */
     float *xt;                       /* [N][H][W][Cp] */
     float *V;                        /* [P][NT][Cp] */
+    uint32_t *Vp;                    /* bf16: V[xi] as the GEMM's A slivers of 12 tiles, svp lanes apart */
+    int64_t svp;
     float *slots;                    /* per thread: slot floats */
     size_t slot;
 } few_ctx;
@@ -125,6 +133,14 @@ AVX512 static void input_fn(void *vctx, int64_t begin, int64_t end)
     else input_tiles(c, begin, end, 4);
 }
 
+/* bf16: V[xi] rounded into pair slivers once, for every block of output channels */
+static void pack_v_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const few_ctx *c = vctx;
+    for (int64_t xi = begin; xi < end; xi++)
+        kiln_cpu_bf16_pack_rows(c->Vp + xi * c->svp, c->Cp * 6, c->V + xi * c->NT * c->Cp, c->Cp, c->NT, c->Cp);
+}
+
 /* n <= 16 weights as f32 (zero past n), converted in registers */
 AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
 {
@@ -146,8 +162,13 @@ AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
 WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run, int64_t cn,
                               const int A)
 {
+    /* bf16: U holds pairs (see kiln_cpu_gemm_serial_bf16): an even channel's points wait
+     * in `even` for the odd one's (zero past cn) */
+    float even[36 * 32] __attribute__((aligned(64)));
     for (int64_t ci = 0; ci < cn; ci++) {
         float *dst = U + (ks * c->cc + ci) * 32;
+        uint32_t *dp = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
+        int pair_now = c->bf16 && (ci % 2 == 1 || ci == cn - 1);
         for (int h = 0; h < 2; h++) {
             const float *tp = taps + (size_t)h * run * 16 + ci * 9 * 16;
             __m512 gv[9], t[3][6];
@@ -156,7 +177,14 @@ WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, in
             for (int i = 0; i < A; i++) {
                 __m512 o[6];
                 g_apply(A, t[0][i], t[1][i], t[2][i], o);
-                for (int j = 0; j < A; j++) _mm512_storeu_ps(dst + (i * A + j) * c->su + 16 * h, o[j]);
+                for (int j = 0; j < A; j++) {
+                    int64_t at = (i * A + j) * c->su + 16 * h;
+                    float *ev = even + (i * A + j) * 32 + 16 * h;
+                    if (!c->bf16) _mm512_storeu_ps(dst + at, o[j]);
+                    else if (!pair_now) _mm512_store_ps(ev, o[j]);
+                    else if (ci % 2 == 1) _mm512_storeu_si512(dp + at, bf16_pair(_mm512_load_ps(ev), o[j]));
+                    else _mm512_storeu_si512(dp + at, bf16_pair(o[j], _mm512_setzero_ps()));
+                }
             }
         }
     }
@@ -262,9 +290,15 @@ AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
             for (int64_t c0 = 0; c0 < C; c0 += cc) {
                 int64_t cn = C - c0 < cc ? C - c0 : cc;
                 weight_chunk(c, U, taps, k0, c0, cn);
-                for (int xi = 0; xi < c->P; xi++)
-                    kiln_cpu_gemm_serial(NT, kn, cn, c->V + (int64_t)xi * NT * Cp + c0, Cp, U + xi * c->su, cc * 32,
-                                         M + xi * c->sm, c->kb, c0 > 0, asl);
+                for (int xi = 0; xi < c->P; xi++) {
+                    if (c->bf16)
+                        kiln_cpu_gemm_serial_bf16(NT, kn, cn, c->Vp + xi * c->svp + c0 * 6, Cp * 6,
+                                                  (const uint32_t *)(const void *)(U + xi * c->su), cc * 32,
+                                                  M + xi * c->sm, c->kb, c0 > 0);
+                    else
+                        kiln_cpu_gemm_serial(NT, kn, cn, c->V + (int64_t)xi * NT * Cp + c0, Cp, U + xi * c->su,
+                                             cc * 32, M + xi * c->sm, c->kb, c0 > 0, asl);
+                }
             }
             output_block(c, M, k0, kn);
         }
@@ -313,19 +347,24 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     if (!forced && c.m == 2 && w_dtype == KILN_F32) return 1;
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;
+    c.bf16 = kiln_cpu_bf16_active() != 0;
     c.nkb = (c.K + c.kb - 1) / c.kb;
     int threads = kiln_cpu_threads();
     c.su = (c.kb / 32) * c.cc * 32 + 16;
     c.sm = c.NT * c.kb + 16;
     c.slot = slot_floats(c.P, c.su, c.sm, c.cc);
     size_t n_xt = (size_t)(p->n * p->h * p->w) * (size_t)c.Cp, n_v = (size_t)c.P * (size_t)c.NT * (size_t)c.Cp;
-    float *buf = kiln_cpu_scratch_get((n_xt + n_v + (size_t)threads * c.slot + 32) * sizeof(float));
+    c.svp = (c.NT + 11) / 12 * c.Cp * 6;
+    size_t n_vp = c.bf16 ? (size_t)c.P * (size_t)c.svp : 0;
+    float *buf = kiln_cpu_scratch_get((n_xt + n_v + n_vp + (size_t)threads * c.slot + 48) * sizeof(float));
     if (!buf) return -1;
     c.xt = buf;
     c.V = c.xt + (n_xt + 15) / 16 * 16;
-    c.slots = c.V + (n_v + 15) / 16 * 16;
+    c.Vp = (uint32_t *)(void *)(c.V + (n_v + 15) / 16 * 16);
+    c.slots = (float *)(void *)(c.Vp + (n_vp + 15) / 16 * 16);
     kiln_parallel_for(p->n * ((p->h * p->w + 15) / 16), 1, to_channels_last, &c);
     kiln_parallel_for(c.NT, 1, input_fn, &c);
+    if (c.bf16) kiln_parallel_for(c.P, 1, pack_v_fn, &c);
     kiln_parallel_for(threads, 1, block_range, &c);
     kiln_cpu_scratch_put(buf);
     return 0;

@@ -31,18 +31,25 @@ void kiln_cpu_bf16_set_emulation(int on);
  * [N/32][K][32]), each C row-major with row stride ldc. */
 int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-/* The same with A already rounded to bf16 pairs by kiln_cpu_bf16_pairs_a when a_bf16
- * (the product then runs in bf16 whatever its size); -1 when a_bf16 and bf16 is not
+/* The same with A already in bf16 pairs when a_bf16 (the product then runs in bf16
+ * whatever its size): each sliver [ceil(K/2)][12] 32-bit lanes, lane r of pair row j
+ * holding row r's depths 2j (low half) and 2j+1 (high half), rounded to nearest even,
+ * at the sliver's f32 place (slivers K*12 lanes apart); -1 when a_bf16 and bf16 is not
  * active (kiln_cpu_bf16_active). */
 int kiln_cpu_gemm_prepacked_ex(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                                const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c, int a_bf16);
-/* Rounds n A slivers ([K][12] floats each, stride floats apart) to bf16 in place, in the
- * pair layout the bf16 kernel reads: an operand used by many products (Winograd's
- * transformed weights) is rounded once instead of in every product. */
-void kiln_cpu_bf16_pairs_a(float *A, int64_t n, int64_t K, int64_t stride);
 /* One product on the calling thread (see gemm.c); scratch holds this many floats.
- * Always f32: its products are small (few tiles). */
+ * f32 products. */
 enum { KILN_CPU_GEMM_SERIAL_SCRATCH = 384 * 12 + 16 };
+/* The same product with bf16 inputs (kiln.precision "bf16"), both operands already in
+ * bf16 pairs (32-bit lanes: depth 2r in the low half, 2r+1 in the high half of pair row
+ * r, rounded to nearest even; an odd K's last high half zero): A as ceil(M/12) slivers
+ * [ceil(K/2)][12], a_sliver lanes apart (kiln_cpu_bf16_pack_rows); B as ceil(N/32)
+ * slivers [ceil(K/2)][32], b_sliver lanes apart. -1 when bf16 products are not active. */
+int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *Ap, int64_t a_sliver,
+                              const uint32_t *Bp, int64_t b_sliver, float *C, int64_t ldc, int accumulate);
+/* Rows of a row-major f32 A (M x K, row stride lda) into those A slivers. */
+void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, int64_t lda, int64_t M, int64_t K);
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
                          int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch);
 

@@ -136,7 +136,7 @@ typedef struct {
     int a_packed, b_packed;             /* A / B already in sliver layout for all of K (see _prepacked) */
     int64_t b_sliver;                   /* packed B: floats from one sliver to the next (0: K*NR) */
     int bf16;                           /* 0 f32; bf16 inputs: 1 vdpbf16ps, 2 emulated (see bf16_mode) */
-    int a_bf16;                         /* prepacked A already in bf16 pairs (kiln_cpu_bf16_pairs_a) */
+    int a_bf16;                         /* prepacked A already in bf16 pairs (the Winograd weight transform writes them) */
     int64_t a_sliver;                   /* a_bf16: lanes from one A sliver to the next (0: K*MR) */
 } gemm_args;
 
@@ -792,6 +792,7 @@ AVX512BF16 static void ukr_bf16(int64_t kcp, const uint32_t *restrict ap, const 
     for (int64_t k = 0; k < kcp; k++) {
         __m512bh x0 = (__m512bh)_mm512_load_si512(bp), x1 = (__m512bh)_mm512_load_si512(bp + 16), s;
         _mm_prefetch((const char *)(bp + 8 * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ap + 16 * MR), _MM_HINT_T0);
         ROW(a0, b0_, ap[0]) ROW(a1, b1_, ap[1]) ROW(a2, b2_, ap[2]) ROW(a3, b3_, ap[3])
         ROW(a4, b4_, ap[4]) ROW(a5, b5_, ap[5]) ROW(a6, b6_, ap[6]) ROW(a7, b7_, ap[7])
         ROW(a8, b8_, ap[8]) ROW(a9, b9_, ap[9]) ROW(a10, b10_, ap[10]) ROW(a11, b11_, ap[11])
@@ -830,6 +831,53 @@ AVX512 static void ukr_bf16_emulated(int64_t kcp, const uint32_t *restrict ap, c
     UKR_STORE(o)
 }
 #undef ROW
+
+/* ukr_wide in bf16: at most 4 rows (pair rows of a 12-lane sliver, ap[k*MR + r]) times
+ * 3 B pair slivers bs lanes apart, kcp depth pairs; DOT is the pair product. */
+#define UKR_WIDE_BF16(name, attr, DOT)                                                                         \
+    attr static void name(int64_t kcp, const uint32_t *restrict ap, const uint32_t *restrict bp, int64_t bs,   \
+                          const tile_out *o)                                                                   \
+    {                                                                                                          \
+        __m512 acc[4][6];                                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)                                                    \
+        _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++) acc[r][v] = _mm512_setzero_ps();                  \
+        for (int64_t k = 0; k < kcp; k++) {                                                                    \
+            __m512i x[6];                                                                                      \
+            _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++)                                                \
+                x[v] = _mm512_load_si512(bp + (v / 2) * bs + k * NR + (v % 2) * 16);                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {                                              \
+                __m512i s = _mm512_set1_epi32((int)ap[k * MR + r]);                                            \
+                _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++) acc[r][v] = DOT(acc[r][v], s, x[v]);       \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int q = 0; q < 3; q++) {                                                                          \
+            tile_out oq = *o;                                                                                  \
+            oq.c += q * NR;                                                                                    \
+            oq.n = NR;                                                                                         \
+            if (oq.bias_col) oq.bias_col += q * NR;                                                            \
+            __m512 lo[4] = {acc[0][2 * q], acc[1][2 * q], acc[2][2 * q], acc[3][2 * q]};                       \
+            __m512 hi[4] = {acc[0][2 * q + 1], acc[1][2 * q + 1], acc[2][2 * q + 1], acc[3][2 * q + 1]};       \
+            store_tile(&oq, lo, hi);                                                                           \
+        }                                                                                                      \
+    }
+
+AVX512BF16 static inline __m512 dot_native(__m512 acc, __m512i s, __m512i x)
+{
+    return _mm512_dpbf16_ps(acc, (__m512bh)s, (__m512bh)x);
+}
+
+/* as the instruction adds: the odd depth's product, then the even one's */
+AVX512 static inline __m512 dot_emulated(__m512 acc, __m512i s, __m512i x)
+{
+    const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 se = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16)), so = _mm512_castsi512_ps(_mm512_and_si512(s, himask));
+    __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), xo = _mm512_castsi512_ps(_mm512_and_si512(x, himask));
+    return _mm512_fmadd_ps(se, xe, _mm512_fmadd_ps(so, xo, acc));
+}
+
+UKR_WIDE_BF16(ukr_wide_bf16, AVX512BF16, dot_native)
+UKR_WIDE_BF16(ukr_wide_bf16_emulated, AVX512, dot_emulated)
+#undef UKR_WIDE_BF16
 #undef UKR_ZERO
 #undef UKR_STORE
 
@@ -883,13 +931,6 @@ AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asli
             }
         }
     }
-}
-
-/* Rounds n A slivers (sliver s at A + s*stride floats, [K][MR]) to bf16 pairs in place:
- * pair row j of a sliver where f32 row j was. */
-AVX512 static void pairs_a(float *A, int64_t n, int64_t K, int64_t stride)
-{
-    for (int64_t s = 0; s < n; s++) bf16_rows((uint32_t *)(A + s * stride), MR, A + s * stride, MR, K, MR);
 }
 
 typedef struct {
@@ -1198,12 +1239,51 @@ int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_
 #endif
 }
 
-void kiln_cpu_bf16_pairs_a(float *A, int64_t n, int64_t K, int64_t stride)
+/* kiln_cpu_gemm_serial in bf16 with both operands in pairs (cpu_internal.h). Rows go 4
+ * at a time through the 4 x 96 tile where 96 columns remain, the rest through the
+ * 12 x 32 one. */
+int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *Ap, int64_t a_sliver,
+                              const uint32_t *Bp, int64_t b_sliver, float *C, int64_t ldc, int accumulate)
 {
 #ifdef GEMM_X86
-    if (have_avx512()) pairs_a(A, n, K, stride);
+    int mode = bf16_mode(MR);
+    if (!mode) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    const int64_t kcp = (K + 1) / 2, n96 = N / (3 * NR) * (3 * NR);
+    for (int64_t i = 0; i < M; i += MR) {
+        int m = M - i < MR ? (int)(M - i) : MR;
+        const uint32_t *ap = Ap + (i / MR) * a_sliver;
+        for (int r4 = 0; r4 < m; r4 += 4)
+            for (int64_t js = 0; js < n96; js += 3 * NR) {
+                tile_out o = {C + (i + r4) * ldc + js, ldc, m - r4 < 4 ? m - r4 : 4, 3 * NR, 1.0f, 0.0f, accumulate,
+                              NULL, NULL};
+                const uint32_t *bp = Bp + (js / NR) * b_sliver;
+                if (mode == 1) ukr_wide_bf16(kcp, ap + r4, bp, b_sliver, &o);
+                else ukr_wide_bf16_emulated(kcp, ap + r4, bp, b_sliver, &o);
+            }
+        for (int64_t js = n96; js < N; js += NR) {
+            tile_out o = {C + i * ldc + js, ldc, m, N - js < NR ? (int)(N - js) : NR, 1.0f, 0.0f, accumulate, NULL, NULL};
+            const uint32_t *bp = Bp + (js / NR) * b_sliver;
+            if (mode == 1) ukr_bf16(kcp, ap, bp, &o);
+            else ukr_bf16_emulated(kcp, ap, bp, &o);
+        }
+    }
+    return 0;
 #else
-    (void)A; (void)n; (void)K; (void)stride;
+    (void)M; (void)N; (void)K; (void)Ap; (void)a_sliver; (void)Bp; (void)b_sliver; (void)C; (void)ldc;
+    (void)accumulate;
+    return -1;
+#endif
+}
+
+void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, int64_t lda, int64_t M, int64_t K)
+{
+#ifdef GEMM_X86
+    if (!have_avx512()) return;
+    gemm_args g = {.M = M, .K = K, .A = A, .lda = lda, .a_dt = KILN_F32};
+    for (int64_t i = 0; i < M; i += MR) pack_a_bf16(dst + (i / MR) * a_sliver, NULL, &g, i, M - i < MR ? (int)(M - i) : MR, 0, K);
+#else
+    (void)dst; (void)a_sliver; (void)A; (void)lda; (void)M; (void)K;
 #endif
 }
 
