@@ -1,7 +1,7 @@
 /* attention.c - memory-efficient attention (FlashAttention-style) on the CPU.
  * A task is (batch*head, block of QT queries); it streams over blocks of KB keys with
  * an online softmax, so a thread's scratch is QT*(D+Dv+2) + D*KB + QB*KB floats
- * (about 136 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block
+ * (about 218 KB at D=40) and no Lq x Lk matrix ever exists. The q.k^T and p.v block
  * products are our own register-tiled kernels, AVX-512 or AVX2+FMA chosen at run
  * time, portable C otherwise (OpenBLAS would start its own threads inside ours); under
  * kiln.precision("bf16") the two products take bf16 inputs (see "bf16 products" below;
@@ -25,7 +25,7 @@
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f,fma")))
 #endif
 
-#define QT 256 /* queries per task */
+#define QT 512 /* queries per task: each task transposes every key block once */
 #define QB 32  /* queries per q.k^T block (QB x KB scores live at a time) */
 #define KB 192 /* keys per block, four 48-key tiles: a row's softmax overhead (max, sums,
                   * rescale) is paid once per 192 keys (96 is slower at SD's 4096) */
@@ -548,6 +548,60 @@ BF16_FN void values_pairs(uint32_t *vp, const float *v, int64_t kn, int64_t Dv, 
     }
 }
 
+/* softmax_row_avx512 for bf16 products: the probabilities go straight into pair lanes
+ * (probability 2i in the low half of lane i, 2i+1 in the high half, in place at the
+ * row's start); the sum l is of the f32 values. Native: vcvtne2ps2bf16, whose word
+ * order is already the pair order. */
+BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o,
+                                   int64_t Dv)
+{
+    if (nvalid <= 0) {
+        memset(s, 0, (size_t)kn * sizeof(float));
+        return;
+    }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nvalid; j += 16) {
+        __mmask16 mk = tail_mask(nvalid - j);
+        mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_load_ps(mk, s + j));
+    }
+    float bmax = _mm512_reduce_max_ps(mx);
+    float mnew = bmax > *m ? bmax : *m;
+    __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+    uint32_t *dst = (uint32_t *)s;
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t j = 0; j < kn; j += 32) { /* reads [j, j+32) before writing [j/2, j/2+16) */
+        __mmask16 m0 = tail_mask(nvalid - j < 0 ? 0 : nvalid - j), m1 = tail_mask(nvalid - j - 16 < 0 ? 0 : nvalid - j - 16);
+        __mmask16 l0 = tail_mask(kn - j), l1 = tail_mask(kn - j - 16 < 0 ? 0 : kn - j - 16);
+        __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_avx512(_mm512_sub_ps(_mm512_maskz_load_ps(l0, s + j), vm)));
+        __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_avx512(_mm512_sub_ps(_mm512_maskz_load_ps(l1, s + j + 16), vm)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        __m512i pr = emu ? bf16_pair(_mm512_permutex2var_ps(e0, ie, e1), _mm512_permutex2var_ps(e0, io, e1))
+                         : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(dst + j / 2, pr);
+    }
+    float alpha = exp2f(*m - mnew);
+    if (alpha != 1.0f) {
+        __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < Dv; c += 16) {
+            __mmask16 mk = tail_mask(Dv - c);
+            _mm512_mask_storeu_ps(o + c, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, o + c), va));
+        }
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = mnew;
+}
+
+BF16_FN void softmax_pairs(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    softmax_row_pairs(0, s, nvalid, kn, m, l, o, Dv);
+}
+
+BF16_FN void softmax_pairs_emu(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    softmax_row_pairs(1, s, nvalid, kn, m, l, o, Dv);
+}
+
 /* TR rows x NC*16 keys of s from pair rows of q (stride D floats) and kt (stride KB) */
 BF16_INLINE void qk_tile_bf16(int emu, int NC, float *s, const float *qs, const float *kt, int64_t qn, int64_t D)
 {
@@ -739,7 +793,9 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
                 int64_t nvalid = kn;
                 if (c->causal && q0 + i - k0 + 1 < nvalid) nvalid = q0 + i - k0 + 1;
 #ifdef ATT_X86
-                if (c->isa == ISA_AVX512) softmax_row_avx512(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                if (c->bf16 == 1) softmax_pairs(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                else if (c->bf16) softmax_pairs_emu(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
+                else if (c->isa == ISA_AVX512) softmax_row_avx512(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
                 else if (c->isa == ISA_AVX2) softmax_row_avx2(s + i * KB, nvalid, kn, m + sb + i, l + sb + i, osb + i * Dv, Dv);
                 else
 #endif
@@ -747,7 +803,6 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
             }
 #ifdef ATT_X86
             if (c->bf16) {
-                bf16_rows_inplace(s, qn, kn, KB);
                 if (c->bf16 == 1) pv_bf16(osb, s, vp, qn, kn, Dv);
                 else pv_bf16_emu(osb, s, vp, qn, kn, Dv);
             } else if (c->isa == ISA_AVX512) pv_avx512(osb, s, v + k0 * Dv, qn, kn, Dv);

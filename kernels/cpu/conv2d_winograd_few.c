@@ -343,11 +343,14 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.TH = (p->oh + c.m - 1) / c.m; c.TW = (p->ow + c.m - 1) / c.m; c.T = c.TH * c.TW; c.NT = p->n * c.T;
     if (c.NT > MAX_TILES || (!forced && p->n * t4 > FEW_TILES && c.C * c.K < LARGE_WEIGHTS)) return 1;
     /* 8x8 with f32 weights: the implicit GEMM reads them in place and wins; f16 / bf16
-     * weights it has to convert panel by panel, and loses */
-    if (!forced && c.m == 2 && w_dtype == KILN_F32) return 1;
+     * weights it has to convert panel by panel, and loses, except with bf16 products on
+     * one image, where its products run at twice the rate and this path's weight
+     * transform is the larger cost (README: speed, path choices) */
+    int bf16 = kiln_cpu_bf16_active() != 0;
+    if (!forced && c.m == 2 && (w_dtype == KILN_F32 || (bf16 && p->n == 1))) return 1;
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;
-    c.bf16 = kiln_cpu_bf16_active() != 0;
+    c.bf16 = bf16;
     c.nkb = (c.K + c.kb - 1) / c.kb;
     int threads = kiln_cpu_threads();
     c.su = (c.kb / 32) * c.cc * 32 + 16;

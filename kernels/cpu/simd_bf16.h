@@ -9,7 +9,10 @@
 
 #define SIMD_BF16_INLINE static inline __attribute__((always_inline, target("avx512f")))
 
-/* x rounded to bf16 (nearest even, nan kept quiet), in the high half of each lane. */
+/* x rounded to bf16 (nearest even, nan kept quiet), in the high half of each lane, as
+ * vcvtneps2bf16 rounds: denormals (in and out) become zero of their sign, so that the
+ * kernels that convert with the instruction and those that convert here agree bit for
+ * bit. */
 SIMD_BF16_INLINE __m512i bf16_hi(__m512 x)
 {
     __m512i u = _mm512_castps_si512(x);
@@ -17,6 +20,8 @@ SIMD_BF16_INLINE __m512i bf16_hi(__m512 x)
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    __mmask16 tiny = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)); /* zero or denormal */
+    r = _mm512_mask_and_epi32(r, tiny, u, _mm512_set1_epi32((int)0x80000000u));
     return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
 
