@@ -51,7 +51,7 @@ typedef struct {
     const void *w;
     kiln_dtype w_dt;
     const float *bias;
-    int bf16;                        /* bf16 products: U in pairs (kiln_cpu_gemm_serial_bf16) */
+    int bf16;                        /* bf16 products (1 native, 2 emulated): U in pairs (kiln_cpu_gemm_serial_bf16) */
     int m, a, P;                     /* F(m x m, 3x3): output tile m (4 or 2), input tile a = m + 2,
                                       * P = a * a points xi */
     int64_t C, Cp, K, TH, TW, T, NT; /* Cp = C rounded up to 16; T tiles an image, NT all */
@@ -158,17 +158,47 @@ AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
 
 /* U chunk for output channels [k0, k0 + KB) and input channels [c0, c0 + cn):
  * U[xi][k/32][c - c0][k % 32] = (G g G^T)[xi] of weight (k, c); zero for k >= K.
- * weight_points: the G transforms of one B sliver's taps. */
+ * sliver_taps: one B sliver's taps in vectors over outputs; weight_points: their G
+ * transforms. */
+WINO_INLINE void sliver_taps(const few_ctx *c, float *taps, int64_t kb0, int64_t c0, int64_t run)
+{
+    const int64_t C = c->C, K = c->K;
+    const size_t esz = kiln_dtype_size(c->w_dt), rstride = (size_t)C * 9 * esz;
+    for (int h = 0; h < 2; h++) {
+        int64_t kbase = kb0 + 16 * h, kn = K - kbase < 16 ? K - kbase : 16;
+        float *tp = taps + (size_t)h * run * 16;
+        if (kn <= 0) {
+            memset(tp, 0, (size_t)run * 16 * sizeof(float));
+            continue;
+        }
+        /* tp[e][lane k] for e in [0, run): a vector per (channel, tap) over 16
+         * outputs; the rows (taps of channels c0.. of one output) are contiguous in w */
+        const char *src = (const char *)c->w + (size_t)(kbase * C + c0) * 9 * esz;
+        /* the next group's rows (16 short runs the hardware does not foresee), a line of
+         * each row per 64 bytes of this group's, so the prefetches trickle out */
+        int64_t kn2 = kn == 16 ? (K - kbase - 16 < 16 ? K - kbase - 16 : 16) : 0;
+        for (int64_t b = 0; b < run; b += 16) {
+            int64_t cols = run - b < 16 ? run - b : 16;
+            if (((size_t)b * esz) % 64 == 0)
+                for (int64_t k = 0; k < kn2; k++) _mm_prefetch(src + (16 + k) * rstride + (size_t)b * esz, _MM_HINT_T1);
+            __m512 r[16];
+            for (int k = 0; k < 16; k++)
+                r[k] = k < kn ? load_taps(src + k * rstride + (size_t)b * esz, c->w_dt, (int)cols)
+                              : _mm512_setzero_ps();
+            transpose16(r);
+            if (cols == 16)
+                for (int m = 0; m < 16; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
+            else
+                for (int64_t m = 0; m < cols; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
+        }
+    }
+}
+
 WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run, int64_t cn,
                               const int A)
 {
-    /* bf16: U holds pairs (see kiln_cpu_gemm_serial_bf16): an even channel's points wait
-     * in `even` for the odd one's (zero past cn) */
-    float even[36 * 32] __attribute__((aligned(64)));
     for (int64_t ci = 0; ci < cn; ci++) {
         float *dst = U + (ks * c->cc + ci) * 32;
-        uint32_t *dp = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
-        int pair_now = c->bf16 && (ci % 2 == 1 || ci == cn - 1);
         for (int h = 0; h < 2; h++) {
             const float *tp = taps + (size_t)h * run * 16 + ci * 9 * 16;
             __m512 gv[9], t[3][6];
@@ -177,57 +207,87 @@ WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, in
             for (int i = 0; i < A; i++) {
                 __m512 o[6];
                 g_apply(A, t[0][i], t[1][i], t[2][i], o);
-                for (int j = 0; j < A; j++) {
-                    int64_t at = (i * A + j) * c->su + 16 * h;
-                    float *ev = even + (i * A + j) * 32 + 16 * h;
-                    if (!c->bf16) _mm512_storeu_ps(dst + at, o[j]);
-                    else if (!pair_now) _mm512_store_ps(ev, o[j]);
-                    else if (ci % 2 == 1) _mm512_storeu_si512(dp + at, bf16_pair(_mm512_load_ps(ev), o[j]));
-                    else _mm512_storeu_si512(dp + at, bf16_pair(o[j], _mm512_setzero_ps()));
-                }
+                for (int j = 0; j < A; j++) _mm512_storeu_ps(dst + (i * A + j) * c->su + 16 * h, o[j]);
             }
         }
     }
 }
 
-AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t k0, int64_t c0,
-                                int64_t cn)
+/* The column transforms of one channel's taps: t[s][i] = (G g)[i][s]. */
+WINO_INLINE void taps_cols(const float *tp, __m512 t[3][6], const int A)
 {
-    const int64_t C = c->C, K = c->K, run = cn * 9;
-    const size_t esz = kiln_dtype_size(c->w_dt), rstride = (size_t)C * 9 * esz;
+    __m512 gv[9];
+    for (int e = 0; e < 9; e++) gv[e] = _mm512_load_ps(tp + e * 16);
+    for (int s3 = 0; s3 < 3; s3++) g_apply(A, gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
+}
+
+AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t k0, int64_t c0, int64_t cn)
+{
+    const int64_t run = cn * 9;
     /* one B sliver (32 output channels, two groups of 16) at a time, so that each row
      * of 32 floats of U is written whole, right away */
     for (int64_t ks = 0; ks < c->kb / 32; ks++) {
-        for (int h = 0; h < 2; h++) {
-            int64_t kbase = k0 + 32 * ks + 16 * h, kn = K - kbase < 16 ? K - kbase : 16;
-            float *tp = taps + (size_t)h * run * 16;
-            if (kn <= 0) {
-                memset(tp, 0, (size_t)run * 16 * sizeof(float));
-                continue;
-            }
-            /* tp[e][lane k] for e in [0, run): a vector per (channel, tap) over 16
-             * outputs; the rows (taps of channels c0.. of one output) are contiguous in w */
-            const char *src = (const char *)c->w + (size_t)(kbase * C + c0) * 9 * esz;
-            /* the next group's rows (16 short runs the hardware does not foresee), a line of
-             * each row per 64 bytes of this group's, so the prefetches trickle out */
-            int64_t kn2 = kn == 16 ? (K - kbase - 16 < 16 ? K - kbase - 16 : 16) : 0;
-            for (int64_t b = 0; b < run; b += 16) {
-                int64_t cols = run - b < 16 ? run - b : 16;
-                if (((size_t)b * esz) % 64 == 0)
-                    for (int64_t k = 0; k < kn2; k++) _mm_prefetch(src + (16 + k) * rstride + (size_t)b * esz, _MM_HINT_T1);
-                __m512 r[16];
-                for (int k = 0; k < 16; k++)
-                    r[k] = k < kn ? load_taps(src + k * rstride + (size_t)b * esz, c->w_dt, (int)cols)
-                                  : _mm512_setzero_ps();
-                transpose16(r);
-                if (cols == 16)
-                    for (int m = 0; m < 16; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
-                else
-                    for (int64_t m = 0; m < cols; m++) _mm512_store_ps(tp + (b + m) * 16, r[m]);
-            }
-        }
+        sliver_taps(c, taps, k0 + 32 * ks, c0, run);
         if (c->a == 6) weight_points(c, U, taps, ks, run, cn, 6);
         else weight_points(c, U, taps, ks, run, cn, 4);
+    }
+}
+
+/* ---- the same U chunk as the bf16 GEMM's pairs (kiln_cpu_gemm_serial_bf16): pair row
+ * ci/2 of a sliver holds channels ci (low half) and ci+1 (high half, zero past cn).
+ * Native (AVX512_BF16): vcvtne2ps2bf16 rounds both channels' points at once, vpermw
+ * interleaves them; emulated: bf16_pair, with the same bits. The emulated variant is
+ * compiled for the same target but executes no bf16 instruction. ---- */
+#define BF16_FEW static __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define BF16_FEW_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+
+BF16_FEW_INLINE __m512i pair_of(const int native, __m512 even, __m512 odd, __m512i ilv)
+{
+    if (native) return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+    return bf16_pair(even, odd);
+}
+
+BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run,
+                                         int64_t cn, const int A, const int native)
+{
+    /* words 2l and 2l+1 of a pair vector: word l of the even channel, word 16+l of the odd */
+    int16_t il[32];
+    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
+    __m512i ilv;
+    memcpy(&ilv, il, sizeof il);
+    for (int64_t ci = 0; ci < cn; ci += 2) {
+        uint32_t *dst = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
+        int odd = ci + 1 < cn;
+        for (int h = 0; h < 2; h++) {
+            const float *tp = taps + (size_t)h * run * 16 + ci * 9 * 16;
+            __m512 te[3][6], to[3][6];
+            taps_cols(tp, te, A);
+            if (odd) taps_cols(tp + 9 * 16, to, A);
+            for (int i = 0; i < A; i++) {
+                __m512 oe[6], oo[6];
+                g_apply(A, te[0][i], te[1][i], te[2][i], oe);
+                if (odd) g_apply(A, to[0][i], to[1][i], to[2][i], oo);
+                else
+                    for (int j = 0; j < A; j++) oo[j] = _mm512_setzero_ps();
+                for (int j = 0; j < A; j++)
+                    _mm512_storeu_si512(dst + (i * A + j) * c->su + 16 * h, pair_of(native, oe[j], oo[j], ilv));
+            }
+        }
+    }
+}
+
+BF16_FEW void weight_chunk_pairs(const few_ctx *c, float *U, float *taps, int64_t k0, int64_t c0, int64_t cn)
+{
+    const int64_t run = cn * 9;
+    for (int64_t ks = 0; ks < c->kb / 32; ks++) {
+        sliver_taps(c, taps, k0 + 32 * ks, c0, run);
+        if (c->bf16 == 1) {
+            if (c->a == 6) weight_points_pairs(c, U, taps, ks, run, cn, 6, 1);
+            else weight_points_pairs(c, U, taps, ks, run, cn, 4, 1);
+        } else {
+            if (c->a == 6) weight_points_pairs(c, U, taps, ks, run, cn, 6, 0);
+            else weight_points_pairs(c, U, taps, ks, run, cn, 4, 0);
+        }
     }
 }
 
@@ -289,7 +349,8 @@ AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
             int64_t k0 = b * c->kb, kn = c->K - k0 < c->kb ? c->K - k0 : c->kb;
             for (int64_t c0 = 0; c0 < C; c0 += cc) {
                 int64_t cn = C - c0 < cc ? C - c0 : cc;
-                weight_chunk(c, U, taps, k0, c0, cn);
+                if (c->bf16) weight_chunk_pairs(c, U, taps, k0, c0, cn);
+                else weight_chunk(c, U, taps, k0, c0, cn);
                 for (int xi = 0; xi < c->P; xi++) {
                     if (c->bf16)
                         kiln_cpu_gemm_serial_bf16(NT, kn, cn, c->Vp + xi * c->svp + c0 * 6, Cp * 6,
@@ -346,7 +407,7 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
      * weights it has to convert panel by panel, and loses, except with bf16 products on
      * one image, where its products run at twice the rate and this path's weight
      * transform is the larger cost (README: speed, path choices) */
-    int bf16 = kiln_cpu_bf16_active() != 0;
+    int bf16 = kiln_cpu_bf16_active(); /* 1 vdpbf16ps, 2 emulated */
     if (!forced && c.m == 2 && (w_dtype == KILN_F32 || (bf16 && p->n == 1))) return 1;
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;

@@ -697,6 +697,25 @@ AVX512 static void bf16_b_panel(uint32_t *restrict dst, int64_t ds, const float 
     }
 }
 
+/* With AVX512_BF16: up to 16 rows of 32 consecutive depths (rows row_bytes apart, f32
+ * / f16 / bf16, n <= 32 valid depths) rounded by vcvtne2ps2bf16, whose words come out
+ * in memory order - lane i of row r is the pair (2i, 2i+1) - then transposed, so that
+ * pair row p (lanes = rows, w of them) lands at dst + p * ldo. A third of the
+ * instructions of rounding each pair in software (bf16_pair), with the same bits. */
+AVX512BF16 static void pairs_t32(uint32_t *dst, int64_t ldo, const char *src, size_t row_bytes, kiln_dtype dt,
+                                 int rows, int n, int w)
+{
+    size_t esz = kiln_dtype_size(dt);
+    __m512 r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = i < rows ? (__m512)_mm512_cvtne2ps_pbh(load16(src + i * row_bytes + 16 * esz, dt, n - 16),
+                                                      load16(src + i * row_bytes, dt, n))
+                        : _mm512_setzero_ps();
+    transpose16(r);
+    __mmask16 mk = w >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1);
+    for (int pr = 0; pr < (n + 1) / 2; pr++) _mm512_mask_storeu_epi32(dst + pr * ldo, mk, _mm512_castps_si512(r[pr]));
+}
+
 /* B panel (columns [j0, j0+n) x depths [k0, k0+kc), kc <= KCB) straight from an f32 /
  * f16 / bf16 B into bf16 pair slivers of ds lanes: what pack_b then bf16_b_panel do,
  * without the f32 panel in between. 0 when B is of another kind (custom source, low-bit). */
@@ -717,6 +736,15 @@ AVX512 static int pack_b_bf16(uint32_t *restrict dst, int64_t ds, const gemm_arg
                     __m512 e = load16(r0 + 16 * h * esz, g->b_dt, nn - 16 * h);
                     __m512 o = odd ? load16(r1 + 16 * h * esz, g->b_dt, nn - 16 * h) : _mm512_setzero_ps();
                     _mm512_store_si512(d + (k / 2) * NR + 16 * h, bf16_pair(e, o));
+                }
+            }
+        } else if (g->bf16 == 1) { /* 16 rows x 32 depths: paired by the instruction, then transposed */
+            for (int h = 0; h < 2; h++) {
+                int jn = nn - h * 16;
+                for (int64_t kb = 0; kb < kc; kb += 32) {
+                    int kn = kc - kb < 32 ? (int)(kc - kb) : 32;
+                    pairs_t32(d + (kb / 2) * NR + 16 * h, NR, B + (size_t)((j0 + js + h * 16) * g->ldb + k0 + kb) * esz,
+                              (size_t)g->ldb * esz, g->b_dt, jn < 0 ? 0 : jn, kn, 16);
                 }
             }
         } else { /* 16 x 16 blocks of rows of B transposed in registers, then paired */
@@ -757,6 +785,12 @@ AVX512 static void pack_a_bf16(uint32_t *restrict ab, float *restrict tmp, const
         return;
     }
     size_t esz = kiln_dtype_size(g->a_dt);
+    if (g->bf16 == 1) {
+        for (int64_t kk = 0; kk < kc; kk += 32)
+            pairs_t32(ab + (kk / 2) * MR, MR, (const char *)g->A + (size_t)(i0 * g->lda + k0 + kk) * esz,
+                      (size_t)g->lda * esz, g->a_dt, m, kc - kk < 32 ? (int)(kc - kk) : 32, MR);
+        return;
+    }
     for (int64_t kk = 0; kk < kc; kk += 16) {
         int n = kc - kk < 16 ? (int)(kc - kk) : 16;
         __m512 r[16];
