@@ -693,9 +693,60 @@ BF16_INLINE void pv_tile_bf16(int emu, int NV, float *o, const uint32_t *p, cons
 #undef PV_STORE
 }
 
+/* pv_tile_bf16 for Dv = 40 (SD 1.x's first level, where the attention is largest): two
+ * full vectors of columns per row, and the last 8 columns of two rows in one vector
+ * (row 2u in the low half, 2u+1 in the high half, their probabilities blended), so no
+ * lane idles: 20 products per key pair for 8 rows instead of 24. */
+BF16_INLINE void pv_tile_bf16_40(int emu, float *o, const uint32_t *p, const uint32_t *vp, int64_t qn, int64_t knp2,
+                                 int64_t dvp)
+{
+    const int64_t Dv = 40;
+#define PV_DECL(r) \
+    const float *o##r = o + (r < qn ? r : 0) * Dv; const uint32_t *p##r = p + (r < qn ? r : 0) * KB; \
+    __m512 a##r##_0 = _mm512_loadu_ps(o##r), a##r##_1 = _mm512_loadu_ps(o##r + 16);
+    R8(PV_DECL)
+#define PV_TDECL(u, r0, r1) \
+    __m512 t##u = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(o##r0 + 32))), \
+                                                      _mm256_castps_pd(_mm256_loadu_ps(o##r1 + 32)), 1));
+    PV_TDECL(0, 0, 1) PV_TDECL(1, 2, 3) PV_TDECL(2, 4, 5) PV_TDECL(3, 6, 7)
+    for (int64_t j = 0; j < knp2; j++) {
+        const uint32_t *vr = vp + j * dvp;
+        __m512i v0 = _mm512_load_si512(vr), v1 = _mm512_load_si512(vr + 16);
+        __m512i vt = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)(const void *)(vr + 32)));
+#define PV_STEP(r) \
+        __m512i bp##r = _mm512_set1_epi32((int)p##r[j]); \
+        a##r##_0 = bf16_dot(emu, a##r##_0, bp##r, v0); \
+        a##r##_1 = bf16_dot(emu, a##r##_1, bp##r, v1);
+        R8(PV_STEP)
+#define PV_TSTEP(u, r0, r1) t##u = bf16_dot(emu, t##u, _mm512_mask_blend_epi32(0xFF00, bp##r0, bp##r1), vt);
+        PV_TSTEP(0, 0, 1) PV_TSTEP(1, 2, 3) PV_TSTEP(2, 4, 5) PV_TSTEP(3, 6, 7)
+    }
+#define PV_STORE(r) \
+    if (r < qn) { \
+        float *w##r = o + r * Dv; \
+        _mm512_storeu_ps(w##r, a##r##_0); \
+        _mm512_storeu_ps(w##r + 16, a##r##_1); \
+        _mm256_storeu_ps(w##r + 32, (r & 1) ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t_of(r)), 1)) \
+                                            : _mm512_castps512_ps256(t_of(r))); }
+#define t_of(r) ((r) < 2 ? t0 : (r) < 4 ? t1 : (r) < 6 ? t2 : t3)
+    R8(PV_STORE)
+#undef t_of
+#undef PV_DECL
+#undef PV_TDECL
+#undef PV_STEP
+#undef PV_TSTEP
+#undef PV_STORE
+}
+
 BF16_INLINE void pv_bf16_body(int emu, float *o, const float *s, const uint32_t *vp, int64_t qn, int64_t kn,
                               int64_t Dv)
 {
+    if (Dv == 40) {
+        const uint32_t *p = (const uint32_t *)s;
+        for (int64_t i = 0; i < qn; i += TR) pv_tile_bf16_40(emu, o + i * Dv, p + i * KB, vp, qn - i, (kn + 1) / 2, 48);
+        return;
+    }
+
     int64_t nvec = (Dv + 15) / 16, nchunk = (nvec + 2) / 3, dvp = nvec * 16, knp2 = (kn + 1) / 2;
     const uint32_t *p = (const uint32_t *)s;
     for (int64_t i = 0; i < qn; i += TR) {
