@@ -673,7 +673,9 @@ function kiln.nn.linear(x, w, b) end
 ---the convolution where it can be (3x3, stride 1, padding 1, on the CPU): the upsampled
 ---image (4x the input) is never made, and the decoders' Upsample blocks run faster (README: speed).
 ---opts.leaky_relu = slope applies a leaky ReLU to the output in place (no second tensor).
----@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer, upsample?: integer, leaky_relu?: number}
+---opts.residual = r (a tensor of the output's shape) is added before the activation:
+---act(conv(x) + b + r), a residual block's skip in the same op (no sum tensor).
+---@param opts? {stride?: integer|integer[], padding?: integer|integer[], dilation?: integer|integer[], groups?: integer, upsample?: integer, leaky_relu?: number, residual?: kiln.Tensor}
 ---@return kiln.Tensor
 function kiln.nn.conv2d(x, w, b, opts) end
 

@@ -42,7 +42,8 @@ static void pair_field(lua_State *L, int idx, const char *key, int64_t *v, int64
     lua_pop(L, 1);
 }
 
-/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=, upsample=, leaky_relu=slope}]) */
+/* conv2d(x, w [, b] [, {stride=, padding=, dilation=, groups=, upsample=, leaky_relu=slope,
+ *                       residual=tensor}]) */
 static int nn_conv2d(lua_State *L)
 {
     kiln_tensor *x = l_check_tensor(L, 1), *w = l_check_tensor(L, 2), *b = NULL, *r;
@@ -66,6 +67,15 @@ static int nn_conv2d(lua_State *L)
             o.act_slope = lua_tonumber(L, -1);
         }
         lua_pop(L, 1);
+    }
+    /* residual = tensor: added to the output before the activation (a skip connection) */
+    o.residual = NULL;
+    if (lua_istable(L, opt)) {
+        if (lua_getfield(L, opt, "residual") != LUA_TNIL) {
+            if (!luaL_testudata(L, -1, KILN_TENSOR_MT)) luaL_error(L, "conv2d: option 'residual' must be a tensor");
+            o.residual = l_check_tensor(L, -1); /* a freed one: the usual error, where it was freed */
+        }
+        lua_pop(L, 1); /* the options table still holds the residual */
     }
     return push(L, kiln_op_conv2d(x, w, b, &o, &r), &r);
 }

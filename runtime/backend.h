@@ -39,6 +39,10 @@ typedef struct {
      * convolutions), written over the result before it is returned; 0 none */
     int act;
     double act_slope;
+    /* a tensor of the output's shape (any float dtype, strided) added to the result
+     * before the activation: act(conv(x) + bias + residual), a residual block's skip
+     * in one op; NULL none */
+    const kiln_tensor *residual;
 } kiln_conv_opts;
 
 struct kiln_backend {
@@ -63,6 +67,9 @@ struct kiln_backend {
     /* 1: conv2d applies o->act itself, as it writes the output (no second pass over a
      * large activation); 0: conv2d gets act = 0 and the op runs the activation after */
     int conv2d_act;
+    /* 1: conv2d adds o->residual itself (before o->act); 0: conv2d gets residual = NULL
+     * and act = 0, and the op adds the residual, then runs the activation */
+    int conv2d_residual;
     /* out [N,K,2H,2W] = conv2d(upsample_nearest(x [N,C,H,W], 2), w [K,C,3,3], padding 1)
      * + bias, without the upsampled image; optional (NULL, or KILN_ERR_UNSUPPORTED returned
      * without touching out: the op upsamples first) */

@@ -262,6 +262,23 @@ static kiln_status conv2d_upsampled(const kiln_tensor *x, const kiln_tensor *w, 
     return st;
 }
 
+/* A convolution's residual: a float tensor on x's device with the output's shape. */
+static kiln_status check_residual(const kiln_tensor *x, const kiln_tensor *r, const int64_t *shape)
+{
+    char b1[128];
+    if (r->storage->device != x->storage->device)
+        return kiln_error(KILN_ERR_ARG, "conv2d: residual is on %s, the input on %s; move it with :to(\"%s\")",
+                          r->storage->device->name, x->storage->device->name, x->storage->device->name);
+    if (!kiln_dtype_is_float(r->dtype))
+        return kiln_error(KILN_ERR_ARG, "conv2d: residual has dtype %s (expected a float dtype)", kiln_dtype_name(r->dtype));
+    if (r->ndim != 4 || r->shape[0] != shape[0] || r->shape[1] != shape[1] || r->shape[2] != shape[2] ||
+        r->shape[3] != shape[3])
+        return kiln_error(KILN_ERR_ARG, "conv2d: residual has shape %s, expected the output's [%lld, %lld, %lld, %lld]",
+                          SHAPE(r, b1), (long long)shape[0], (long long)shape[1], (long long)shape[2],
+                          (long long)shape[3]);
+    return KILN_OK;
+}
+
 kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
                            const kiln_conv_opts *o, kiln_tensor **out)
 {
@@ -269,12 +286,21 @@ kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kil
     char b1[128], b2[128];
     kiln_status st;
     if (o->act != 0 && o->act != 1) return kiln_error(KILN_ERR_ARG, "conv2d: act=%d (0 none, 1 leaky relu)", o->act);
-    if (o->act && (o->upsample == 2 || !be_of(x)->conv2d_act)) {
-        /* the activation in place over the result: one pass, no second tensor */
+    /* What the backend's conv2d does not apply runs here, in place over the result (one
+     * pass each, no second tensor), in the same order: + residual, then the activation
+     * (which therefore also runs here when the residual does). */
+    const kiln_backend *be = be_of(x);
+    int res_here = o->residual && (o->upsample == 2 || !be->conv2d_residual);
+    int act_here = o->act && (o->upsample == 2 || !be->conv2d_act || res_here);
+    if (res_here || act_here) {
         kiln_conv_opts plain = *o;
         plain.act = 0;
+        if (res_here) plain.residual = NULL;
         if ((st = kiln_op_conv2d(x, w, b, &plain, out))) return st;
-        if ((st = be_of(*out)->unary(KILN_UN_LEAKY_RELU, *out, *out, o->act_slope, 0))) {
+        if (res_here && !(st = check_residual(x, o->residual, (*out)->shape)))
+            st = be_of(*out)->binary(KILN_BIN_ADD, *out, *out, o->residual, 0, 0);
+        if (!st && act_here) st = be_of(*out)->unary(KILN_UN_LEAKY_RELU, *out, *out, o->act_slope, 0);
+        if (st) {
             kiln_tensor_free(*out);
             *out = NULL;
         }
@@ -303,6 +329,7 @@ kiln_status kiln_op_conv2d(const kiln_tensor *x, const kiln_tensor *w, const kil
         return kiln_error(KILN_ERR_ARG, "conv2d: input %s with kernel %s gives an empty output (%lldx%lld)",
                           SHAPE(x, b1), SHAPE(w, b2), (long long)oh, (long long)ow);
     int64_t shape[4] = {x->shape[0], w->shape[0], oh, ow};
+    if (o->residual && (st = check_residual(x, o->residual, shape))) return st;
     kiln_tensor *r;
     if ((st = need(be_of(x), (void *)be_of(x)->conv2d, "conv2d"))) return st;
     if ((st = new_like(x, float_of(x->dtype), 4, shape, &r))) return st;

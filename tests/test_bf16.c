@@ -417,6 +417,8 @@ static void t_conv_winograd_bf16(void)
     check_winograd("winograd", 24, 9, 30, 20);
     /* an odd channel count: a partial 16-channel chunk and a last pair with one channel */
     check_winograd("winograd", 19, 12, 17, 40);
+    /* many channels, few tiles: output channels in blocks, V rounded once for all */
+    check_winograd("winograd", 640, 12, 12, 96);
     /* the few-tiles path (output channels in the lanes), both GEMM tiles (100 = 96 + 4) */
     check_winograd("winograd-few", 32, 20, 18, 48);
     check_winograd("winograd-few", 19, 12, 17, 100);

@@ -724,6 +724,72 @@ static void t_conv_concurrent(void)
     free(x); free(w); free(b); free(ref); free(y1); free(y2);
 }
 
+/* p->residual (then act) on every path, f32 and f16 weights, with and without bias:
+ * the plain convolution of the same path, + r, then the leaky ReLU computed here.
+ * A residual added after the activation, or to the wrong image, fails. */
+static void t_conv_residual(void)
+{
+    static const int64_t cases[][9] = {
+        /* n, c, h, w, k, r (= s), groups, pad, stride */
+        {2, 64, 12, 12, 64, 3, 1, 1, 1}, /* Winograd (forced), few tiles, GEMM, im2col */
+        {1, 48, 20, 20, 40, 3, 1, 1, 1}, /* Winograd on its own */
+        {2, 8, 9, 11, 8, 3, 8, 1, 1},    /* depthwise (direct) */
+        {1, 16, 10, 10, 3, 3, 1, 1, 1},  /* few outputs (direct) */
+        {1, 16, 10, 10, 24, 1, 1, 0, 1}, /* 1x1: the plain GEMM */
+        {2, 16, 11, 9, 24, 3, 1, 1, 2},  /* strided: implicit GEMM */
+    };
+    static const float slopes[3] = {-1.0f, 0.0f, 0.2f}; /* -1: no activation */
+    static const kiln_dtype dts[2] = {KILN_F32, KILN_F16};
+    int ran = 0;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int64_t *v = cases[ci];
+        kiln_conv2d_params base = {v[0], v[1], v[2], v[3], v[4], v[5], v[5], v[8], v[8], v[7], v[7], 1, 1, v[6],
+                                   0, 0, 0, 0.0f, NULL};
+        if (kiln_conv2d_out_size(&base) != KILN_OK) { CHECK(0, "case %zu: %s", ci, kiln_last_error()); continue; }
+        int64_t nx = base.n * base.c * base.h * base.w, nw = base.k * (base.c / base.groups) * base.r * base.s;
+        int64_t ny = base.n * base.k * base.oh * base.ow;
+        float *x = rand_buf(nx), *w = rand_buf(nw), *b = rand_buf(base.k), *r = rand_buf(ny);
+        float *plain = guarded(ny), *y = guarded(ny);
+        uint16_t *wh = malloc((size_t)nw * sizeof *wh);
+        double *want = malloc((size_t)ny * sizeof *want);
+        if (!x || !w || !b || !r || !plain || !y || !wh || !want) { CHECK(0, "out of memory"); return; }
+        for (int64_t i = 0; i < nw; i++) {
+            wh[i] = kiln_f32_to_f16(w[i]);
+            w[i] = kiln_f16_to_f32(wh[i]); /* both dtypes: the same weights */
+        }
+        for (int pi = 0; pi < N_PATHS; pi++) {
+            if (strcmp(PATHS[pi], "auto") && !path_applies(PATHS[pi], &base)) continue;
+            set_path(PATHS[pi]);
+            for (int d = 0; d < 2; d++)
+                for (int bi = 0; bi < 2; bi++)
+                    for (int si = 0; si < 3; si++) {
+                        const void *wd = dts[d] == KILN_F32 ? (const void *)w : (const void *)wh;
+                        const float *bias = bi ? b : NULL;
+                        kiln_conv2d_params p = base;
+                        kiln_status st = kiln_cpu_conv2d(plain, x, wd, dts[d], bias, &p);
+                        for (int64_t i = 0; i < ny && st == KILN_OK; i++) {
+                            float s = plain[i] + r[i];
+                            want[i] = slopes[si] >= 0 && s < 0 ? (double)(s * slopes[si]) : (double)s;
+                        }
+                        p.residual = r;
+                        p.act = slopes[si] >= 0;
+                        p.act_slope = slopes[si] >= 0 ? slopes[si] : 0.0f;
+                        if (st == KILN_OK) st = kiln_cpu_conv2d(y, x, wd, dts[d], bias, &p);
+                        double e = st == KILN_OK ? rel_err(y, want, ny) : 1.0;
+                        CHECK(st == KILN_OK && e <= 1e-5, "case %zu (%s, %s weights, bias %d, slope %g): rel err %.3g %s",
+                              ci, PATHS[pi], kiln_dtype_name(dts[d]), bi, slopes[si], e,
+                              st ? kiln_last_error() : "");
+                        CHECK(guards_ok(y, ny), "case %zu (%s): wrote outside y", ci, PATHS[pi]);
+                        ran++;
+                    }
+        }
+        set_path("auto");
+        free(x); free(w); free(b); free(r); free(wh); free(want);
+        guarded_free(plain); guarded_free(y);
+    }
+    CHECK(ran >= 6 * 12, "only %d residual convolutions ran", ran);
+}
+
 static void t_conv_errors(void)
 {
     kiln_conv2d_params base = {1, 4, 8, 8, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0};
@@ -821,6 +887,7 @@ int main(int argc, char **argv)
     RUN(t_conv_up2);
     RUN(t_conv_winograd_few);
     RUN(t_conv_concurrent);
+    RUN(t_conv_residual);
     RUN(t_conv_errors);
     if (!child_mode) RUN(t_blas_fallback);
     return test_summary();

@@ -540,7 +540,7 @@ static void conv_case(const conv_case_t *cc, kiln_dtype xdt, kiln_dtype wdt, int
 {
     int64_t cx = strided_x ? cc->c + 3 : cc->c;
     int64_t sx[4] = {cc->n, cx, cc->h, cc->w}, sw[4] = {cc->k, cc->c / cc->g, cc->r, cc->s}, sb[1] = {cc->k};
-    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g, 0, 0, 0};
+    kiln_conv_opts o = {{cc->sh, cc->sw}, {cc->ph, cc->pw}, {cc->dh, cc->dw}, cc->g, 0, 0, 0, NULL};
     kiln_tensor *xfull = rnd(xdt, 4, sx, -1, 1), *w = rnd(wdt, 4, sw, -0.3f, 0.3f), *b = with_bias ? rnd(wdt, 1, sb, -1, 1) : NULL;
     kiln_tensor *x = NULL, *dxfull = on_dev(xfull), *dx = NULL, *dw = on_dev(w), *db = b ? on_dev(b) : NULL, *ref = NULL;
     if (xfull && dxfull) {
@@ -815,7 +815,7 @@ static kiln_tensor *hn_run(kiln_tensor *const *in)
     kiln_tensor *tmp[40] = {0}, *r = NULL;
     int nt = 0;
     kiln_status s = KILN_OK;
-    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0}, o0 = {{1, 1}, {0, 0}, {1, 1}, 1, 0, 0, 0};
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0, NULL}, o0 = {{1, 1}, {0, 0}, {1, 1}, 1, 0, 0, 0, NULL};
 #define HN(call) (s ? NULL : ((s = (call)) ? NULL : tmp[nt - 1]))
 #define OUT (tmp[nt++] = NULL, &tmp[nt - 1])
     int64_t tok[3] = {2, 64, 256}, heads[4] = {2, 256, 2, 32}, flat[3] = {2, 256, 64}, img[4] = {2, 64, 16, 16};
@@ -1043,7 +1043,7 @@ static int bench(void)
     kiln_tensor *xl = dev_rnd(KILN_F16, 3, sl, -1, 1), *wl = dev_rnd(KILN_F16, 2, swl, -0.05f, 0.05f);
     kiln_tensor *xv = dev_rnd(KILN_F16, 4, sv, -1, 1), *wv = dev_rnd(KILN_F16, 4, swv, -0.05f, 0.05f);
     if (!x || !w || !b || !q || !kc || !xl || !wl || !xv || !wv) { printf("bench setup failed: %s\n", kiln_last_error()); return 1; }
-    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0};
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0, NULL};
     double conv_fl = 2.0 * 2 * 320 * 64 * 64 * 320 * 9, attn_fl = 4.0 * 2 * 8 * 4096.0 * 4096 * 40;
     BENCH("conv2d 320->320 3x3 [2,320,64,64]", 20, conv_fl, kiln_op_conv2d(x, w, b, &o, &r_));
     BENCH("conv2d 512->512 3x3 [2,512,64,64] (VAE)", 10, 2.0 * 2 * 512 * 64 * 64 * 512 * 9, kiln_op_conv2d(xv, wv, NULL, &o, &r_));

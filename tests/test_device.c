@@ -50,7 +50,7 @@ static void t_workspace(void)
     kiln_device *cpu = kiln_device_cpu(), *sim = kiln_device_get("sim");
     int64_t sx[4] = {1, 64, 48, 48}, sw[4] = {64, 64, 3, 3};
     kiln_tensor *x = NULL, *w = NULL, *y = NULL;
-    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0};
+    kiln_conv_opts o = {{1, 1}, {1, 1}, {1, 1}, 1, 0, 0, 0, NULL};
     CHECK(kiln_tensor_new(cpu, KILN_F32, 4, sx, &x) == KILN_OK && kiln_tensor_new(cpu, KILN_F32, 4, sw, &w) == KILN_OK,
           "%s", kiln_last_error());
     if (!x || !w) return;

@@ -208,7 +208,7 @@ static kiln_status fn(void *ud, int index, const kiln_tensor *t, kiln_tensor **o
     case 0: return kiln_tensor_to(t, NULL, t->dtype, out);
     case 1: return kiln_op_resample(KILN_RS_NEAREST, t, t->shape[2] * 8, t->shape[3] * 8, out);
     case 2: {
-        kiln_conv_opts o = {{8, 8}, {0, 0}, {1, 1}, t->shape[1], 1, 0, 0};
+        kiln_conv_opts o = {{8, 8}, {0, 0}, {1, 1}, t->shape[1], 1, 0, 0, NULL};
         return kiln_op_conv2d(t, c->pool_w, NULL, &o, out);
     }
     case 3:

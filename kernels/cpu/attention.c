@@ -913,7 +913,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     int nslots = kiln_cpu_threads();
     size_t slot = slot_floats(D, Dv);
     size_t bytes = kiln_cpu_attention_scratch_bytes(D, Dv);
-    float *scratch = aligned_alloc(64, bytes);
+    float *scratch = kiln_cpu_scratch_get(bytes); /* cached: no fresh pages on every call */
     if (!scratch)
         return kiln_error_oom("cpu", bytes, 0, 0, "attention: no memory for %zu bytes of scratch", bytes);
 
@@ -928,7 +928,7 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     c.scratch = scratch; c.slot = slot; c.nslots = nslots;
     atomic_init(&c.oom, 0);
     kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);
-    free(scratch);
+    kiln_cpu_scratch_put(scratch);
     if (atomic_load(&c.oom))
         return kiln_error_oom("cpu", slot * sizeof(float), 0, 0, "attention: no memory for a worker's scratch");
     return KILN_OK;

@@ -155,7 +155,14 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
     if (st) return st;
     wop ops;
     if ((st = wop_get(&ops, out, x, w, bias, 0))) return st;
+    kiln_tensor *tr = NULL; /* the residual as contiguous f32, like the output */
+    if (o->residual && !(p.residual = f32_data(o->residual, &tr, &st))) {
+        kiln_tensor_free(tr);
+        wop_done(&ops, out);
+        return st;
+    }
     st = kiln_cpu_conv2d(ops.Y, ops.X, ops.W, ops.wdt, ops.B, &p);
+    kiln_tensor_free(tr);
     wop_done(&ops, out);
     return st;
 }
@@ -327,6 +334,7 @@ static const kiln_backend cpu_backend = {
     .linear = cpu_linear,
     .conv2d = cpu_conv2d,
     .conv2d_act = 1,
+    .conv2d_residual = 1,
     .conv2d_up2 = cpu_conv2d_up2,
     .group_norm = cpu_group_norm, /* kiln_cpu_group_norm reads each value before writing it */
     .group_norm_in_place = 1,

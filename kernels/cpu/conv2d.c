@@ -455,57 +455,67 @@ static conv_path forced_path(void)
     return PATH_AUTO;
 }
 
-/* ---- the output's activation, where the path did not apply it ---- */
+/* ---- the output's residual and activation, where the path did not apply them ---- */
 
-typedef struct { float *y; float slope; } act_job;
+typedef struct { float *y; const float *r; int act; float slope; } post_job;
+
+/* y + r (when r), then leaky ReLU (when act) as the unary op computes it: x < 0 ->
+ * x * slope (+ 0: ReLU's -0 becomes 0) */
+static inline float post1(float v, const float *r, int64_t i, int act, float slope)
+{
+    if (r) v += r[i];
+    return act && v < 0.0f ? v * slope + 0.0f : v;
+}
 
 #ifdef CONV_X86
-AVX512 static void act_avx512(float *y, int64_t n, float slope)
+AVX512 static void post_avx512(float *y, const float *r, int64_t n, int act, float slope)
 {
     const __m512 zero = _mm512_setzero_ps(), s = _mm512_set1_ps(slope);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_loadu_ps(y + i);
-        /* x < 0: x * slope (+ 0: ReLU's -0 becomes 0, as the unary op gives) */
-        v = _mm512_add_ps(_mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v, s), zero);
+        if (r) v = _mm512_add_ps(v, _mm512_loadu_ps(r + i));
+        if (act) v = _mm512_add_ps(_mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v, s), zero);
         _mm512_storeu_ps(y + i, v);
     }
-    for (; i < n; i++) y[i] = y[i] < 0.0f ? y[i] * slope + 0.0f : y[i];
+    for (; i < n; i++) y[i] = post1(y[i], r, i, act, slope);
 }
 #endif
 
-static void act_fn(void *vctx, int64_t begin, int64_t end)
+static void post_fn(void *vctx, int64_t begin, int64_t end)
 {
-    const act_job *j = vctx;
+    const post_job *j = vctx;
     float *y = j->y + begin;
+    const float *r = j->r ? j->r + begin : NULL;
     int64_t n = end - begin;
 #ifdef CONV_X86
-    if (kiln_cpu_isa() == ISA_AVX512) { act_avx512(y, n, j->slope); return; }
+    if (kiln_cpu_isa() == ISA_AVX512) { post_avx512(y, r, n, j->act, j->slope); return; }
 #endif
-    for (int64_t i = 0; i < n; i++) y[i] = y[i] < 0.0f ? y[i] * j->slope + 0.0f : y[i];
+    for (int64_t i = 0; i < n; i++) y[i] = post1(y[i], r, i, j->act, j->slope);
 }
 
-static void conv_act(float *y, const kiln_conv2d_params *p)
+static void conv_post(float *y, const kiln_conv2d_params *p)
 {
-    act_job j = {y, p->act_slope};
-    kiln_parallel_for(p->n * p->k * p->oh * p->ow, 1 << 16, act_fn, &j);
+    post_job j = {y, p->residual, p->act, p->act_slope};
+    kiln_parallel_for(p->n * p->k * p->oh * p->ow, 1 << 16, post_fn, &j);
 }
 
-/* The paths in order of preference; *act_done says whether the path applied p->act. */
+/* The paths in order of preference; *post_done says whether the path applied
+ * p->residual and p->act. */
 static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtype w_dtype,
-                              const float *bias, const kiln_conv2d_params *p, int *act_done);
+                              const float *bias, const kiln_conv2d_params *p, int *post_done);
 
 kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, const kiln_conv2d_params *p)
 {
-    int act_done = 0;
-    kiln_status st = conv_paths(y, x, w, w_dtype, bias, p, &act_done);
-    if (!st && p->act && !act_done) conv_act(y, p);
+    int post_done = 0;
+    kiln_status st = conv_paths(y, x, w, w_dtype, bias, p, &post_done);
+    if (!st && (p->residual || p->act) && !post_done) conv_post(y, p);
     return st;
 }
 
 static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtype w_dtype,
-                              const float *bias, const kiln_conv2d_params *p, int *act_done)
+                              const float *bias, const kiln_conv2d_params *p, int *post_done)
 {
     if (!p) return kiln_error(KILN_ERR_ARG, "conv2d: NULL params");
     kiln_conv2d_params q = *p;
@@ -538,9 +548,16 @@ static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtyp
         if (r == 0) return KILN_OK; /* out of scratch (-1): the paths below need less */
     }
     if (path == PATH_AUTO || path == PATH_WINOGRAD) {
-        int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, p, path == PATH_WINOGRAD);
+        /* Its output transform applies the activation alone; with a residual both go to
+         * the pass after, which reads the residual in order (measured faster than
+         * adding it at the transform's scattered stores, or per strip while the rows
+         * are in cache). */
+        kiln_conv2d_params q = *p;
+        if (p->residual) q.act = 0;
+        q.residual = NULL;
+        int r = kiln_cpu_conv2d_winograd(y, x, w, w_dtype, bias, &q, path == PATH_WINOGRAD);
         if (r == 0) {
-            *act_done = 1; /* its output transform applies it */
+            *post_done = !p->residual;
             return KILN_OK;
         }
     }
@@ -568,7 +585,7 @@ kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dt
     float *u = kiln_cpu_scratch_get(nu * sizeof(float));
     if (!u) return kiln_error_oom("cpu", nu * sizeof(float), 0, 0, "conv2d (upsample 2): no memory for the upsampled input");
     kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
-    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f};
+    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL};
     kiln_status st = kiln_cpu_conv2d(y, u, w, w_dtype, bias, &p);
     kiln_cpu_scratch_put(u);
     return st;

@@ -590,7 +590,19 @@ static void set_strip(wino_ctx *c, int64_t st, int64_t ts)
 
 static void gemms(const wino_ctx *c)
 {
-    kiln_cpu_gemm_prepacked_ex(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm, c->u_bf16);
+    if (c->u_bf16)
+        kiln_cpu_gemm_prepacked_bf16(c->P, c->kb, c->nt, c->C, (const uint32_t *)(const void *)c->U, c->su,
+                                     (const uint32_t *)(const void *)c->V, c->sv, c->M, c->tp, c->sm);
+    else kiln_cpu_gemm_prepacked(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+}
+
+/* bf16: V[xi] rounded into the GEMM's pairs in place, once for every block of outputs
+ * (rounding it inside each block's products cost as much as those products) */
+static void v_pairs_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const wino_ctx *c = vctx;
+    for (int64_t xi = begin; xi < end; xi++)
+        kiln_cpu_bf16_pairs_b((uint32_t *)(void *)(c->V + xi * c->sv), c->tp, c->C, c->C * 32);
 }
 
 /* Two ways to share the work, so that each thread runs a whole pipeline (transforms
@@ -643,6 +655,7 @@ AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
         set_strip(&c, st, j->ts);
         for (int64_t tb = 0; tb < c.tp; tb += 16) blk_setup_init(&c, tb, &c.blk[tb / 16]);
         input_fn(&c, 0, c.C);
+        if (c.u_bf16) v_pairs_fn(&c, 0, c.P);
         gemms(&c);
         output_fn(&c, 0, c.kb);
     }
@@ -732,6 +745,7 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                 ci.x = j.x + i * C * p->h * p->w;
                 ci.V = j.V + (size_t)i * v_img;
                 kiln_parallel_for(C, 1, input_fn, &ci);
+                if (ci.u_bf16) kiln_parallel_for(ci.P, 1, v_pairs_fn, &ci);
             }
             kiln_parallel_for(nkb, 1, block_task, &j);
         }
@@ -796,7 +810,7 @@ int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_d
     int rc = 0;
     for (int par = 0; par < 4 && rc == 0; par++) {
         int py = par / 2, px = par % 2;
-        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W, 0, 0.0f};
+        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W, 0, 0.0f, NULL};
         wino_map mp = {4, 2, 1, py, px, 2 * W, 4 * H * W};
         rc = wino_run(y, x, w, w_dtype, bias, &q, &mp);
     }

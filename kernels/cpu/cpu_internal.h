@@ -31,13 +31,16 @@ void kiln_cpu_bf16_set_emulation(int on);
  * [N/32][K][32]), each C row-major with row stride ldc. */
 int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c);
-/* The same with A already in bf16 pairs when a_bf16 (the product then runs in bf16
- * whatever its size): each sliver [ceil(K/2)][12] 32-bit lanes, lane r of pair row j
- * holding row r's depths 2j (low half) and 2j+1 (high half), rounded to nearest even,
- * at the sliver's f32 place (slivers K*12 lanes apart); -1 when a_bf16 and bf16 is not
- * active (kiln_cpu_bf16_active). */
-int kiln_cpu_gemm_prepacked_ex(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                               const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c, int a_bf16);
+/* kiln_cpu_gemm_prepacked with both operands in bf16 pairs (lanes: depth 2j in the low
+ * half, 2j+1 in the high half of pair row j, nearest even), each sliver at its f32
+ * place: A [ceil(K/2)][12] lanes K*12 apart, B [ceil(K/2)][32] lanes K*32 apart.
+ * -1 when bf16 products are not active. */
+int kiln_cpu_gemm_prepacked_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const uint32_t *Ap,
+                                  int64_t stride_a, const uint32_t *Bp, int64_t stride_b, float *C, int64_t ldc,
+                                  int64_t stride_c);
+/* Rounds the B slivers of n columns ([K][32] floats each, stride floats apart) to those
+ * pairs in place. */
+void kiln_cpu_bf16_pairs_b(uint32_t *B, int64_t n, int64_t K, int64_t stride);
 /* One product on the calling thread (see gemm.c); scratch holds this many floats.
  * f32 products. */
 enum { KILN_CPU_GEMM_SERIAL_SCRATCH = 384 * 12 + 16 };

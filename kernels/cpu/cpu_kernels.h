@@ -34,12 +34,16 @@ typedef struct {
      * the kernel where it writes the output (Winograd) or in one pass after; 0 none */
     int act;
     float act_slope;
+    /* NULL, or [N, K, OH, OW] contiguous (like y, never y itself) added after the bias
+     * and before act (a residual block's skip), in the one pass over the output that
+     * then applies act too */
+    const float *residual;
 } kiln_conv2d_params;
 
 /* Computes p->oh, p->ow; KILN_ERR_ARG when the output would be empty. */
 kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p);
-/* y[N,K,OH,OW] = act(conv2d(x, w) + bias), as torch.nn.functional.conv2d (then
- * leaky_relu when p->act). w is f32/f16/bf16. */
+/* y[N,K,OH,OW] = act(conv2d(x, w) + bias + residual), as torch.nn.functional.conv2d
+ * (then + p->residual where given, then leaky_relu when p->act). w is f32/f16/bf16. */
 kiln_status kiln_cpu_conv2d(float *y, const float *x, const void *w, kiln_dtype w_dtype,
                             const float *bias, const kiln_conv2d_params *p);
 /* y[N,K,2H,2W] = conv2d(upsample_nearest(x[N,C,H,W], 2), w[K,C,3,3], padding 1) + bias

@@ -137,6 +137,7 @@ typedef struct {
     int64_t b_sliver;                   /* packed B: floats from one sliver to the next (0: K*NR) */
     int bf16;                           /* 0 f32; bf16 inputs: 1 vdpbf16ps, 2 emulated (see bf16_mode) */
     int a_bf16;                         /* prepacked A already in bf16 pairs (the Winograd weight transform writes them) */
+    int b_bf16;                         /* prepacked B already in bf16 pairs (each sliver [K/2][NR] lanes at its f32 place) */
     int64_t a_sliver;                   /* a_bf16: lanes from one A sliver to the next (0: K*MR) */
 } gemm_args;
 
@@ -707,6 +708,12 @@ AVX512BF16 static void pairs_t32(uint32_t *dst, int64_t ldo, const char *src, si
 {
     size_t esz = kiln_dtype_size(dt);
     __m512 r[16];
+    /* the rows' next 32 depths (many short streams the hardware prefetcher loses) */
+    for (int i = 0; i < rows; i++) {
+        const char *nx = src + i * row_bytes + 32 * esz;
+        _mm_prefetch(nx, _MM_HINT_T0);
+        if (esz == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
+    }
     for (int i = 0; i < 16; i++)
         r[i] = i < rows ? (__m512)_mm512_cvtne2ps_pbh(load16(src + i * row_bytes + 16 * esz, dt, n - 16),
                                                       load16(src + i * row_bytes, dt, n))
@@ -937,7 +944,13 @@ AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asli
         for (int64_t k0 = 0; k0 < g->K; k0 += step) {
             int64_t kc = g->K - k0 < step ? g->K - k0 : step, kcp = (kc + 1) / 2;
             int last = k0 + kc == g->K;
-            if (g->b_packed) {
+            /* the panel's slivers: bsrc, bstride lanes apart */
+            const uint32_t *bsrc = bb;
+            int64_t bstride = kcp * NR;
+            if (g->b_bf16) { /* prepacked pairs: read in place */
+                bsrc = (const uint32_t *)g->B + (jc / NR) * bsl + (k0 / 2) * NR;
+                bstride = bsl;
+            } else if (g->b_packed) {
                 bf16_b_panel(bb, kcp * NR, (const float *)g->B + (jc / NR) * bsl + k0 * NR, bsl, n, kc);
             } else if (!pack_b_bf16(bb, kcp * NR, g, jc, n, k0, kc)) {
                 for (int64_t c = 0; c < kc; c += KC) { /* KC is even: the halves meet on a pair */
@@ -958,7 +971,7 @@ AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asli
                                   g->alpha, g->beta, k0 > 0,
                                   last && g->bias_row ? g->bias_row + i : NULL,
                                   last && g->bias_col ? g->bias_col + jc + js : NULL};
-                    const uint32_t *bp = bb + (js / NR) * kcp * NR;
+                    const uint32_t *bp = bsrc + (js / NR) * bstride;
                     if (g->bf16 == 1) ukr_bf16(kcp, ap, bp, &o);
                     else ukr_bf16_emulated(kcp, ap, bp, &o);
                 }
@@ -1321,35 +1334,58 @@ void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, in
 #endif
 }
 
-int kiln_cpu_gemm_prepacked_ex(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
-                               const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c, int a_bf16)
+/* batch products of prepacked operands g (A, B, C of the first; the others strides
+ * apart): whole products on the threads when there are enough, else one by one. */
+static void prepacked_run(const gemm_args *g, int64_t batch, int64_t stride_a, int64_t stride_b, int64_t stride_c)
 {
-    if (!have_avx512()) return -1;
-    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
-                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1, .bf16 = a_bf16 ? bf16_mode(MR) : bf16_mode(M),
-                   .a_bf16 = a_bf16};
-    if (a_bf16 && !g.bf16) return -1;
-    if (batch <= 0 || trivial(&g)) return 0;
     int threads = kiln_cpu_threads();
     if (threads > 1 && batch >= threads) {
-        batch_ctx b = {g, stride_a, stride_b, stride_c, NULL};
+        batch_ctx b = {*g, stride_a, stride_b, stride_c, NULL};
         kiln_parallel_for(batch, 1, batch_fn, &b);
-        return 0;
+        return;
     }
     for (int64_t i = 0; i < batch; i++) {
-        gemm_args gi = g;
-        gi.A = Ap + i * stride_a;
-        gi.B = Bp + i * stride_b;
-        gi.C = C + i * stride_c;
+        gemm_args gi = *g;
+        gi.A = (const float *)g->A + i * stride_a;
+        gi.B = (const float *)g->B + i * stride_b;
+        gi.C = g->C + i * stride_c;
         packed_gemm(&gi, NULL, threads);
     }
-    return 0;
 }
 
 int kiln_cpu_gemm_prepacked(int64_t batch, int64_t M, int64_t N, int64_t K, const float *Ap, int64_t stride_a,
                             const float *Bp, int64_t stride_b, float *C, int64_t ldc, int64_t stride_c)
 {
-    return kiln_cpu_gemm_prepacked_ex(batch, M, N, K, Ap, stride_a, Bp, stride_b, C, ldc, stride_c, 0);
+    if (!have_avx512()) return -1;
+    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
+                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1, .bf16 = bf16_mode(M)};
+    if (batch > 0 && !trivial(&g)) prepacked_run(&g, batch, stride_a, stride_b, stride_c);
+    return 0;
+}
+
+int kiln_cpu_gemm_prepacked_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const uint32_t *Ap,
+                                  int64_t stride_a, const uint32_t *Bp, int64_t stride_b, float *C, int64_t ldc,
+                                  int64_t stride_c)
+{
+    if (!have_avx512()) return -1;
+    gemm_args g = {.M = M, .N = N, .K = K, .alpha = 1.0f, .A = Ap, .a_dt = KILN_F32, .B = Bp, .b_dt = KILN_F32,
+                   .C = C, .ldc = ldc, .a_packed = 1, .b_packed = 1, .bf16 = bf16_mode(MR), .a_bf16 = 1, .b_bf16 = 1};
+    if (!g.bf16) return -1;
+    if (batch > 0 && !trivial(&g)) prepacked_run(&g, batch, stride_a, stride_b, stride_c);
+    return 0;
+}
+
+void kiln_cpu_bf16_pairs_b(uint32_t *B, int64_t n, int64_t K, int64_t stride)
+{
+#ifdef GEMM_X86
+    if (have_avx512())
+        for (int64_t s = 0; s * NR < n; s++) { /* in place: bf16_rows reads rows 2j, 2j+1 before writing pair row j */
+            bf16_rows(B + s * stride, NR, (const float *)(B + s * stride), NR, K, 16);
+            bf16_rows(B + s * stride + 16, NR, (const float *)(B + s * stride) + 16, NR, K, 16);
+        }
+#else
+    (void)B; (void)n; (void)K; (void)stride;
+#endif
 }
 
 /* Low-bit weights (fp8, ggml's block types): rows of W are decoded to f32 a panel

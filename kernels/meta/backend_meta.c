@@ -115,12 +115,13 @@ static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kil
     return mirror(out, in, 3, 1, 1);
 }
 
+/* Claims conv2d_residual as the CPU does: the residual is added inside the convolution
+ * (its f32 copy, where one is made, taken with the other inputs'), no sum tensor. */
 static kiln_status meta_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                                const kiln_tensor *bias, const kiln_conv_opts *o)
 {
-    (void)o;
-    const kiln_tensor *in[] = {x, w, bias};
-    return mirror(out, in, 3, 1, 0);
+    const kiln_tensor *in[] = {x, w, bias, o->residual};
+    return mirror(out, in, 4, 1, 0);
 }
 
 /* Present in the table only where the modelled backend has the entry; the CPU's
@@ -211,6 +212,7 @@ static const kiln_backend meta_backend = {
     .matmul = meta_matmul,
     .linear = meta_linear,
     .conv2d = meta_conv2d,
+    .conv2d_residual = 1,
     .conv2d_up2 = meta_conv2d_up2,
     .group_norm = meta_group_norm,
     .group_norm_in_place = 1,

@@ -83,7 +83,13 @@ function M.conv2d(x, w, b, opts, mode)
   if opts.upsample == 2 then
     local qh, qw = (ph + 1) // 2, (pw + 1) // 2
     local xp = nn.pad(x, { qw, qw, qh, qh }, "circular")
-    local ok, y = pcall(nn.conv2d, xp, w, b, opts)
+    -- a residual has the cropped output's shape: added (then the activation) after the crop
+    local o = opts
+    if opts.residual then
+      o = copy(opts)
+      o.residual, o.leaky_relu = nil, nil
+    end
+    local ok, y = pcall(nn.conv2d, xp, w, b, o)
     xp:free()
     if not ok then error(y, 0) end
     -- the upsampled input grew by 2q a side: so did the output, the shift included
@@ -91,6 +97,17 @@ function M.conv2d(x, w, b, opts, mode)
     local c = a:narrow(4, 2 * qw + 1, y.shape[4] - 4 * qw)
     local r = c:contiguous()
     c:free(); a:free(); y:free()
+    if opts.residual then
+      local ok2, s = pcall(function() return r + opts.residual end)
+      r:free()
+      if not ok2 then error(s, 0) end
+      if opts.leaky_relu then
+        local t = nn.leaky_relu(s, opts.leaky_relu)
+        s:free()
+        s = t
+      end
+      r = s
+    end
     return r
   end
   local xp = nn.pad(x, { pw, pw, ph, ph }, "circular")

@@ -241,11 +241,9 @@ local function run_half(half, x, mode)
         local b = conv(h, p .. ".conv.0", { padding = 1, leaky_relu = 0 })
         local a = conv(b, p .. ".conv.2", { padding = 1, leaky_relu = 0 })
         b:free()
-        b = conv(a, p .. ".conv.4", { padding = 1 })
-        a:free()
-        a = b + h -- the skip is the identity at the published (equal) widths
-        b:free()
-        b = a:relu()
+        -- relu(conv(a) + h) in the convolution too: the skip is the identity at the
+        -- published (equal) widths
+        b = conv(a, p .. ".conv.4", { padding = 1, residual = h, leaky_relu = 0 })
         a:free()
         return b
       end))
