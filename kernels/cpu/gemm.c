@@ -677,9 +677,31 @@ static uint32_t *bf16_buffer(void)
 /* kc x w f32 rows (row stride ld floats, w <= 16) -> kcp pair rows of w lanes (stride
  * ldo). May run in place (dst == src, ldo == ld): pair row j is written after f32 rows
  * 2j and 2j+1 are read, and no later read reaches back to it. */
-AVX512 static void bf16_rows(uint32_t *dst, int64_t ldo, const float *src, int64_t ld, int64_t kc, int w)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void bf16_rows_native(uint32_t *dst, int64_t ldo,
+                                                                                   const float *src, int64_t ld,
+                                                                                   int64_t kc, __mmask16 mk)
+{
+    /* vcvtne2ps2bf16 gives row 2j's 16 values in words 0-15 and row 2j+1's in 16-31;
+     * vpermw interleaves them into pair lanes */
+    int16_t il[32];
+    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
+    __m512i ilv;
+    memcpy(&ilv, il, sizeof il);
+    for (int64_t k = 0; k < kc; k += 2) {
+        __m512 e = _mm512_maskz_loadu_ps(mk, src + k * ld);
+        __m512 o = k + 1 < kc ? _mm512_maskz_loadu_ps(mk, src + (k + 1) * ld) : _mm512_setzero_ps();
+        _mm512_mask_storeu_epi32(dst + (k / 2) * ldo, mk,
+                                 _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
+    }
+}
+
+AVX512 static void bf16_rows(uint32_t *dst, int64_t ldo, const float *src, int64_t ld, int64_t kc, int w, int native)
 {
     __mmask16 mk = w >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1);
+    if (native) {
+        bf16_rows_native(dst, ldo, src, ld, kc, mk);
+        return;
+    }
     for (int64_t k = 0; k < kc; k += 2) {
         __m512 e = _mm512_maskz_loadu_ps(mk, src + k * ld);
         __m512 o = k + 1 < kc ? _mm512_maskz_loadu_ps(mk, src + (k + 1) * ld) : _mm512_setzero_ps();
@@ -690,11 +712,11 @@ AVX512 static void bf16_rows(uint32_t *dst, int64_t ldo, const float *src, int64
 /* n columns of f32 slivers (sliver s at src + s*ss floats, [kc][NR]) -> bf16 pair
  * slivers ds lanes apart. */
 AVX512 static void bf16_b_panel(uint32_t *restrict dst, int64_t ds, const float *restrict src, int64_t ss, int64_t n,
-                                int64_t kc)
+                                int64_t kc, int native)
 {
     for (int64_t s = 0; s * NR < n; s++) {
-        bf16_rows(dst + s * ds, NR, src + s * ss, NR, kc, 16);
-        bf16_rows(dst + s * ds + 16, NR, src + s * ss + 16, NR, kc, 16);
+        bf16_rows(dst + s * ds, NR, src + s * ss, NR, kc, 16, native);
+        bf16_rows(dst + s * ds + 16, NR, src + s * ss + 16, NR, kc, 16, native);
     }
 }
 
@@ -780,14 +802,14 @@ AVX512 static void pack_a_bf16(uint32_t *restrict ab, float *restrict tmp, const
                                int64_t k0, int64_t kc)
 {
     if (g->a_packed) {
-        bf16_rows(ab, MR, (const float *)g->A + (i0 / MR) * g->K * MR + k0 * MR, MR, kc, MR);
+        bf16_rows(ab, MR, (const float *)g->A + (i0 / MR) * g->K * MR + k0 * MR, MR, kc, MR, g->bf16 == 1);
         return;
     }
     if (g->trans_a) {
         for (int64_t c = 0; c < kc; c += KC) {
             int64_t cn = kc - c < KC ? kc - c : KC;
             pack_a(tmp, g, i0, m, k0 + c, cn);
-            bf16_rows(ab + (c / 2) * MR, MR, tmp, MR, cn, MR);
+            bf16_rows(ab + (c / 2) * MR, MR, tmp, MR, cn, MR, g->bf16 == 1);
         }
         return;
     }
@@ -951,12 +973,12 @@ AVX512 static void run_block_bf16(const gemm_args *g, float *bpanel, float *asli
                 bsrc = (const uint32_t *)g->B + (jc / NR) * bsl + (k0 / 2) * NR;
                 bstride = bsl;
             } else if (g->b_packed) {
-                bf16_b_panel(bb, kcp * NR, (const float *)g->B + (jc / NR) * bsl + k0 * NR, bsl, n, kc);
+                bf16_b_panel(bb, kcp * NR, (const float *)g->B + (jc / NR) * bsl + k0 * NR, bsl, n, kc, g->bf16 == 1);
             } else if (!pack_b_bf16(bb, kcp * NR, g, jc, n, k0, kc)) {
                 for (int64_t c = 0; c < kc; c += KC) { /* KC is even: the halves meet on a pair */
                     int64_t cn = kc - c < KC ? kc - c : KC;
                     pack_b(bpanel, g, jc, n, k0 + c, cn);
-                    bf16_b_panel(bb + (c / 2) * NR, kcp * NR, bpanel, cn * NR, n, cn);
+                    bf16_b_panel(bb + (c / 2) * NR, kcp * NR, bpanel, cn * NR, n, cn, g->bf16 == 1);
                 }
             }
             for (int64_t i = i0; i < i1; i += MR) {
@@ -1378,11 +1400,13 @@ int kiln_cpu_gemm_prepacked_bf16(int64_t batch, int64_t M, int64_t N, int64_t K,
 void kiln_cpu_bf16_pairs_b(uint32_t *B, int64_t n, int64_t K, int64_t stride)
 {
 #ifdef GEMM_X86
-    if (have_avx512())
+    if (have_avx512()) {
+        int native = bf16_mode(MR) == 1;
         for (int64_t s = 0; s * NR < n; s++) { /* in place: bf16_rows reads rows 2j, 2j+1 before writing pair row j */
-            bf16_rows(B + s * stride, NR, (const float *)(B + s * stride), NR, K, 16);
-            bf16_rows(B + s * stride + 16, NR, (const float *)(B + s * stride) + 16, NR, K, 16);
+            bf16_rows(B + s * stride, NR, (const float *)(B + s * stride), NR, K, 16, native);
+            bf16_rows(B + s * stride + 16, NR, (const float *)(B + s * stride) + 16, NR, K, 16, native);
         }
+    }
 #else
     (void)B; (void)n; (void)K; (void)stride;
 #endif
