@@ -521,21 +521,42 @@ BF16_FN void bf16_rows_inplace(float *x, int64_t rows, int64_t n, int64_t ld)
     }
 }
 
+/* Two rows' 16 lanes as pair lanes (row e in the low halves): with AVX512_BF16 one
+ * vcvtne2ps2bf16 (row e in words 0-15, row o in 16-31) and a vpermw to interleave them;
+ * emulated, bf16_pair (the same bits). */
+#define BF16_BW_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16,fma")))
+BF16_BW_INLINE __m512i rows_pair(int emu, __m512 e, __m512 o, __m512i ilv)
+{
+    if (emu) return bf16_pair(e, o);
+    return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(o, e));
+}
+
+BF16_BW_INLINE __m512i interleave_words(void)
+{
+    int16_t il[32];
+    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
+    __m512i v;
+    memcpy(&v, il, sizeof il);
+    return v;
+}
+
 /* transposed keys kt[d][j] (rows of KB) -> pair rows kt[d/2][j] for knp keys, in place */
-BF16_FN void keys_pairs(float *kt, int64_t knp, int64_t D)
+BF16_BW_INLINE void keys_pairs_body(int emu, float *kt, int64_t knp, int64_t D)
 {
     uint32_t *dst = (uint32_t *)kt;
+    const __m512i ilv = interleave_words();
     for (int64_t dp = 0; dp < (D + 1) / 2; dp++)
         for (int64_t j = 0; j < knp; j += 16) {
             __m512 e = _mm512_load_ps(kt + 2 * dp * KB + j);
             __m512 o = 2 * dp + 1 < D ? _mm512_load_ps(kt + (2 * dp + 1) * KB + j) : _mm512_setzero_ps();
-            _mm512_store_si512(dst + dp * KB + j, bf16_pair(e, o));
+            _mm512_store_si512(dst + dp * KB + j, rows_pair(emu, e, o, ilv));
         }
 }
 
 /* values v[j][c] of the block (kn keys) -> vp[j/2][c] pair rows of dvp lanes (zero past Dv, kn) */
-BF16_FN void values_pairs(uint32_t *vp, const float *v, int64_t kn, int64_t Dv, int64_t dvp)
+BF16_BW_INLINE void values_pairs_body(int emu, uint32_t *vp, const float *v, int64_t kn, int64_t Dv, int64_t dvp)
 {
+    const __m512i ilv = interleave_words();
     for (int64_t jp = 0; jp < (kn + 1) / 2; jp++) {
         const float *v0 = v + 2 * jp * Dv, *v1 = v0 + Dv;
         int odd = 2 * jp + 1 < kn;
@@ -543,8 +564,22 @@ BF16_FN void values_pairs(uint32_t *vp, const float *v, int64_t kn, int64_t Dv, 
             __mmask16 mk = tail_mask(Dv - c < 0 ? 0 : Dv - c);
             __m512 e = _mm512_maskz_loadu_ps(mk, v0 + c);
             __m512 o = odd ? _mm512_maskz_loadu_ps(mk, v1 + c) : _mm512_setzero_ps();
-            _mm512_store_si512(vp + jp * dvp + c, bf16_pair(e, o));
+            _mm512_store_si512(vp + jp * dvp + c, rows_pair(emu, e, o, ilv));
         }
+    }
+}
+
+/* one key block's keys and values in pairs */
+static __attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) void block_pairs(int emu, float *kt, int64_t knp,
+                                                                                 int64_t D, uint32_t *vp,
+                                                                                 const float *v, int64_t kn, int64_t Dv)
+{
+    if (emu) {
+        keys_pairs_body(1, kt, knp, D);
+        values_pairs_body(1, vp, v, kn, Dv, round16(Dv));
+    } else {
+        keys_pairs_body(0, kt, knp, D);
+        values_pairs_body(0, vp, v, kn, Dv, round16(Dv));
     }
 }
 
@@ -814,8 +849,7 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
         if (c->isa == ISA_AVX512) {
             keys_t_avx512(kt, k + k0 * D, kn, knp, D);
             if (c->bf16) {
-                keys_pairs(kt, knp, D);
-                values_pairs(vp, v + k0 * Dv, kn, Dv, round16(Dv));
+                block_pairs(c->bf16 != 1, kt, knp, D, vp, v + k0 * Dv, kn, Dv);
             }
         } else
 #endif
