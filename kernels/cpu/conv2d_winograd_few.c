@@ -11,7 +11,7 @@
  *     M[xi] (tiles x K) = V[xi] U[xi],    y = A^T M A (per tile, 16 channels at once).
  * A task owns a block of KB output channels: it transforms their weights a chunk of CC
  * input channels at a time straight into the GEMM's B layout (a U chunk of KB x CC x P
- * floats, 1.7 MB for F(4,3): L2 and the near L3), runs the P products of that chunk
+ * floats, 3.5 MB for F(4,3), half that in bf16 pairs), runs the P products of that chunk
  * (gemm.c, serially: the tiles are the rows, so 4 tiles use the 4 x 96 kernel fully),
  * and when all chunks are summed, the output transform. The weights are read once, from
  * wherever they are mapped.
@@ -39,9 +39,10 @@
 
 /* On SD's UNet shapes this path beats the implicit GEMM on small images and loses from
  * 256 tiles, where M and V outgrow the caches (README: speed, path choices). So: up to
- * 16 tiles, or up to 64 when the weights are large (>= 512 Ki per tap); chunks of 128
- * input channels (the chunk size matters little). */
-enum { KB = 96, CC = 128, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 19, TINY_TILES = 4 };
+ * 16 tiles, or up to 64 when the weights are large (>= 512 Ki per tap); chunks of 256
+ * input channels (each chunk's products add into M once more: 128 was slower in f32 and
+ * bf16 alike, 512 no faster; README: speed, path choices). */
+enum { KB = 96, CC = 256, MAX_TILES = 64, FEW_TILES = 16, LARGE_WEIGHTS = 1 << 19, TINY_TILES = 4 };
 
 typedef struct {
     const kiln_conv2d_params *p;
