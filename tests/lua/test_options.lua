@@ -60,7 +60,12 @@ test("batch: noise randn([N, 4, h, w]) from the one seed, one image each", funct
   -- image 1 of the batch is the picture of a batch of one (randn's first values)
   local one, lat1 = pipeline.txt2img(ck, opts({ width = 40, height = 40 }))
   local first = lat:narrow(1, 1, 1)
-  truthy(H.maxdiff(first, lat1) < 1e-4, "batch image 1 = the single run")
+  -- up to rounding: a batch of 3 may take another convolution path than one image
+  -- (the few-tiles Winograd path has a tile limit), which sums in another order
+  local zero = lat1 * 0
+  local scale = H.maxdiff(lat1, zero)
+  zero:free()
+  truthy(H.maxdiff(first, lat1) < 1e-4 * scale, "batch image 1 = the single run")
   local second = lat:narrow(1, 2, 1)
   truthy(H.maxdiff(second, lat1) > 1e-3, "batch image 2 has its own noise")
   first:free(); second:free(); one:free(); lat1:free(); img:free(); lat:free()
