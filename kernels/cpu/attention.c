@@ -272,26 +272,22 @@ AVX512 static void pv_avx512(float *o, const float *p, const float *v, int64_t q
     }
 }
 
-AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+/* The online softmax's two ends, shared by the f32 and bf16 rows: the new running max
+ * over the nvalid logits of s and the old one m; then, with the block's sum, the
+ * rescale of the row's output and its sum l by 2^(m - mnew). */
+AVX512_INLINE float softmax_new_max(const float *s, int64_t nvalid, float m)
 {
-    if (nvalid <= 0) {
-        memset(s, 0, (size_t)kn * sizeof(float));
-        return;
-    }
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < nvalid; j += 16) {
         __mmask16 mk = tail_mask(nvalid - j);
         mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_load_ps(mk, s + j));
     }
     float bmax = _mm512_reduce_max_ps(mx);
-    float mnew = bmax > *m ? bmax : *m;
-    __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kn; j += 16) {
-        __mmask16 mk = tail_mask(nvalid - j < 0 ? 0 : nvalid - j);
-        __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j), vm)));
-        sum = _mm512_add_ps(sum, e);
-        _mm512_store_ps(s + j, e);
-    }
+    return bmax > m ? bmax : m;
+}
+
+AVX512_INLINE void softmax_rescale(float *o, int64_t Dv, float *m, float *l, float mnew, __m512 sum)
+{
     float alpha = exp2f(*m - mnew);
     if (alpha != 1.0f) {
         __m512 va = _mm512_set1_ps(alpha);
@@ -302,6 +298,23 @@ AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, floa
     }
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = mnew;
+}
+
+AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
+{
+    if (nvalid <= 0) {
+        memset(s, 0, (size_t)kn * sizeof(float));
+        return;
+    }
+    float mnew = softmax_new_max(s, nvalid, *m);
+    __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kn; j += 16) {
+        __mmask16 mk = tail_mask(nvalid - j < 0 ? 0 : nvalid - j);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j), vm)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_store_ps(s + j, e);
+    }
+    softmax_rescale(o, Dv, m, l, mnew, sum);
 }
 
 /* ---------------- AVX2 + FMA path (16 ymm registers: 4-row tiles) ---------------- */
@@ -594,13 +607,7 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
         memset(s, 0, (size_t)kn * sizeof(float));
         return;
     }
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < nvalid; j += 16) {
-        __mmask16 mk = tail_mask(nvalid - j);
-        mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_load_ps(mk, s + j));
-    }
-    float bmax = _mm512_reduce_max_ps(mx);
-    float mnew = bmax > *m ? bmax : *m;
+    float mnew = softmax_new_max(s, nvalid, *m);
     __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
     uint32_t *dst = (uint32_t *)s;
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -615,16 +622,7 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
                          : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
         _mm512_storeu_si512(dst + j / 2, pr);
     }
-    float alpha = exp2f(*m - mnew);
-    if (alpha != 1.0f) {
-        __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t c = 0; c < Dv; c += 16) {
-            __mmask16 mk = tail_mask(Dv - c);
-            _mm512_mask_storeu_ps(o + c, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, o + c), va));
-        }
-    }
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
-    *m = mnew;
+    softmax_rescale(o, Dv, m, l, mnew, sum);
 }
 
 BF16_FN void softmax_pairs(float *s, int64_t nvalid, int64_t kn, float *m, float *l, float *o, int64_t Dv)
