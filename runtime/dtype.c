@@ -3,6 +3,7 @@
 #include "dtype.h"
 #include "quant.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -302,9 +303,9 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
             for (size_t i = 0; i < n; i++) d[i] = k ? kiln_f32_to_f8_e5m2(s[i]) : kiln_f32_to_f8_e4m3fn(s[i]);
             return;
         }
-        static uint8_t *lut[2];
-        static _Atomic int ready[2];
-        if (!ready[k]) {
+        static uint8_t *_Atomic lut[2];
+        uint8_t *table = atomic_load(&lut[k]);
+        if (!table) {
             uint8_t *t = malloc(65536);
             if (!t) {
                 for (size_t i = 0; i < n; i++) {
@@ -317,11 +318,17 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
                 float f = kiln_f16_to_f32((uint16_t)h);
                 t[h] = k ? kiln_f32_to_f8_e5m2(f) : kiln_f32_to_f8_e4m3fn(f);
             }
-            lut[k] = t; /* a racing thread builds its own, one table leaks: harmless */
-            ready[k] = 1;
+            /* threads converting at once may each build one: the first published stays,
+             * the others free theirs */
+            uint8_t *none = NULL;
+            if (atomic_compare_exchange_strong(&lut[k], &none, t)) table = t;
+            else {
+                free(t);
+                table = none;
+            }
         }
         const uint16_t *s = src;
-        for (size_t i = 0; i < n; i++) d[i] = lut[k][s[i]];
+        for (size_t i = 0; i < n; i++) d[i] = table[s[i]];
         return;
     }
     if (ddt == KILN_F16 && (sdt == KILN_F8_E4M3FN || sdt == KILN_F8_E5M2)) {
