@@ -69,18 +69,28 @@ end
 -- the wrap-around pair (last and first row, d = 3, or column, d = 4) over the mean of the
 -- interior neighbouring pairs (about 1: no seam).
 function M.seam_ratio(img, d)
-  local n, sum = img.shape[d], 0
+  local diffs, seam = M.neighbour_diffs(img, d)
+  local sum = 0
+  for _, v in ipairs(diffs) do sum = sum + v end
+  return seam / (sum / #diffs)
+end
+
+-- The mean |difference| of each interior neighbouring pair along dim d (a list, pair j
+-- = slices j and j + 1), and of the wrap-around pair (last, first).
+function M.neighbour_diffs(img, d)
+  local n = img.shape[d]
+  local out = {}
   for j = 1, n - 1 do
     local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
     local e = a - b
-    sum = sum + e:abs():mean()
+    out[j] = e:abs():mean()
     a:free(); b:free(); e:free()
   end
   local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
   local e = a - b
   local seam = e:abs():mean()
   a:free(); b:free(); e:free()
-  return seam / (sum / (n - 1))
+  return out, seam
 end
 
 return M

@@ -12,7 +12,7 @@ local H = require "harness"
 local kiln = require "kiln"
 local seamless = require "kiln.seamless"
 local imgcmp = require "imgcmp"
-local roll, seam_ratio = imgcmp.roll, imgcmp.seam_ratio
+local roll, seam_ratio, neighbour_diffs = imgcmp.roll, imgcmp.seam_ratio, imgcmp.neighbour_diffs
 
 kiln.set_quiet(true)
 -- the device the networks run on besides the cpu: sim here, cuda:0 in tests/gpu/run.sh
@@ -187,24 +187,6 @@ H.test("UNet and VAE run tileable are equivariant to circular shifts", function(
   for _, v in ipairs({ x, ctx, a, xr, b, ar, z, img, zr, img2, imgr, c, a0, a0r }) do v:free() end
   unet:unload(); vae:unload()
 end)
-
--- Mean abs difference of neighbouring rows (d = 3) or columns (d = 4): the list of
--- interior pairs and the wrap-around pair (last, first).
-local function neighbour_diffs(img, d)
-  local n = img.shape[d]
-  local out = {}
-  for j = 1, n - 1 do
-    local a, b = img:narrow(d, j + 1, 1), img:narrow(d, j, 1)
-    local e = a - b
-    out[j] = e:abs():mean()
-    a:free(); b:free(); e:free()
-  end
-  local a, b = img:narrow(d, n, 1), img:narrow(d, 1, 1)
-  local e = a - b
-  local seam = e:abs():mean()
-  a:free(); b:free(); e:free()
-  return out, seam
-end
 
 local function mean(t)
   local s = 0
