@@ -431,7 +431,9 @@ static void t_attention_bf16(void)
 {
     if (!bf16_here()) { SKIP("no AVX-512 on this CPU"); return; }
     static const int64_t shapes[][4] = {/* Lq Lk D Dv */ {77, 77, 40, 40}, {50, 200, 64, 64}, {33, 385, 80, 80},
-                                        {20, 9, 7, 12}};
+                                        {20, 9, 7, 12},
+                                        /* several query blocks: the keys prepared once a head */
+                                        {600, 400, 40, 40}, {700, 250, 24, 33}};
     for (int emulate = 0; emulate < 2; emulate++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
             int64_t B = 2, Lq = shapes[si][0], Lk = shapes[si][1], D = shapes[si][2], Dv = shapes[si][3];

@@ -182,6 +182,8 @@ static void t_attention_shapes(void)
         { 1, 1, 1, 1, 1, 0 }, { 3, 1, 50, 8, 8, 0 }, { 2, 50, 1, 40, 40, 0 }, { 2, 97, 193, 7, 13, 0 },
         { 1, 257, 97, 40, 40, 1 }, { 1, 60, 200, 24, 24, 1 }, { 2, 65, 96, 64, 72, 0 },
         { 1, 300, 300, 160, 160, 0 }, { 1, 33, 1000, 80, 80, 0 }, { 4, 77, 77, 64, 64, 1 },
+        /* several query blocks a head: keys prepared once and shared, causal too */
+        { 2, 700, 450, 40, 40, 0 }, { 1, 600, 600, 24, 20, 1 },
     };
     for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
         int64_t B = shapes[s][0], Lq = shapes[s][1], Lk = shapes[s][2], D = shapes[s][3], Dv = shapes[s][4];

@@ -30,6 +30,7 @@
 #define KB 192 /* keys per block, four 48-key tiles: a row's softmax overhead (max, sums,
                   * rescale) is paid once per 192 keys (96 is slower at SD's 4096) */
 #define TR 8   /* rows of a micro-tile */
+#define PREP_MAX_BYTES ((size_t)64 << 20) /* the shared key preparation's limit */
 #define LOG2E 1.44269504088896341f
 
 
@@ -44,6 +45,10 @@ typedef struct {
     size_t slot;                /* floats per slot */
     int nslots;
     atomic_int oom;
+    float *prep;                /* keys (and bf16 values) of every head's key blocks, made
+                                 * once before the tasks; NULL: each task makes its own */
+    int64_t nkb;                /* key blocks of a head */
+    size_t prep_block;          /* floats of one prepared block */
 } att_ctx;
 
 static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
@@ -121,6 +126,23 @@ AVX512_INLINE __m512 exp2_avx512(__m512 x)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 2^x for probabilities that are rounded to bf16 next (x <= 0): a degree-3 fit on
+ * [-0.5, 0.5], relative error 7.5e-5, far below the 2^-9 of the rounding that follows,
+ * and two multiply-adds fewer a vector than exp2_avx512 on the ports the bf16 products
+ * use (fitted for relative error by iteratively reweighted least squares). The row
+ * sums take the same values, so the normalization stays consistent. */
+AVX512_INLINE __m512 exp2_for_bf16(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* constant first: NaN in x passes */
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(0.0551716685295105f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2426111400127411f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932609677314758f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999280571937561f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -615,8 +637,8 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
     for (int64_t j = 0; j < kn; j += 32) { /* reads [j, j+32) before writing [j/2, j/2+16) */
         __mmask16 m0 = tail_mask(nvalid - j < 0 ? 0 : nvalid - j), m1 = tail_mask(nvalid - j - 16 < 0 ? 0 : nvalid - j - 16);
         __mmask16 l0 = tail_mask(kn - j), l1 = tail_mask(kn - j - 16 < 0 ? 0 : kn - j - 16);
-        __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_avx512(_mm512_sub_ps(_mm512_maskz_load_ps(l0, s + j), vm)));
-        __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_avx512(_mm512_sub_ps(_mm512_maskz_load_ps(l1, s + j + 16), vm)));
+        __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_for_bf16(_mm512_sub_ps(_mm512_maskz_load_ps(l0, s + j), vm)));
+        __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_for_bf16(_mm512_sub_ps(_mm512_maskz_load_ps(l1, s + j + 16), vm)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
         __m512i pr = emu ? bf16_pair(_mm512_permutex2var_ps(e0, ie, e1), _mm512_permutex2var_ps(e0, io, e1))
                          : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
@@ -811,6 +833,41 @@ BF16_FN void pv_bf16_emu(float *o, const float *s, const uint32_t *vp, int64_t q
 
 /* ---------------- one task ---------------- */
 
+/* kt[d][j] = k[k0 + j][d] for the block's kn keys, zero-padded to a multiple of 16;
+ * under bf16 products kt then holds pair rows and vp the block's values in pairs.
+ * k, v: the head's keys and values. */
+static void prep_keys(const att_ctx *c, float *kt, uint32_t *vp, const float *k, const float *v, int64_t k0,
+                      int64_t kn)
+{
+    int64_t D = c->D, Dv = c->Dv, knp = round16(kn);
+#ifdef ATT_X86
+    if (c->isa == ISA_AVX512) {
+        keys_t_avx512(kt, k + k0 * D, kn, knp, D);
+        if (c->bf16) block_pairs(c->bf16 != 1, kt, knp, D, vp, v + k0 * Dv, kn, Dv);
+        return;
+    }
+#endif
+    (void)vp; (void)v;
+    for (int64_t j = 0; j < kn; j++) {
+        const float *kr = k + (k0 + j) * D;
+        for (int64_t d = 0; d < D; d++) kt[d * KB + j] = kr[d];
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = kn; j < knp; j++) kt[d * KB + j] = 0;
+}
+
+/* Tasks (head, key block) of the shared preparation. */
+static void prep_tasks(void *p, int64_t begin, int64_t end)
+{
+    const att_ctx *c = p;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t b = t / c->nkb, k0 = (t % c->nkb) * KB;
+        float *kt = c->prep + (size_t)t * c->prep_block;
+        prep_keys(c, kt, (uint32_t *)(kt + round16(c->D * KB)), c->k + b * c->Lk * c->D, c->v + b * c->Lk * c->Dv,
+                  k0, c->Lk - k0 < KB ? c->Lk - k0 : KB);
+    }
+}
+
 /* Rows [qt0, qt0+qtn) of head b. Each key block is transposed once into kt and then
  * used by every QB-row sub-block of the task, which keeps its own running max m,
  * sum l and unnormalized output o. */
@@ -820,12 +877,14 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
     int64_t D = c->D, Dv = c->Dv, Lk = c->Lk;
     int64_t qtn = c->Lq - qt0 < QT ? c->Lq - qt0 : QT;
     float *qs = ws;
-    float *kt = qs + round16(QT * D);
-    float *s = kt + round16(D * KB);
+    float *ws_kt = qs + round16(QT * D);
+    float *s = ws_kt + round16(D * KB);
     float *o = s + QB * KB;
     float *m = o + round16(QT * Dv);
     float *l = m + QT;
-    uint32_t *vp = (uint32_t *)(l + QT); /* bf16: the block's values in pairs */
+    uint32_t *ws_vp = (uint32_t *)(l + QT); /* bf16: the block's values in pairs */
+    float *kt;
+    uint32_t *vp;
     const float *q = c->q + (b * c->Lq + qt0) * D;
     const float *k = c->k + b * Lk * D;
     const float *v = c->v + b * Lk * Dv;
@@ -842,22 +901,13 @@ static void att_block(att_ctx *c, float *ws, int64_t t)
     for (int64_t k0 = 0; k0 < kend; k0 += KB) {
         int64_t kn = kend - k0 < KB ? kend - k0 : KB;
         int64_t knp = round16(kn);
-        /* kt[d][j] = k[k0 + j][d], zero-padded to a multiple of 16 keys */
-#ifdef ATT_X86
-        if (c->isa == ISA_AVX512) {
-            keys_t_avx512(kt, k + k0 * D, kn, knp, D);
-            if (c->bf16) {
-                block_pairs(c->bf16 != 1, kt, knp, D, vp, v + k0 * Dv, kn, Dv);
-            }
-        } else
-#endif
-        {
-            for (int64_t j = 0; j < kn; j++) {
-                const float *kr = k + (k0 + j) * D;
-                for (int64_t d = 0; d < D; d++) kt[d * KB + j] = kr[d];
-            }
-            for (int64_t d = 0; d < D; d++)
-                for (int64_t j = kn; j < knp; j++) kt[d * KB + j] = 0;
+        if (c->prep) { /* made before the tasks, shared by the head's query blocks */
+            kt = c->prep + (size_t)(b * c->nkb + k0 / KB) * c->prep_block;
+            vp = (uint32_t *)(kt + round16(D * KB));
+        } else {
+            kt = ws_kt;
+            vp = ws_vp;
+            prep_keys(c, kt, vp, k, v, k0, kn);
         }
         for (int64_t sb = 0; sb < qtn; sb += QB) {
             int64_t q0 = qt0 + sb, qn = qtn - sb < QB ? qtn - sb : QB;
@@ -959,7 +1009,16 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
     c.bf16 = c.isa == ISA_AVX512 ? kiln_cpu_bf16_active() : 0;
     c.scratch = scratch; c.slot = slot; c.nslots = nslots;
     atomic_init(&c.oom, 0);
+    /* Several query blocks a head: its keys transposed (and its keys and values paired
+     * under bf16) once, not once per block; the buffer is the size of k and v again, so
+     * past PREP_MAX_BYTES each task makes its own as before. */
+    c.nkb = (Lk + KB - 1) / KB;
+    c.prep_block = (size_t)round16(D * KB) + (c.bf16 ? (size_t)(KB / 2) * (size_t)round16(Dv) : 0);
+    size_t prep_bytes = (size_t)(B * c.nkb) * c.prep_block * sizeof(float);
+    c.prep = c.nqb > 1 && prep_bytes <= PREP_MAX_BYTES ? kiln_cpu_scratch_get(prep_bytes) : NULL;
+    if (c.prep) kiln_parallel_for(B * c.nkb, 1, prep_tasks, &c);
     kiln_parallel_for(B * c.nqb, 1, att_tasks, &c);
+    kiln_cpu_scratch_put(c.prep);
     kiln_cpu_scratch_put(scratch);
     if (atomic_load(&c.oom))
         return kiln_error_oom("cpu", slot * sizeof(float), 0, 0, "attention: no memory for a worker's scratch");
