@@ -275,6 +275,21 @@ function kiln.precision_of(device) end
 ---@return "f32"|"f16"|"bf16"
 function kiln.activation_dtype(device) end
 
+---Runs fn(...) with the precision scoped to the calling thread (and the CPU pool's
+---workers for its ops): name wins over kiln.precision there, other threads and the
+---process-wide setting keep theirs; "auto" or nil: no override. kiln.precision() and
+---kiln.precision_of() inside fn report the scoped one. The scope ends when fn returns
+---or raises (the error goes on unchanged); fn may not yield.
+---@param name "f32"|"bf16"|"f16"|"auto"|nil
+---@param fn fun(...): ...
+---@return ... fn's results
+function kiln.with_precision(name, fn, ...) end
+
+---True when the CPU computes bf16 products natively (AVX-512 BF16's vdpbf16ps), where
+---a bf16 precision makes the CPU kernels' products cheaper.
+---@return boolean
+function kiln.cpu_has_bf16() end
+
 ---Sets (and returns) the memory mode: "high" keeps weights on the device, "normal" evicts
 ---least recently used models when the budget requires, "low" streams weights layer by
 ---layer, "none"/"cpu" runs on the CPU.

@@ -1,7 +1,8 @@
 #define _POSIX_C_SOURCE 200809L
 /* l_runtime.c - the kiln table's process-wide facts and switches: kiln.version,
  * the devices and the default one, the CPU thread count, a monotonic clock,
- * isatty, the quiet flag, and kiln.format_bytes. Also kiln.h's kiln_version(). */
+ * isatty, the quiet flag, kiln.format_bytes, and the precision (process-wide, or
+ * scoped to a call: kiln.with_precision). Also kiln.h's kiln_version(). */
 #include "l_kiln.h"
 #include "kiln.h"
 #include "../runtime/device.h"
@@ -138,11 +139,45 @@ static int l_precision_of(lua_State *L)
     return 1;
 }
 
+/* kiln.with_precision(name, fn, ...) -> fn(...)'s results, computed in precision name
+ * ("f32", "bf16", "f16"; "auto" or nil: no override) by the calling thread only (and the
+ * CPU pool's workers for its ops): other threads and the process-wide kiln.precision
+ * keep theirs, and kiln.precision() / kiln.precision_of() inside fn answer the scoped
+ * one. The scope ends when fn returns or raises; an error goes on unchanged. fn may not
+ * yield (the scope belongs to the thread, not the coroutine). [-0, +r, e] */
+static int l_with_precision(lua_State *L)
+{
+    int p = KILN_PREC_SCOPE_NONE;
+    if (!lua_isnoneornil(L, 1)) {
+        const char *name = luaL_checkstring(L, 1);
+        p = kiln_precision_from_name(name);
+        if (p < 0 && strcmp(name, "auto"))
+            return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16 or auto)", name));
+        if (p < 0) p = KILN_PREC_SCOPE_NONE;
+    }
+    luaL_checktype(L, 2, LUA_TFUNCTION);
+    int tok = kiln_precision_scope_begin(p);
+    int st = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 0);
+    kiln_precision_scope_end(tok);
+    if (st != LUA_OK) return lua_error(L);
+    return lua_gettop(L) - 1;
+}
+
+/* kiln.cpu_has_bf16() -> true when the CPU computes bf16 products natively (AVX-512
+ * BF16's vdpbf16ps, as the CPU kernels use it): bf16 then halves their cost; without
+ * it a bf16 precision runs emulated or as f32, no faster. */
+static int l_cpu_has_bf16(lua_State *L)
+{
+    lua_pushboolean(L, kiln_device_native_bf16(kiln_device_cpu()));
+    return 1;
+}
+
 static const luaL_Reg runtime_funcs[] = {
     {"time", l_time}, {"isatty", l_isatty}, {"set_quiet", l_set_quiet}, {"quiet", l_quiet},
     {"devices", l_devices}, {"set_default_device", l_set_default_device_fn},
     {"default_device", l_default_device_name}, {"set_threads", l_set_threads}, {"threads", l_threads},
     {"format_bytes", l_format_bytes}, {"precision", l_precision}, {"precision_of", l_precision_of}, {"activation_dtype", l_activation_dtype},
+    {"with_precision", l_with_precision}, {"cpu_has_bf16", l_cpu_has_bf16},
     {NULL, NULL},
 };
 

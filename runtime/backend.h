@@ -114,6 +114,9 @@ struct kiln_backend {
      * the host device's backend through these). set_threads: n <= 0 means default. */
     int (*threads)(void);
     void (*set_threads)(int n);
+    /* Optional: 1 when the backend computes bf16 products natively, at a higher rate
+     * than f32 (the CPU with AVX512_BF16); kiln_device_native_bf16 asks it. */
+    int (*native_bf16)(void);
     /* Devices of the backend's own (CUDA's GPUs), registered through
      * kiln_device_register; called once, after the host devices cpu and sim exist,
      * with the registry lock held. Optional: the CPU backend computes for cpu and

@@ -241,6 +241,12 @@ void kiln_set_threads(int n)
     if (b && b->set_threads) b->set_threads(n);
 }
 
+int kiln_device_native_bf16(const kiln_device *dev)
+{
+    const kiln_backend *b = dev ? dev->backend : NULL;
+    return b && b->native_bf16 ? b->native_bf16() != 0 : 0;
+}
+
 kiln_device *kiln_device_cpu(void)
 {
     init_devices();

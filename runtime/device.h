@@ -41,6 +41,8 @@ kiln_transfer_stats kiln_device_transfers(kiln_device *dev);
  * listing the devices present when absent. Devices are created on first use. */
 kiln_device *kiln_device_get(const char *name);
 kiln_device *kiln_device_cpu(void);
+/* 1 when dev's backend computes bf16 products natively, faster than f32 (backend.h). */
+int kiln_device_native_bf16(const kiln_device *dev);
 /* The shape-only device (meta.h); always the last one listed. "meta" names it, and
  * during a dry run so does the name of the device it models. */
 kiln_device *kiln_device_meta(void);

@@ -1,5 +1,6 @@
 /* precision.c - see precision.h. Plain atomics: kernels read the setting from the
- * compute pool's threads while a script may change it between ops. */
+ * compute pool's threads while a script may change it between ops. A scope is a
+ * thread-local int, read before the atomics (nothing to synchronise: one thread). */
 #include "precision.h"
 #include "meta.h"
 
@@ -14,8 +15,28 @@ static atomic_int type_default[MAX_TYPES];   /* 0 = KILN_PREC_F32 */
 
 static const char *const names[] = {"f32", "bf16", "f16"};
 
+/* this thread's override; KILN_PREC_SCOPE_NONE outside any scope */
+static _Thread_local int tl_scope = KILN_PREC_SCOPE_NONE;
+
+static int valid(int p) { return p >= 0 && p <= KILN_PREC_F16; }
+
+int kiln_precision_scope_begin(int p)
+{
+    int prev = tl_scope;
+    if (valid(p) || p == KILN_PREC_SCOPE_NONE) tl_scope = p;
+    return prev;
+}
+
+void kiln_precision_scope_end(int token)
+{
+    if (valid(token) || token == KILN_PREC_SCOPE_NONE) tl_scope = token;
+}
+
+int kiln_precision_scope_current(void) { return tl_scope; }
+
 kiln_precision kiln_precision_get(void)
 {
+    if (tl_scope >= 0) return (kiln_precision)tl_scope;
     int p = atomic_load_explicit(&set_prec, memory_order_relaxed);
     return p < 0 ? kiln_precision_for_type(KILN_DEV_CPU) : (kiln_precision)p;
 }
@@ -41,6 +62,7 @@ int kiln_precision_from_name(const char *name)
 
 kiln_precision kiln_precision_for_type(kiln_device_type t)
 {
+    if (tl_scope >= 0) return (kiln_precision)tl_scope;
     int p = atomic_load_explicit(&set_prec, memory_order_relaxed);
     if (p >= 0) return (kiln_precision)p;
     if ((int)t < 0 || (int)t >= MAX_TYPES) return KILN_PREC_F32;

@@ -4,6 +4,7 @@
  * inside the kernels). The sim device uses this table too. */
 #include "cpu_backend.h"
 #include "cpu_internal.h"
+#include "cpu_isa.h"
 #include "threadpool.h"
 
 #include <math.h>
@@ -349,6 +350,7 @@ static const kiln_backend cpu_backend = {
     .workspace_release = cpu_workspace_release,
     .threads = kiln_cpu_threads,
     .set_threads = kiln_cpu_set_threads,
+    .native_bf16 = kiln_cpu_has_bf16,
 };
 
 void kiln_cpu_backend_register(void) { kiln_backend_register(&cpu_backend); }

@@ -1,8 +1,11 @@
 /* threadpool.c - a fixed pool of pthreads that runs kiln_parallel_for jobs.
  * One job at a time (ops run one after another); the caller thread takes part.
- * Work is handed out in chunks through an atomic counter, so uneven chunks balance. */
+ * Work is handed out in chunks through an atomic counter, so uneven chunks balance.
+ * A job carries its submitter's precision scope (precision.h), which the workers
+ * take on while they run its chunks: the kernels answer as the calling thread would. */
 #define _GNU_SOURCE
 #include "threadpool.h"
+#include "../../runtime/precision.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -15,6 +18,7 @@ typedef struct {
     int64_t n, chunk;
     atomic_int_fast64_t next;
     atomic_int pending;            /* workers still inside this job */
+    int prec_scope;                /* the submitter's kiln_precision_scope_current() */
 } job_t;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -63,7 +67,9 @@ static void *worker_main(void *arg)
         seen = generation;
         job_t *j = current;
         pthread_mutex_unlock(&lock);
+        int tok = kiln_precision_scope_begin(j->prec_scope);
         run_chunks(j);
+        kiln_precision_scope_end(tok);
         pthread_mutex_lock(&lock);
         if (atomic_fetch_sub(&j->pending, 1) == 1) pthread_cond_broadcast(&done);
     }
@@ -137,6 +143,7 @@ void kiln_parallel_for(int64_t n, int64_t grain, void (*fn)(void *, int64_t, int
     if (chunk < grain) chunk = grain;
     job_t j;
     j.fn = fn; j.ctx = ctx; j.n = n; j.chunk = chunk;
+    j.prec_scope = kiln_precision_scope_current();
     atomic_init(&j.next, 0);
     pthread_mutex_lock(&submit_lock);
     atomic_init(&j.pending, n_threads - 1);

@@ -7,7 +7,8 @@
 #include <stdint.h>
 
 /* Splits [0, n) into chunks of at least `grain` items and runs fn(ctx, begin, end)
- * on the pool; returns when all chunks are done. */
+ * on the pool; returns when all chunks are done. Every chunk runs under the calling
+ * thread's precision scope (kiln_precision_scope_begin), whichever thread runs it. */
 void kiln_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t begin, int64_t end), void *ctx);
 int kiln_cpu_threads(void);
 /* Changes the pool size (joins and restarts workers); n <= 0 means default. */

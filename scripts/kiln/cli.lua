@@ -16,6 +16,7 @@ local COMMON = {
   lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
   tileable = "",
   preview = "", preview_every = 0, previewer = "latent2rgb", vae = "", precision = "",
+  preview_precision = "",
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -78,6 +79,8 @@ local function help_of(k)
     preview = "PNG replaced (atomically) with a preview of the picture while it samples",
     preview_every = "steps between two previews (default 1)",
     previewer = "latent2rgb (free, latent size) or taesd (full size; taesd_decoder.safetensors found as --vae taesd)",
+    preview_precision = "arithmetic of the taesd previews: f32, bf16, f16 or run (the run's; default: bf16 on a CPU"
+      .. " with native bf16 products, else run)",
     vae = "a VAE file, or taesd: TAESD (beside the model, in its vae_approx/ or ../vae_approx/, or a file) as the VAE",
   })[k]
 end
@@ -124,6 +127,9 @@ local function check_values(o)
     util.usage_error(("--previewer %s: must be latent2rgb or taesd"):format(tostring(o.previewer)))
   end
   whole("preview_every", 0)
+  if o.preview_precision ~= "" and not require("kiln.preview").PRECISIONS[o.preview_precision] then
+    util.usage_error(("--preview-precision %s: must be f32, bf16, f16 or run"):format(tostring(o.preview_precision)))
+  end
   if o.vae ~= "" and o.vae ~= "taesd" and not exists(o.vae) then
     util.usage_error(("--vae %s: no such file (or taesd)"):format(o.vae))
   end
@@ -205,6 +211,7 @@ function cli.parse(args, extra, help)
   if o.tileable == "" then o.tileable = nil end
   if o.preview == "" then o.preview = nil end
   if o.preview_every == 0 then o.preview_every = nil end
+  if o.preview_precision == "" then o.preview_precision = nil end
   -- --vae names the checkpoint's VAE (cli.checkpoint_options), not a per-run one
   o.checkpoint_vae = o.vae ~= "" and o.vae or nil
   o.vae = nil

@@ -5,7 +5,9 @@
 -- preview.session is the pipelines' hook: every N steps it hands the picture to the
 -- script's preview function, writes the CLI's --preview file (atomically, so a viewer
 -- never reads half a PNG), and gives it to an embedding host (kiln.h's preview
--- callback, through kiln.preview_image).
+-- callback, through kiln.preview_image). TAESD's decode may run in its own precision
+-- (preview_precision, scoped to the preview with kiln.with_precision): a preview is a
+-- throwaway picture, so by default it takes bf16 where the CPU has native bf16 products.
 local kiln = require "kiln"
 local nn = kiln.nn
 
@@ -114,6 +116,28 @@ local function check(o)
     error(fmt("kiln.pipeline: previewer must be \"latent2rgb\", \"taesd\", a TAESD (kiln.load_taesd) or false, got %s",
       type(v) == "string" and ("'" .. v .. "'") or type(v)), 4)
   end
+  local pp = o.preview_precision
+  if pp ~= nil and not M.PRECISIONS[pp] then
+    error(fmt("kiln.pipeline: preview_precision must be \"f32\", \"bf16\", \"f16\" or \"run\", got %s",
+      type(pp) == "string" and ("'" .. pp .. "'") or type(pp)), 4)
+  end
+end
+
+-- ---------------------------------------------------------------- TAESD's precision
+
+-- The values of the option preview_precision: a precision, or "run" (the run's own).
+M.PRECISIONS = { f32 = true, bf16 = true, f16 = true, run = true }
+
+--- preview.precision_for(option, device) -> "f32" | "bf16" | "f16" | "run": the
+-- precision a TAESD preview decodes in on device (where its decoder computes): the
+-- option when given, else "bf16" when the decode runs on the CPU's kernels (cpu, sim)
+-- and the CPU has native bf16 products (kiln.cpu_has_bf16: bf16 halves the products'
+-- cost there, and a preview is a throwaway picture), else "run": the run's own
+-- precision (on a GPU that is already a half one; an emulated bf16 is no faster).
+function M.precision_for(option, device)
+  if option ~= nil then return option end
+  local host = device == nil or device == "cpu" or device == "sim"
+  return host and kiln.cpu_has_bf16() and "bf16" or "run"
 end
 
 -- The TAESD of a run's previews: the option's object, the checkpoint's VAE when it is
@@ -129,7 +153,9 @@ end
 -- step st = {i, n, denoised, ...}) to close when sampling ends. o: preview (a function
 -- (step, total, image) whose image [B, 3, H, W] is freed after it returns, or a PNG
 -- path written with the first image), preview_every (N, default 1: steps N, 2N, ...
--- and the last), previewer ("latent2rgb" default | "taesd" | a TAESD | false: none).
+-- and the last), previewer ("latent2rgb" default | "taesd" | a TAESD | false: none),
+-- preview_precision (TAESD's decode: "f32" | "bf16" | "f16" | "run"; default
+-- preview.precision_for's; the run's VAE, TAESD included, is not affected).
 -- The embedding host's callback (kiln_set_preview) is fed by the same hook, every N
 -- of its own steps. No preview wanted: a no-op hook.
 function M.session(ckpt, o, device)
@@ -149,12 +175,21 @@ function M.session(ckpt, o, device)
     end
   end
   local family = ckpt.family
-  local function picture(z)
-    if not t then return M.latent2rgb(z, family) end
+  local function decode(z)
     -- a tileable run's previews wrap around as its decode does
     if not o.tileable then return t:decode(z) end
     local use <close> = require("kiln.seamless").use({ t }, o.tileable, "kiln.pipeline: tileable")
     return t:decode(z)
+  end
+  local function picture(z)
+    if not t then return M.latent2rgb(z, family) end
+    -- where the decoder computes now (it may have been evicted or streamed since)
+    local half = t.decoder_half
+    local p = M.precision_for(o.preview_precision, half.weights:device(half.probe))
+    if p == "run" then return decode(z) end
+    -- the scope ends with the decode, also on an error: the script's preview function
+    -- and the rest of the run keep the run's precision
+    return kiln.with_precision(p, decode, z)
   end
   local hook = { active = true }
   local mt = {}
