@@ -198,6 +198,7 @@ WINO_INLINE void sliver_taps(const few_ctx *c, float *taps, int64_t kb0, int64_t
 WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run, int64_t cn,
                               const int A)
 {
+    const int64_t su = c->su;
     for (int64_t ci = 0; ci < cn; ci++) {
         float *dst = U + (ks * c->cc + ci) * 32;
         for (int h = 0; h < 2; h++) {
@@ -205,10 +206,13 @@ WINO_INLINE void weight_points(const few_ctx *c, float *U, const float *taps, in
             __m512 gv[9], t[3][6];
             for (int e = 0; e < 9; e++) gv[e] = _mm512_load_ps(tp + e * 16);
             for (int s3 = 0; s3 < 3; s3++) g_apply(A, gv[s3], gv[3 + s3], gv[6 + s3], t[s3]);
+#pragma GCC unroll 8
             for (int i = 0; i < A; i++) {
                 __m512 o[6];
                 g_apply(A, t[0][i], t[1][i], t[2][i], o);
-                for (int j = 0; j < A; j++) _mm512_storeu_ps(dst + (i * A + j) * c->su + 16 * h, o[j]);
+                float *row = dst + i * A * su + 16 * h;
+#pragma GCC unroll 8
+                for (int j = 0; j < A; j++) _mm512_storeu_ps(row + j * su, o[j]);
             }
         }
     }
@@ -256,6 +260,7 @@ BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float
     for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
     __m512i ilv;
     memcpy(&ilv, il, sizeof il);
+    const int64_t su = c->su;
     for (int64_t ci = 0; ci < cn; ci += 2) {
         uint32_t *dst = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
         int odd = ci + 1 < cn;
@@ -264,14 +269,19 @@ BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float
             __m512 te[3][6], to[3][6];
             taps_cols(tp, te, A);
             if (odd) taps_cols(tp + 9 * 16, to, A);
+            else
+                for (int s3 = 0; s3 < 3; s3++)
+                    for (int i = 0; i < A; i++) to[s3][i] = _mm512_setzero_ps();
+            /* unrolled, so that the points stay in registers and the stores' offsets
+             * are constants (a loop kept them on the stack) */
+#pragma GCC unroll 8
             for (int i = 0; i < A; i++) {
                 __m512 oe[6], oo[6];
                 g_apply(A, te[0][i], te[1][i], te[2][i], oe);
-                if (odd) g_apply(A, to[0][i], to[1][i], to[2][i], oo);
-                else
-                    for (int j = 0; j < A; j++) oo[j] = _mm512_setzero_ps();
-                for (int j = 0; j < A; j++)
-                    _mm512_storeu_si512(dst + (i * A + j) * c->su + 16 * h, pair_of(native, oe[j], oo[j], ilv));
+                g_apply(A, to[0][i], to[1][i], to[2][i], oo);
+                uint32_t *row = dst + i * A * su + 16 * h;
+#pragma GCC unroll 8
+                for (int j = 0; j < A; j++) _mm512_storeu_si512(row + j * su, pair_of(native, oe[j], oo[j], ilv));
             }
         }
     }
