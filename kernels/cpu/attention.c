@@ -136,7 +136,7 @@ AVX512_INLINE __m512 exp2_avx512(__m512 x)
  * sums take the same values, so the normalization stays consistent. */
 AVX512_INLINE __m512 exp2_for_bf16(__m512 x)
 {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* constant first: NaN in x passes */
+    /* no clamp: x is finite here (a score less the row's max), and scalef takes any n */
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(0.0551716685295105f);
@@ -299,8 +299,14 @@ AVX512 static void pv_avx512(float *o, const float *p, const float *v, int64_t q
  * rescale of the row's output and its sum l by 2^(m - mnew). */
 AVX512_INLINE float softmax_new_max(const float *s, int64_t nvalid, float m)
 {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < nvalid; j += 16) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), mx2 = mx;
+    int64_t j = 0;
+    for (; j + 32 <= nvalid; j += 32) {
+        mx = _mm512_max_ps(mx, _mm512_load_ps(s + j));
+        mx2 = _mm512_max_ps(mx2, _mm512_load_ps(s + j + 16));
+    }
+    mx = _mm512_max_ps(mx, mx2);
+    for (; j < nvalid; j += 16) {
         __mmask16 mk = tail_mask(nvalid - j);
         mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_maskz_load_ps(mk, s + j));
     }
@@ -330,7 +336,13 @@ AVX512 static void softmax_row_avx512(float *s, int64_t nvalid, int64_t kn, floa
     }
     float mnew = softmax_new_max(s, nvalid, *m);
     __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kn; j += 16) {
+    int64_t j = 0;
+    for (; j + 16 <= nvalid; j += 16) { /* whole vectors of valid keys: no masks */
+        __m512 e = exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j), vm));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_store_ps(s + j, e);
+    }
+    for (; j < kn; j += 16) {
         __mmask16 mk = tail_mask(nvalid - j < 0 ? 0 : nvalid - j);
         __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j), vm)));
         sum = _mm512_add_ps(sum, e);
@@ -634,7 +646,17 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
     uint32_t *dst = (uint32_t *)s;
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (int64_t j = 0; j < kn; j += 32) { /* reads [j, j+32) before writing [j/2, j/2+16) */
+    int64_t j = 0;
+    /* whole vectors of valid keys: no masks */
+    for (; j + 32 <= nvalid; j += 32) { /* reads [j, j+32) before writing [j/2, j/2+16) */
+        __m512 e0 = exp2_for_bf16(_mm512_sub_ps(_mm512_load_ps(s + j), vm));
+        __m512 e1 = exp2_for_bf16(_mm512_sub_ps(_mm512_load_ps(s + j + 16), vm));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        __m512i pr = emu ? bf16_pair(_mm512_permutex2var_ps(e0, ie, e1), _mm512_permutex2var_ps(e0, io, e1))
+                         : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(dst + j / 2, pr);
+    }
+    for (; j < kn; j += 32) {
         __mmask16 m0 = tail_mask(nvalid - j < 0 ? 0 : nvalid - j), m1 = tail_mask(nvalid - j - 16 < 0 ? 0 : nvalid - j - 16);
         __mmask16 l0 = tail_mask(kn - j), l1 = tail_mask(kn - j - 16 < 0 ? 0 : kn - j - 16);
         __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_for_bf16(_mm512_sub_ps(_mm512_maskz_load_ps(l0, s + j), vm)));
