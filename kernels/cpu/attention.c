@@ -568,30 +568,19 @@ BF16_FN void bf16_rows_inplace(float *x, int64_t rows, int64_t n, int64_t ld)
     }
 }
 
-/* Two rows' 16 lanes as pair lanes (row e in the low halves): with AVX512_BF16 one
- * vcvtne2ps2bf16 (row e in words 0-15, row o in 16-31) and a vpermw to interleave them;
- * emulated, bf16_pair (the same bits). */
+/* Two rows' 16 lanes as pair lanes (row e in the low halves), by the instruction or
+ * emulated (the same bits). */
 #define BF16_BW_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16,fma")))
 BF16_BW_INLINE __m512i rows_pair(int emu, __m512 e, __m512 o, __m512i ilv)
 {
-    if (emu) return bf16_pair(e, o);
-    return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(o, e));
-}
-
-BF16_BW_INLINE __m512i interleave_words(void)
-{
-    int16_t il[32];
-    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
-    __m512i v;
-    memcpy(&v, il, sizeof il);
-    return v;
+    return emu ? bf16_pair(e, o) : bf16_pair_native(e, o, ilv);
 }
 
 /* transposed keys kt[d][j] (rows of KB) -> pair rows kt[d/2][j] for knp keys, in place */
 BF16_BW_INLINE void keys_pairs_body(int emu, float *kt, int64_t knp, int64_t D)
 {
     uint32_t *dst = (uint32_t *)kt;
-    const __m512i ilv = interleave_words();
+    const __m512i ilv = bf16_pair_index();
     for (int64_t dp = 0; dp < (D + 1) / 2; dp++)
         for (int64_t j = 0; j < knp; j += 16) {
             __m512 e = _mm512_load_ps(kt + 2 * dp * KB + j);
@@ -603,7 +592,7 @@ BF16_BW_INLINE void keys_pairs_body(int emu, float *kt, int64_t knp, int64_t D)
 /* values v[j][c] of the block (kn keys) -> vp[j/2][c] pair rows of dvp lanes (zero past Dv, kn) */
 BF16_BW_INLINE void values_pairs_body(int emu, uint32_t *vp, const float *v, int64_t kn, int64_t Dv, int64_t dvp)
 {
-    const __m512i ilv = interleave_words();
+    const __m512i ilv = bf16_pair_index();
     for (int64_t jp = 0; jp < (kn + 1) / 2; jp++) {
         const float *v0 = v + 2 * jp * Dv, *v1 = v0 + Dv;
         int odd = 2 * jp + 1 < kn;

@@ -246,20 +246,10 @@ AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t
 #define BF16_FEW static __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define BF16_FEW_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 
-BF16_FEW_INLINE __m512i pair_of(const int native, __m512 even, __m512 odd, __m512i ilv)
-{
-    if (native) return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
-    return bf16_pair(even, odd);
-}
-
 BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run,
                                          int64_t cn, const int A, const int native)
 {
-    /* words 2l and 2l+1 of a pair vector: word l of the even channel, word 16+l of the odd */
-    int16_t il[32];
-    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
-    __m512i ilv;
-    memcpy(&ilv, il, sizeof il);
+    const __m512i ilv = bf16_pair_index();
     const int64_t su = c->su;
     for (int64_t ci = 0; ci < cn; ci += 2) {
         uint32_t *dst = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
@@ -281,7 +271,7 @@ BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float
                 g_apply(A, to[0][i], to[1][i], to[2][i], oo);
                 uint32_t *row = dst + i * A * su + 16 * h;
 #pragma GCC unroll 8
-                for (int j = 0; j < A; j++) _mm512_storeu_si512(row + j * su, pair_of(native, oe[j], oo[j], ilv));
+                for (int j = 0; j < A; j++) _mm512_storeu_si512(row + j * su, native ? bf16_pair_native(oe[j], oo[j], ilv) : bf16_pair(oe[j], oo[j]));
             }
         }
     }

@@ -681,17 +681,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void bf16_rows_nat
                                                                                    const float *src, int64_t ld,
                                                                                    int64_t kc, __mmask16 mk)
 {
-    /* vcvtne2ps2bf16 gives row 2j's 16 values in words 0-15 and row 2j+1's in 16-31;
-     * vpermw interleaves them into pair lanes */
-    int16_t il[32];
-    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
-    __m512i ilv;
-    memcpy(&ilv, il, sizeof il);
+    const __m512i ilv = bf16_pair_index();
     for (int64_t k = 0; k < kc; k += 2) {
         __m512 e = _mm512_maskz_loadu_ps(mk, src + k * ld);
         __m512 o = k + 1 < kc ? _mm512_maskz_loadu_ps(mk, src + (k + 1) * ld) : _mm512_setzero_ps();
-        _mm512_mask_storeu_epi32(dst + (k / 2) * ldo, mk,
-                                 _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
+        _mm512_mask_storeu_epi32(dst + (k / 2) * ldo, mk, bf16_pair_native(e, o, ilv));
     }
 }
 

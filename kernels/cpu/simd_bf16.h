@@ -6,6 +6,7 @@
 #define KILN_SIMD_BF16_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 #define SIMD_BF16_INLINE static inline __attribute__((always_inline, target("avx512f")))
 
@@ -29,6 +30,28 @@ SIMD_BF16_INLINE __m512i bf16_hi(__m512 x)
 SIMD_BF16_INLINE __m512i bf16_pair(__m512 even, __m512 odd)
 {
     return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
+}
+
+/* ---- the same pairs with AVX512_BF16 (callers check kiln_cpu_has_bf16) ---- */
+#define SIMD_BF16_NATIVE_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+
+/* The vpermw index of bf16_pair_native: word 2l of a pair vector from word l (the even
+ * values), word 2l+1 from word 16+l (the odd ones). Made once, outside the loops. */
+SIMD_BF16_NATIVE_INLINE __m512i bf16_pair_index(void)
+{
+    int16_t il[32];
+    for (int l = 0; l < 16; l++) il[2 * l] = (int16_t)l, il[2 * l + 1] = (int16_t)(16 + l);
+    __m512i v;
+    __builtin_memcpy(&v, il, sizeof il);
+    return v;
+}
+
+/* bf16_pair by the instruction: vcvtne2ps2bf16 rounds both vectors (even's values to
+ * words 0-15, odd's to 16-31), vpermw (idx: bf16_pair_index) interleaves them into pair
+ * lanes; the same bits as bf16_pair. */
+SIMD_BF16_NATIVE_INLINE __m512i bf16_pair_native(__m512 even, __m512 odd, __m512i idx)
+{
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 #endif
