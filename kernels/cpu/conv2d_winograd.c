@@ -320,13 +320,20 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
     int64_t row0 = m * (c->t0 / c->TW) - p->pad_h, row1 = m * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + A;
     if (row0 < 0) row0 = 0;
     if (row1 > H) row1 = H;
+    /* spread over the channel's tile blocks: a burst of them all at its start stalled
+     * on the outstanding misses */
+    const int64_t n_blk = (c->tp + 15) / 16;
     for (int64_t ch = begin; ch < end; ch++) {
         const float *plane = c->x + ch * HW;
+        const char *pf = NULL, *pf_end = NULL;
+        int64_t pf_step = 0; /* bytes a tile block */
         if (ch + 1 < end && row1 > row0) {
-            const char *a = (const char *)(plane + HW + row0 * W), *b = (const char *)(plane + HW + row1 * W);
-            for (; a < b; a += 64) _mm_prefetch(a, _MM_HINT_T1);
+            pf = (const char *)(plane + HW + row0 * W);
+            pf_end = (const char *)(plane + HW + row1 * W);
+            pf_step = ((pf_end - pf + n_blk - 1) / n_blk + 63) / 64 * 64;
         }
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
+            for (const char *e = pf + pf_step; pf < pf_end && pf < e; pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
             const blk_setup *bs = &c->blk[tb / 16];
             const tile_runs *rn = &bs->runs;
             __m512 tmp[MAXA][MAXA]; /* tmp[i][j'] = (d B)[i][j'] */
@@ -455,17 +462,24 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     if (row1 > p->oh) row1 = p->oh;
     row0 = step * row0 + c->py;
     row1 = step * row1;
+    const int64_t n_blk = (c->tp + 15) / 16;
     for (int64_t kk = begin; kk < end; kk++) {
         int64_t k = c->k0 + kk;
         float *plane = c->y + k * YHW;
         __m512 bv = _mm512_set1_ps(c->bias ? c->bias[k] : 0.0f);
         const int act = p->act;
         const __m512 zero = _mm512_setzero_ps(), slope = _mm512_set1_ps(p->act_slope);
-        if (kk + 1 < end) { /* the next plane's rows, for writing */
-            const char *a = (const char *)(plane + YHW + row0 * YW), *b = (const char *)(plane + YHW + row1 * YW);
-            for (; a < b; a += 64) __builtin_prefetch(a, 1, 2);
+        /* the next plane's rows, for writing: spread over this plane's tile blocks (a
+         * burst of them all at its start stalled on the outstanding misses) */
+        const char *pf = NULL, *pf_end = NULL;
+        int64_t pf_step = 0;
+        if (kk + 1 < end) {
+            pf = (const char *)(plane + YHW + row0 * YW);
+            pf_end = (const char *)(plane + YHW + row1 * YW);
+            pf_step = ((pf_end - pf + n_blk - 1) / n_blk + 63) / 64 * 64;
         }
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
+            for (const char *e = pf + pf_step; pf < pf_end && pf < e; pf += 64) __builtin_prefetch(pf, 1, 2);
             const tile_runs *rn = &c->blk[tb / 16].runs;
             __m512 s[MAXA][MAXA - 2]; /* s[j][a] = (A^T m)[a][j] */
             #pragma GCC unroll 8
