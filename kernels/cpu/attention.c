@@ -114,37 +114,40 @@ AVX512_INLINE __mmask16 tail_mask(int64_t left)
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-/* 2^x, degree-5 fit on [-0.5, 0.5] (max relative error ~1.5e-7); x <= 0 here. */
-AVX512_INLINE __m512 exp2_avx512(__m512 x)
+/* 2^x = 2^n 2^f, n = round(x), f in [-0.5, 0.5], 2^f by a polynomial fitted for
+ * relative error: degree 5 (max ~1.5e-7) for the f32 softmax; degree 3 (7.5e-5, far
+ * below the 2^-9 of the bf16 rounding that follows, and two multiply-adds fewer on the
+ * ports the bf16 products use; fitted by iteratively reweighted least squares) for the
+ * probabilities of the bf16 products, whose row sums take the same values so the
+ * normalization stays consistent. scalef takes any n; x is finite here (a score less
+ * the row's max, <= 0). */
+AVX512_INLINE __m512 exp2_poly(__m512 x, const int degree)
 {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* constant first: NaN in x passes */
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(0.0013276466634124517f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675541892647743f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    __m512 f = _mm512_sub_ps(x, n), p;
+    if (degree == 5) {
+        p = _mm512_set1_ps(0.0013276466634124517f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675541892647743f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    } else {
+        p = _mm512_set1_ps(0.0551716685295105f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2426111400127411f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932609677314758f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999280571937561f));
+    }
     return _mm512_scalef_ps(p, n);
 }
 
-/* 2^x for probabilities that are rounded to bf16 next (x <= 0): a degree-3 fit on
- * [-0.5, 0.5], relative error 7.5e-5, far below the 2^-9 of the rounding that follows,
- * and two multiply-adds fewer a vector than exp2_avx512 on the ports the bf16 products
- * use (fitted for relative error by iteratively reweighted least squares). The row
- * sums take the same values, so the normalization stays consistent. */
-AVX512_INLINE __m512 exp2_for_bf16(__m512 x)
+AVX512_INLINE __m512 exp2_avx512(__m512 x)
 {
-    /* no clamp: x is finite here (a score less the row's max), and scalef takes any n */
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(0.0551716685295105f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2426111400127411f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932609677314758f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999280571937561f));
-    return _mm512_scalef_ps(p, n);
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* constant first: NaN in x passes */
+    return exp2_poly(x, 5);
 }
+
+AVX512_INLINE __m512 exp2_for_bf16(__m512 x) { return exp2_poly(x, 3); }
 
 /* The micro-tiles keep their accumulators in named variables, written out through
  * R8(): with arrays and loops, clang keeps them on the stack (half speed). */
