@@ -562,11 +562,7 @@ BF16_FN void bf16_rows_inplace(float *x, int64_t rows, int64_t n, int64_t ld)
             int64_t left = n - 2 * j; /* values from 2j on */
             __m512 a = _mm512_maskz_loadu_ps(tail_mask(left), row + 2 * j);
             __m512 b = _mm512_maskz_loadu_ps(tail_mask(left - 16 < 0 ? 0 : left - 16), row + 2 * j + 16);
-            /* even and odd elements of the 32 values */
-            const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-            const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-            __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
-            _mm512_mask_storeu_epi32(dst + j, mk, bf16_pair(e, o));
+            _mm512_mask_storeu_epi32(dst + j, mk, bf16_pairs_in_order(a, b));
         }
     }
 }
@@ -636,17 +632,13 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
     float mnew = softmax_new_max(s, nvalid, *m);
     __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
     uint32_t *dst = (uint32_t *)s;
-    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     int64_t j = 0;
     /* whole vectors of valid keys: no masks */
     for (; j + 32 <= nvalid; j += 32) { /* reads [j, j+32) before writing [j/2, j/2+16) */
         __m512 e0 = exp2_for_bf16(_mm512_sub_ps(_mm512_load_ps(s + j), vm));
         __m512 e1 = exp2_for_bf16(_mm512_sub_ps(_mm512_load_ps(s + j + 16), vm));
         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        __m512i pr = emu ? bf16_pair(_mm512_permutex2var_ps(e0, ie, e1), _mm512_permutex2var_ps(e0, io, e1))
-                         : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(dst + j / 2, pr);
+        _mm512_storeu_si512(dst + j / 2, emu ? bf16_pairs_in_order(e0, e1) : (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
     for (; j < kn; j += 32) {
         __mmask16 m0 = tail_mask(nvalid - j < 0 ? 0 : nvalid - j), m1 = tail_mask(nvalid - j - 16 < 0 ? 0 : nvalid - j - 16);
@@ -654,9 +646,7 @@ BF16_INLINE void softmax_row_pairs(int emu, float *s, int64_t nvalid, int64_t kn
         __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_for_bf16(_mm512_sub_ps(_mm512_maskz_load_ps(l0, s + j), vm)));
         __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_for_bf16(_mm512_sub_ps(_mm512_maskz_load_ps(l1, s + j + 16), vm)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        __m512i pr = emu ? bf16_pair(_mm512_permutex2var_ps(e0, ie, e1), _mm512_permutex2var_ps(e0, io, e1))
-                         : (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(dst + j / 2, pr);
+        _mm512_storeu_si512(dst + j / 2, emu ? bf16_pairs_in_order(e0, e1) : (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
     softmax_rescale(o, Dv, m, l, mnew, sum);
 }

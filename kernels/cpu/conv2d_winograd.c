@@ -308,6 +308,27 @@ WINO_INLINE __m512 perm6(const __m512 *in, const perm6_t *t, int i)
  * over vector pairs) and j = m, m + 1 are columns 0, 1 of the next tile; the last tile
  * of a run that does not end the block has no next tile and is patched by a gather.
  * Channels outer: each plane is read front to back. */
+/* The next plane's lines [next, end), prefetched a share at a time over this plane's
+ * n_blk tile blocks: a burst of them all at a plane's start stalled on the outstanding
+ * misses. pf_spread_init gives the share; each tile block then calls pf_spread_step. */
+typedef struct { const char *next, *end; int64_t step; } pf_spread;
+
+static inline pf_spread pf_spread_init(const void *begin, const void *end, int64_t n_blk)
+{
+    pf_spread p = {begin, end, 0};
+    p.step = ((p.end - p.next + n_blk - 1) / n_blk + 63) / 64 * 64;
+    return p;
+}
+
+WINO_INLINE void pf_spread_step(pf_spread *p, int for_write)
+{
+    if (!p->next) return; /* no next plane */
+    for (const char *e = p->next + p->step; p->next < p->end && p->next < e; p->next += 64) {
+        if (for_write) __builtin_prefetch(p->next, 1, 2);
+        else _mm_prefetch(p->next, _MM_HINT_T1);
+    }
+}
+
 WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
 {
     const kiln_conv2d_params *p = c->p;
@@ -320,20 +341,13 @@ WINO_INLINE void input_tiles(const wino_ctx *c, int64_t begin, int64_t end, cons
     int64_t row0 = m * (c->t0 / c->TW) - p->pad_h, row1 = m * ((c->t0 + c->nt - 1) / c->TW) - p->pad_h + A;
     if (row0 < 0) row0 = 0;
     if (row1 > H) row1 = H;
-    /* spread over the channel's tile blocks: a burst of them all at its start stalled
-     * on the outstanding misses */
     const int64_t n_blk = (c->tp + 15) / 16;
     for (int64_t ch = begin; ch < end; ch++) {
         const float *plane = c->x + ch * HW;
-        const char *pf = NULL, *pf_end = NULL;
-        int64_t pf_step = 0; /* bytes a tile block */
-        if (ch + 1 < end && row1 > row0) {
-            pf = (const char *)(plane + HW + row0 * W);
-            pf_end = (const char *)(plane + HW + row1 * W);
-            pf_step = ((pf_end - pf + n_blk - 1) / n_blk + 63) / 64 * 64;
-        }
+        pf_spread pf = {NULL, NULL, 0};
+        if (ch + 1 < end && row1 > row0) pf = pf_spread_init(plane + HW + row0 * W, plane + HW + row1 * W, n_blk);
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
-            for (const char *e = pf + pf_step; pf < pf_end && pf < e; pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+            pf_spread_step(&pf, 0);
             const blk_setup *bs = &c->blk[tb / 16];
             const tile_runs *rn = &bs->runs;
             __m512 tmp[MAXA][MAXA]; /* tmp[i][j'] = (d B)[i][j'] */
@@ -469,17 +483,11 @@ WINO_INLINE void output_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
         __m512 bv = _mm512_set1_ps(c->bias ? c->bias[k] : 0.0f);
         const int act = p->act;
         const __m512 zero = _mm512_setzero_ps(), slope = _mm512_set1_ps(p->act_slope);
-        /* the next plane's rows, for writing: spread over this plane's tile blocks (a
-         * burst of them all at its start stalled on the outstanding misses) */
-        const char *pf = NULL, *pf_end = NULL;
-        int64_t pf_step = 0;
-        if (kk + 1 < end) {
-            pf = (const char *)(plane + YHW + row0 * YW);
-            pf_end = (const char *)(plane + YHW + row1 * YW);
-            pf_step = ((pf_end - pf + n_blk - 1) / n_blk + 63) / 64 * 64;
-        }
+        /* the next plane's rows, for writing */
+        pf_spread pf = {NULL, NULL, 0};
+        if (kk + 1 < end && row1 > row0) pf = pf_spread_init(plane + YHW + row0 * YW, plane + YHW + row1 * YW, n_blk);
         for (int64_t tb = 0; tb < c->tp; tb += 16) {
-            for (const char *e = pf + pf_step; pf < pf_end && pf < e; pf += 64) __builtin_prefetch(pf, 1, 2);
+            pf_spread_step(&pf, 1);
             const tile_runs *rn = &c->blk[tb / 16].runs;
             __m512 s[MAXA][MAXA - 2]; /* s[j][a] = (A^T m)[a][j] */
             #pragma GCC unroll 8

@@ -32,6 +32,16 @@ SIMD_BF16_INLINE __m512i bf16_pair(__m512 even, __m512 odd)
     return _mm512_or_si512(_mm512_srli_epi32(bf16_hi(even), 16), bf16_hi(odd));
 }
 
+/* 32 consecutive values (lo: the first 16, hi: the next) as 16 pair lanes in memory
+ * order, lane i = values (2i, 2i+1): what vcvtne2ps2bf16(hi, lo) gives, with the same
+ * bits. */
+SIMD_BF16_INLINE __m512i bf16_pairs_in_order(__m512 lo, __m512 hi)
+{
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return bf16_pair(_mm512_permutex2var_ps(lo, ie, hi), _mm512_permutex2var_ps(lo, io, hi));
+}
+
 /* ---- the same pairs with AVX512_BF16 (callers check kiln_cpu_has_bf16) ---- */
 #define SIMD_BF16_NATIVE_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 
