@@ -369,10 +369,12 @@ if only.vae then
 end
 
 -- bf16 against f32: each network timed in both precisions, alternating run by run so
--- that both see the same stretch of a shared machine; the error is the bf16 output's
--- max |difference| over the f32 output's max |value|
+-- that both see the same stretch of a shared machine; the ratio of the best times, and
+-- the median of each repeat's own ratio (a machine whose speed drifts over minutes moves
+-- both runs of a repeat together); the error is the bf16 output's max |difference| over
+-- the f32 output's max |value|
 local function precision_pair(label, flops, fn)
-  local best, outs, cpus = { f32 = math.huge, bf16 = math.huge }, {}, {}
+  local best, outs, cpus, last, ratios = { f32 = math.huge, bf16 = math.huge }, {}, {}, {}, {}
   collectgarbage(); collectgarbage()
   kiln.mem.empty_cache("cpu")
   for _, p in ipairs({ "f32", "bf16" }) do -- warm-up of both
@@ -391,13 +393,19 @@ local function precision_pair(label, flops, fn)
       outs[p] = fn()
       local dt, dc = kiln.time() - t0, os.clock() - c0
       if dt < best[p] then best[p], cpus[p] = dt, dc end
+      last[p] = dt
     end
+    ratios[#ratios + 1] = last.bf16 / last.f32
   end
   kiln.precision("auto")
+  table.sort(ratios)
+  local n = #ratios
+  local median = n % 2 == 1 and ratios[(n + 1) // 2] or (ratios[n // 2] + ratios[n // 2 + 1]) / 2
   local err = rel_err(outs.bf16, outs.f32)
   row(label .. ", f32", best.f32, cpus.f32, flops, kiln.mem.stats("cpu").peak)
   row(label .. ", bf16", best.bf16, cpus.bf16, flops, kiln.mem.stats("cpu").peak, nil, err)
-  say("  %s: bf16 x%.3f the f32 time, rel.err %.1e", label, best.bf16 / best.f32, err)
+  say("  %s: bf16 x%.3f the f32 time (best of each; median of the %d repeats' ratios x%.3f), rel.err %.1e",
+    label, best.bf16 / best.f32, n, median, err)
   outs.f32:free(); outs.bf16:free()
   return best.bf16 / best.f32, err
 end
