@@ -913,6 +913,14 @@ function kiln.dry_run(fn, opts, ...) end
 ---@return string
 function kiln.mem.summary() end
 
+---Whether prefetches copy at once on the calling thread (as a dry run's always do)
+---instead of on the device's copy thread; sets it when `on` is given. Off by default:
+---it takes the overlap of copies and compute away. Tests turn it on to compare a real
+---run's peak with a dry run's without the copy thread's timing in it.
+---@param on? boolean
+---@return boolean
+function kiln.mem.prefetch_at_once(on) end
+
 ---The memory events (loads, offloads, evictions, OOMs, ...) after seq `since`, oldest first.
 ---@param since? integer
 ---@return kiln.MemEvent[]

@@ -158,9 +158,21 @@ static int l_memory_mode(lua_State *L)
     return 1;
 }
 
+/* kiln.mem.prefetch_at_once([on]) -> whether prefetches copy at once on the calling
+ * thread (as in a dry run) instead of on the copy thread; default false */
+static int mem_prefetch_at_once(lua_State *L)
+{
+    if (!lua_isnoneornil(L, 1)) {
+        luaL_checktype(L, 1, LUA_TBOOLEAN);
+        kiln_model_set_prefetch_at_once(lua_toboolean(L, 1));
+    }
+    lua_pushboolean(L, kiln_model_prefetch_at_once());
+    return 1;
+}
+
 static const luaL_Reg mem_funcs[] = {
     {"stats", mem_stats}, {"reset_peak", mem_reset_peak}, {"empty_cache", mem_empty_cache},
-    {"set_budget", mem_set_budget}, {"summary", mem_summary},
+    {"set_budget", mem_set_budget}, {"summary", mem_summary}, {"prefetch_at_once", mem_prefetch_at_once},
     {NULL, NULL},
 };
 

@@ -101,6 +101,12 @@ kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
 /* Waits until no prefetch of any model is queued or copying (a suspension moves the
  * device blocks the copy threads write into). */
 void kiln_model_wait_copies(void);
+/* Prefetches copy at once on the calling thread instead of on the copy thread (as a
+ * dry run's always do: its peak then counts the next block's weights through the
+ * block that runs meanwhile). Off by default; tests turn it on to compare a real run's
+ * peak with a dry run's without the copy thread's timing in it. Process-wide. */
+void kiln_model_set_prefetch_at_once(int on);
+int kiln_model_prefetch_at_once(void);
 
 /* Adds a patch to tensor `target` (a floating-point tensor of m): the store keeps
  * views of a's factors (their storages stay alive until the patch goes). row_count
