@@ -1366,6 +1366,44 @@ static int queue_slot(const kiln_device *dev)
     return -1;
 }
 
+/* One prefetch copy of t to dev: reg_mu held on entry and on return, released while
+ * copying; the copy is installed unless t changed meanwhile. A copy that fails is not
+ * an error: fetch makes its own. */
+static void prefetch_copy_locked(kiln_model *m, mtensor *t, kiln_device *dev)
+{
+    kiln_dtype want = want_dtype(m->dtype, source_of(t));
+    patchset *ps;
+    kiln_tensor *src = source_locked(t, want, &ps);
+    unsigned gen = t->gen;
+    pthread_mutex_unlock(&reg_mu);
+    kiln_tensor *r = NULL;
+    kiln_status st = KILN_ERR_OOM;
+    double t0 = kiln_events_now();
+    if (src) {
+        /* the patches' arithmetic runs here too, overlapping the compute */
+        kiln_events_set_context(m->owner);
+        st = make_copy(src, ps, dev, want, m->owner, &r);
+        kiln_tensor_free(src);
+    }
+    ps_release(ps);
+    if (!st && kiln_trace_active()) {
+        char args[160];
+        snprintf(args, sizeof args, "\"model\":\"%s\",\"bytes\":%llu", m->name,
+                 (unsigned long long)tensor_bytes(r));
+        kiln_trace_span(t->name, "prefetch", t0, kiln_events_now(), args);
+    }
+    pthread_mutex_lock(&reg_mu);
+    if (!st && t->gen == gen && target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
+        set_dev_locked(t, r);
+        r = NULL;
+        t->streamed = 1;
+        t->prefetched = 1;
+        m->n_prefetch++;
+        m->prefetch_tid = kiln_thread_id();
+    }
+    kiln_tensor_free(r);
+}
+
 static void *copy_thread(void *arg)
 {
     worker *w = arg;
@@ -1382,41 +1420,8 @@ static void *copy_thread(void *arg)
         kiln_model *m = j->m; /* stays open: close waits for m->inflight */
         mtensor *t = &m->t[j->idx];
         free(j);
-        kiln_device *dev = w->dev;
-        if (target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-            kiln_dtype want = want_dtype(m->dtype, source_of(t));
-            patchset *ps;
-            kiln_tensor *src = source_locked(t, want, &ps);
-            unsigned gen = t->gen;
-            pthread_mutex_unlock(&reg_mu);
-            kiln_tensor *r = NULL;
-            kiln_status st = KILN_ERR_OOM;
-            double t0 = kiln_events_now();
-            if (src) {
-                /* the patches' arithmetic runs here too, overlapping the compute */
-                kiln_events_set_context(m->owner);
-                st = make_copy(src, ps, dev, want, m->owner, &r);
-                kiln_tensor_free(src);
-            }
-            ps_release(ps);
-            if (!st && kiln_trace_active()) {
-                char args[160];
-                snprintf(args, sizeof args, "\"model\":\"%s\",\"bytes\":%llu", m->name,
-                         (unsigned long long)tensor_bytes(r));
-                kiln_trace_span(t->name, "prefetch", t0, kiln_events_now(), args);
-            }
-            pthread_mutex_lock(&reg_mu);
-            /* a failed prefetch is not an error: fetch copies the tensor itself */
-            if (!st && t->gen == gen && target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-                set_dev_locked(t, r);
-                r = NULL;
-                t->streamed = 1;
-                t->prefetched = 1;
-                m->n_prefetch++;
-                m->prefetch_tid = kiln_thread_id();
-            }
-            kiln_tensor_free(r);
-        }
+        if (target_of(m) == w->dev && !(t->dev && tensor_device(t->dev) == w->dev))
+            prefetch_copy_locked(m, t, w->dev);
         t->inflight = 0;
         m->inflight--;
         pthread_cond_broadcast(&done_cv);
@@ -1454,34 +1459,12 @@ int kiln_model_prefetch_at_once(void) { return atomic_load(&prefetch_at_once); }
 
 static void prefetch_now(kiln_model *m, const int *idx, int n, kiln_device *dev)
 {
-    kiln_events_set_context(m->owner);
+    pthread_mutex_lock(&reg_mu);
     for (int k = 0; k < n; k++) {
         mtensor *t = &m->t[idx[k]];
-        pthread_mutex_lock(&reg_mu);
-        if (t->inflight || (t->dev && tensor_device(t->dev) == dev)) {
-            pthread_mutex_unlock(&reg_mu);
-            continue;
-        }
-        kiln_dtype want = want_dtype(m->dtype, source_of(t));
-        patchset *ps;
-        kiln_tensor *src = source_locked(t, want, &ps);
-        unsigned gen = t->gen;
-        pthread_mutex_unlock(&reg_mu);
-        kiln_tensor *r = NULL;
-        kiln_status st = src ? make_copy(src, ps, dev, want, m->owner, &r) : KILN_ERR_OOM;
-        kiln_tensor_free(src);
-        ps_release(ps);
-        pthread_mutex_lock(&reg_mu);
-        if (!st && t->gen == gen && target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-            set_dev_locked(t, r);
-            r = NULL;
-            t->streamed = 1;
-            t->prefetched = 1;
-            m->n_prefetch++;
-        }
-        pthread_mutex_unlock(&reg_mu);
-        kiln_tensor_free(r);
+        if (!t->inflight && !(t->dev && tensor_device(t->dev) == dev)) prefetch_copy_locked(m, t, dev);
     }
+    pthread_mutex_unlock(&reg_mu);
     kiln_events_set_context(NULL);
 }
 
