@@ -94,7 +94,8 @@ kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *ou
 /* Streaming (any mode; needs a load target). fetch copies the named tensors to the
  * target device now (waiting for a prefetch of the same tensor in flight) and marks
  * them in use; release frees the device copies that fetch/prefetch made; prefetch
- * queues the copies on the target device's copy thread and returns at once. */
+ * queues the copies on the target device's copy thread and returns at once (in a dry
+ * run, or with kiln_model_set_prefetch_at_once(1), it makes them before returning). */
 kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
