@@ -12,7 +12,7 @@ local preview = require "kiln.preview"
 local test, eq, raises, truthy = H.test, H.eq, H.raises, H.truthy
 
 local T = require "tiny_sd"
-local DEMO = "examples/models/kiln-shapes.safetensors"
+local DEMO = H.demo_model("TAESD previews in their own precision")
 local BF16 = kiln.cpu_has_bf16()
 kiln.set_quiet(true)
 
