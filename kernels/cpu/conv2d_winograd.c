@@ -95,7 +95,21 @@ static void pair_idx_init(pair_idx *t)
  * vector holds one tap of the 12 outputs; vectors then pair 4 input channels x 12
  * outputs, so that for each xi three whole vectors fill U[xi][s][c0+cq .. +3][0..11]
  * (192 contiguous bytes): plain stores, no gathers, no partial lines. */
-WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A)
+#define BF16_WINO static __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define BF16_WINO_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
+
+/* 12 rows (kn valid) of 16 f16 taps, rows rstride bytes apart, converted on load */
+BF16_WINO_INLINE void taps_f16_rows(__m512 *r, const char *src, size_t rstride, int64_t kn)
+{
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++)
+        r[k] = k < kn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + k * rstride)))
+                      : _mm512_setzero_ps();
+}
+
+/* native: the bf16 pairs by vcvtne2ps2bf16 (same bits as bf16_pair); the other variant
+ * is compiled for the same target but executes no bf16 instruction. */
+BF16_WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A, const int native)
 {
     const int64_t C = c->C, chunks = (C + 15) / 16;
     const size_t esz = kiln_dtype_size(c->w_dt), su = (size_t)c->su;
@@ -107,11 +121,15 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     __m512 tb[144]; /* tb[c*9 + e], lane k: tap e of input channel c0+c for output 12s+k */
     pair_idx pk;
     pair_idx_init(&pk);
+    const __m512i ilv = bf16_pair_index();
     for (int64_t task = begin; task < end; task++) {
         int64_t sl = task / chunks, c0 = (task % chunks) * 16;
         int64_t cn = C - c0 < 16 ? C - c0 : 16, kk0 = 12 * sl, kn = c->kb - kk0 < 12 ? c->kb - kk0 : 12;
         const float *src = f32 ? (const float *)c->w + ((c->k0 + kk0) * C + c0) * 9 : buf;
-        if (!f32)
+        /* whole f16 rows (16 channels): converted as they are loaded */
+        const int f16_rows = c->w_dt == KILN_F16 && cn == 16;
+        const char *wrow = (const char *)c->w + (size_t)(((c->k0 + kk0) * C + c0) * 9) * esz;
+        if (!f32 && !f16_rows)
             for (int64_t r = 0; r < kn; r++)
                 kiln_to_f32(buf + r * 144, (const char *)c->w + (size_t)(((c->k0 + kk0 + r) * C + c0) * 9) * esz,
                             c->w_dt, (size_t)(cn * 9));
@@ -119,8 +137,10 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
             int64_t cols = cn * 9 - 16 * b;
             __mmask16 cm = cols >= 16 ? (__mmask16)0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1);
             __m512 r[16];
-            for (int k = 0; k < 16; k++)
-                r[k] = k < kn && cm ? _mm512_maskz_loadu_ps(cm, src + k * rstride + 16 * b) : _mm512_setzero_ps();
+            if (f16_rows) taps_f16_rows(r, wrow + 32 * b, (size_t)C * 9 * 2, kn);
+            else
+                for (int k = 0; k < 16; k++)
+                    r[k] = k < kn && cm ? _mm512_maskz_loadu_ps(cm, src + k * rstride + 16 * b) : _mm512_setzero_ps();
             transpose16(r);
             for (int m = 0; m < 16; m++) tb[16 * b + m] = r[m];
         }
@@ -174,11 +194,11 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
                     uint32_t *d = dp + xi * su;
                     __m512 e01 = _mm512_permutex2var_ps(u[0][xi], pk.e01, u[1][xi]);
                     __m512 o01 = _mm512_permutex2var_ps(u[0][xi], pk.o01, u[1][xi]);
-                    _mm512_mask_storeu_epi32(d, 0x0FFF, bf16_pair(e01, o01));
+                    _mm512_mask_storeu_epi32(d, 0x0FFF, native ? bf16_pair_native(e01, o01, ilv) : bf16_pair(e01, o01));
                     if (pairs == 2) {
                         __m512 e23 = _mm512_permutex2var_ps(u[1][xi], pk.e23, u[2][xi]);
                         __m512 o23 = _mm512_permutex2var_ps(u[1][xi], pk.o23, u[2][xi]);
-                        _mm512_mask_storeu_epi32(d + 12, 0x0FFF, bf16_pair(e23, o23));
+                        _mm512_mask_storeu_epi32(d + 12, 0x0FFF, native ? bf16_pair_native(e23, o23, ilv) : bf16_pair(e23, o23));
                     }
                 }
                 continue;
@@ -199,12 +219,18 @@ WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, con
     }
 }
 
-AVX512 static void weight_fn(void *vctx, int64_t begin, int64_t end)
+BF16_WINO void weight_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
-    if (c->a == 5) weight_tiles(c, begin, end, 5);
-    else if (c->a == 8) weight_tiles(c, begin, end, 8);
-    else weight_tiles(c, begin, end, 6);
+    if (c->u_bf16 == 1) {
+        if (c->a == 5) weight_tiles(c, begin, end, 5, 1);
+        else if (c->a == 8) weight_tiles(c, begin, end, 8, 1);
+        else weight_tiles(c, begin, end, 6, 1);
+    } else {
+        if (c->a == 5) weight_tiles(c, begin, end, 5, 0);
+        else if (c->a == 8) weight_tiles(c, begin, end, 8, 0);
+        else weight_tiles(c, begin, end, 6, 0);
+    }
 }
 
 /* ---- input transform: V[xi][c][t] = (B^T d B)[xi] ---- */
