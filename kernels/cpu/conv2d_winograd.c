@@ -194,12 +194,18 @@ BF16_WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end
                     uint32_t *d = dp + xi * su;
                     __m512 e01 = _mm512_permutex2var_ps(u[0][xi], pk.e01, u[1][xi]);
                     __m512 o01 = _mm512_permutex2var_ps(u[0][xi], pk.o01, u[1][xi]);
-                    _mm512_mask_storeu_epi32(d, 0x0FFF, native ? bf16_pair_native(e01, o01, ilv) : bf16_pair(e01, o01));
+                    __m512i p01 = native ? bf16_pair_native(e01, o01, ilv) : bf16_pair(e01, o01);
                     if (pairs == 2) {
                         __m512 e23 = _mm512_permutex2var_ps(u[1][xi], pk.e23, u[2][xi]);
                         __m512 o23 = _mm512_permutex2var_ps(u[1][xi], pk.o23, u[2][xi]);
-                        _mm512_mask_storeu_epi32(d + 12, 0x0FFF, native ? bf16_pair_native(e23, o23, ilv) : bf16_pair(e23, o23));
-                    }
+                        __m512i p23 = native ? bf16_pair_native(e23, o23, ilv) : bf16_pair(e23, o23);
+                        /* whole-vector stores where the next one overwrites the 4 extra
+                         * lanes (masked stores that split cache lines are slow): pair 01
+                         * always, pair 23 unless it is this task's last */
+                        _mm512_storeu_si512(d, p01);
+                        if (cq + 4 < cn) _mm512_storeu_si512(d + 12, p23);
+                        else _mm512_mask_storeu_epi32(d + 12, 0x0FFF, p23);
+                    } else _mm512_mask_storeu_epi32(d, 0x0FFF, p01);
                 }
                 continue;
             }

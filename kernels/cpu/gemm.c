@@ -751,6 +751,15 @@ AVX512BF16 static inline __attribute__((always_inline)) void pairs_t32_full(uint
         r[i] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);
     }
     transpose16(r);
+    if (ldo == 12 && mk == 0x0FFF) {
+        /* A slivers: the 16 pair rows are 192 contiguous words. Whole-vector stores in
+         * ascending order, each one's 4 extra lanes overwritten by the next (masked
+         * stores that split cache lines are slow); the last one masked. */
+#pragma GCC unroll 16
+        for (int pr = 0; pr < 15; pr++) _mm512_storeu_si512(dst + pr * 12, _mm512_castps_si512(r[pr]));
+        _mm512_mask_storeu_epi32(dst + 15 * 12, mk, _mm512_castps_si512(r[15]));
+        return;
+    }
 #pragma GCC unroll 16
     for (int pr = 0; pr < 16; pr++) _mm512_mask_storeu_epi32(dst + pr * ldo, mk, _mm512_castps_si512(r[pr]));
 }
