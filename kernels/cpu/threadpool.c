@@ -1,5 +1,6 @@
 /* threadpool.c - a fixed pool of pthreads that runs kiln_parallel_for jobs.
- * One job at a time (ops run one after another); the caller thread takes part.
+ * One job at a time (ops run one after another); the caller thread takes part. Idle
+ * workers spin briefly before they sleep (spin_iters).
  * Work is handed out in chunks through an atomic counter, so uneven chunks balance.
  * A job carries its submitter's precision scope (precision.h), which the workers
  * take on while they run its chunks: the kernels answer as the calling thread would. */
@@ -53,6 +54,30 @@ static void run_chunks(job_t *j)
     }
 }
 
+/* Before sleeping on a condition variable, a worker waiting for the next job and the
+ * caller waiting for a job's end spin this many pause instructions (tens of
+ * microseconds): the ops of a network follow one another closely, and a wake-up through
+ * the kernel costs more than that on a virtual machine (a network evaluation dispatches
+ * about a thousand jobs; README: speed). KILN_SPIN=0 sleeps at once. */
+static int spin_iters(void)
+{
+    static atomic_int n = -1;
+    int v = atomic_load_explicit(&n, memory_order_relaxed);
+    if (v < 0) {
+        const char *e = getenv("KILN_SPIN");
+        v = e && atoi(e) >= 0 ? atoi(e) : 4000;
+        atomic_store_explicit(&n, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 static void *worker_main(void *arg)
 {
     tl_index = (int)(intptr_t)arg;
@@ -60,8 +85,12 @@ static void *worker_main(void *arg)
     /* jobs before this worker existed are not its own: start from the generation
      * at creation (written before pthread_create, so visible here) */
     uint64_t seen = base_generation;
-    pthread_mutex_lock(&lock);
     for (;;) {
+        for (int s = spin_iters(); s > 0; s--) {
+            if (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) != seen || __atomic_load_n(&stopping, __ATOMIC_ACQUIRE)) break;
+            cpu_relax();
+        }
+        pthread_mutex_lock(&lock);
         while (!stopping && generation == seen) pthread_cond_wait(&wake, &lock);
         if (stopping) break;
         seen = generation;
@@ -72,6 +101,7 @@ static void *worker_main(void *arg)
         kiln_precision_scope_end(tok);
         pthread_mutex_lock(&lock);
         if (atomic_fetch_sub(&j->pending, 1) == 1) pthread_cond_broadcast(&done);
+        pthread_mutex_unlock(&lock);
     }
     pthread_mutex_unlock(&lock);
     return NULL;
@@ -95,7 +125,7 @@ static void start_pool(int n)
 static void stop_pool(void)
 {
     pthread_mutex_lock(&lock);
-    stopping = 1;
+    __atomic_store_n(&stopping, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&lock);
     for (int i = 1; i < n_threads; i++) pthread_join(workers[i - 1], NULL);
@@ -149,12 +179,13 @@ void kiln_parallel_for(int64_t n, int64_t grain, void (*fn)(void *, int64_t, int
     atomic_init(&j.pending, n_threads - 1);
     pthread_mutex_lock(&lock);
     current = &j;
-    generation++;
+    __atomic_store_n(&generation, generation + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&lock);
     tl_in_job = 1;
     run_chunks(&j);
     tl_in_job = 0;
+    for (int s = spin_iters(); s > 0 && atomic_load(&j.pending) > 0; s--) cpu_relax();
     pthread_mutex_lock(&lock);
     while (atomic_load(&j.pending) > 0) pthread_cond_wait(&done, &lock);
     current = NULL;
