@@ -328,12 +328,21 @@ WINO_INLINE void output_tiles(const few_ctx *c, const float *M, int64_t k0, int6
                 for (int b = 0; b < A - 2; b++) r[4 * a + b] = _mm512_add_ps(o[b], bv);
             }
             transpose16(r); /* r[channel]: its outputs, row a at floats 4a.. */
-            for (int64_t ch = 0; ch < kv; ch++) {
-                float *plane = c->y + (n * K + k0 + kg + ch) * OH * OW;
-                float tmp[16];
-                _mm512_storeu_ps(tmp, r[ch]);
-                for (int64_t a = 0; a < rows; a++) memcpy(plane + (oy0 + a) * OW + ox0, tmp + 4 * a, (size_t)cols * 4);
-            }
+            if (rows == 4 && cols == 4 && A == 6) /* a whole F(4,3) tile: four 4-float rows */
+                for (int64_t ch = 0; ch < kv; ch++) {
+                    float *o = c->y + (n * K + k0 + kg + ch) * OH * OW + oy0 * OW + ox0;
+                    _mm_storeu_ps(o, _mm512_castps512_ps128(r[ch]));
+                    _mm_storeu_ps(o + OW, _mm512_extractf32x4_ps(r[ch], 1));
+                    _mm_storeu_ps(o + 2 * OW, _mm512_extractf32x4_ps(r[ch], 2));
+                    _mm_storeu_ps(o + 3 * OW, _mm512_extractf32x4_ps(r[ch], 3));
+                }
+            else
+                for (int64_t ch = 0; ch < kv; ch++) {
+                    float *plane = c->y + (n * K + k0 + kg + ch) * OH * OW;
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, r[ch]);
+                    for (int64_t a = 0; a < rows; a++) memcpy(plane + (oy0 + a) * OW + ox0, tmp + 4 * a, (size_t)cols * 4);
+                }
         }
     }
 }

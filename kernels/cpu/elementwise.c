@@ -71,7 +71,17 @@ static void copy_run(void *p, int64_t n, char **ptr, const int64_t *st)
     size_t de = kiln_dtype_size(dd), se = kiln_dtype_size(sd);
     if (st[0] == 1 && st[1] == 1) { kiln_convert(ptr[0], dd, ptr[1], sd, (size_t)n); return; }
     if (dd == sd) {
-        for (int64_t i = 0; i < n; i++) memcpy(ptr[0] + i * st[0] * (int64_t)de, ptr[1] + i * st[1] * (int64_t)se, de);
+        /* typed element moves for the common sizes: memcpy of a run-time size is a call
+         * per element (a transposing copy, such as NCHW to tokens, is all single ones) */
+        char *d = ptr[0];
+        const char *src = ptr[1];
+        const int64_t ds = st[0] * (int64_t)de, ss = st[1] * (int64_t)se;
+        if (de == 4)
+            for (int64_t i = 0; i < n; i++) { uint32_t v; memcpy(&v, src + i * ss, 4); memcpy(d + i * ds, &v, 4); }
+        else if (de == 2)
+            for (int64_t i = 0; i < n; i++) { uint16_t v; memcpy(&v, src + i * ss, 2); memcpy(d + i * ds, &v, 2); }
+        else
+            for (int64_t i = 0; i < n; i++) memcpy(d + i * ds, src + i * ss, de);
         return;
     }
     if (dd == KILN_F32) {
