@@ -423,6 +423,9 @@ static void t_conv_winograd_bf16(void)
     check_winograd("winograd-few", 32, 20, 18, 48);
     check_winograd("winograd-few", 19, 12, 17, 100);
     check_winograd("winograd-few", 150, 8, 8, 40);
+    /* more than 32 tiles (56): whole 12-row slivers through the 12 x 32 tile, the
+     * remaining 8 rows through the 4 x 96 one and a last sliver of 4 columns */
+    check_winograd("winograd-few", 40, 32, 28, 100);
 }
 
 /* ---- attention ---- */
