@@ -98,11 +98,11 @@ static void check_linear(int64_t M, int64_t N, int64_t K, kiln_dtype wdt, int em
     float *x = rand_buf((size_t)(M * K), 1.0f), *wf = rand_buf((size_t)(N * K), 0.5f), *b = rand_buf((size_t)N, 1.0f);
     void *w = wf;
     uint16_t *wh = NULL;
-    if (wdt == KILN_F16) {
+    if (wdt == KILN_F16 || wdt == KILN_BF16) {
         wh = malloc((size_t)(N * K) * 2);
         for (int64_t i = 0; i < N * K; i++) {
-            wh[i] = kiln_f32_to_f16(wf[i]);
-            wf[i] = kiln_f16_to_f32(wh[i]); /* the values the kernel sees */
+            wh[i] = wdt == KILN_F16 ? kiln_f32_to_f16(wf[i]) : kiln_f32_to_bf16(wf[i]);
+            wf[i] = wdt == KILN_F16 ? kiln_f16_to_f32(wh[i]) : kiln_bf16_to_f32(wh[i]); /* the values the kernel sees */
         }
         w = wh;
     }
@@ -148,6 +148,7 @@ static void t_linear_bf16(void)
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         check_linear(shapes[s][0], shapes[s][1], shapes[s][2], KILN_F32, 0);
         check_linear(shapes[s][0], shapes[s][1], shapes[s][2], KILN_F16, 0);
+        check_linear(shapes[s][0], shapes[s][1], shapes[s][2], KILN_BF16, 0);
     }
 }
 
@@ -156,6 +157,7 @@ static void t_linear_bf16_emulated(void)
     if (!bf16_here()) { SKIP("no AVX-512 on this CPU"); return; }
     check_linear(37, 45, 77, KILN_F32, 1);
     check_linear(100, 320, 768, KILN_F16, 1);
+    check_linear(100, 320, 768, KILN_BF16, 1);
 }
 
 /* gemm and batched gemm (kiln.nn.matmul) in every transposition, alpha and beta */

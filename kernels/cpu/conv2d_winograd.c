@@ -98,15 +98,6 @@ static void pair_idx_init(pair_idx *t)
 #define BF16_WINO static __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define BF16_WINO_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 
-/* 12 rows (kn valid) of 16 f16 taps, rows rstride bytes apart, converted on load */
-BF16_WINO_INLINE void taps_f16_rows(__m512 *r, const char *src, size_t rstride, int64_t kn)
-{
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; k++)
-        r[k] = k < kn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + k * rstride)))
-                      : _mm512_setzero_ps();
-}
-
 /* native: the bf16 pairs by vcvtne2ps2bf16 (same bits as bf16_pair); the other variant
  * is compiled for the same target but executes no bf16 instruction. */
 BF16_WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end, const int A, const int native)
@@ -137,7 +128,7 @@ BF16_WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end
             int64_t cols = cn * 9 - 16 * b;
             __mmask16 cm = cols >= 16 ? (__mmask16)0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1);
             __m512 r[16];
-            if (f16_rows) taps_f16_rows(r, wrow + 32 * b, (size_t)C * 9 * 2, kn);
+            if (f16_rows) wino_f16_rows(r, wrow + 32 * b, (size_t)C * 9 * 2, kn);
             else
                 for (int k = 0; k < 16; k++)
                     r[k] = k < kn && cm ? _mm512_maskz_loadu_ps(cm, src + k * rstride + 16 * b) : _mm512_setzero_ps();

@@ -157,14 +157,6 @@ AVX512 static inline __m512 load_taps(const char *p, kiln_dtype dt, int n)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16 */
 }
 
-/* 16 rows of 16 f16 taps, rows rstride bytes apart: the common case of load_taps,
- * unrolled so that the rows stay in registers */
-AVX512 static inline __attribute__((always_inline)) void taps16_f16(__m512 *r, const char *src, size_t rstride)
-{
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; k++) r[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + k * rstride)));
-}
-
 /* U chunk for output channels [k0, k0 + KB) and input channels [c0, c0 + cn):
  * U[xi][k/32][c - c0][k % 32] = (G g G^T)[xi] of weight (k, c); zero for k >= K.
  * sliver_taps: one B sliver's taps in vectors over outputs; weight_points: their G
@@ -192,7 +184,7 @@ WINO_INLINE void sliver_taps(const few_ctx *c, float *taps, int64_t kb0, int64_t
                 for (int64_t k = 0; k < kn2; k++) _mm_prefetch(src + (16 + k) * rstride + (size_t)b * esz, _MM_HINT_T1);
             __m512 r[16];
             const char *s0 = src + (size_t)b * esz;
-            if (kn == 16 && cols == 16 && c->w_dt == KILN_F16) taps16_f16(r, s0, rstride);
+            if (kn == 16 && cols == 16 && c->w_dt == KILN_F16) wino_f16_rows(r, s0, rstride, 16);
             else
                 for (int k = 0; k < 16; k++)
                     r[k] = k < kn ? load_taps(s0 + k * rstride, c->w_dt, (int)cols) : _mm512_setzero_ps();

@@ -733,33 +733,42 @@ AVX512 static void bf16_b_panel(uint32_t *restrict dst, int64_t ds, const float 
  * in memory order - lane i of row r is the pair (2i, 2i+1) - then transposed, so that
  * pair row p (lanes = rows, w of them) lands at dst + p * ldo. A third of the
  * instructions of rounding each pair in software (bf16_pair), with the same bits.
- * pairs_t32_full is the common case (all 32 depths, f32 or f16 rows) with the dtype a
- * constant, so that the 16 rows stay in registers through the transpose (the generic
+ * pairs_t32_full is the common case (all 32 depths) with the dtype a constant, so that the 16 rows stay in registers through the transpose (the generic
  * form kept them on the stack and stalled on its own stores); pairs_t32 takes the rest. */
+/* the rows' next 32 depths (many short streams the hardware prefetcher loses) */
+static inline void pairs_t32_prefetch(const char *src, size_t row_bytes, int rows, size_t esz)
+{
+    for (int i = 0; i < rows; i++) {
+        const char *nx = src + i * row_bytes + 32 * esz;
+        _mm_prefetch(nx, _MM_HINT_T0);
+        if (esz == 4) _mm_prefetch(nx + 64, _MM_HINT_T0);
+    }
+}
+
+/* 16 half-precision values (f16, or bf16: widened exactly by a shift) as f32 */
+AVX512 static inline __m512 half16(const char *p, const int f16)
+{
+    __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 AVX512BF16 static inline __attribute__((always_inline)) void pairs_t32_full(uint32_t *dst, int64_t ldo, const char *src,
-                                                                           size_t row_bytes, const int f16, int rows,
-                                                                           __mmask16 mk)
+                                                                           size_t row_bytes, const kiln_dtype dt,
+                                                                           int rows, __mmask16 mk)
 {
     __m512 r[16];
-    /* the rows' next 32 depths (many short streams the hardware prefetcher loses) */
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-        if (i < rows) {
-            const char *nx = src + i * row_bytes + (f16 ? 64 : 128);
-            _mm_prefetch(nx, _MM_HINT_T0);
-            if (!f16) _mm_prefetch(nx + 64, _MM_HINT_T0);
-        }
+    pairs_t32_prefetch(src, row_bytes, rows, dt == KILN_F32 ? 4 : 2);
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
         const char *row = src + i * row_bytes;
         __m512 lo = _mm512_setzero_ps(), hi = lo;
         if (i < rows) {
-            if (f16) {
-                lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)row));
-                hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32)));
-            } else {
+            if (dt == KILN_F32) {
                 lo = _mm512_loadu_ps(row);
                 hi = _mm512_loadu_ps(row + 64);
+            } else {
+                lo = half16(row, dt == KILN_F16);
+                hi = half16(row + 32, dt == KILN_F16);
             }
         }
         r[i] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);
@@ -782,15 +791,14 @@ AVX512BF16 static void pairs_t32(uint32_t *dst, int64_t ldo, const char *src, si
                                  int rows, int n, int w)
 {
     __mmask16 mk = w >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << w) - 1);
-    if (n == 32 && dt == KILN_F16) {
-        pairs_t32_full(dst, ldo, src, row_bytes, 1, rows, mk);
-        return;
-    }
-    if (n == 32 && dt == KILN_F32) {
-        pairs_t32_full(dst, ldo, src, row_bytes, 0, rows, mk);
+    if (n == 32 && (dt == KILN_F32 || dt == KILN_F16 || dt == KILN_BF16)) { /* the dtype a constant in each */
+        if (dt == KILN_F16) pairs_t32_full(dst, ldo, src, row_bytes, KILN_F16, rows, mk);
+        else if (dt == KILN_BF16) pairs_t32_full(dst, ldo, src, row_bytes, KILN_BF16, rows, mk);
+        else pairs_t32_full(dst, ldo, src, row_bytes, KILN_F32, rows, mk);
         return;
     }
     size_t esz = kiln_dtype_size(dt);
+    pairs_t32_prefetch(src, row_bytes, rows, esz);
     __m512 r[16];
     for (int i = 0; i < 16; i++)
         r[i] = i < rows ? (__m512)_mm512_cvtne2ps_pbh(load16(src + i * row_bytes + 16 * esz, dt, n - 16),

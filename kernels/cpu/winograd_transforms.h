@@ -12,6 +12,20 @@
 #define KILN_WINOGRAD_TRANSFORMS_H
 
 #include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Rows [0, kn) of 16 f16 weight taps each (rows rstride bytes apart) widened to f32 as
+ * they are loaded, zero past kn: the weight transforms' common case, unrolled so that
+ * the rows stay in registers for the transpose that follows. */
+static inline __attribute__((always_inline, target("avx512f"))) void wino_f16_rows(__m512 *r, const char *src,
+                                                                                 size_t rstride, int64_t kn)
+{
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++)
+        r[k] = k < kn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + k * rstride)))
+                      : _mm512_setzero_ps();
+}
 
 /* G (6x3) applied to the 3 values of one column, for 16 lanes. */
 #define G_APPLY(g0, g1, g2, o)                                                                                  \
