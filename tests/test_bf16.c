@@ -7,7 +7,8 @@
  *   in f32 (any order) adds at most gamma_n = n 2^-24 / (1 - n 2^-24) of the sum of their
  *   magnitudes. So a dot product's error is at most (2u + u^2 + gamma_n (1 + 2u + u^2)) S,
  *   S = sum |a_k b_k| in exact arithmetic; an output with a bias adds 2^-24 |y|.
- *   Winograd (conv2d_winograd.c; the few-tiles path stays f32): the rounding happens on the transformed tiles U = G g G^T, V = B^T d B, so
+ *   Winograd (both paths, conv2d_winograd.c and conv2d_winograd_few.c): the rounding happens on the
+ *   transformed tiles U = G g G^T, V = B^T d B, so
  *   the bound is (2u + u^2 + gamma_C) sum_p |A^T|_ip |A^T|_jp sum_c |U_cp| |V_cp|, with
  *   |U|, |V| bounded through the absolute transform matrices, on top of what the f32
  *   Winograd path already differs from the exact result (measured on the same inputs).
@@ -421,12 +422,14 @@ static void t_conv_winograd_bf16(void)
     check_winograd("winograd", 19, 12, 17, 40);
     /* many channels, few tiles: output channels in blocks, V rounded once for all */
     check_winograd("winograd", 640, 12, 12, 96);
-    /* the few-tiles path (output channels in the lanes), both GEMM tiles (100 = 96 + 4) */
+    /* the few-tiles path (output channels in the lanes), both GEMM tiles (100 = 96 + 4):
+     * 25 and 15 tiles, whole 12-row slivers through the 12 x 32 tile and the rest 4 rows
+     * at a time through the 4 x 96 one; 4 tiles through the 4 x 96 alone */
     check_winograd("winograd-few", 32, 20, 18, 48);
     check_winograd("winograd-few", 19, 12, 17, 100);
     check_winograd("winograd-few", 150, 8, 8, 40);
-    /* more than 32 tiles (56): whole 12-row slivers through the 12 x 32 tile, the
-     * remaining 8 rows through the 4 x 96 one and a last sliver of 4 columns */
+    /* 56 tiles: four whole slivers, the remaining 8 rows through the 4 x 96 tile and a
+     * last sliver of 4 columns */
     check_winograd("winograd-few", 40, 32, 28, 100);
 }
 

@@ -1372,11 +1372,12 @@ int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_
 #endif
 }
 
-/* kiln_cpu_gemm_serial in bf16 with both operands in pairs (cpu_internal.h). Up to 32
- * rows go 4 at a time through the 4 x 96 tile where 96 columns remain, the rest through
- * the 12 x 32 one; with more rows, whole 12-row slivers take the 12 x 32 tile, which
- * reads B once a sliver instead of once every 4 rows (64 Winograd tiles, a 32x32 image:
- * 10 % faster). */
+/* kiln_cpu_gemm_serial in bf16 with both operands in pairs (cpu_internal.h). Whole
+ * 12-row slivers take the 12 x 32 tile, which reads B once a sliver instead of once
+ * every 4 rows: the few-tiles Winograd's B is a U chunk larger than L2 (64 tiles, a 32x32
+ * image: 10 % faster; 16 and 32 tiles, a 16x16 image of batch 1 and 2: 12-13 %). A
+ * sliver of fewer rows goes 4 at a time through the 4 x 96 tile where 96 columns
+ * remain, the rest through the 12 x 32 one. */
 int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *Ap, int64_t a_sliver,
                               const uint32_t *Bp, int64_t b_sliver, float *C, int64_t ldc, int accumulate)
 {
@@ -1387,7 +1388,7 @@ int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *A
     const int64_t kcp = (K + 1) / 2;
     for (int64_t i = 0; i < M; i += MR) {
         int m = M - i < MR ? (int)(M - i) : MR;
-        const int64_t n96 = M > 32 && m == MR ? 0 : N / (3 * NR) * (3 * NR);
+        const int64_t n96 = m == MR ? 0 : N / (3 * NR) * (3 * NR);
         const uint32_t *ap = Ap + (i / MR) * a_sliver;
         for (int r4 = 0; r4 < m; r4 += 4)
             for (int64_t js = 0; js < n96; js += 3 * NR) {
