@@ -1374,10 +1374,9 @@ int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_
 
 /* kiln_cpu_gemm_serial in bf16 with both operands in pairs (cpu_internal.h). Whole
  * 12-row slivers take the 12 x 32 tile, which reads B once a sliver instead of once
- * every 4 rows: the few-tiles Winograd's B is a U chunk larger than L2 (64 tiles, a 32x32
- * image: 10 % faster; 16 and 32 tiles, a 16x16 image of batch 1 and 2: 12-13 %). A
- * sliver of fewer rows goes 4 at a time through the 4 x 96 tile where 96 columns
- * remain, the rest through the 12 x 32 one. */
+ * every 4 rows: the few-tiles Winograd's B is a U chunk larger than L2 (README: bf16 on
+ * the CPU, for 16 to 64 tiles). A sliver of fewer rows goes 4 at a time through the
+ * 4 x 96 tile where 96 columns remain, the rest through the 12 x 32 one. */
 int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *Ap, int64_t a_sliver,
                               const uint32_t *Bp, int64_t b_sliver, float *C, int64_t ldc, int accumulate)
 {

@@ -58,8 +58,8 @@ static void run_chunks(job_t *j)
  * caller waiting for a job's end spin this many pause instructions (under a millisecond):
  * a network evaluation dispatches about a thousand jobs, most of them within a
  * millisecond of the last, and a wake-up through the kernel costs tens of microseconds
- * on a virtual machine (counted with strace on an SD UNet evaluation: ~2300 futex calls
- * at 4000 pauses, ~100 at 40000; README: speed). KILN_SPIN=0 sleeps at once. */
+ * on a virtual machine (README: speed, with the futex calls counted). KILN_SPIN=0
+ * sleeps at once. */
 static int spin_iters(void)
 {
     static atomic_int n = -1;
