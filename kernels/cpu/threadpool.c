@@ -55,18 +55,19 @@ static void run_chunks(job_t *j)
 }
 
 /* Before sleeping on a condition variable, a worker waiting for the next job and the
- * caller waiting for a job's end spin this many pause instructions (under a millisecond):
- * a network evaluation dispatches about a thousand jobs, most of them within a
- * millisecond of the last, and a wake-up through the kernel costs tens of microseconds
- * on a virtual machine (README: speed, with the futex calls counted). KILN_SPIN=0
- * sleeps at once. */
+ * caller waiting for a job's end spin this many pause instructions (tens of
+ * microseconds): the ops of a network follow one another closely, and a wake-up through
+ * the kernel costs more than that on a virtual machine (a network evaluation dispatches
+ * about a thousand jobs). Longer spins save more wake-ups but keep other threads (the
+ * weight streamer's copy thread) off the cores between jobs (README: speed).
+ * KILN_SPIN=0 sleeps at once. */
 static int spin_iters(void)
 {
     static atomic_int n = -1;
     int v = atomic_load_explicit(&n, memory_order_relaxed);
     if (v < 0) {
         const char *e = getenv("KILN_SPIN");
-        v = e && atoi(e) >= 0 ? atoi(e) : 40000;
+        v = e && atoi(e) >= 0 ? atoi(e) : 4000;
         atomic_store_explicit(&n, v, memory_order_relaxed);
     }
     return v;
