@@ -452,8 +452,8 @@ AVX512 static void store_tile(const tile_out *o, const __m512 *lo, const __m512 
 /* The tile's lines of C, fetched for writing at the start of a bf16 tile: store_tile
  * reads them (a later depth panel adds into C) or writes them, and C is rarely still in
  * cache by then. The bf16 tile's products take half the f32 tile's time, too short to
- * hide that wait (measured: bf16 UNet evaluations 1-3 % faster, f32 ones unchanged, so
- * only the bf16 kernel does it). */
+ * hide that wait; the f32 kernels gained nothing from it, so only the bf16 kernel does it
+ * (README: bf16 on the CPU). */
 AVX512 static inline void prefetch_tile(const tile_out *o)
 {
     for (int r = 0; r < o->m; r++) {
@@ -733,8 +733,9 @@ AVX512 static void bf16_b_panel(uint32_t *restrict dst, int64_t ds, const float 
  * in memory order - lane i of row r is the pair (2i, 2i+1) - then transposed, so that
  * pair row p (lanes = rows, w of them) lands at dst + p * ldo. A third of the
  * instructions of rounding each pair in software (bf16_pair), with the same bits.
- * pairs_t32_full is the common case (all 32 depths) with the dtype a constant, so that the 16 rows stay in registers through the transpose (the generic
- * form kept them on the stack and stalled on its own stores); pairs_t32 takes the rest. */
+ * pairs_t32_full is the common case (all 32 depths) with the dtype a constant, so that
+ * the 16 rows stay in registers through the transpose (the generic form kept them on the
+ * stack and stalled on its own stores); pairs_t32 takes the rest. */
 /* the rows' next 32 depths (many short streams the hardware prefetcher loses) */
 static inline void pairs_t32_prefetch(const char *src, size_t row_bytes, int rows, size_t esz)
 {
