@@ -272,8 +272,25 @@ local tmpdir = os.getenv("TMPDIR") or "/tmp"
 local path = opts.weights ~= "" and opts.weights or (tmpdir .. "/kiln-bench-sd15-f16.safetensors")
 local out_path = tmpdir .. "/kiln-bench-sd15-torch-out.safetensors"
 
+-- the processor (Linux: /proc/cpuinfo): ratios between precisions depend on it (one
+-- with 512-bit units at full width runs the products faster against the memory-bound
+-- ops than one that splits them), so a run's numbers are read against it
+local function cpu_name()
+  local f = io.open("/proc/cpuinfo", "r")
+  if not f then return "unknown cpu" end
+  local name, fam, model
+  for line in f:lines() do
+    name = name or line:match("^model name%s*:%s*(.-)%s*$")
+    fam = fam or line:match("^cpu family%s*:%s*(%d+)")
+    model = model or line:match("^model%s*:%s*(%d+)")
+    if name and fam and model then break end
+  end
+  f:close()
+  return fmt("%s (family %s, model %s)", name or "?", fam or "?", model or "?")
+end
 say("# SD 1.5 architecture bench: kiln %s, %d threads, load average %s at start, %s",
   kiln.version, kiln.threads and kiln.threads() or 0, loadavg(), os.date("%Y-%m-%d %H:%M"))
+say("# cpu: %s%s", cpu_name(), kiln.cpu_has_bf16 and (kiln.cpu_has_bf16() and ", native bf16 products" or ", bf16 emulated") or "")
 say("# latent %dx%d (%dx%d images), batches %s, best of %d run(s)%s", SIZE, SIZE, SIZE * 8, SIZE * 8,
   table.concat(BATCHES, ","), REPEAT, opts.no_torch and ", no torch" or ", torch 1.13 CPU f32 with 2 threads")
 
@@ -1085,15 +1102,24 @@ say("targets: unet and vae decode <= 0.25x torch, peak RSS below torch's; low <=
 -- direct arithmetic needs; only the Winograd convolutions do fewer multiplications, so
 -- a stage cannot go much below it in f32 (PyTorch's time moved by up to 40% between
 -- runs minutes apart; this does not move with it).
-local function gemm_rate()
+-- The same product in bf16 (stage bf16 ran): the machine's own ratio of the two
+-- precisions' arithmetic, which the networks' ratios approach as the products dominate.
+local function gemm_rate(precision)
   local n = 2048
   local a, w = kiln.randn({ n, n }, { seed = 1 }), kiln.randn({ n, n }, { seed = 2 })
+  kiln.precision(precision)
   local best = time_best(5, function() return kiln.nn.linear(a, w) end)
+  kiln.precision("auto")
   a:free(); w:free()
   return 2 * n * n * n / best
 end
-local rate = gemm_rate()
+local rate = gemm_rate("f32")
 say("f32 GEMM rate in this run (kiln.nn.linear, 2048^3, best of 5): %.0f GFLOP/s", rate / 1e9)
+if only.bf16 or only.bf16_e2e then
+  local rate16 = gemm_rate("bf16")
+  say("bf16 GEMM rate in this run (the same product under kiln.precision(\"bf16\")): %.0f GFLOP/s, x%.3f the f32 time",
+    rate16 / 1e9, rate / rate16)
+end
 -- The verdict on each timed stage with a PyTorch run. RSS only for the UNet on mapped f16
 -- weights: this one process also keeps the pages of the stages before it (the mapped
 -- UNet under the VAE row, both weight copies under the f32 row), PyTorch runs each alone.
