@@ -106,6 +106,49 @@ test("matmul, permute, softmax, cat vs PyTorch", function()
   close(kiln.cat({ G.a, G.a * 2 }, 2), G.cat_d2, 0, "cat")
 end)
 
+-- A transposed view made contiguous swaps its two inner dimensions (16 x 16 tiles
+-- through registers for 4-byte elements): every element checked against its index,
+-- with sizes off the tile, outer dimensions, an offset view, a strided destination
+-- (copy into a transposed view) and 8-byte elements (the element loop).
+test("transposed copies: every element where its index says", function()
+  local function check(dst, O, A, B, base, what)
+    local t = dst:table()
+    for o = 1, O do
+      for b = 1, B do
+        local row = t[o][b]
+        for a = 1, A do
+          local want = base + (o - 1) * A * B + (a - 1) * B + (b - 1)
+          if row[a] ~= want then
+            error(("%s: [%d][%d][%d] = %s, want %d"):format(what, o, b, a, tostring(row[a]), want))
+          end
+        end
+      end
+    end
+  end
+  for _, dt in ipairs({ "f32", "i32", "i64" }) do
+    for _, sz in ipairs({ { 2, 37, 53 }, { 1, 32, 48 }, { 3, 16, 17 }, { 1, 70, 300 } }) do
+      local O, A, B = sz[1], sz[2], sz[3]
+      local src = kiln.arange(O * A * B):to(dt):reshape({ O, A, B })
+      local v = src:transpose(2, 3)
+      local c = v:contiguous()
+      check(c, O, A, B, 0, ("%s %dx%dx%d"):format(dt, O, A, B))
+      -- into a destination whose rows are longer than A (a narrowed view)
+      local d = kiln.zeros({ O, B, A + 5 }):to(dt)
+      local dv = d:narrow(3, 1, A)
+      dv:copy(v)
+      check(dv, O, A, B, 0, ("%s %dx%dx%d into rows of %d"):format(dt, O, A, B, A + 5))
+      eq(d:table()[O][B][A + 5], 0, dt .. ": past the view untouched")
+      c:free(); v:free(); dv:free(); d:free(); src:free()
+    end
+    -- an offset view: the second image of three
+    local big = kiln.arange(3 * 40 * 24):to(dt):reshape({ 3, 40, 24 })
+    local one = big:narrow(1, 2, 1)
+    local c = one:transpose(2, 3):contiguous()
+    check(c, 1, 40, 24, 40 * 24, dt .. " offset view")
+    c:free(); one:free(); big:free()
+  end
+end)
+
 test("dtype conversion with :to", function()
   local t = kiln.tensor({ 1.5, -2.25, 65504, 1e-8 })
   local h = t:to("f16")
