@@ -416,11 +416,11 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.TH = (p->oh + c.m - 1) / c.m; c.TW = (p->ow + c.m - 1) / c.m; c.T = c.TH * c.TW; c.NT = p->n * c.T;
     if (c.NT > MAX_TILES || (!forced && p->n * t4 > FEW_TILES && c.C * c.K < LARGE_WEIGHTS)) return 1;
     /* 8x8 with f32 weights: the implicit GEMM reads them in place and wins; f16 / bf16
-     * weights it has to convert panel by panel, and loses, except with bf16 products on
-     * one image, where its products run at twice the rate and this path's weight
-     * transform is the larger cost (README: speed, path choices) */
+     * weights it has to convert panel by panel, and loses, with bf16 products too (on
+     * one image: a tie where 512-bit products run at full width, 15 % slower where
+     * they are split in two; README: speed, path choices) */
     int bf16 = kiln_cpu_bf16_active(); /* 1 vdpbf16ps, 2 emulated */
-    if (!forced && c.m == 2 && (w_dtype == KILN_F32 || (bf16 && p->n == 1))) return 1;
+    if (!forced && c.m == 2 && w_dtype == KILN_F32) return 1;
     c.kb = KB;
     c.cc = CC < c.Cp ? CC : c.Cp;
     c.bf16 = bf16;
