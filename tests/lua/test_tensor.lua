@@ -146,6 +146,20 @@ test("transposed copies: every element where its index says", function()
     local c = one:transpose(2, 3):contiguous()
     check(c, 1, 40, 24, 40 * 24, dt .. " offset view")
     c:free(); one:free(); big:free()
+    -- a broadcast source (stride 0 along a): every row of the copy is its b
+    local row = kiln.arange(50):to(dt):reshape({ 1, 1, 50 })
+    local ex = row:expand({ 2, 33, 50 })
+    local bt = ex:transpose(2, 3):contiguous()
+    local t = bt:table()
+    for o = 1, 2 do
+      for b = 1, 50 do
+        for a = 1, 33 do
+          local v = t[o][b][a]
+          if v ~= b - 1 then error(("%s broadcast: [%d][%d][%d] = %s"):format(dt, o, b, a, tostring(v))) end
+        end
+      end
+    end
+    bt:free(); ex:free(); row:free()
   end
 end)
 
