@@ -259,6 +259,10 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
     return sum
   end
 
+  -- Every temporary below is freed where it stops being needed: left to Lua's
+  -- collector, a step's latent-sized temporaries (and the UNet output the CFG halves
+  -- are views of) stayed allocated for many steps, on the GPU too, since the collector
+  -- sees only the small userdata.
   local function predict(xin, sigma, ctx, y, n)
     local t = kiln.full({ n }, ms.timestep(sigma))
     local c_in = 1 / math.sqrt(sigma * sigma + 1)
@@ -272,19 +276,34 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
     -- the UNet frees each residual at its last use
     local out = unet:forward(xs, t, ctx, y, control and { control = control, free_control = true } or nil)
     if out ~= xs then xs:free() end
+    t:free()
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
       local o = out:to(xin.device)
       out:free()
       out = o
     end
-    local den
+    local den, scaled
     if v_pred then   -- v-prediction: x * 1/(s^2+1) - v * s/sqrt(s^2+1)
-      den = xin * (1 / (sigma * sigma + 1)) - out * (sigma / math.sqrt(sigma * sigma + 1))
+      local xk = xin * (1 / (sigma * sigma + 1))
+      scaled = out * (sigma / math.sqrt(sigma * sigma + 1))
+      den = xk - scaled
+      xk:free()
     else             -- eps-prediction: x - eps * sigma
-      den = xin - out * sigma
+      scaled = out * sigma
+      den = xin - scaled
     end
+    scaled:free()
     out:free()
     return den
+  end
+
+  -- u + (c - u) * cfg, its temporaries freed
+  local function guided(u, c)
+    local d = c - u
+    local dg = d * cfg
+    local r = u + dg
+    d:free(); dg:free()
+    return r
   end
 
   return function(x, sigma)
@@ -295,13 +314,13 @@ function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
       local both = predict(xx, sigma, ctx_both, y_both, 2 * B)
       xx:free()
       local u, c = both:narrow(1, 1, B), both:narrow(1, B + 1, B)
-      local r = u + (c - u) * cfg
-      both:free()
+      local r = guided(u, c)
+      u:free(); c:free(); both:free()
       return r
     end
     local u = predict(x, sigma, uncond, y_u, B)
     local c = predict(x, sigma, cond, y_c, B)
-    local r = u + (c - u) * cfg
+    local r = guided(u, c)
     u:free(); c:free()
     return r
   end

@@ -236,7 +236,7 @@ function M.timestep_embedding(t, dim, device)
   -- the same f32 arithmetic as the reference; every temporary is freed at once
   local tmp = {}
   local function k(v) tmp[#tmp + 1] = v; return v end
-  local r = k(kiln.arange(half):to("f32"))
+  local r = k(k(kiln.arange(half)):to("f32"))
   if device and device ~= r.device then r = k(r:to(device)) end
   local freqs = k(k(k(r * -math.log(10000)) / half):exp())
   local n = t.shape[1]

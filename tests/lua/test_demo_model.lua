@@ -136,5 +136,31 @@ H.test("a scrambled prompt embedding breaks the colours (the test can fail)", fu
   H.truthy(okb / #CASES < 0.75, ("noise conditioning still scored %d/%d backgrounds"):format(okb, #CASES))
 end)
 
+H.test("the CFG denoiser leaves nothing allocated but its result (no temporaries for the GC)", function()
+  local cond, uncond = pipeline.encode_prompts(ckpt, "a red circle on a blue background", "")
+  local x = kiln.randn({ 1, 4, 8, 8 }, { seed = 7 })
+  collectgarbage(); collectgarbage()
+  collectgarbage("stop") -- what the denoiser does not free itself stays allocated
+  local ok, err = pcall(function()
+    for _, batch in ipairs({ true, false }) do
+      local den = pipeline.denoiser(ckpt, cond, uncond, 5, { batch_cfg = batch })
+      local d0 = den(x, 3.0) -- the first call also makes what stays for the run (the batched context)
+      d0:free()
+      local base = kiln.mem.stats("cpu").allocated
+      for i = 1, 3 do
+        local d = den(x, 3.0 / i)
+        local held = kiln.mem.stats("cpu").allocated - base
+        d:free()
+        H.truthy(held <= 512 + 4 * 8 * 8 * 4, ("batch_cfg %s, step %d: %d bytes held besides the result")
+          :format(tostring(batch), i, held - 4 * 8 * 8 * 4))
+        H.eq(kiln.mem.stats("cpu").allocated, base, ("batch_cfg %s, step %d: back to the base"):format(tostring(batch), i))
+      end
+    end
+  end)
+  collectgarbage("restart")
+  cond:free(); uncond:free(); x:free()
+  if not ok then error(err, 0) end
+end)
+
 ckpt:close()
 H.done()
