@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 /* Under AddressSanitizer freed memory waits in a quarantine (256 MB by default) before it
- * is reused: it fills over the first hundred-odd runs and read as resident growth (the
+ * is reused: it fills over the first hundred-odd runs and reads as resident growth (the
  * RSS check failed now and then under `make test SAN=1`). A 16 MB one fills within the
  * first run, so the check sees kiln's own memory; use-after-free inside that window is
  * still caught, and every other test keeps the default. */

@@ -143,7 +143,8 @@ static int transposed_copy(const kiln_iter *it, kiln_dtype dd, kiln_dtype sd)
     if (it->stride[0][l] != 1 || it->stride[1][l - 1] != 1 || it->stride[1][l] == 1 || it->stride[0][l - 1] == 1)
         return 0;
     if (it->shape[l] < 16 || it->shape[l - 1] < 16) return 0; /* thin: the run loop does as well */
-    tcopy_ctx c = {it, it->shape[l], it->shape[l - 1], it->stride[0][l - 1], it->stride[1][l], (it->shape[l - 1] + 15) / 16};
+    tcopy_ctx c = {it, it->shape[l], it->shape[l - 1], it->stride[0][l - 1], it->stride[1][l],
+                   (it->shape[l - 1] + 15) / 16};
     int64_t outer = 1;
     for (int d = 0; d < l - 1; d++) outer *= it->shape[d];
     /* tasks of at least 16 Ki elements, so that small copies stay on the caller */

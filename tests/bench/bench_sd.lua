@@ -290,7 +290,8 @@ local function cpu_name()
 end
 say("# SD 1.5 architecture bench: kiln %s, %d threads, load average %s at start, %s",
   kiln.version, kiln.threads and kiln.threads() or 0, loadavg(), os.date("%Y-%m-%d %H:%M"))
-say("# cpu: %s%s", cpu_name(), kiln.cpu_has_bf16 and (kiln.cpu_has_bf16() and ", native bf16 products" or ", bf16 emulated") or "")
+local bf16_kind = kiln.cpu_has_bf16 and (kiln.cpu_has_bf16() and ", native bf16 products" or ", bf16 emulated") or ""
+say("# cpu: %s%s", cpu_name(), bf16_kind)
 say("# latent %dx%d (%dx%d images), batches %s, best of %d run(s)%s", SIZE, SIZE, SIZE * 8, SIZE * 8,
   table.concat(BATCHES, ","), REPEAT, opts.no_torch and ", no torch" or ", torch 1.13 CPU f32 with 2 threads")
 
