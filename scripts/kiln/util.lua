@@ -21,6 +21,19 @@ function util.usage_error(msg)
   error(setmetatable({ kind = "usage", message = tostring(msg) }, USAGE_MT), 0)
 end
 
+--- "[a, b, c]": a shape (a Lua list of sizes) or a tensor's shape, for messages.
+function util.shape_str(x)
+  local s = (type(x) == "userdata" or (type(x) == "table" and x.shape)) and x.shape or x
+  return "[" .. table.concat(s, ", ") .. "]"
+end
+
+--- Raises "WHO: 'path': msg" (or "WHO: msg" without a path) as a plain string error
+-- at level (default 0: no position; the message names the file). How loaders say which
+-- file is wrong.
+function util.file_error(who, path, msg, level)
+  error(string.format("%s: %s%s", who, path and ("'" .. path .. "': ") or "", msg), level or 0)
+end
+
 --- True when e is a usage error raised by util.usage_error.
 function util.is_usage_error(e) return type(e) == "table" and e.kind == "usage" end
 
