@@ -9,6 +9,7 @@
 #include "../runtime/events.h"
 #include "../runtime/png_io.h"
 #include "../runtime/suspend.h"
+#include "../kernels/backends.h"
 #include "kiln.h"
 
 #include <lualib.h>
@@ -873,6 +874,7 @@ const char *kiln_memory_summary(kiln_ctx *ctx)
 
 const char *kiln_device_name_at(int i)
 {
+    kiln_backends_register_all(); /* a host may list devices before kiln_open */
     kiln_device *d = i >= 0 && i < kiln_device_count() ? kiln_device_at(i) : NULL;
     return d ? d->name : NULL;
 }

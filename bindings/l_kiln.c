@@ -3,6 +3,7 @@
  * on first use of kiln.<name>, and installs the embedded-script searcher. */
 #include "l_kiln.h"
 #include "l_scripts.h"
+#include "../kernels/backends.h"
 
 #include <string.h>
 
@@ -45,6 +46,7 @@ static int kiln_index(lua_State *L)
 
 int luaopen_kiln(lua_State *L)
 {
+    kiln_backends_register_all(); /* the runtime's devices compute through these */
     lua_newtable(L);
     l_open_runtime(L);
     l_open_tensor(L);

@@ -2,6 +2,7 @@
  * the event log kiln.mem.events. */
 #include "l_kiln.h"
 #include "../runtime/events.h"
+#include "../runtime/trace.h"
 #include "../runtime/mem_timeline.h"
 
 #include <stdio.h>

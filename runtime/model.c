@@ -12,6 +12,7 @@
 #include "model.h"
 #include "backend.h"
 #include "events.h"
+#include "trace.h"
 #include "format_bytes.h"
 #include "safetensors.h"
 #include "gguf.h"
