@@ -1448,6 +1448,18 @@ function kiln.util.is_usage_error(e) end
 ---@return boolean
 function kiln.util.is_oom(e) end
 
+---"[a, b, c]": a shape (a list of sizes) or a tensor's shape, for messages.
+---@param x integer[]|kiln.Tensor
+---@return string
+function kiln.util.shape_str(x) end
+
+---Raises "WHO: 'path': msg" (or "WHO: msg" without a path) as a string error at level (default 0).
+---@param who string
+---@param path string?
+---@param msg string
+---@param level integer?
+function kiln.util.file_error(who, path, msg, level) end
+
 ---The keys of a table, sorted.
 ---@param t table
 ---@return any[]
