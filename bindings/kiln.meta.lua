@@ -511,6 +511,12 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
+---The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl");
+---ckpt.family is one of them. Each is a module under kiln.families.*, listed by the
+---registry require("kiln.family") (register(def) adds one at run time).
+---@type string[]
+kiln.families = {}
+
 ---@class kiln.ControlNet: kiln.Model
 ---@field config table hyper-parameters read from the shapes (unet.config's, plus hint_channels)
 ---@field tileable? "x"|"y"|"xy" circular padding as the UNet's (the pipelines set it for tileable runs)
@@ -1447,6 +1453,19 @@ function kiln.util.is_usage_error(e) end
 ---@param e any
 ---@return boolean
 function kiln.util.is_oom(e) end
+
+---"[a, b, c]": a shape (a list of sizes) or a tensor's shape, for messages.
+---@param x integer[]|kiln.Tensor
+---@return string
+function kiln.util.shape_str(x) end
+
+---Raises "WHO: 'path': msg" (or "WHO: msg" without a path) as a string error at level
+---(default 0: no position): how loaders say which file is wrong.
+---@param who string
+---@param path? string
+---@param msg string
+---@param level? integer
+function kiln.util.file_error(who, path, msg, level) end
 
 ---The keys of a table, sorted.
 ---@param t table

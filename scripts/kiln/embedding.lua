@@ -27,9 +27,10 @@ function M.stem(path)
 end
 
 local function pickle_help()
-  -- kiln.model_files owns the conversion hint, so the two never differ. An A1111 .pt keeps its vectors in a nested dictionary, which that one-liner (flat
-  -- tensors only) would drop, hence the second line.
-  return require("kiln.checkpoint").PICKLE_HELP .. "\nFor an A1111 embedding (.pt): python -c \"import " ..
+  -- kiln.model_files owns the conversion hint, so the two never differ. An A1111 .pt
+  -- keeps its vectors in a nested dictionary, which that one-liner (flat tensors only)
+  -- would drop, hence the second line.
+  return mf.PICKLE_HELP .. "\nFor an A1111 embedding (.pt): python -c \"import " ..
       "torch, safetensors.torch as s; d = torch.load('IN.pt', map_location='cpu'); s.save_file({'emb_params': " ..
       "d['string_to_param']['*'].contiguous()}, 'OUT.safetensors')\""
 end
