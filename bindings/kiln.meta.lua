@@ -511,6 +511,12 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
+---The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl");
+---ckpt.family is one of them. Each is a module under kiln.families.*, listed by the
+---registry require("kiln.family") (register(def) adds one at run time).
+---@type string[]
+kiln.families = {}
+
 ---@class kiln.ControlNet: kiln.Model
 ---@field config table hyper-parameters read from the shapes (unet.config's, plus hint_channels)
 ---@field tileable? "x"|"y"|"xy" circular padding as the UNet's (the pipelines set it for tileable runs)
