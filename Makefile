@@ -124,7 +124,7 @@ $(DEPS_OK):
 # The package-dependent flags (see the top), asked of pkg-config once the deps check
 # has passed; rewritten when the Makefile changes or the check runs again. Under
 # `make -n` too: make runs the rules of the makefiles it reads even when dry-running.
-$(FLAGS_MK): Makefile $(DEPS_OK)
+$(FLAGS_MK): $(firstword $(MAKEFILE_LIST)) $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	@pc() { $(PKG_CONFIG) "$$@" 2>/dev/null; }; \
 	hiredis_cflags=$$(pc --cflags hiredis); hiredis_libs=$$(pc --libs hiredis); \
