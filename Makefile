@@ -111,15 +111,20 @@ all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $
 # LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
 # and its tests).
 DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server
+# The check, for `make deps` and for a missing $(DEPS_OK); run in this make, not in a
+# sub-make, which would warn about -j when started while make remakes build/flags.mk.
+define deps_check
+@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+if [ -z "$$missing" ]; then echo "deps: all present"; \
+elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
+@mkdir -p $(dir $(DEPS_OK)) && touch $(DEPS_OK)
+endef
 deps:
-	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -z "$$missing" ]; then echo "deps: all present"; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
-	@mkdir -p $(dir $(DEPS_OK)) && touch $(DEPS_OK)
+	$(deps_check)
 
 $(DEPS_OK):
-	@$(MAKE) --no-print-directory deps
+	$(deps_check)
 
 # The package-dependent flags (see the top), asked of pkg-config once the deps check
 # has passed; rewritten when the Makefile changes or the check runs again. Under
