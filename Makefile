@@ -43,11 +43,18 @@ BUILD   := build
 OPT     := -O2 -g
 endif
 
-LUA_CFLAGS := $(shell pkg-config --cflags lua5.4 2>/dev/null)
-LUA_LIBS   := $(shell pkg-config --libs lua5.4 2>/dev/null)
-PNG_CFLAGS := $(shell pkg-config --cflags libpng 2>/dev/null)
-PNG_LIBS   := $(shell pkg-config --libs libpng 2>/dev/null)
-READLINE   := $(shell test -f /usr/include/readline/readline.h && echo 1)
+# Flags that depend on the Debian packages (LUA_CFLAGS, LUA_LIBS, PNG_CFLAGS, PNG_LIBS,
+# READLINE, HIREDIS_FOUND, HIREDIS_CFLAGS, HIREDIS_PC_LIBS) come from $(BUILD)/flags.mk,
+# which the rule under "dependencies" writes after the deps check has installed them:
+# on a fresh machine there is no lua5.4.pc yet when make first reads this file. GNU make
+# remakes an included makefile before anything else and then reads everything again, so
+# the first `make demo` compiles with the flags of the packages it has just installed.
+# Goals that compile nothing do not include it (`make clean` installs nothing).
+PKG_CONFIG ?= pkg-config
+FLAGS_MK   := $(BUILD)/flags.mk
+ifneq ($(filter-out clean deps uninstall,$(or $(MAKECMDGOALS),all)),)
+include $(FLAGS_MK)
+endif
 
 CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fvisibility=hidden $(OPT) $(LUA_CFLAGS) $(PNG_CFLAGS)
 LDFLAGS += $(filter -fsanitize%,$(OPT))
@@ -56,9 +63,9 @@ CORE_LIBS := $(PNG_LIBS) -lz -lopenblas -lpthread -lm
 LIBS    := $(CORE_LIBS) $(LUA_LIBS)
 # hiredis, the Redis client under `kiln batch` (runtime/queue.c): used when its
 # package or header is found; HIREDIS=0 builds without it (batch then says what to install)
-HIREDIS ?= $(shell pkg-config --exists hiredis 2>/dev/null || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)
+HIREDIS ?= $(HIREDIS_FOUND)
 ifeq ($(HIREDIS),1)
-HIREDIS_LIBS := $(or $(shell pkg-config --libs hiredis 2>/dev/null),-lhiredis)
+HIREDIS_LIBS := $(HIREDIS_PC_LIBS)
 CORE_LIBS    += $(HIREDIS_LIBS)
 LIBS         += $(HIREDIS_LIBS)
 endif
@@ -104,15 +111,38 @@ all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $
 # LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
 # and its tests).
 DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server
+# The check, for `make deps` and for a missing $(DEPS_OK); run in this make, not in a
+# sub-make, which would warn about -j when started while make remakes build/flags.mk.
+define deps_check
+@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+if [ -z "$$missing" ]; then echo "deps: all present"; \
+elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
+@mkdir -p $(dir $(DEPS_OK)) && touch $(DEPS_OK)
+endef
 deps:
-	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -z "$$missing" ]; then echo "deps: all present"; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
-	@mkdir -p build && touch $(DEPS_OK)
+	$(deps_check)
 
 $(DEPS_OK):
-	@$(MAKE) --no-print-directory deps
+	$(deps_check)
+
+# The package-dependent flags (see the top), asked of pkg-config once the deps check
+# has passed; rewritten when the Makefile changes or the check runs again. Under
+# `make -n` too: make runs the rules of the makefiles it reads even when dry-running.
+$(FLAGS_MK): $(firstword $(MAKEFILE_LIST)) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	@pc() { $(PKG_CONFIG) "$$@" 2>/dev/null; }; \
+	hiredis_cflags=$$(pc --cflags hiredis); hiredis_libs=$$(pc --libs hiredis); \
+	{ echo "# written by the Makefile after the deps check (see its top)"; \
+	  echo "LUA_CFLAGS := $$(pc --cflags lua5.4)"; \
+	  echo "LUA_LIBS := $$(pc --libs lua5.4)"; \
+	  echo "PNG_CFLAGS := $$(pc --cflags libpng)"; \
+	  echo "PNG_LIBS := $$(pc --libs libpng)"; \
+	  echo "READLINE := $$(test -f /usr/include/readline/readline.h && echo 1)"; \
+	  echo "HIREDIS_FOUND := $$(pc --exists hiredis || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)"; \
+	  echo "HIREDIS_CFLAGS := $${hiredis_cflags:--I/usr/include/hiredis}"; \
+	  echo "HIREDIS_PC_LIBS := $${hiredis_libs:--lhiredis}"; \
+	} > $@.tmp && mv $@.tmp $@
 
 # ---- library, CLI, Lua module ----------------------------------------------------
 $(BUILD)/obj/%.o: %.c $(DEPS_OK)
@@ -126,7 +156,7 @@ $(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 
 $(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
 ifeq ($(HIREDIS),1)
-$(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(or $(shell pkg-config --cflags hiredis 2>/dev/null),-I/usr/include/hiredis)
+$(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(HIREDIS_CFLAGS)
 endif
 
 $(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
