@@ -777,8 +777,8 @@ function M.run(src, opts)
       local before = kiln.mem.stats(dev)
       local t0 = kiln.time()
       local outs = kiln.trace.span(label, n.spec.run, ctx, args)
+      if type(outs) == "table" then values[id] = outs end  -- freed at the end if the check fails
       check_outputs(ctx.where, n.spec, outs)
-      values[id] = outs
       local peak = stage_peak(dev, label, since)
       -- results nobody reads die at once; inputs whose last reader this was die now
       for i = 1, #n.spec.outputs do
@@ -810,7 +810,7 @@ function M.run(src, opts)
   end)
   -- the end (or an error): everything still alive is freed, every model closed
   for _, outs in pairs(values) do
-    for _, v in ipairs(outs) do if v.tensors then ctx:drop(v) end end
+    for _, v in ipairs(outs) do if type(v) == "table" and v.tensors then ctx:drop(v) end end
   end
   for i = #ctx.closers, 1, -1 do pcall(ctx.closers[i].close, ctx.closers[i]) end
   -- what the pipelines left to the collector (views, copies) goes now, not at some later step
