@@ -40,10 +40,10 @@ local function mode_of(p) return lfs.attributes(p, "mode") end
 -- ComfyUI writes the API JSON as `prompt` and its UI graph as `workflow`.
 function M.png_text(path)
   local f = io.open(path, "rb")
-  if not f then fail(path .. ": cannot open") end
+  if not f then util.file_error("kiln.comfy", path, "cannot open") end
   local data = f:read("a")
   f:close()
-  if data:sub(1, 8) ~= "\137PNG\r\n\26\n" then fail(path .. ": not a PNG file") end
+  if data:sub(1, 8) ~= "\137PNG\r\n\26\n" then util.file_error("kiln.comfy", path, "not a PNG file") end
   local out, pos = {}, 9
   while pos + 8 <= #data do
     local len, kind = string.unpack(">I4c4", data, pos)
@@ -77,13 +77,15 @@ local function read_workflow(src)
   if type(src) ~= "string" then fail("a workflow is a path, JSON text or a table, got " .. type(src)) end
   local text = src
   if not src:match("^%s*{") then
-    if mode_of(src) ~= "file" then fail(src .. ": no such file") end
+    if mode_of(src) ~= "file" then util.file_error("kiln.comfy", src, "no such file") end
     if src:lower():match("%.png$") then
       local chunks = M.png_text(src)
-      if chunks.prompt == false then fail(src .. ": its prompt chunk is compressed (zTXt/iTXt), which kiln does not read") end
+      if chunks.prompt == false then
+        util.file_error("kiln.comfy", src, "its prompt chunk is compressed (zTXt/iTXt), which kiln does not read")
+      end
       if not chunks.prompt then
-        fail(src .. (chunks.workflow and ": it has only ComfyUI's UI workflow, not the API format (prompt chunk)"
-          or ": no ComfyUI workflow in it (no prompt text chunk)"))
+        util.file_error("kiln.comfy", src, chunks.workflow and "it has only ComfyUI's UI workflow, not the API format (prompt chunk)"
+          or "no ComfyUI workflow in it (no prompt text chunk)")
       end
       text = chunks.prompt
     else
