@@ -517,8 +517,9 @@ local function estimate(graph, order, last, opts)
     -- its streaming window), read from the files' headers (kiln.planner.part_bytes);
     -- the file's size where a file cannot be opened so
     for _, inp in ipairs(n.spec.inputs) do
-      if inp.type:match("^FILE:") and inp.type ~= "FILE:input" and inp.type ~= "FILE:loras" then
-        weights_of[id] = (weights_of[id] or 0) + (lfs.attributes(arg(n, inp.name), "size") or 0)
+      local file = inp.type:match("^FILE:") and arg(n, inp.name)  -- nil: left out, or on a link
+      if file and inp.type ~= "FILE:input" and inp.type ~= "FILE:loras" then
+        weights_of[id] = (weights_of[id] or 0) + (lfs.attributes(file, "size") or 0)
       end
     end
     if weights_of[id] and (n.spec.model_file or c == "ControlNetLoader") then
