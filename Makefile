@@ -155,6 +155,8 @@ $(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
+# kiln.h includes kiln_status.h, which is the core's (runtime/) and is installed beside it
+$(BUILD)/obj/bindings/%.o: CFLAGS += -iquote runtime
 ifeq ($(HIREDIS),1)
 $(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(HIREDIS_CFLAGS)
 endif
@@ -179,20 +181,36 @@ $(BUILD)/libkiln.a: $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/libkiln.so: $(LIB_OBJ)
-	$(CC) -shared -o $@ $^ $(LDFLAGS) $(LIBS)
+# The shared library: libkiln.so.MAJOR.MINOR.PATCH with the SONAME libkiln.so.MAJOR
+# (what a host built with -lkiln records and loads; kiln_open checks the minor while
+# MAJOR is 0), and the libkiln.so.MAJOR and libkiln.so links, as ldconfig and the
+# linker look for them.
+KILN_SOMAJOR := $(firstword $(subst ., ,$(KILN_VERSION)))
+KILN_SONAME  := libkiln.so.$(KILN_SOMAJOR)
+KILN_SOFILE  := libkiln.so.$(KILN_VERSION)
 
-$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h bindings/l_scripts.h $(BUILD)/libkiln.a
-	$(CC) $(CFLAGS) $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
+$(BUILD)/$(KILN_SOFILE): $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,$(KILN_SONAME) -o $@ $^ $(LDFLAGS) $(LIBS)
+
+$(BUILD)/$(KILN_SONAME): $(BUILD)/$(KILN_SOFILE)
+	ln -sf $(KILN_SOFILE) $@
+
+$(BUILD)/libkiln.so: $(BUILD)/$(KILN_SONAME)
+	ln -sf $(KILN_SONAME) $@
+
+# the kiln program is a host of kiln.h alone (bindings/kiln.h and runtime/kiln_status.h)
+$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
+	$(CC) $(CFLAGS) -iquote runtime $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
 
 $(BUILD)/lua/kiln.so: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) -shared -o $@ $^ $(LDFLAGS) $(CORE_LIBS)
 
-# The embedding example includes <kiln.h> as an installed host would, hence -Ibindings.
-$(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h $(BUILD)/libkiln.a
+# The embedding example includes <kiln.h> as an installed host would, hence -Ibindings
+# and -Iruntime (where kiln_status.h lives until installed beside kiln.h).
+$(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Ibindings -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -Ibindings -Iruntime -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
 # ---- tests ---------------------------------------------------------------------
 $(BUILD)/tests/%: tests/%.c $(BUILD)/libkiln.a
@@ -259,8 +277,11 @@ install: all
 	  $(DESTDIR)$(LUA_CMOD) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DATADIR)
 	install -m 755 $(BUILD)/kiln $(DESTDIR)$(PREFIX)/bin/kiln
 	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.a
-	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(LIBDIR)/libkiln.so
+	install -m 755 $(BUILD)/$(KILN_SOFILE) $(DESTDIR)$(LIBDIR)/$(KILN_SOFILE)
+	ln -sf $(KILN_SOFILE) $(DESTDIR)$(LIBDIR)/$(KILN_SONAME)
+	ln -sf $(KILN_SONAME) $(DESTDIR)$(LIBDIR)/libkiln.so
 	install -m 644 bindings/kiln.h $(DESTDIR)$(INCDIR)/kiln.h
+	install -m 644 runtime/kiln_status.h $(DESTDIR)$(INCDIR)/kiln_status.h
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' \
 	  -e 's|@HIREDIS_LIBS@|$(HIREDIS_LIBS)|g' bindings/kiln.pc.in \
 	  > $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
@@ -272,7 +293,8 @@ install: all
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(LIBDIR)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.so \
-	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
+	  $(DESTDIR)$(LIBDIR)/$(KILN_SONAME) $(DESTDIR)$(LIBDIR)/$(KILN_SOFILE) \
+	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(INCDIR)/kiln_status.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
 	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP
 	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true
 

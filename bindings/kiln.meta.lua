@@ -320,10 +320,11 @@ function kiln.quiet() end
 ---@field threads? integer CPU threads (0: one per core)
 ---@field quiet? boolean
 ---@field trace? string|false a trace file to write; false stops a running trace
+---@field precision? "f32"|"bf16"|"f16"|"auto" arithmetic of the networks ("auto": each device's own)
 
----The one setup path of a runtime (the kiln program's options, kiln.h contexts and
+---The one settings route of a runtime (the kiln program's options, kiln.h contexts and
 ---scripts go through it). Absent fields are left as they are; a bad field raises a
----usage error ({kind = "usage", field =, message =}).
+---usage error ({kind = "usage", field =, detail =, message = "field: detail"}).
 ---@param config kiln.Config
 function kiln.configure(config) end
 
