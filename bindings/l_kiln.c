@@ -12,6 +12,7 @@
  * from the kiln table, as the documented API names them. */
 static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_checkpoint", "kiln.checkpoint", "load"},
+    {"families", "kiln.family", "names"}, /* the registry's list, current after a register */
     {"load_controlnet", "kiln.controlnet", "load"},
     {"load_taesd", "kiln.taesd", "load"},
     {"load_upscaler", "kiln.upscaler", "load"},

@@ -1,13 +1,11 @@
 /* l_kiln.h - the openers of the kiln module's parts (one per binding file, each
- * adding its functions to the kiln table), luaopen_kiln, and the progress host an
- * embedding context installs. The shared helpers are l_aux.h's. */
+ * adding its functions to the kiln table; luaopen_kiln itself is kiln.h's), and the
+ * progress host an embedding context installs. The shared helpers are l_aux.h's. */
 #ifndef KILN_L_KILN_H
 #define KILN_L_KILN_H
 
 #include "l_aux.h"
-
-/* The Lua module entry point (require "kiln"); exported from libkiln and kiln.so. */
-KILN_API int luaopen_kiln(lua_State *L);
+#include "kiln.h" /* luaopen_kiln, the Lua module entry point, is public */
 
 /* Sub-module openers: each adds its functions to the kiln table at -1. */
 void l_open_runtime(lua_State *L); /* version, devices, threads, time, isatty, quiet, format_bytes */
