@@ -4,7 +4,7 @@
  * a cancel is a flag polled by a count hook and by kiln.progress. */
 #include "l_tensor.h"
 #include "l_config.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "l_scripts.h"
 #include "../runtime/events.h"
 #include "../runtime/png_io.h"

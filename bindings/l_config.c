@@ -5,7 +5,7 @@
  * calling thread. */
 #define _POSIX_C_SOURCE 200809L
 #include "l_config.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/events.h"
 #include "../runtime/model.h"
 #include "../runtime/settings.h"

@@ -1,7 +1,8 @@
-/* l_kiln.c - luaopen_kiln: the `kiln` module table. It opens the parts (one
- * binding file each, declared in l_kiln.h), lazily loads the shipped script modules
- * on first use of kiln.<name>, and installs the embedded-script searcher. */
-#include "l_kiln.h"
+/* l_kiln.c - luaopen_kiln: the `kiln` module table. It opens the parts (one binding
+ * file each, declared in l_parts.h: a header without a .c, so that the parts and this
+ * file do not point at each other), lazily loads the shipped script modules on first
+ * use of kiln.<name>, and installs the embedded-script searcher. */
+#include "l_parts.h"
 #include "l_scripts.h"
 #include "../kernels/backends.h"
 

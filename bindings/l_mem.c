@@ -1,7 +1,7 @@
 /* l_mem.c - kiln.mem: per-device memory statistics, budgets and the summary table,
  * and kiln.memory_mode. (The allocators' pressure hook, a Lua GC before an
  * out-of-memory is reported, is l_config.c's.) */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/model.h"
 #include "../runtime/settings.h"
 

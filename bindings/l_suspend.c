@@ -3,7 +3,7 @@
  * allocator enforces it); kiln.suspend_stats; kiln.mem.budget_watch and kiln.mem.evict.
  * The pipelines call kiln.suspend_point between network blocks (kiln.stream), sampler
  * steps and tiles; a script with its own loop may call it anywhere. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/model.h"
 #include "../runtime/suspend.h"
 

@@ -6,7 +6,7 @@
  * every call into Lua from inside it is protected (lua_pcall): an error in fn is
  * caught, the loop frees what it holds, then the same error value is raised again. */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/tile.h"
 
 #include <math.h>

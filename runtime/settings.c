@@ -2,6 +2,7 @@
  * from kiln_config, kiln.configure and the budget setters to the allocator, the
  * thread pool, the memory mode, the precision and the trace. */
 #include "settings.h"
+#include "trace.h"
 #include "alloc.h"
 #include "device.h"
 #include "events.h"

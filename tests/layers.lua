@@ -3,7 +3,8 @@
 -- sources: the objects' symbols (`nm`: an undefined symbol of one object defined by
 -- another is a call or a data reference, exact for what links) and the `#include "..."`
 -- lines of every .c/.h/.cu. A .c and the .h of the same name in the same folder are
--- one node ("runtime/alloc"). Then checks:
+-- one node ("runtime/alloc"), and so are the files of a module split around a private
+-- X_internal.h (see node_of). Then checks:
 --   loops     no cycle among the nodes (each one found is named, edge by edge);
 --   lua       runtime/ and kernels/ never include lua.h (or its siblings) nor depend
 --             on anything in bindings/;
@@ -62,7 +63,6 @@ local function normalize(path)
   return table.concat(out, "/")
 end
 
-local function node_of(path) return (path:gsub("%.[ch]u?$", "")) end
 local function top_of(node) return node:match("^([^/]+)") end
 
 -- ---- the files ----------------------------------------------------------------
@@ -72,6 +72,21 @@ for _, l in ipairs(lines_of("find " .. table.concat(DIRS, " ") ..
     " -type f \\( -name '*.c' -o -name '*.h' -o -name '*.cu' \\) | sort")) do
   files[#files + 1] = l
   is_file[l] = true
+end
+
+-- A .c and its .h are one node; so is a module split into several files around a
+-- private header: X.c, X_<part>.c and X_internal.h (runtime/model*.c, kernels/cpu/gemm*.c)
+-- are the one node X, since the header says they are one unit and nothing else includes it.
+local function node_of(path)
+  local base = path:gsub("%.[ch]u?$", "")
+  local dir, name = base:match("^(.*)/([^/]+)$")
+  if not dir then return base end
+  local p = name
+  while p do
+    if is_file[dir .. "/" .. p .. "_internal.h"] and is_file[dir .. "/" .. p .. ".c"] then return dir .. "/" .. p end
+    p = p:match("^(.*)_[^_]+$")
+  end
+  return base
 end
 
 -- edges[from][to] = { calls = {sym=true...}, includes = {"a.c includes b.h", ...} }

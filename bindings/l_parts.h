@@ -1,8 +1,8 @@
-/* l_kiln.h - the openers of the kiln module's parts (one per binding file, each
+/* l_parts.h - the openers of the kiln module's parts (one per binding file, each
  * adding its functions to the kiln table; luaopen_kiln itself is kiln.h's), and the
  * progress host an embedding context installs. The shared helpers are l_aux.h's. */
-#ifndef KILN_L_KILN_H
-#define KILN_L_KILN_H
+#ifndef KILN_L_PARTS_H
+#define KILN_L_PARTS_H
 
 #include "l_aux.h"
 #include "kiln.h" /* luaopen_kiln, the Lua module entry point, is public */
