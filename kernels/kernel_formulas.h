@@ -7,21 +7,32 @@
 #ifndef KILN_KERNEL_FORMULAS_H
 #define KILN_KERNEL_FORMULAS_H
 
+#ifdef __cplusplus
+extern "C" { /* the runtime's functions keep C linkage when nvcc or g++ reads them here first */
+#endif
 #include "../runtime/backend.h" /* kiln_unop, kiln_binop, kiln_pad_mode, dtypes */
+#ifdef __cplusplus
+}
+#endif
 
 #include <math.h>
 #include <stdint.h>
 
 #if defined(__CUDACC__)
 #define KILN_FORMULA static __host__ __device__ __forceinline__
-/* nvcc contracts a * b + c into one FMA unless told not to; cc builds with
- * -std=c11 (no contraction), so spelling each rounding out keeps both sides equal */
+#else
+#define KILN_FORMULA static inline
+#endif
+
+/* nvcc's device code contracts a * b + c into one FMA unless told not to; cc builds
+ * with -std=c11 (no contraction), so spelling each rounding out keeps both sides
+ * equal. The _rn intrinsics exist in device code only (__CUDA_ARCH__). */
+#if defined(__CUDA_ARCH__)
 #define KILN_FMUL_RN(a, b) __fmul_rn((a), (b))
 #define KILN_FADD_RN(a, b) __fadd_rn((a), (b))
 #define KILN_DMUL_RN(a, b) __dmul_rn((a), (b))
 #define KILN_DADD_RN(a, b) __dadd_rn((a), (b))
 #else
-#define KILN_FORMULA static inline
 #define KILN_FMUL_RN(a, b) ((a) * (b))
 #define KILN_FADD_RN(a, b) ((a) + (b))
 #define KILN_DMUL_RN(a, b) ((a) * (b))
