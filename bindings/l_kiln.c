@@ -67,6 +67,7 @@ int luaopen_kiln(lua_State *L)
     l_open_meta(L);
     l_open_suspend(L);
     l_open_fault(L);
+    l_open_hooks(L);
 
     lua_createtable(L, 0, 1);
     lua_pushcfunction(L, kiln_index);
