@@ -170,6 +170,19 @@ def word_case(rng, proc):
     return s.encode()
 
 
+def run_cases():
+    """Runs of one character or piece: paths that tie in exact arithmetic, decided by the
+    order of SentencePiece's float additions."""
+    out = []
+    for ch in "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~0123456789aeoxz" + "′″‴…・ー～。、日の😀ｗ":
+        for n in (2, 3, 4, 5, 7, 8, 11, 16):
+            out.append(ch * n)
+    for w in ("ab", "la", "na", "ha", "ing", "▁a", "--=", "..,", "1.", "(("):
+        for n in (2, 3, 6, 9):
+            out.append(w * n)
+    return out
+
+
 def main():
     tj = gen_t5_vocab.read_tokenizer_json(sys.argv[1] if len(sys.argv) > 1 else None)
     proc, pieces, charsmap = build_processor(tj)
@@ -178,7 +191,7 @@ def main():
         got = proc.EncodeAsIds(text) + [1]
         assert got == ids, (text, got, ids)
     rng = random.Random(38)
-    cases = [t.encode() for t in HAND] + HAND_BYTES
+    cases = [t.encode() for t in HAND + run_cases()] + HAND_BYTES
     cases += [random_case(rng) for _ in range(3000)]
     cases += [word_case(rng, proc) for _ in range(1000)]
     seen, lines = set(), []
