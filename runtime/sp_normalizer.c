@@ -23,7 +23,7 @@ kiln_status kiln_sp_normalizer_init(kiln_sp_normalizer *n, const void *blob, siz
     if (!name) name = "(memory)";
     if (len <= 4) return kiln_error(KILN_ERR_FORMAT, "%s: precompiled charsmap of %zu bytes is too short", name, len);
     size_t trie_bytes = le32(b);
-    if (trie_bytes >= len - 4 + 1 || trie_bytes % 4 || trie_bytes == 0)
+    if (trie_bytes > len - 4 || trie_bytes % 4 || trie_bytes == 0)
         return kiln_error(KILN_ERR_FORMAT, "%s: precompiled charsmap's trie size %zu does not fit its %zu bytes",
                           name, trie_bytes, len);
     n->n_units = trie_bytes / 4;
