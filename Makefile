@@ -94,8 +94,12 @@ GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
 # CLIP's vocabulary, compiled in as the built-in tokenizer (runtime/data/LICENSE-CLIP)
 CLIP_VOCAB   := runtime/data/bpe_simple_vocab_16e6.txt.gz
 GEN_VOCAB    := $(BUILD)/gen/clip_vocab.c
+# T5 v1.1's SentencePiece model in kiln's compact form (runtime/data/gen_t5_vocab.py made
+# it; runtime/data/LICENSE-T5), compiled in as the T5 tokenizer's vocabulary
+T5_VOCAB     := runtime/data/t5_spiece.bin.gz
+GEN_T5_VOCAB := $(BUILD)/gen/t5_vocab.c
 
-LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(CU_OBJ)
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(BUILD)/obj/gen/t5_vocab.o $(CU_OBJ)
 C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 # every fuzz harness tests/fuzz/fuzz_<name>.c also replays its corpus and its kept
 # crashes as the test program test_fuzz_<name> (see `make fuzz` below)
@@ -174,6 +178,14 @@ $(GEN_VOCAB): runtime/data/gen_blob.lua $(CLIP_VOCAB) $(DEPS_OK)
 	lua5.4 runtime/data/gen_blob.lua $@ kiln_clip_vocab_gz $(CLIP_VOCAB)
 
 $(BUILD)/obj/gen/clip_vocab.o: $(GEN_VOCAB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(GEN_T5_VOCAB): runtime/data/gen_blob.lua $(T5_VOCAB) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	lua5.4 runtime/data/gen_blob.lua $@ kiln_t5_vocab_gz $(T5_VOCAB)
+
+$(BUILD)/obj/gen/t5_vocab.o: $(GEN_T5_VOCAB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
@@ -290,12 +302,14 @@ install: all
 	install -m 644 bindings/kiln.1 $(DESTDIR)$(MANDIR)/man1/kiln.1
 	install -m 644 bindings/kiln.meta.lua $(DESTDIR)$(DATADIR)/kiln.meta.lua
 	install -m 644 runtime/data/LICENSE-CLIP $(DESTDIR)$(DATADIR)/LICENSE-CLIP
+	install -m 644 runtime/data/LICENSE-T5 $(DESTDIR)$(DATADIR)/LICENSE-T5
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(LIBDIR)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.so \
 	  $(DESTDIR)$(LIBDIR)/$(KILN_SONAME) $(DESTDIR)$(LIBDIR)/$(KILN_SOFILE) \
 	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(INCDIR)/kiln_status.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
-	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP
+	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP \
+	  $(DESTDIR)$(DATADIR)/LICENSE-T5
 	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true
 
 # header dependencies written by -MMD (none before the first build)

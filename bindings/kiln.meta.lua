@@ -674,6 +674,17 @@ function kiln.image.resize(img, w, h, opts) end
 ---@return kiln.Tokenizer
 function kiln.tokenizer(path) end
 
+---T5 v1.1's tokenizer (Flux, SD 3.5, PixArt ... condition on T5): SentencePiece's
+---Unigram model with T5's own vocabulary, built into kiln (runtime/data/LICENSE-T5).
+---@class kiln.t5
+kiln.t5 = {}
+
+---T5 v1.1 token ids of text, exactly as SentencePiece gives them, ending in 1 (</s>),
+---no padding; any bytes (malformed UTF-8 reads as U+FFFD, as in SentencePiece).
+---@param text string
+---@return integer[]
+function kiln.t5.tokenize(text) end
+
 -- ---------------------------------------------------------------- kiln.nn
 
 ---Functional neural-network ops, as PyTorch's torch.nn.functional.

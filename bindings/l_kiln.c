@@ -61,6 +61,7 @@ int luaopen_kiln(lua_State *L)
     l_open_mem_plot(L);
     l_open_tile(L);
     l_open_tokenizer(L);
+    l_open_t5(L);
     l_open_json(L);
     l_open_config(L);
     l_open_queue(L);
