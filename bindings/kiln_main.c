@@ -656,18 +656,68 @@ static int write_memory_plot(lua_State *L, const char *path, const char *device)
     return 1;
 }
 
-/* KILN_CHECK_LEAKS (set by the test runner): once the script's context is closed, no
- * device may still have bytes allocated (every tensor and model was freed). A leak is a
- * FAIL line in the runner's format and a failed exit. */
+/* KILN_CHECK_LEAKS (set by the test runner): the invariants after a script. Once its
+ * chunk has ended (its <close> variables closed) and a full collection has run, nothing
+ * it made may still be alive: no more tensors than before it ran and no open model (a
+ * global or a module holds them; the models by name, the tensors by their storages'
+ * owners). Once the context is closed, every device has no bytes allocated and reserves
+ * no more than its budget. Each broken one is a FAIL line in the runner's format and a
+ * failed exit. */
+static const char live_check[] =
+    "local base = ...\n"
+    "collectgarbage() collectgarbage()\n"
+    "local live = require('kiln').mem.live()\n"
+    "if not base then return live.tensors end\n"
+    "local msgs = {}\n"
+    "if live.tensors > base then\n"
+    "  msgs[#msgs + 1] = ('%d tensor(s) still alive after the script ended (held by a global or a module; '\n"
+    "    .. 'live storages: %s)'):format(live.tensors - base, #live.storages > 0 and table.concat(live.storages, ', ') or 'none')\n"
+    "end\n"
+    "if #live.models > 0 then msgs[#msgs + 1] = 'models still open after the script ended: ' .. table.concat(live.models, ', ') end\n"
+    "return table.concat(msgs, '; ')\n";
+
+/* Runs live_check with base (< 0: none); returns its result, the tensors alive (base
+ * < 0) or 0 / 1 for what it reported. */
+static long check_alive(lua_State *L, long base)
+{
+    int top = lua_gettop(L);
+    long r = 0;
+    if (luaL_loadstring(L, live_check) != LUA_OK) {
+        printf("FAIL leak check: %s\n", lua_tostring(L, -1));
+        r = 1;
+    } else {
+        if (base < 0) lua_pushnil(L);
+        else lua_pushinteger(L, (lua_Integer)base);
+        if (lua_pcall(L, 1, 1, 0) != LUA_OK) {
+            printf("FAIL leak check: %s\n", lua_tostring(L, -1));
+            r = 1;
+        } else if (base < 0) {
+            r = (long)lua_tointeger(L, -1);
+        } else if (lua_tostring(L, -1)[0]) {
+            printf("FAIL leak check: %s\n", lua_tostring(L, -1));
+            r = 1;
+        }
+    }
+    lua_settop(L, top);
+    return r;
+}
+
 static int check_leaks(void)
 {
     int leaked = 0;
     for (int i = 0; kiln_device_name_at(i); i++) {
         kiln_memory_info m;
-        if (kiln_memory_stats(NULL, kiln_device_name_at(i), &m) != KILN_OK || m.allocated == 0) continue;
-        printf("FAIL leak check: %llu bytes still allocated on %s after the script's context closed\n",
-               (unsigned long long)m.allocated, m.device);
-        leaked = 1;
+        if (kiln_memory_stats(NULL, kiln_device_name_at(i), &m) != KILN_OK) continue;
+        if (m.allocated != 0) {
+            printf("FAIL leak check: %llu bytes still allocated on %s after the script's context closed\n",
+                   (unsigned long long)m.allocated, m.device);
+            leaked = 1;
+        }
+        if (m.budget != 0 && m.reserved > m.budget) {
+            printf("FAIL leak check: %s reserves %llu bytes, over its budget of %llu, after the script's context closed\n",
+                   m.device, (unsigned long long)m.reserved, (unsigned long long)m.budget);
+            leaked = 1;
+        }
     }
     return leaked;
 }
@@ -695,6 +745,8 @@ int main(int argc, char **argv)
     kiln_ctx *ctx = open_context(&opt);
     if (ctx == NULL) return usage_failed ? EXIT_USAGE : EXIT_FAILURE;
     lua_State *L = kiln_lua_state(ctx);
+    int checking = getenv("KILN_CHECK_LEAKS") != NULL;
+    long base_tensors = checking ? check_alive(L, -1) : 0;
     lua_pushcfunction(L, pmain);
     lua_pushinteger(L, argc);
     lua_pushlightuserdata(L, argv);
@@ -705,8 +757,9 @@ int main(int argc, char **argv)
     lua_settop(L, 0);
     int plot_failed = opt.memory_plot && !write_memory_plot(L, opt.memory_plot, dry_target ? "meta" : opt.device);
     lua_settop(L, 0);
+    int leaked = checking && status == LUA_OK && result ? (int)check_alive(L, base_tensors) : 0;
     kiln_close(ctx); /* stops --trace, whatever happened */
-    int leaked = getenv("KILN_CHECK_LEAKS") ? check_leaks() : 0;
+    leaked |= checking ? check_leaks() : 0;
     if (usage_failed) return EXIT_USAGE;
     return (result && status == LUA_OK && !log_failed && !leaked && !plot_failed) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

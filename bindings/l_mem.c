@@ -174,7 +174,42 @@ static int mem_prefetch_at_once(lua_State *L)
     return 1;
 }
 
+/* kiln.mem.live() -> {tensors = n, models = {name, ...}, storages = {"owner on device", ...}}:
+ * tensor headers alive in the process, the open models (one name per model) and the
+ * owners of the allocators' live storages, for the test runner's leak check. */
+static int mem_live(lua_State *L)
+{
+    lua_createtable(L, 0, 3);
+    SET_INT(L, "tensors", kiln_tensor_live_count());
+    kiln_model_usage rows[64];
+    int n = kiln_model_usage_list(rows, 64), k = 0;
+    lua_createtable(L, n < 64 ? n : 64, 0);
+    for (int i = 0; i < n && i < 64; i++) {
+        int seen = 0; /* a model has one row per device holding its copies */
+        for (int j = 0; j < i && !seen; j++) seen = strcmp(rows[j].model, rows[i].model) == 0;
+        if (seen) continue;
+        lua_pushstring(L, rows[i].model);
+        lua_rawseti(L, -2, ++k);
+    }
+    lua_setfield(L, -2, "models");
+    lua_newtable(L);
+    k = 0;
+    for (int i = 0; i < kiln_device_count(); i++) {
+        kiln_device *d = kiln_device_at(i);
+        owner_acc acc = {.n = 0};
+        kiln_storage_foreach(d, add_owner, &acc);
+        for (int j = 0; j < acc.n; j++) {
+            lua_pushfstring(L, "%s on %s (%d storage%s, %I bytes)", acc.rows[j].owner, d->name, acc.rows[j].count,
+                            acc.rows[j].count == 1 ? "" : "s", (lua_Integer)acc.rows[j].bytes);
+            lua_rawseti(L, -2, ++k);
+        }
+    }
+    lua_setfield(L, -2, "storages");
+    return 1;
+}
+
 static const luaL_Reg mem_funcs[] = {
+    {"live", mem_live},
     {"stats", mem_stats}, {"reset_peak", mem_reset_peak}, {"empty_cache", mem_empty_cache},
     {"set_budget", mem_set_budget}, {"summary", mem_summary}, {"prefetch_at_once", mem_prefetch_at_once},
     {NULL, NULL},

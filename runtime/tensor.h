@@ -47,6 +47,8 @@ kiln_status kiln_tensor_zeros(kiln_device *dev, kiln_dtype dt, int ndim,
 kiln_tensor *kiln_tensor_from_storage(kiln_storage *s, size_t offset, kiln_dtype dt,
                                       int ndim, const int64_t *shape, const int64_t *stride);
 void kiln_tensor_free(kiln_tensor *t);
+/* Tensor headers made and not yet freed, in the whole process (the tests' leak check). */
+long kiln_tensor_live_count(void);
 
 /* Views (share storage) */
 kiln_tensor *kiln_tensor_view_of(const kiln_tensor *t);
