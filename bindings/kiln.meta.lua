@@ -931,6 +931,11 @@ function kiln.dry_run(fn, opts, ...) end
 ---@return string
 function kiln.mem.summary() end
 
+---What is alive in the process: tensor headers, the open models (by name) and the owners
+---of the live storages ("OWNER on DEVICE (N storages, B bytes)"); the test runner's leak check.
+---@return {tensors: integer, models: string[], storages: string[]}
+function kiln.mem.live() end
+
 ---Whether prefetches copy at once on the calling thread (as a dry run's always do)
 ---instead of on the device's copy thread; sets it when `on` is given. Off by default:
 ---it takes the overlap of copies and compute away. Tests turn it on to compare a real

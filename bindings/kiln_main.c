@@ -26,6 +26,7 @@ static int log_failed;                  /* the library logged an error (a trace 
 /* --device meta[:NAME]: the script runs as a dry run modelling NAME ("" the default
  * target) under the --vram budget (0: the device's own) */
 static const char *dry_target;
+static int repl_ran; /* the REPL ran: its globals are the user's, not left by a script */
 static uint64_t dry_budget;
 
 /* ---------------------------------------------------------------- options */
@@ -530,6 +531,7 @@ static void l_print(lua_State *L)
 
 static void doREPL(lua_State *L, const cli_options *opt)
 {
+    repl_ran = 1;
     int status;
     const char *oldprogname = progname;
     progname = NULL;
@@ -660,7 +662,7 @@ static int write_memory_plot(lua_State *L, const char *path, const char *device)
  * chunk has ended (its <close> variables closed) and a full collection has run, nothing
  * it made may still be alive: no more tensors than before it ran and no open model (a
  * global or a module holds them; the models by name, the tensors by their storages'
- * owners). Once the context is closed, every device has no bytes allocated and reserves
+ * owners; not after the REPL, whose globals are the user's). Once the context is closed, every device has no bytes allocated and reserves
  * no more than its budget. Each broken one is a FAIL line in the runner's format and a
  * failed exit. */
 static const char live_check[] =
@@ -757,7 +759,7 @@ int main(int argc, char **argv)
     lua_settop(L, 0);
     int plot_failed = opt.memory_plot && !write_memory_plot(L, opt.memory_plot, dry_target ? "meta" : opt.device);
     lua_settop(L, 0);
-    int leaked = checking && status == LUA_OK && result ? (int)check_alive(L, base_tensors) : 0;
+    int leaked = checking && status == LUA_OK && result && !repl_ran ? (int)check_alive(L, base_tensors) : 0;
     kiln_close(ctx); /* stops --trace, whatever happened */
     leaked |= checking ? check_leaks() : 0;
     if (usage_failed) return EXIT_USAGE;

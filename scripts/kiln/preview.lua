@@ -42,8 +42,9 @@ M.FACTORS = {
 M.FACTORS.sd2 = M.FACTORS.sd1
 
 -- The projection as a 1x1 convolution with (rgb + 1) / 2 folded in: weight [3, C, 1, 1]
--- = factors^T / 2, bias (b + 1) / 2; one per family and device, made once.
-local conv_cache = {}
+-- = factors^T / 2, bias (b + 1) / 2; one per family and device, kept while in use.
+-- weak: a projection no preview holds goes with the collector, as the state's other tensors do
+local conv_cache = setmetatable({}, { __mode = "v" })
 local function projection(family, device)
   local key = family .. "@" .. device
   local c = conv_cache[key]

@@ -731,3 +731,4 @@ demo:close()
 local extra = {}
 for i = #dirs, 1, -1 do extra[#extra + 1] = dirs[i] end
 T.cleanup(extra)
+H.done()

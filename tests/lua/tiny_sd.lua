@@ -74,6 +74,10 @@ function T.from_recipe(name, dtype)
   return t, m
 end
 
+-- Drops the recipes built so far (harness.lua's H.done calls it: the test file's
+-- tensors must not outlive it, which the kiln program checks).
+function T.forget() recipes = {} end
+
 local built = {}
 -- The recipe saved as a single-file checkpoint (once per run).
 function T.ckpt_file(name, dtype)
