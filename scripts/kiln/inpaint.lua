@@ -114,8 +114,11 @@ function inpaint.run(ckpt, image, mask, opts)
   if W % f ~= 0 or H % f ~= 0 then
     error(("image size %dx%d pixels: width and height must be multiples of %d"):format(W, H, f), 2)
   end
-  local rgb = image:narrow(2, 1, 3):contiguous()
-  local m = mask:clamp(0, 1)
+  -- the run's device alone (opts.device): the inputs go there, as the masks made of them
+  local dev = o.device or kiln.default_device()
+  local on_dev <close> = pipeline.on_device(dev)
+  local rgb = image:narrow(2, 1, 3):to(dev):contiguous()
+  local m = mask:to(dev):clamp(0, 1)
   local src = rgb
   if ckpt.unet.config.in_channels == 9 then
     -- an inpainting UNet: ComfyUI's VAEEncodeForInpaint (grey fill, grown noise mask)
