@@ -115,7 +115,7 @@ function inpaint.run(ckpt, image, mask, opts)
     error(("image size %dx%d pixels: width and height must be multiples of %d"):format(W, H, f), 2)
   end
   -- the run's device alone (opts.device): the inputs go there, as the masks made of them
-  local dev = o.device or kiln.default_device()
+  local dev = pipeline.run_device(o.device)
   local on_dev <close> = pipeline.on_device(dev)
   local rgb = image:narrow(2, 1, 3):to(dev):contiguous()
   local m = mask:to(dev):clamp(0, 1)
@@ -131,10 +131,12 @@ function inpaint.run(ckpt, image, mask, opts)
   else
     o.denoise_mask = inpaint.latent_mask(m, H // f, W // f)
   end
+  local blur = o.mask_blur
+  o.mask_blur, o.grow_mask = nil, nil        -- inpainting's own, not img2img's
   local gen, lat = pipeline.img2img(ckpt, src, o)
   o.denoise_mask:free()
   if o.concat_mask then o.concat_mask:free(); src:free() end
-  local fm = inpaint.feather(m, o.mask_blur or 4)
+  local fm = inpaint.feather(m, blur or 4)
   local out = inpaint.paste(gen:to(rgb.device), rgb, fm)
   gen:free(); fm:free(); m:free()
   return out, lat

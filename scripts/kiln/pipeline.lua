@@ -11,6 +11,7 @@ local sample = require "kiln.sample"
 local progress = require "kiln.progress"
 local extra_networks = require "kiln.extra_networks"
 local seamless = require "kiln.seamless"
+local util = require "kiln.util"
 
 local M = {}
 
@@ -22,6 +23,50 @@ local DEFAULTS = {
   clip_skip = nil,  -- 1 the text encoder's last layer, 2 the penultimate...; nil the family's
   weighting = nil,  -- prompt weights as "a1111" (nil) or "comfy" computes them (clip:encode)
 }
+
+-- The options each pipeline knows, in one table: any other key is a mistake, an error
+-- naming it and the nearest known name (a misspelt "stpes" would otherwise run with
+-- the default steps). The helpers a pipeline hands its options on to read theirs from
+-- here too: the samplers (sampler, scheduler, eta, s_noise, sigmas, add_noise,
+-- callback), the previews (preview, previewer, preview_every, preview_precision),
+-- the planner (mode), the VAE's tiling (tile, overlap), MultiDiffusion (unet_tile,
+-- unet_overlap), seamless (tileable), LoRAs (lora and the prompt's tags), ControlNets
+-- (control, its entries checked by check_controls) and TAESD (vae).
+local COMMON_OPTIONS = {
+  "prompt", "negative", "seed", "steps", "cfg", "sampler", "scheduler", "width", "height",
+  "denoise", "device", "batch_cfg", "batch", "clip_skip", "weighting",
+  "eta", "s_noise", "sigmas", "add_noise", "callback",
+  "preview", "previewer", "preview_every", "preview_precision",
+  "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
+}
+local function option_set(...)
+  local set = {}
+  for _, list in ipairs({ COMMON_OPTIONS, ... }) do
+    for _, k in ipairs(list) do set[k] = true end
+  end
+  return set
+end
+M.OPTIONS = {
+  txt2img = option_set(),
+  -- denoise_mask, concat_mask, concat_latent: inpainting's (kiln.inpaint sets them)
+  img2img = option_set({ "denoise_mask", "concat_mask", "concat_latent" }),
+  hires_fix = option_set({ "scale", "upscale", "hires_denoise", "hires_steps", "hires_tile" }),
+  inpaint = option_set({ "mask_blur", "grow_mask" }),
+}
+
+--- Raises "kiln.pipeline.NAME: unknown option 'stpes' (did you mean 'steps'?)" at
+-- the pipeline's caller when opts has a key pipeline NAME does not know.
+function M.check_options(name, opts)
+  util.check_options(opts, M.OPTIONS[name], "kiln.pipeline." .. name, 4) -- not a tail call: the level counts this
+end
+
+--- The options of pipeline NAME among o (a larger table, such as the command line's
+-- with its --out and --model): a new table of the keys the pipeline knows.
+function M.options_of(name, o)
+  local r = {}
+  for k in pairs(M.OPTIONS[name]) do r[k] = o[k] end
+  return r
+end
 
 --- The guidance scale a checkpoint is sampled with when the caller gives none: its
 -- metadata's kiln.cfg (the demo model: 3), else 7 (A1111's and ComfyUI's usual).
@@ -89,11 +134,21 @@ end
 --- The device stages run on: opts.device, else kiln's default device.
 local function device_of(o) return o.device or kiln.default_device() end
 
--- A run computes on opts.device alone: for its length that device is the default one,
--- so every tensor the run and its helpers make (the starting noise, a sampler's noise,
--- masks, schedules' temporaries) lands beside the latents whatever the caller's
--- default; closing the result gives the caller's default back, on an error too.
+--- The device a run on dev computes on: dev, but the CPU in memory mode "none" ("cpu"),
+-- where the networks run on the CPU whatever the device.
+function M.run_device(dev)
+  local mode = kiln.memory_mode()
+  if mode == "none" or mode == "cpu" then return "cpu" end
+  return dev or kiln.default_device()
+end
+
+--- A run computes on opts.device alone: for its length the device it computes on
+-- (M.run_device) is the default one, so every tensor the run and its helpers make
+-- (the starting noise, a sampler's noise, masks, temporaries) lands beside the latents
+-- whatever the caller's default; closing the result gives the caller's default back,
+-- on an error too.
 function M.on_device(dev)
+  dev = M.run_device(dev)
   local old = kiln.default_device()
   if dev == nil or dev == old then return nil end
   kiln.set_default_device(dev)
@@ -148,6 +203,7 @@ end
 --- Checks a run's ControlNets (opts.control): a list of {net = kiln.load_controlnet(..),
 -- image = [1, 3|4, H, W] in [0, 1], strength = 1, start = 0, stop = 1}, as ComfyUI's
 -- ControlNetApplyAdvanced takes them (one image serves the whole batch).
+local CONTROL_OPTIONS = { net = true, image = true, strength = true, start = true, stop = true }
 function check_controls(list, ckpt)
   if list == nil then return end
   if type(list) ~= "table" then
@@ -156,6 +212,7 @@ function check_controls(list, ckpt)
   for i, c in ipairs(list) do
     local where = ("kiln.pipeline: control[%d]"):format(i)
     if type(c) ~= "table" then error(where .. " must be a table {net =, image =, ...}, got " .. type(c), 0) end
+    util.check_options(c, CONTROL_OPTIONS, where, 0)
     local net = c.net
     if not ((type(net) == "table" or type(net) == "userdata") and net.forward) then
       error(where .. ": net must be a ControlNet (kiln.load_controlnet), got " .. type(net), 0)
@@ -466,7 +523,7 @@ local function unload_on_error(ckpt)
   end })
 end
 
--- The run's LoRAs (opts.loras and the prompt's <lora:NAME:W> tags) applied for the
+-- The run's LoRAs (opts.lora and the prompt's <lora:NAME:W> tags) applied for the
 -- run: o.prompt loses the tags; closing the result removes them.
 local function run_loras(ckpt, o)
   local prompt, list = extra_networks.of_run(o)
@@ -495,18 +552,19 @@ end
 
 --- txt2img: text -> images [batch, 3, H, W] in [0, 1] (and the final latents).
 function M.txt2img(ckpt, opts)
+  M.check_options("txt2img", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
   local W = o.width or M.image_size(ckpt)
   local H = o.height or M.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
-  local on_dev <close> = M.on_device(dev)
   local vae <close> = run_vae(ckpt, o)
   local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local cond, uncond = stage("encode", function()
     ckpt.clip:load(dev)
@@ -529,11 +587,11 @@ end
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
 -- (o.batch times, each from its own noise of the one seed).
 function M.img2img(ckpt, image, opts)
+  M.check_options("img2img", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
   if (opts or {}).denoise == nil then o.denoise = 0.6 end
   local dev = device_of(o)
-  local on_dev <close> = M.on_device(dev)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
   local vae <close> = run_vae(ckpt, o)
@@ -541,6 +599,7 @@ function M.img2img(ckpt, image, opts)
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local x0 = stage("vae encode", function()
     ckpt.vae:load(dev)
@@ -574,6 +633,7 @@ end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
 function M.inpaint(ckpt, image, mask, opts)
+  M.check_options("inpaint", opts)
   local vae <close> = run_vae(ckpt, opts or {})
   return require("kiln.inpaint").run(ckpt, image, mask, opts)
 end
@@ -582,12 +642,12 @@ end
 -- the decoded image through an upscale model: opts.upscale = "model:FILE" or an
 -- upscaler of kiln.load_upscaler), then sample again at a partial denoise.
 function M.hires_fix(ckpt, opts)
+  M.check_options("hires_fix", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
   local scale = o.scale or 2
   local upscale = o.upscale or "latent-bilinear"
   local dev = device_of(o)
-  local on_dev <close> = M.on_device(dev)
   local W = o.width or M.image_size(ckpt)
   local H = o.height or M.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
@@ -598,6 +658,7 @@ function M.hires_fix(ckpt, opts)
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local cond, uncond = stage("encode", function()
     ckpt.clip:load(dev)
