@@ -2033,9 +2033,12 @@ function CLIP:tokenize(text) end
 ---parses the emphasis syntax (word:1.2) and embedding:NAME (added with
 ---ckpt:add_embedding, else NAME.safetensors in the {embeddings = DIR} folder).
 ---opts: clip_skip, emphasis = false, comma_backtrack, weighting = "a1111" (default:
----scale, keep the mean) | "comfy" (ComfyUI's parse; (z - z_empty) * w + z_empty) | "none".
+---scale, keep the mean) | "comfy" (ComfyUI's parse; (z - z_empty) * w + z_empty) | "none",
+---max_chunks: the most 75-token chunks the prompt may take (default
+---require("kiln.clip").max_chunks, 32; math.huge: none); a longer prompt is an error that
+---names the limit and how to raise it. Time is linear in the prompt's length.
 ---@param text string
----@param opts? {clip_skip?: integer, emphasis?: boolean, comma_backtrack?: integer, weighting?: "a1111"|"comfy"|"none"}
+---@param opts? {clip_skip?: integer, emphasis?: boolean, comma_backtrack?: integer, weighting?: "a1111"|"comfy"|"none", max_chunks?: integer}
 ---@return kiln.Tensor cond
 ---@return kiln.Tensor? pooled
 function CLIP:encode(text, opts) end
