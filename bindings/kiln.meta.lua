@@ -1281,6 +1281,9 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field preview_every? integer previews after steps N, 2N, ... and the last (1)
 ---@field previewer? "latent2rgb"|"taesd"|kiln.TAESD|false how previews are made (latent2rgb: latent size; taesd: full size; false: none, the host's either)
 ---@field vae? "taesd"|string|kiln.TAESD decode (and encode) this run with TAESD in place of the checkpoint's VAE
+---Every pipeline refuses a key it does not know: "kiln.pipeline.txt2img: unknown option
+---'stpes' (did you mean 'steps'?)". kiln.pipeline.OPTIONS lists each pipeline's. A run
+---computes on `device` alone (the default device is that one for the run's length).
 
 ---A ControlNet of a pipeline run (ComfyUI's ControlNetApplyAdvanced).
 ---@class kiln.ControlEntry
@@ -1411,6 +1414,36 @@ function kiln.pipeline.parameters(opts, ckpt, extra) end
 ---@return string path
 function kiln.pipeline.save(image, path, opts, ckpt, extra) end
 
+---The options each pipeline knows: OPTIONS.txt2img / img2img / hires_fix / inpaint, sets
+---of names.
+---@type table<string, table<string, boolean>>
+kiln.pipeline.OPTIONS = {}
+
+---Raises "kiln.pipeline.NAME: unknown option 'X' (did you mean 'Y'?)" at the pipeline's
+---caller when opts has a key pipeline NAME does not know.
+---@param name "txt2img"|"img2img"|"hires_fix"|"inpaint"
+---@param opts? table
+function kiln.pipeline.check_options(name, opts) end
+
+---The options of pipeline NAME among a larger table (the command line's, with its out and
+---model): a new table of the keys the pipeline knows.
+---@param name "txt2img"|"img2img"|"hires_fix"|"inpaint"
+---@param o table
+---@return table
+function kiln.pipeline.options_of(name, o) end
+
+---The device a run on dev computes on: dev (default: the default device), but the CPU in
+---memory mode "none"/"cpu".
+---@param dev? kiln.DeviceName
+---@return kiln.DeviceName
+function kiln.pipeline.run_device(dev) end
+
+---Makes the run's device (run_device(dev)) the default one until the result is closed
+---(`local d <close> = ...`), on an error too; nil when it already is.
+---@param dev? kiln.DeviceName
+---@return table?
+function kiln.pipeline.on_device(dev) end
+
 ---The measured peak of every device that held bytes since kiln.mem.reset_peak, as the
 ---PNG's kiln.peak text: "cpu: 80.2 MiB, sim: 459.1 MiB" (nil when none did).
 ---@return string?
@@ -1432,6 +1465,29 @@ function kiln.util.parse_args(args, defaults) end
 ---program prints "kiln: msg" and exits with status 2, without a traceback.
 ---@param msg string
 function kiln.util.usage_error(msg) end
+
+---The edit distance of two strings: insertions, deletions, substitutions and swaps of
+---two neighbours, each costing one.
+---@param a string
+---@param b string
+---@return integer
+function kiln.util.edit_distance(a, b) end
+
+---The name of names (a list, or a set's keys) nearest to name by edit distance, or nil
+---when none is within a third of the longer name (at least 2).
+---@param name string
+---@param names table
+---@return string?
+function kiln.util.nearest(name, names) end
+
+---Raises "WHO: unknown option 'X' (did you mean 'Y'?)" (or the known names when none is
+---near) at `level` when opts has a key that is not in the set known. Returns opts.
+---@param opts? table
+---@param known table<string, boolean>
+---@param who string
+---@param level? integer
+---@return table?
+function kiln.util.check_options(opts, known, who, level) end
 
 ---x rounded to the nearest whole number, halves to the even neighbour (Python's round,
 ---numpy.rint); an integer when it is one.

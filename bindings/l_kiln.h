@@ -32,10 +32,6 @@ void l_open_suspend(lua_State *L);   /* after l_open_mem: kiln.suspend_point, su
  * kiln.suspend_point (gate NULL: none). */
 struct kiln_gate;
 void l_suspend_set_gate(lua_State *L, struct kiln_gate *gate, int (*stop)(void *ud), void *ud);
-/* A budget lowered by the script itself (kiln.mem.set_budget without live) below what
- * the run needs: its next kiln.suspend_point adapts as for a live lowering (evict, then
- * stream the networks running on the device); the budget itself holds at once. */
-void l_suspend_adapt_later(lua_State *L, struct kiln_device *d);
 
 /* An embedding host's progress and cancel (bindings/embed.c): kiln.progress reports
  * to it and kiln.cancelled() asks it. The struct outlives the host's use of L. */

@@ -58,15 +58,8 @@ static int mem_set_budget(lua_State *L)
     kiln_device *d = l_check_device(L, 1);
     lua_Integer b = luaL_checkinteger(L, 2);
     if (b < 0) luaL_argerror(L, 2, "budget must be >= 0 bytes (0 = unlimited)");
-    if (l_opt_bool_field(L, 3, "live", 0)) {
-        kiln_allocator_set_budget_live(d->alloc, (uint64_t)b);
-    } else {
-        kiln_allocator_set_budget(d->alloc, (uint64_t)b);
-        /* lowered from the script mid-run (a step callback) below what the run needs: the
-         * run's next suspend point must still evict and stream, or the networks it holds
-         * resident leave no room for its next block */
-        if (b > 0 && kiln_allocator_budget_watch(d->alloc).peak_before > (uint64_t)b) l_suspend_adapt_later(L, d);
-    }
+    if (l_opt_bool_field(L, 3, "live", 0)) kiln_allocator_set_budget_live(d->alloc, (uint64_t)b);
+    else kiln_allocator_set_budget(d->alloc, (uint64_t)b);
     return 0;
 }
 

@@ -10,7 +10,6 @@
 #include <stdint.h>
 
 #define GATE_KEY "kiln.suspend.gate" /* registry: userdata l_suspend_host */
-#define PENDING_KEY "kiln.suspend.adapt" /* registry: {device name = true} to adapt, or nil */
 
 typedef struct {
     kiln_gate *gate;
@@ -100,31 +99,7 @@ static int l_suspend_point(lua_State *L)
             if (parkable(d) && kiln_allocator_budget_watch(d->alloc).grace) adapt(L, d);
         }
     }
-    if (lua_getfield(L, LUA_REGISTRYINDEX, PENDING_KEY) == LUA_TTABLE) {
-        lua_pushnil(L);
-        lua_setfield(L, LUA_REGISTRYINDEX, PENDING_KEY); /* taken, before adapt may raise */
-        for (int i = 0; i < kiln_device_count(); i++) {
-            kiln_device *d = kiln_device_at(i);
-            int pending = lua_getfield(L, -1, d->name) != LUA_TNIL;
-            lua_pop(L, 1);
-            if (pending && parkable(d)) adapt(L, d);
-        }
-    }
-    lua_pop(L, 1);
     return 0;
-}
-
-void l_suspend_adapt_later(lua_State *L, kiln_device *d)
-{
-    if (lua_getfield(L, LUA_REGISTRYINDEX, PENDING_KEY) != LUA_TTABLE) {
-        lua_pop(L, 1);
-        lua_newtable(L);
-        lua_pushvalue(L, -1);
-        lua_setfield(L, LUA_REGISTRYINDEX, PENDING_KEY);
-    }
-    lua_pushboolean(L, 1);
-    lua_setfield(L, -2, d->name);
-    lua_pop(L, 1);
 }
 
 /* kiln.suspend_stats() -> {parks, bytes, park_seconds, resume_seconds} of this state's

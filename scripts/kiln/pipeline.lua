@@ -76,6 +76,7 @@ function M.default_cfg(ckpt)
 end
 
 local check_controls -- below, with the ControlNet pieces
+local lowered_between_steps -- below, with the sampling
 
 local function opts_with_defaults(opts, ckpt)
   local o = {}
@@ -425,6 +426,22 @@ local function latent_size(ckpt, w, h)
   return w // f, h // f
 end
 
+-- A budget the step callback lowered itself (kiln.mem.set_budget without live) below
+-- what the run needs (the most it reserved so far): it holds at once, and the run's
+-- suspend points adapt only to a live lowering, so the UNet, resident and pinned again
+-- by its next pass, would leave no room for that pass's activations. Between steps no
+-- network runs: what the run needs beyond the budget is evicted now (the UNet, least
+-- recently used and unpinned), and an evicted UNet streams from its next pass. A live
+-- lowering (in its grace) is left to the next suspend point, which streams.
+function lowered_between_steps(dev, before)
+  local s = kiln.mem.stats(dev)
+  if s.budget == 0 or (before ~= 0 and s.budget >= before) then return end
+  local w = kiln.mem.budget_watch(dev)
+  if w.grace then return end
+  local need = math.max(s.reserved, w.peak_before)
+  if need > s.budget then kiln.mem.evict(dev, need - s.budget) end
+end
+
 --- Samples latents: from noise (x0 = nil) or from x0 at denoise < 1.
 function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   -- o.sigmas: a schedule given whole (ComfyUI's KSamplerAdvanced steps); o.add_noise =
@@ -466,7 +483,13 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
       bar:step(st.i)
       preview(st)
       if kiln.cancelled and kiln.cancelled() then return false end
-      if o.callback then return o.callback(st) end
+      if o.callback then
+        local dev = device_of(o)
+        local budget = kiln.mem.stats(dev).budget
+        local r = o.callback(st)
+        lowered_between_steps(dev, budget)
+        return r
+      end
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)

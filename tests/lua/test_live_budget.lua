@@ -1,9 +1,9 @@
 -- A budget the script itself lowers between sampler steps (kiln.mem.set_budget from a
--- step callback, without {live = true}) below what the run holds: the run's next
--- suspend point evicts and turns the resident UNet to streaming, as for a live lowering,
--- so a run that can still fit finishes (it failed with an out-of-memory while the UNet
--- stayed resident). Raised mid-run, the next run loads the UNet whole again. The demo
--- model at 128x128 on sim, normal mode.
+-- step callback, without {live = true}) below what the run needs: the pipeline evicts
+-- the UNet between the steps (unpinned there) and it streams from its next pass, as a
+-- live lowering turns it to streaming, so a run that can still fit finishes (it failed
+-- with an out-of-memory while the UNet stayed resident). Raised mid-run, the rest of the
+-- run and the next one use the room. The demo model at 128x128 on sim, normal mode.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -44,15 +44,19 @@ for _, how in ipairs({ "plain", "live" }) do
     with_budget_reset(function()
       local low = math.floor(PEAK * 0.65)
       kiln.mem.reset_peak("sim")
-      local held
+      local held, after
       local img, lat = txt2img(function(i)
         if i == 2 then
           held = ckpt.unet:bytes("sim")
           kiln.mem.set_budget("sim", low, how == "live" and { live = true } or nil)
         end
+        if i == 3 then after = ckpt.unet:bytes("sim") end
       end)
       truthy(held > 0, "the UNet was resident when the budget fell")
-      eq(ckpt.unet.streamed, true, "the UNet was turned to streaming")
+      -- live: turned to streaming in its next pass; plain: evicted between the steps,
+      -- it streams from its next pass
+      truthy(ckpt.unet.streamed or after < held, ("the UNet streams (%d of %d bytes resident at step 3)")
+        :format(after, held))
       local w = kiln.mem.budget_watch("sim")
       truthy(w.compliance_seconds, "reserved fell within the new budget")
       truthy(w.peak_since <= low, ("peak after compliance %d <= budget %d"):format(w.peak_since, low))
@@ -86,15 +90,18 @@ end)
 
 test("lowered at step 1, raised to a larger budget (not unlimited) at step 2", function()
   with_budget_reset(function()
-    local streamed_at_2
+    local held_at_1, held_at_2
     local img, lat = txt2img(function(i)
-      if i == 1 then kiln.mem.set_budget("sim", math.floor(PEAK * 0.65)) end
+      if i == 1 then
+        held_at_1 = ckpt.unet:bytes("sim")
+        kiln.mem.set_budget("sim", math.floor(PEAK * 0.65))
+      end
       if i == 2 then
-        streamed_at_2 = ckpt.unet.streamed
+        held_at_2 = ckpt.unet:bytes("sim")
         kiln.mem.set_budget("sim", PEAK * 4)
       end
     end)
-    eq(streamed_at_2, true, "streaming after the lowering")
+    truthy(held_at_2 < held_at_1, ("streaming after the lowering: %d of %d bytes"):format(held_at_2, held_at_1))
     eq(max_diff(lat, ref_lat), 0, "same latents")
     eq(max_diff(img, ref_img), 0, "same picture: the decoder had the room again")
     eq(kiln.mem.budget_watch("sim").over, false, "within the raised budget")
