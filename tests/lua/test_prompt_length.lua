@@ -18,14 +18,15 @@ local tiny <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
 tiny.clip.tokenizer = demo.clip.tokenizer
 tiny.clip:load("cpu")
 
--- the best of `runs` timings of fn()
+-- the best of `runs` timings of fn(), in CPU time (os.clock): steadier than the wall
+-- clock on a machine whose cores other processes share
 local function best(fn, runs)
   local b = math.huge
   for _ = 1, runs or 3 do
     collectgarbage()
-    local t0 = kiln.time()
+    local t0 = os.clock()
     fn()
-    b = math.min(b, kiln.time() - t0)
+    b = math.min(b, os.clock() - t0)
   end
   return b
 end
@@ -53,28 +54,40 @@ local function linear(what, group, n)
   local cs = #clip.chunks(clip.parse_emphasis(small), function(s) return demo.clip.tokenizer:encode(s) end)
   local cl = #clip.chunks(clip.parse_emphasis(large), function(s) return demo.clip.tokenizer:encode(s) end)
   truthy(cl >= 4 * cs - 1, ("%s: %d and %d chunks"):format(what, cs, cl))
-  local ts, tl = encode_times(small, cs, large, cl)
+  -- a busy machine (other processes on its cores) can stretch a whole measurement:
+  -- up to three rounds, the best ratio counts (a quadratic encode fails every round)
+  local ts, tl
+  for _ = 1, 3 do
+    local a, b = encode_times(small, cs, large, cl)
+    if not ts or b / a < tl / ts then ts, tl = a, b end
+    if tl <= 4.5 * ts then break end
+  end
   report[#report + 1] = ("%s: %d chunks %.3f s, %d chunks %.3f s (x%.2f)"):format(what, cs, ts, cl, tl, tl / ts)
   truthy(tl <= 4.5 * ts, ("%s: %d chunks took %.3f s, %d chunks %.3f s: x%.2f > 4.5"):format(what, cs, ts, cl, tl, tl / ts))
 end
 
 test("encode is linear: escaped brackets", function() linear("escapes", "\\(a\\) ", 500) end)
 test("encode is linear: colons", function() linear("colons", "a:b ", 500) end)
-test("encode is linear: emphasis groups", function() linear("groups", "(red circle:1.2) [blue] ", 300) end)
+test("encode is linear: emphasis groups", function() linear("groups", "(red circle:1.2) [blue] ", 600) end)
 
 test("parse is linear: unclosed brackets", function()
   -- the Lua parse alone: CPU time (os.clock), steadier than the wall clock here
-  local small, large = ("(a "):rep(12000), ("(a "):rep(48000)
-  local ts, tl = math.huge, math.huge
-  for _ = 1, 7 do
-    collectgarbage()
-    local t0 = os.clock()
-    clip.parse_emphasis(small)
-    local t1 = os.clock()
-    clip.parse_emphasis(large)
-    ts, tl = math.min(ts, t1 - t0), math.min(tl, os.clock() - t1)
+  local small, large = ("(a "):rep(24000), ("(a "):rep(96000)
+  local ts, tl
+  for _ = 1, 3 do                   -- rounds, as linear() above
+    local a, b = math.huge, math.huge
+    for _ = 1, 7 do
+      collectgarbage()
+      local t0 = os.clock()
+      clip.parse_emphasis(small)
+      local t1 = os.clock()
+      clip.parse_emphasis(large)
+      a, b = math.min(a, t1 - t0), math.min(b, os.clock() - t1)
+    end
+    if not ts or b / a < tl / ts then ts, tl = a, b end
+    if tl <= 4.5 * ts then break end
   end
-  report[#report + 1] = ("unclosed parse: 12000 %.3f s, 48000 %.3f s (x%.2f)"):format(ts, tl, tl / ts)
+  report[#report + 1] = ("unclosed parse: 24000 %.3f s, 96000 %.3f s (x%.2f)"):format(ts, tl, tl / ts)
   truthy(tl <= 4.5 * ts, ("unclosed: x%.2f > 4.5"):format(tl / ts))
   -- the weights are still the brackets' product: ((1.0 * 1.1) * 1.1) ... as A1111
   local p = clip.parse_emphasis("(a (b (c")
