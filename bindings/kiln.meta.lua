@@ -573,6 +573,30 @@ function Upscaler:forward(x) end
 ---@return kiln.Upscaler
 function kiln.load_upscaler(path) end
 
+---Google's T5 v1.1 text encoder (Flux, SD 3.5, PixArt), also its weight store: load,
+---offload, unload, bytes, {resident = bytes}; mode "low" streams it block by block.
+---Computes in f32 or bf16 (kiln.precision; under "f16" in f32 on the CPU, bf16 elsewhere).
+---@class kiln.T5: kiln.Model
+---@field config table d_model, heads, d_kv, inner, d_ff, vocab, blocks, buckets, layout, dtype
+local T5 = {}
+
+---Token ids (an integer tensor [B, n] or [n], or Lua lists) -> the last hidden state
+---[B, n, d_model] f32, as transformers' T5EncoderModel(ids).last_hidden_state (no mask).
+---An id outside the vocabulary is an error.
+---@param ids kiln.Tensor|integer[]|integer[][]
+---@return kiln.Tensor
+function T5:forward(ids) end
+
+---Loads a T5 v1.1 encoder: ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn(_scaled) .safetensors
+---(transformers' names under any prefix), a GGUF file in llama.cpp's names (q8_0, K-quants,
+---...), or a diffusers folder (text_encoder_2/ itself, or the pipeline folder). The
+---hyper-parameters come from the shapes (heads from the relative attention bias table;
+---opts.heads, a num_heads in the file or its config.json must agree).
+---@param path string
+---@param opts? {heads?: integer}
+---@return kiln.T5
+function kiln.load_t5(path, opts) end
+
 -- ---------------------------------------------------------------- TAESD, previews
 
 ---TAESD / TAESDXL, the tiny autoencoder; a model like the checkpoint's parts (both halves).
