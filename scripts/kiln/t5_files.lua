@@ -123,6 +123,10 @@ function M.config(shapes, lay, path, meta, opts, config_json)
     fail(path, "this is a T5 v1.0 encoder (one ReLU feed-forward, DenseReluDense.wi); kiln runs T5 v1.1 " ..
       "(gated-GELU, wi_0 and wi_1), the encoder of Flux, SD 3.5 and PixArt")
   end
+  if shapes[real("block.1.layer.0.SelfAttention.relative_attention_bias.weight")] then
+    fail(path, "a relative attention bias in every block: this is UMT5 (Wan's text encoder), not T5 v1.1, " ..
+      "whose first block's bias serves all blocks")
+  end
   if not emb then fail(path, fmt("no token embedding (%s) found", real("shared.weight"))) end
   if not q or #q ~= 2 then fail(path, fmt("%s is not a matrix", real("block.0.layer.0.SelfAttention.q.weight"))) end
   if #emb ~= 2 then fail(path, fmt("token embedding %s has shape %s, expected [vocab, d_model]",
@@ -191,7 +195,7 @@ local function diffusers_component(dir)
   local function t5_dir(d)
     local cj = mf.file_exists(mf.join(d, "config.json")) and mf.read_json(mf.join(d, "config.json")) or nil
     local paths = mf.diffusers_files(d, "model", WHO)
-    if paths and (not cj or cj.model_type == nil or cj.model_type == "t5" or cj.model_type == "umt5") then
+    if paths and (not cj or cj.model_type == nil or cj.model_type == "t5") then
       return paths, cj
     end
     return nil

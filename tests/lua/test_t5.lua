@@ -2,9 +2,10 @@
 -- bare and wrapped names, diffusers shards, fp8, scaled fp8, GGUF q8_0) against the
 -- independent PyTorch implementation of tests/golden/gen_t5.py; the relative position
 -- buckets against transformers' function; bf16 and "f16" precision; memory modes high,
--- normal and low on the sim device inside a small budget, partial residency; the
--- errors for files that are not T5, wrong widths, missing blocks, truncated files,
--- disagreeing head counts and ids outside the vocabulary.
+-- normal and low on the sim device inside a small budget, partial residency, the meta
+-- device's prediction of the peak; the errors for files that are not T5, wrong widths,
+-- missing blocks, T5 v1.0 and UMT5, truncated files, disagreeing head counts and ids
+-- outside the vocabulary.
 package.path = "tests/lua/?.lua;" .. package.path
 local H = require "harness"
 local kiln = require "kiln"
@@ -193,6 +194,29 @@ test("t5: modes high, normal and low on sim in a small budget; low streams block
   assert(ok, err)
 end)
 
+test("t5: a dry run on the meta device predicts the peak of a low-mode encode on sim", function()
+  if not has_sim then H.skip("no sim device in this build") end
+  local enc <close> = kiln.load_t5(GOLD .. "comfy.safetensors")
+  local ids = E["ids.long"]
+  local function encode()
+    enc:load("sim")
+    local y = enc:forward(ids)
+    y:free()
+    enc:unload()
+  end
+  local r = kiln.dry_run(encode, { device = "sim", mode = "low" })
+  truthy(r.fits, "fits")
+  kiln.memory_mode("low")
+  kiln.mem.empty_cache("sim")
+  kiln.mem.reset_peak("sim")
+  local base = kiln.mem.stats("sim").allocated
+  local ok, err = pcall(encode)
+  kiln.memory_mode("normal")
+  assert(ok, err)
+  local real = kiln.mem.stats("sim").peak_allocated - base
+  truthy(real > 0 and math.abs(r.peak - real) <= 0.05 * real, ("predicted %d, measured %d"):format(r.peak, real))
+end)
+
 -- ---------------------------------------------------------------- errors
 
 -- the comfy file's tensors, changed by fn, written to a temporary file
@@ -236,6 +260,11 @@ test("t5: a file that is not T5, wrong widths, missing blocks, a truncated file:
     end
   end)
   raises_with(function() kiln.load_t5(v10) end, v10, "T5 v1.0")
+  local umt5 = variant("umt5.safetensors", function(t)
+    t["encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"] =
+        t["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+  end)
+  raises_with(function() kiln.load_t5(umt5) end, umt5, "UMT5")
   -- truncated: the header promises more bytes than the file has
   local f = assert(io.open(GOLD .. "comfy.safetensors", "rb"))
   local bytes = f:read("a")
