@@ -25,6 +25,10 @@ local EPS = 1e-6
 
 M.LINEARS = files.LINEARS
 
+--- T5 v1.1's token ids for text, ending in 1 (</s>), no padding: SentencePiece's Unigram
+-- model with T5's own vocabulary, built into libkiln (runtime/t5_tokenizer.c).
+M.tokenize = kiln._t5_tokenize
+
 -- ---------------------------------------------------------------- relative positions
 
 local function f32(x) return (string.unpack("<f", string.pack("<f", x))) end
