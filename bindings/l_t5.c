@@ -1,6 +1,7 @@
 /* l_t5.c - T5's tokenizer for Lua: kiln.t5.tokenize(text) (published by scripts/kiln/t5.lua)
- * over runtime/t5_tokenizer.h (T5 v1.1's SentencePiece vocabulary, compiled in). The vocabulary is opened on the first
- * call and kept by the Lua state, as an upvalue whose __gc frees it. */
+ * over runtime/t5_tokenizer.h (T5 v1.1's SentencePiece vocabulary, compiled in). The
+ * vocabulary is opened on the first call and kept by the Lua state, as an upvalue whose
+ * __gc frees it. */
 #include "l_parts.h"
 #include "../runtime/t5_tokenizer.h"
 
