@@ -43,11 +43,18 @@ BUILD   := build
 OPT     := -O2 -g
 endif
 
-LUA_CFLAGS := $(shell pkg-config --cflags lua5.4 2>/dev/null)
-LUA_LIBS   := $(shell pkg-config --libs lua5.4 2>/dev/null)
-PNG_CFLAGS := $(shell pkg-config --cflags libpng 2>/dev/null)
-PNG_LIBS   := $(shell pkg-config --libs libpng 2>/dev/null)
-READLINE   := $(shell test -f /usr/include/readline/readline.h && echo 1)
+# Flags that depend on the Debian packages (LUA_CFLAGS, LUA_LIBS, PNG_CFLAGS, PNG_LIBS,
+# READLINE, HIREDIS_FOUND, HIREDIS_CFLAGS, HIREDIS_PC_LIBS) come from $(BUILD)/flags.mk,
+# which the rule under "dependencies" writes after the deps check has installed them:
+# on a fresh machine there is no lua5.4.pc yet when make first reads this file. GNU make
+# remakes an included makefile before anything else and then reads everything again, so
+# the first `make demo` compiles with the flags of the packages it has just installed.
+# Goals that compile nothing do not include it (`make clean` installs nothing).
+PKG_CONFIG ?= pkg-config
+FLAGS_MK   := $(BUILD)/flags.mk
+ifneq ($(filter-out clean deps uninstall,$(or $(MAKECMDGOALS),all)),)
+include $(FLAGS_MK)
+endif
 
 CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fvisibility=hidden $(OPT) $(LUA_CFLAGS) $(PNG_CFLAGS)
 LDFLAGS += $(filter -fsanitize%,$(OPT))
@@ -56,9 +63,9 @@ CORE_LIBS := $(PNG_LIBS) -lz -lopenblas -lpthread -lm
 LIBS    := $(CORE_LIBS) $(LUA_LIBS)
 # hiredis, the Redis client under `kiln batch` (runtime/queue.c): used when its
 # package or header is found; HIREDIS=0 builds without it (batch then says what to install)
-HIREDIS ?= $(shell pkg-config --exists hiredis 2>/dev/null || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)
+HIREDIS ?= $(HIREDIS_FOUND)
 ifeq ($(HIREDIS),1)
-HIREDIS_LIBS := $(or $(shell pkg-config --libs hiredis 2>/dev/null),-lhiredis)
+HIREDIS_LIBS := $(HIREDIS_PC_LIBS)
 CORE_LIBS    += $(HIREDIS_LIBS)
 LIBS         += $(HIREDIS_LIBS)
 endif
@@ -87,8 +94,12 @@ GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
 # CLIP's vocabulary, compiled in as the built-in tokenizer (runtime/data/LICENSE-CLIP)
 CLIP_VOCAB   := runtime/data/bpe_simple_vocab_16e6.txt.gz
 GEN_VOCAB    := $(BUILD)/gen/clip_vocab.c
+# T5 v1.1's SentencePiece model in kiln's compact form (runtime/data/gen_t5_vocab.py made
+# it; runtime/data/LICENSE-T5), compiled in as the T5 tokenizer's vocabulary
+T5_VOCAB     := runtime/data/t5_spiece.bin.gz
+GEN_T5_VOCAB := $(BUILD)/gen/t5_vocab.c
 
-LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(CU_OBJ)
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(RUNTIME_SRC) $(KERNEL_SRC) $(BINDING_SRC)) $(BUILD)/obj/gen/scripts_data.o $(BUILD)/obj/gen/clip_vocab.o $(BUILD)/obj/gen/t5_vocab.o $(CU_OBJ)
 C_TESTS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 # every fuzz harness tests/fuzz/fuzz_<name>.c also replays its corpus and its kept
 # crashes as the test program test_fuzz_<name> (see `make fuzz` below)
@@ -104,15 +115,38 @@ all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $
 # LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
 # and its tests).
 DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server
+# The check, for `make deps` and for a missing $(DEPS_OK); run in this make, not in a
+# sub-make, which would warn about -j when started while make remakes build/flags.mk.
+define deps_check
+@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+if [ -z "$$missing" ]; then echo "deps: all present"; \
+elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
+@mkdir -p $(dir $(DEPS_OK)) && touch $(DEPS_OK)
+endef
 deps:
-	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -z "$$missing" ]; then echo "deps: all present"; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	else echo "deps: missing Debian packages; run:  sudo apt-get install -y $$missing"; exit 1; fi
-	@mkdir -p build && touch $(DEPS_OK)
+	$(deps_check)
 
 $(DEPS_OK):
-	@$(MAKE) --no-print-directory deps
+	$(deps_check)
+
+# The package-dependent flags (see the top), asked of pkg-config once the deps check
+# has passed; rewritten when the Makefile changes or the check runs again. Under
+# `make -n` too: make runs the rules of the makefiles it reads even when dry-running.
+$(FLAGS_MK): $(firstword $(MAKEFILE_LIST)) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	@pc() { $(PKG_CONFIG) "$$@" 2>/dev/null; }; \
+	hiredis_cflags=$$(pc --cflags hiredis); hiredis_libs=$$(pc --libs hiredis); \
+	{ echo "# written by the Makefile after the deps check (see its top)"; \
+	  echo "LUA_CFLAGS := $$(pc --cflags lua5.4)"; \
+	  echo "LUA_LIBS := $$(pc --libs lua5.4)"; \
+	  echo "PNG_CFLAGS := $$(pc --cflags libpng)"; \
+	  echo "PNG_LIBS := $$(pc --libs libpng)"; \
+	  echo "READLINE := $$(test -f /usr/include/readline/readline.h && echo 1)"; \
+	  echo "HIREDIS_FOUND := $$(pc --exists hiredis || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)"; \
+	  echo "HIREDIS_CFLAGS := $${hiredis_cflags:--I/usr/include/hiredis}"; \
+	  echo "HIREDIS_PC_LIBS := $${hiredis_libs:--lhiredis}"; \
+	} > $@.tmp && mv $@.tmp $@
 
 # ---- library, CLI, Lua module ----------------------------------------------------
 $(BUILD)/obj/%.o: %.c $(DEPS_OK)
@@ -125,8 +159,10 @@ $(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
+# kiln.h includes kiln_status.h, which is the core's (runtime/) and is installed beside it
+$(BUILD)/obj/bindings/%.o: CFLAGS += -iquote runtime
 ifeq ($(HIREDIS),1)
-$(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(or $(shell pkg-config --cflags hiredis 2>/dev/null),-I/usr/include/hiredis)
+$(BUILD)/obj/runtime/queue.o: CFLAGS += -DKILN_HIREDIS $(HIREDIS_CFLAGS)
 endif
 
 $(GEN_SCRIPTS): bindings/gen_scripts.lua $(SCRIPTS) $(DEPS_OK)
@@ -145,24 +181,48 @@ $(BUILD)/obj/gen/clip_vocab.o: $(GEN_VOCAB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
+$(GEN_T5_VOCAB): runtime/data/gen_blob.lua $(T5_VOCAB) $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	lua5.4 runtime/data/gen_blob.lua $@ kiln_t5_vocab_gz $(T5_VOCAB)
+
+$(BUILD)/obj/gen/t5_vocab.o: $(GEN_T5_VOCAB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
 $(BUILD)/libkiln.a: $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/libkiln.so: $(LIB_OBJ)
-	$(CC) -shared -o $@ $^ $(LDFLAGS) $(LIBS)
+# The shared library: libkiln.so.MAJOR.MINOR.PATCH with the SONAME libkiln.so.MAJOR
+# (what a host built with -lkiln records and loads; kiln_open checks the minor while
+# MAJOR is 0), and the libkiln.so.MAJOR and libkiln.so links, as ldconfig and the
+# linker look for them.
+KILN_SOMAJOR := $(firstword $(subst ., ,$(KILN_VERSION)))
+KILN_SONAME  := libkiln.so.$(KILN_SOMAJOR)
+KILN_SOFILE  := libkiln.so.$(KILN_VERSION)
 
-$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h bindings/l_scripts.h $(BUILD)/libkiln.a
-	$(CC) $(CFLAGS) $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
+$(BUILD)/$(KILN_SOFILE): $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,$(KILN_SONAME) -o $@ $^ $(LDFLAGS) $(LIBS)
+
+$(BUILD)/$(KILN_SONAME): $(BUILD)/$(KILN_SOFILE)
+	ln -sf $(KILN_SOFILE) $@
+
+$(BUILD)/libkiln.so: $(BUILD)/$(KILN_SONAME)
+	ln -sf $(KILN_SONAME) $@
+
+# the kiln program is a host of kiln.h alone (bindings/kiln.h and runtime/kiln_status.h)
+$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
+	$(CC) $(CFLAGS) -iquote runtime $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
 
 $(BUILD)/lua/kiln.so: $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) -shared -o $@ $^ $(LDFLAGS) $(CORE_LIBS)
 
-# The embedding example includes <kiln.h> as an installed host would, hence -Ibindings.
-$(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h $(BUILD)/libkiln.a
+# The embedding example includes <kiln.h> as an installed host would, hence -Ibindings
+# and -Iruntime (where kiln_status.h lives until installed beside kiln.h).
+$(BUILD)/examples/art_tool: examples/embed/art_tool.c bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Ibindings -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -Ibindings -Iruntime -o $@ $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
 # ---- tests ---------------------------------------------------------------------
 $(BUILD)/tests/%: tests/%.c $(BUILD)/libkiln.a
@@ -229,8 +289,11 @@ install: all
 	  $(DESTDIR)$(LUA_CMOD) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(DATADIR)
 	install -m 755 $(BUILD)/kiln $(DESTDIR)$(PREFIX)/bin/kiln
 	install -m 644 $(BUILD)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.a
-	install -m 755 $(BUILD)/libkiln.so $(DESTDIR)$(LIBDIR)/libkiln.so
+	install -m 755 $(BUILD)/$(KILN_SOFILE) $(DESTDIR)$(LIBDIR)/$(KILN_SOFILE)
+	ln -sf $(KILN_SOFILE) $(DESTDIR)$(LIBDIR)/$(KILN_SONAME)
+	ln -sf $(KILN_SONAME) $(DESTDIR)$(LIBDIR)/libkiln.so
 	install -m 644 bindings/kiln.h $(DESTDIR)$(INCDIR)/kiln.h
+	install -m 644 runtime/kiln_status.h $(DESTDIR)$(INCDIR)/kiln_status.h
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(KILN_VERSION)|g' -e 's|@CUDA_LIBS@|$(CUDA_LIBS)|g' \
 	  -e 's|@HIREDIS_LIBS@|$(HIREDIS_LIBS)|g' bindings/kiln.pc.in \
 	  > $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc
@@ -239,11 +302,14 @@ install: all
 	install -m 644 bindings/kiln.1 $(DESTDIR)$(MANDIR)/man1/kiln.1
 	install -m 644 bindings/kiln.meta.lua $(DESTDIR)$(DATADIR)/kiln.meta.lua
 	install -m 644 runtime/data/LICENSE-CLIP $(DESTDIR)$(DATADIR)/LICENSE-CLIP
+	install -m 644 runtime/data/LICENSE-T5 $(DESTDIR)$(DATADIR)/LICENSE-T5
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/kiln $(DESTDIR)$(LIBDIR)/libkiln.a $(DESTDIR)$(LIBDIR)/libkiln.so \
-	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
-	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP
+	  $(DESTDIR)$(LIBDIR)/$(KILN_SONAME) $(DESTDIR)$(LIBDIR)/$(KILN_SOFILE) \
+	  $(DESTDIR)$(INCDIR)/kiln.h $(DESTDIR)$(INCDIR)/kiln_status.h $(DESTDIR)$(LIBDIR)/pkgconfig/kiln.pc $(DESTDIR)$(LUA_CMOD)/kiln.so \
+	  $(DESTDIR)$(MANDIR)/man1/kiln.1 $(DESTDIR)$(DATADIR)/kiln.meta.lua $(DESTDIR)$(DATADIR)/LICENSE-CLIP \
+	  $(DESTDIR)$(DATADIR)/LICENSE-T5
 	-rmdir $(DESTDIR)$(DATADIR) 2>/dev/null || true
 
 # header dependencies written by -MMD (none before the first build)

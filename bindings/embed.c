@@ -4,15 +4,19 @@
  * a cancel is a flag polled by a count hook and by kiln.progress. */
 #include "l_tensor.h"
 #include "l_config.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "l_scripts.h"
 #include "../runtime/events.h"
 #include "../runtime/png_io.h"
+#include "../runtime/settings.h"
 #include "../runtime/suspend.h"
+#include "../runtime/tunables.h"
+#include "../kernels/backends.h"
 #include "kiln.h"
 
 #include <lualib.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,14 +44,21 @@ struct kiln_ctx {
     l_progress_host host;
     char device[16];          /* the config's device: kiln_memory_stats(ctx, NULL) */
     char *message;            /* last failure, malloc'd ("" when NULL) */
+    const char *field;        /* kiln_last_config_field: the config field it was about */
+    char *detail;             /* and its reason alone */
+    kiln_oom_info oom;        /* kiln_memory_last_oom: the last failure's, when has_oom */
+    int has_oom;
     char *traceback;
     char *summary;
     int trace_started;        /* config.trace: kiln_close stops it */
     kiln_gate *gate;          /* kiln_suspend / kiln_resume meet the running call here */
 };
 
-/* Messages of calls made without a context (kiln_open's failures). */
+/* Messages of calls made without a context (kiln_open's failures), and the config
+ * field a refusal was about (kiln_last_config_field). */
 static _Thread_local char thread_message[1024];
+static _Thread_local const char *thread_field;
+static _Thread_local char thread_detail[1024];
 
 /* ---------------------------------------------------------------- messages */
 
@@ -70,8 +81,30 @@ static kiln_status fail(kiln_ctx *ctx, kiln_status code, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
-    if (ctx) set_str(&ctx->message, buf);
-    else snprintf(thread_message, sizeof thread_message, "%s", buf);
+    if (ctx) {
+        set_str(&ctx->message, buf);
+        ctx->field = NULL;
+        ctx->has_oom = 0;
+    } else {
+        snprintf(thread_message, sizeof thread_message, "%s", buf);
+        thread_field = NULL;
+    }
+    return code;
+}
+
+/* A refused setting: the message "what: config.FIELD: detail", the field and the
+ * detail kept apart as data. */
+static kiln_status fail_field(kiln_ctx *ctx, kiln_status code, const char *what, const char *field,
+                              const char *detail)
+{
+    fail(ctx, code, "%s: config.%s: %s", what, field, detail);
+    if (ctx) {
+        ctx->field = field;
+        set_str(&ctx->detail, detail);
+    } else {
+        thread_field = field;
+        snprintf(thread_detail, sizeof thread_detail, "%s", detail);
+    }
     return code;
 }
 
@@ -91,6 +124,13 @@ const char *kiln_last_message(const kiln_ctx *ctx)
 const char *kiln_last_traceback(const kiln_ctx *ctx)
 {
     return ctx && ctx->traceback ? ctx->traceback : "";
+}
+
+const char *kiln_last_config_field(const kiln_ctx *ctx, const char **detail)
+{
+    const char *field = ctx ? ctx->field : thread_field;
+    if (detail) *detail = !field ? "" : ctx ? (ctx->detail ? ctx->detail : "") : thread_detail;
+    return field;
 }
 
 const char *kiln_status_string(kiln_status status)
@@ -285,6 +325,8 @@ typedef struct {
     int n_args;
     kiln_image *out;
     kiln_image result;
+    const char *field;     /* kiln_open: the config field refused */
+    char detail[512];      /* and why */
 } job;
 
 /* Traceback handler: records the traceback, keeps the error value (a typed table
@@ -312,6 +354,32 @@ static const char *raw_string_field(lua_State *L, int idx, const char *key)
     return s;
 }
 
+/* The numeric field of an error table, without metamethods. */
+static uint64_t raw_size_field(lua_State *L, int idx, const char *key)
+{
+    lua_pushstring(L, key);
+    lua_rawget(L, idx);
+    lua_Integer v = lua_isinteger(L, -1) ? lua_tointeger(L, -1) : 0;
+    lua_pop(L, 1);
+    return v > 0 ? (uint64_t)v : 0;
+}
+
+/* kiln_memory_last_oom's record of the OOM error at idx: the typed table's fields
+ * (device, requested, free, budget); a host allocation of the API's own (no table) is
+ * "host" with nothing known. */
+static void record_oom(kiln_ctx *ctx, lua_State *L, int idx)
+{
+    memset(&ctx->oom, 0, sizeof ctx->oom);
+    const char *device = lua_type(L, idx) == LUA_TTABLE ? raw_string_field(L, idx, "device") : NULL;
+    snprintf(ctx->oom.device, sizeof ctx->oom.device, "%s", device ? device : "host");
+    if (device) {
+        ctx->oom.requested = raw_size_field(L, idx, "requested");
+        ctx->oom.free = raw_size_field(L, idx, "free");
+        ctx->oom.budget = raw_size_field(L, idx, "budget");
+    }
+    ctx->has_oom = 1;
+}
+
 /* Turns the error value on top of the stack (from a lua_pcall that returned rc) into
  * a status and message. */
 static kiln_status error_status(job *j, int rc)
@@ -319,7 +387,12 @@ static kiln_status error_status(job *j, int rc)
     kiln_ctx *ctx = j->ctx;
     lua_State *L = ctx->L;
     int top = lua_gettop(L);
-    if (rc == LUA_ERRMEM) return fail(ctx, KILN_ERR_OOM, "out of memory (Lua)");
+    if (rc == LUA_ERRMEM) {
+        fail(ctx, KILN_ERR_OOM, "out of memory (Lua)");
+        ctx->oom = (kiln_oom_info){.device = "lua"};
+        ctx->has_oom = 1;
+        return KILN_ERR_OOM;
+    }
     const char *kind = NULL, *msg = NULL;
     if (lua_type(L, top) == LUA_TTABLE) {
         kind = raw_string_field(L, top, "kind");
@@ -345,7 +418,9 @@ static kiln_status error_status(job *j, int rc)
     else if (j->status != KILN_OK) st = j->status;
     else st = KILN_ERR_SCRIPT;
     if (j->load_status != LUA_OK) set_str(&ctx->traceback, NULL); /* nothing ran */
-    return fail(ctx, st, "%s", msg);
+    fail(ctx, st, "%s", msg);
+    if (st == KILN_ERR_OOM) record_oom(ctx, L, top);
+    return st;
 }
 
 /* Runs fn(job) under lua_pcall with the traceback handler and the cancel hook; then
@@ -387,67 +462,48 @@ static kiln_status protected_run(job *j, lua_CFunction fn, const char *what)
 
 /* ---------------------------------------------------------------- open, close */
 
-/* kiln.configure's field names -> kiln_config's, for messages. */
-static const char *config_field(const char *field)
-{
-    static const char *const names[][2] = {
-        {"quiet", "verbose"}, {"trace", "trace"}, {"threads", "threads"},
-        {"device", "device"}, {"mode", "mode"}, {"budget", "memory_budget"},
-    };
-    for (size_t i = 0; field && i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(field, names[i][0]) == 0) return names[i][1];
-    return field ? field : "?";
-}
+/* kiln_config's name of each setting (ORDER SETTINGS, settings.h), for messages and
+ * kiln_last_config_field */
+static const char *const config_fields[KILN_SETTING_COUNT] = {
+    "", "trace", "threads", "device", "mode", "memory_budget", "precision",
+};
 
-/* The runtime options of the config go through kiln.configure, the one place that
- * applies them; a failure names the config field. */
+/* The runtime options of the config as kiln_settings, applied by the settings route
+ * kiln.configure takes too; a refusal names the config field (j->field). */
 static void configure(lua_State *L, job *j)
 {
     const kiln_config *cfg = j->config;
-    if (cfg->threads < 0) {
-        j->status = KILN_ERR_ARG;
-        luaL_error(L, "kiln_open: config.threads: %d is negative (0 = leave as is)", cfg->threads);
-    }
-    if (cfg->memory_budget > (uint64_t)LUA_MAXINTEGER) {
-        j->status = KILN_ERR_ARG;
-        luaL_error(L, "kiln_open: config.memory_budget: too large");
-    }
-    lua_getglobal(L, "kiln");
-    lua_getfield(L, -1, "configure");
-    lua_remove(L, -2);
-    lua_createtable(L, 0, 6);
-    /* no progress bars on the host's stderr unless it asks: progress goes to the callback */
-    lua_pushboolean(L, !cfg->verbose);
-    lua_setfield(L, -2, "quiet");
+    kiln_settings s = {.given = KILN_SETTING_BIT(KILN_SETTING_DEVICE), .device = j->ctx->device};
     if (cfg->trace) {
-        lua_pushstring(L, cfg->trace);
-        lua_setfield(L, -2, "trace");
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_TRACE);
+        s.trace = cfg->trace;
     }
-    if (cfg->threads > 0) {
-        lua_pushinteger(L, cfg->threads);
-        lua_setfield(L, -2, "threads");
+    if (cfg->threads != 0) { /* 0: leave as is */
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_THREADS);
+        s.threads = cfg->threads;
     }
-    lua_pushstring(L, j->ctx->device);
-    lua_setfield(L, -2, "device");
     if (cfg->mode) {
-        lua_pushstring(L, cfg->mode);
-        lua_setfield(L, -2, "mode");
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_MODE);
+        s.mode = cfg->mode;
     }
     if (cfg->memory_budget) {
-        lua_pushinteger(L, (lua_Integer)cfg->memory_budget);
-        lua_setfield(L, -2, "budget");
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_BUDGET);
+        s.budget = cfg->memory_budget;
     }
-    if (lua_pcall(L, 1, 0, 0) == LUA_OK) {
+    if (cfg->precision) {
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_PRECISION);
+        s.precision = cfg->precision;
+    }
+    kiln_setting failed = KILN_SETTING_NONE;
+    /* no progress bars on the host's stderr unless it asks: progress goes to the callback */
+    if (l_settings_apply(L, &s, !cfg->verbose, &failed) == KILN_OK) {
         j->ctx->trace_started = cfg->trace != NULL;
         return;
     }
     j->status = KILN_ERR_ARG;
-    if (lua_type(L, -1) == LUA_TTABLE) {
-        const char *field = raw_string_field(L, lua_gettop(L), "field");
-        const char *detail = raw_string_field(L, lua_gettop(L), "detail");
-        if (detail) luaL_error(L, "kiln_open: config.%s: %s", config_field(field), detail);
-    }
-    luaL_error(L, "kiln_open: %s", luaL_tolstring(L, -1, NULL));
+    j->field = config_fields[failed];
+    snprintf(j->detail, sizeof j->detail, "%s", kiln_last_error());
+    luaL_error(L, "kiln_open: config.%s: %s", j->field, j->detail);
 }
 
 static int open_state(lua_State *L)
@@ -457,6 +513,7 @@ static int open_state(lua_State *L)
     if (cfg->ignore_env) {
         lua_pushboolean(L, 1);
         lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
+        kiln_tunables_use_env(0);
     }
     luaL_openlibs(L);
     kiln_scripts_install(L);
@@ -480,25 +537,60 @@ static int open_state(lua_State *L)
 static void free_ctx(kiln_ctx *ctx)
 {
     free(ctx->message);
+    free(ctx->detail);
     free(ctx->traceback);
     free(ctx->summary);
     kiln_gate_free(ctx->gate);
     free(ctx);
 }
 
-kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
+/* The host's header against this library: the same major version, and while it is 0
+ * the same minor (0.x minors change the ABI); from 1.0 a newer minor library serves an
+ * older host. */
+static kiln_status check_version(int host)
 {
-    static const kiln_config defaults;
+    int lib = KILN_VERSION_NUMBER;
+    int hmajor = host / 10000, hminor = host / 100 % 100, lmajor = lib / 10000, lminor = lib / 100 % 100;
+    if (host > 0 && hmajor == lmajor && (lmajor == 0 ? hminor == lminor : hminor <= lminor)) return KILN_OK;
+    return fail(NULL, KILN_ERR_UNSUPPORTED,
+                "kiln_open: this program was built with kiln.h %d.%d.%d, but the kiln library it loaded is %s "
+                "(libkiln.so.%d): rebuild the program against the installed kiln.h",
+                hmajor, hminor, host % 100, kiln_version(), lmajor);
+}
+
+kiln_status kiln_open_v(int version, const kiln_config *config, kiln_ctx **out)
+{
     if (!out) return fail(NULL, KILN_ERR_ARG, "kiln_open: out is NULL");
     *out = NULL;
     thread_message[0] = '\0';
-    const kiln_config *cfg = config ? config : &defaults;
+    thread_field = NULL;
+    if (check_version(version) != KILN_OK) return KILN_ERR_UNSUPPORTED;
+    /* the fields the host's header has; the others keep their zero defaults. size 0
+     * is the host header's own size: while 0.x versions must match, this header's */
+    kiln_config full = {.size = sizeof full};
+    if (config) {
+        size_t size = config->size ? config->size : sizeof full;
+        if (size > sizeof full)
+            return fail(NULL, KILN_ERR_UNSUPPORTED,
+                        "kiln_open: config.size is %zu bytes, larger than this library's kiln_config (%zu bytes, "
+                        "kiln %s): the program was built with a newer kiln.h",
+                        size, sizeof full, kiln_version());
+        if (size < offsetof(kiln_config, device) + sizeof full.device)
+            return fail(NULL, KILN_ERR_ARG, "kiln_open: config.size %zu is too small (start from KILN_CONFIG_INIT)",
+                        size);
+        memcpy(&full, config, size);
+        full.size = sizeof full;
+    }
+    const kiln_config *cfg = &full;
     if (cfg->log_level < KILN_LOG_OFF || cfg->log_level > KILN_LOG_DEBUG)
         return fail(NULL, KILN_ERR_ARG, "kiln_open: config.log_level %d out of range (%d to %d)", (int)cfg->log_level,
                     KILN_LOG_OFF, KILN_LOG_DEBUG);
     const char *device = cfg->device ? cfg->device : "cpu";
-    if (strlen(device) >= sizeof ((kiln_ctx *)0)->device)
-        return fail(NULL, KILN_ERR_ARG, "kiln_open: config.device: unknown device '%.40s'", device);
+    if (strlen(device) >= sizeof ((kiln_ctx *)0)->device) {
+        char detail[96];
+        snprintf(detail, sizeof detail, "unknown device '%.40s'", device);
+        return fail_field(NULL, KILN_ERR_ARG, "kiln_open", "device", detail);
+    }
 
     kiln_ctx *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return fail(NULL, KILN_ERR_OOM, "kiln_open: out of memory");
@@ -525,7 +617,8 @@ kiln_status kiln_open(const kiln_config *config, kiln_ctx **out)
     job j = {.ctx = ctx, .config = cfg};
     kiln_status st = protected_run(&j, open_state, "kiln_open");
     if (st != KILN_OK) {
-        snprintf(thread_message, sizeof thread_message, "%s", kiln_last_message(ctx));
+        if (j.field) fail_field(NULL, st, "kiln_open", j.field, j.detail);
+        else fail(NULL, st, "%s", kiln_last_message(ctx));
         lua_close(ctx->L);
         free_ctx(ctx);
         return st;
@@ -840,7 +933,21 @@ kiln_status kiln_memory_set_budget(kiln_ctx *ctx, const char *device, uint64_t b
     kiln_device *d = find_device(ctx, device, "kiln_memory_set_budget");
     if (!d) return KILN_ERR_ARG;
     /* a call may be running: the change reaches it at its next suspend point */
-    kiln_allocator_set_budget_live(d->alloc, bytes);
+    kiln_settings s = {.given = KILN_SETTING_BIT(KILN_SETTING_BUDGET), .device = d->name, .budget = bytes,
+                       .budget_live = 1};
+    kiln_status st = kiln_settings_apply(&s, NULL);
+    if (st != KILN_OK) return fail_runtime(ctx, st, "kiln_memory_set_budget");
+    return KILN_OK;
+}
+
+kiln_status kiln_memory_last_oom(const kiln_ctx *ctx, kiln_oom_info *out)
+{
+    if (!ctx || !out) return fail(NULL, KILN_ERR_ARG, "kiln_memory_last_oom: %s is NULL", ctx ? "out" : "the context");
+    if (!ctx->has_oom) {
+        memset(out, 0, sizeof *out);
+        return KILN_ERR_STATE;
+    }
+    *out = ctx->oom;
     return KILN_OK;
 }
 
@@ -873,6 +980,7 @@ const char *kiln_memory_summary(kiln_ctx *ctx)
 
 const char *kiln_device_name_at(int i)
 {
+    kiln_backends_register_all(); /* a host may list devices before kiln_open */
     kiln_device *d = i >= 0 && i < kiln_device_count() ? kiln_device_at(i) : NULL;
     return d ? d->name : NULL;
 }

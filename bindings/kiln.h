@@ -2,7 +2,7 @@
  * state with the kiln runtime loaded), run scripts, call Lua functions with images
  * in and out, receive progress and log messages, cancel, read memory statistics.
  *
- *   kiln_config cfg = {0};                    all zero: defaults
+ *   kiln_config cfg = KILN_CONFIG_INIT;       defaults (= {0} works too)
  *   cfg.device = "cuda:0"; cfg.memory_budget = 6ull << 30;
  *   kiln_ctx *ctx;
  *   if (kiln_open(&cfg, &ctx) != KILN_OK) { puts(kiln_last_message(NULL)); return; }
@@ -12,8 +12,8 @@
  *   if (kiln_call(ctx, "generate", NULL, 0, args, 2, &img) == KILN_OK) { ...; kiln_image_free(&img); }
  *   kiln_close(ctx);
  *
- * Errors: every function that can fail returns a kiln_status; the message of the
- * last failure is kiln_last_message(ctx). The library never exits the process and
+ * Errors: every function that can fail returns a kiln_status (kiln_status.h, installed
+ * beside this header); the message of the last failure is kiln_last_message(ctx). The library never exits the process and
  * never writes to stdout: a script's print() goes to the log callback (unless the
  * config's print_stdout / real_exit ask for a terminal program's ways).
  *
@@ -37,13 +37,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The version of this header and of the library it came with (kiln_version()). */
-#define KILN_VERSION_MAJOR 0
-#define KILN_VERSION_MINOR 1
-#define KILN_VERSION_PATCH 0
+#include "kiln_status.h"
 
-/* Marks what libkiln exports: the functions below and luaopen_kiln; everything else
- * in the library is hidden. A host may define it first (e.g. as an import attribute). */
+/* The version of this header and of the library it came with (kiln_version()). The
+ * library's file is libkiln.so.MAJOR.MINOR.PATCH with the SONAME libkiln.so.MAJOR;
+ * kiln_open refuses a host built with a header whose MAJOR differs (or, while MAJOR is
+ * 0, whose MINOR differs: 0.x minor versions change the ABI). */
+#define KILN_VERSION_MAJOR 0
+#define KILN_VERSION_MINOR 2
+#define KILN_VERSION_PATCH 0
+/* 0.2.0 is 200, 1.3.12 is 10312: comparable with <, as a preprocessor number. */
+#define KILN_VERSION_NUMBER (KILN_VERSION_MAJOR * 10000 + KILN_VERSION_MINOR * 100 + KILN_VERSION_PATCH)
+
+/* Marks what libkiln exports: the functions below (luaopen_kiln included); everything
+ * else in the library is hidden. A host may define it first (e.g. as an import attribute). */
 #ifndef KILN_API
 #if defined(__GNUC__)
 #define KILN_API __attribute__((visibility("default")))
@@ -56,26 +63,11 @@
 extern "C" {
 #endif
 
-/* ---- status codes ----------------------------------------------------------- */
-
-/* The one definition of the status codes: the library's C core returns the same
- * values inside (its status names follow this order). ORDER STATUS */
-typedef enum {
-    KILN_OK = 0,
-    KILN_ERR_ARG,         /* bad argument: an image, a config field, a name, a shape, a dtype */
-    KILN_ERR_IO,          /* file system: a script or image that cannot be read or written */
-    KILN_ERR_FORMAT,      /* malformed file */
-    KILN_ERR_OOM,         /* out of memory: an allocation that does not fit a device's budget */
-    KILN_ERR_UNSUPPORTED, /* op, dtype or device not supported */
-    KILN_ERR_STATE,       /* used in the wrong state: busy in a callback, freed, closed */
-    KILN_ERR_CANCELLED,   /* stopped by kiln_cancel (or the script's kiln.cancel) */
-    KILN_STATUS_COUNT,
-    KILN_ERR_SCRIPT = 64  /* the script raised an error (syntax or run time): see the message */
-} kiln_status;
+/* ---- status codes (kiln_status.h), versions ------------------------------------ */
 
 /* "ok", "argument", ..., "cancelled", "script". */
 KILN_API const char *kiln_status_string(kiln_status status);
-/* "0.1.0": KILN_VERSION_MAJOR.MINOR.PATCH of the library (which may be newer than
+/* "0.2.0": KILN_VERSION_MAJOR.MINOR.PATCH of the library (which may be newer than
  * the header a host was built with). */
 KILN_API const char *kiln_version(void);
 /* The same string as kiln_version() (its older name). */
@@ -125,8 +117,15 @@ typedef void (*kiln_log_fn)(void *user, kiln_log_level level, const char *messag
 typedef void (*kiln_preview_fn)(void *user, int step, int total, const kiln_image *image);
 
 /* All fields may be zero (NULL config: all zero). Devices and their budgets belong
- * to the process: memory_budget and threads change them for every context. */
+ * to the process: memory_budget, threads and precision change them for every context.
+ * New fields are added at the end only; size tells the library which fields the host
+ * knows: a host built with an older header passes a smaller size and the fields past it
+ * take their defaults; a size larger than the library's (a header newer than the
+ * library) is refused. Start from KILN_CONFIG_INIT. */
 typedef struct {
+    size_t size;               /* sizeof(kiln_config) of the host's header (KILN_CONFIG_INIT
+                                  sets it); 0: the size of the header kiln_open was compiled
+                                  with */
     const char *device;        /* default device of new tensors: "cpu", "sim", "cuda:0";
                                   NULL = "cpu" */
     uint64_t memory_budget;    /* budget of that device in bytes; 0 = leave it as it is */
@@ -138,7 +137,9 @@ typedef struct {
     const char *script_path;   /* ';'-separated folders holding kiln/NAME.lua, searched before
                                   the scripts built into the library; NULL: $KILN_PATH;
                                   "": the built-in scripts only */
-    int ignore_env;            /* nonzero: ignore LUA_PATH, LUA_CPATH and KILN_PATH */
+    int ignore_env;            /* nonzero: ignore the environment: LUA_PATH, LUA_CPATH,
+                                  KILN_PATH, and the kernels' KILN_* tunables (for the whole
+                                  process from then on: the kernels are the process's) */
     const char *trace;         /* file to write a trace to (chrome://tracing, Perfetto), from
                                   kiln_open until kiln_close; NULL: none */
 
@@ -156,7 +157,15 @@ typedef struct {
     int source_tree;           /* nonzero, with script_path NULL and KILN_PATH unset: when the
                                   current folder is kiln's source tree, its scripts/ come first
                                   (edited scripts run without a rebuild) */
+
+    /* since 0.2 */
+    const char *precision;     /* arithmetic of the networks: "f32", "bf16", "f16", "auto" (each
+                                  device's own); NULL = leave as is */
 } kiln_config;
+
+/* A config with its size set and every other field zero (the defaults):
+ *   kiln_config cfg = KILN_CONFIG_INIT; */
+#define KILN_CONFIG_INIT {.size = sizeof(kiln_config)}
 
 /* "6G", "512M", "1.5GiB", "100000" -> bytes, in binary units (K = 1024), as a
  * memory_budget from a host's settings; KILN_ERR_ARG when text is not a size. The
@@ -166,9 +175,17 @@ KILN_API kiln_status kiln_parse_size(const char *text, uint64_t *bytes);
 /* Opens a context: a Lua state with the standard libraries and the kiln module (the
  * global `kiln`), configured by config. On failure *out is NULL and the message is
  * kiln_last_message(NULL); a bad runtime option (device, mode, memory_budget,
- * threads, trace) is KILN_ERR_ARG with a message "kiln_open: config.FIELD: why".
- * os.exit() in a script ends the script, not the process (unless real_exit). */
-KILN_API kiln_status kiln_open(const kiln_config *config, kiln_ctx **out);
+ * threads, trace, precision) is KILN_ERR_ARG with a message "kiln_open: config.FIELD:
+ * why", its field and reason also as data (kiln_last_config_field). A library of
+ * another version than the host's header (see KILN_VERSION_MAJOR) is
+ * KILN_ERR_UNSUPPORTED, the message naming both versions; so is a config.size larger
+ * than the library knows. os.exit() in a script ends the script, not the process
+ * (unless real_exit).
+ * kiln_open is a macro passing the header's version to kiln_open_v, the exported
+ * function; a host that loads the library by hand calls kiln_open_v with the version
+ * it was written for. */
+KILN_API kiln_status kiln_open_v(int version, const kiln_config *config, kiln_ctx **out);
+#define kiln_open(config, out) kiln_open_v(KILN_VERSION_NUMBER, (config), (out))
 /* Stops the config's trace (writing its file), closes the Lua state, which frees every
  * tensor and model it held, and returns the devices' cached blocks. NULL is fine. */
 KILN_API void kiln_close(kiln_ctx *ctx);
@@ -253,6 +270,14 @@ KILN_API void kiln_set_log(kiln_ctx *ctx, kiln_log_fn fn, void *user);
 KILN_API const char *kiln_last_message(const kiln_ctx *ctx);
 /* The Lua traceback of the last failed call ("" when none). */
 KILN_API const char *kiln_last_traceback(const kiln_ctx *ctx);
+/* When the last failure was a refused setting (kiln_open's config fields): the field's
+ * name as kiln_config spells it ("memory_budget", "device", "threads", ...), and in
+ * *detail (when detail is not NULL) the reason alone ("invalid ..."), without the
+ * message's "kiln_open: config.FIELD: ", for a host that reports it its own way (the
+ * kiln program says "--vram"). NULL (and *detail "") when the last failure was about
+ * no field. ctx NULL: this thread's last call without a context. Valid as
+ * kiln_last_message. */
+KILN_API const char *kiln_last_config_field(const kiln_ctx *ctx, const char **detail);
 
 /* ---- memory ---------------------------------------------------------------- */
 
@@ -281,6 +306,10 @@ KILN_API kiln_status kiln_memory_set_budget(kiln_ctx *ctx, const char *device, u
 KILN_API const char *kiln_memory_summary(kiln_ctx *ctx);
 /* The i-th device present (0 = "cpu"), NULL past the last. */
 KILN_API const char *kiln_device_name_at(int i);
+/* After a call on ctx returned KILN_ERR_OOM: the allocation that did not fit (device,
+ * bytes requested, bytes free, budget; device "lua" when Lua's own allocator failed).
+ * KILN_ERR_STATE when the last failed call on ctx was not out of memory. */
+KILN_API kiln_status kiln_memory_last_oom(const kiln_ctx *ctx, kiln_oom_info *out);
 
 /* ---- PNG files -------------------------------------------------------------- */
 
@@ -293,11 +322,20 @@ KILN_API kiln_status kiln_image_save_png(kiln_ctx *ctx, const kiln_image *image,
 
 /* ---- advanced ---------------------------------------------------------------- */
 
+/* The i-th Lua module built into the library ("kiln.unet"; what require finds when no
+ * script folder has it), NULL past the last. */
+KILN_API const char *kiln_script_name_at(int i);
+
 /* The context's lua_State, for hosts that register their own functions. Enter Lua
  * only through lua_pcall, leave the stack as you found it, do not close it; kiln_cancel
  * and the progress callback work only inside kiln_run_* and kiln_call. */
 struct lua_State;
 KILN_API struct lua_State *kiln_lua_state(kiln_ctx *ctx);
+/* The Lua module entry point: require "kiln" from a Lua 5.4 interpreter loads it from
+ * kiln.so; a host with its own lua_State may call it (luaL_requiref(L, "kiln",
+ * luaopen_kiln, 1)) to have the kiln table without a kiln_ctx (no callbacks, no
+ * cancel then). */
+KILN_API int luaopen_kiln(struct lua_State *L);
 
 #ifdef __cplusplus
 }

@@ -320,10 +320,11 @@ function kiln.quiet() end
 ---@field threads? integer CPU threads (0: one per core)
 ---@field quiet? boolean
 ---@field trace? string|false a trace file to write; false stops a running trace
+---@field precision? "f32"|"bf16"|"f16"|"auto" arithmetic of the networks ("auto": each device's own)
 
----The one setup path of a runtime (the kiln program's options, kiln.h contexts and
+---The one settings route of a runtime (the kiln program's options, kiln.h contexts and
 ---scripts go through it). Absent fields are left as they are; a bad field raises a
----usage error ({kind = "usage", field =, message =}).
+---usage error ({kind = "usage", field =, detail =, message = "field: detail"}).
 ---@param config kiln.Config
 function kiln.configure(config) end
 
@@ -511,6 +512,12 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
+---The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl");
+---ckpt.family is one of them. Each is a module under kiln.families.*, listed by the
+---registry require("kiln.family") (register(def) adds one at run time).
+---@type string[]
+kiln.families = {}
+
 ---@class kiln.ControlNet: kiln.Model
 ---@field config table hyper-parameters read from the shapes (unet.config's, plus hint_channels)
 ---@field tileable? "x"|"y"|"xy" circular padding as the UNet's (the pipelines set it for tileable runs)
@@ -566,6 +573,30 @@ function Upscaler:forward(x) end
 ---@param path string
 ---@return kiln.Upscaler
 function kiln.load_upscaler(path) end
+
+---Google's T5 v1.1 text encoder (Flux, SD 3.5, PixArt), also its weight store: load,
+---offload, unload, bytes, {resident = bytes}; mode "low" streams it block by block.
+---Computes in f32 or bf16 (kiln.precision; under "f16" in f32 on the CPU, bf16 elsewhere).
+---@class kiln.T5: kiln.Model
+---@field config table d_model, heads, d_kv, inner, d_ff, vocab, blocks, buckets, layout, dtype
+local T5 = {}
+
+---Token ids (an integer tensor [B, n] or [n], or Lua lists) -> the last hidden state
+---[B, n, d_model] f32, as transformers' T5EncoderModel(ids).last_hidden_state (no mask).
+---An id outside the vocabulary is an error.
+---@param ids kiln.Tensor|integer[]|integer[][]
+---@return kiln.Tensor
+function T5:forward(ids) end
+
+---Loads a T5 v1.1 encoder: ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn(_scaled) .safetensors
+---(transformers' names under any prefix), a GGUF file in llama.cpp's names (q8_0, K-quants,
+---...), or a diffusers folder (text_encoder_2/ itself, or the pipeline folder). The
+---hyper-parameters come from the shapes (heads from the relative attention bias table;
+---opts.heads, a num_heads in the file or its config.json must agree).
+---@param path string
+---@param opts? {heads?: integer}
+---@return kiln.T5
+function kiln.load_t5(path, opts) end
 
 -- ---------------------------------------------------------------- TAESD, previews
 
@@ -666,6 +697,17 @@ function kiln.image.resize(img, w, h, opts) end
 ---@param path? string
 ---@return kiln.Tokenizer
 function kiln.tokenizer(path) end
+
+---T5 v1.1's tokenizer (Flux, SD 3.5, PixArt ... condition on T5): SentencePiece's
+---Unigram model with T5's own vocabulary, built into kiln (runtime/data/LICENSE-T5).
+---@class kiln.t5
+kiln.t5 = {}
+
+---T5 v1.1 token ids of text, exactly as SentencePiece gives them, ending in 1 (</s>),
+---no padding; any bytes (malformed UTF-8 reads as U+FFFD, as in SentencePiece).
+---@param text string
+---@return integer[]
+function kiln.t5.tokenize(text) end
 
 -- ---------------------------------------------------------------- kiln.nn
 
@@ -1504,6 +1546,18 @@ function kiln.util.is_usage_error(e) end
 ---@return boolean
 function kiln.util.is_oom(e) end
 
+---"[a, b, c]": a shape (a list of sizes) or a tensor's shape, for messages.
+---@param x integer[]|kiln.Tensor
+---@return string
+function kiln.util.shape_str(x) end
+
+---Raises "WHO: 'path': msg" (or "WHO: msg" without a path) as a string error at level (default 0).
+---@param who string
+---@param path string?
+---@param msg string
+---@param level integer?
+function kiln.util.file_error(who, path, msg, level) end
+
 ---The keys of a table, sorted.
 ---@param t table
 ---@return any[]
@@ -2148,7 +2202,10 @@ kiln.comfy = {}
 
 ---Runs a workflow (a .json or .png path, JSON text or a decoded table). Returns the files
 ---written and a report {nodes = {{id, class_type, peak, seconds}...}, peak, previews}
----(with dry_run: {plan, text}). Bad graphs raise "kiln.comfy: ..." before anything runs.
+---(with dry_run: {plan, text}). Bad graphs and values outside a node's spec raise
+---"kiln.comfy: ..." before anything runs. A node's peak is the device's highest bytes while
+---it ran (its stage in kiln.mem.timeline); the device's own peak counter is left alone, so
+---kiln.mem.reset_peak before and kiln.mem.stats after measure the whole run.
 ---@param src string|table
 ---@param opts? kiln.ComfyOptions
 ---@return string[] files
@@ -2166,9 +2223,74 @@ function kiln.comfy.plan(src, opts) end
 ---@return table<string, string|false>
 function kiln.comfy.png_text(path) end
 
----The node types kiln runs, sorted.
+---The node types kiln runs (built in and added with kiln.comfy.add_node), sorted.
 ---@return string[]
 function kiln.comfy.supported() end
+
+---One input of a node definition: {name, type, default =, min =, max =, step =, optional =}.
+---type: "INT", "FLOAT", "STRING", "BOOLEAN", a list of values (a combo: the value must be
+---one of them; its default the first), "COMBO" with `choices` (a list or a function
+---returning one), "FILE:<folder>" (a file name found under the models folder, e.g.
+---"FILE:checkpoints"; "FILE:input" for LoadImage's pictures) or an upper-case link type
+---("MODEL", "CLIP", "VAE", "LATENT", "IMAGE", "MASK", "CONDITIONING", ... any name a node
+---outputs). min/max/step/default as ComfyUI's INPUT_TYPES gives them: a value outside
+---[min, max] or not in a combo's list is refused before the run, naming the node id,
+---class, input, value and range; a value left out takes its default; an optional input
+---without one is nil in the run's arguments.
+---@class kiln.ComfyInput
+---@field [1] string the input's name as workflows spell it
+---@field [2] string|(string|number)[] its type, or a combo's list
+---@field default? any the value a workflow may leave out (not for links)
+---@field min? number INT / FLOAT: the smallest value taken
+---@field max? number INT / FLOAT: the largest value taken
+---@field step? number INT / FLOAT: the widget's step (ComfyUI checks only min and max; so does kiln)
+---@field round? number FLOAT: ComfyUI's rounding of the widget
+---@field optional? boolean may be left out (ComfyUI's "optional" inputs)
+---@field choices? string[]|fun(): string[] a COMBO's values
+---@field tooltip? string
+---@field multiline? boolean
+
+---A node definition for kiln.comfy.add_node. run(ctx, args) gets each input by name (a
+---linked input as the value the other node produced: {type = T, ...}, an IMAGE's tensor
+---in .t, a LATENT's in .samples, a MASK's in .t, a literal output's number or string in
+---.value) and returns the list of its outputs, one value per entry of `outputs`, made with
+---ctx:image(t), ctx:latent(samples [, noise_mask]), ctx:mask(t) or
+---ctx:value(type, fields [, tensors, models]) (the tensors listed are freed after their
+---last reader). ctx:fail(msg) raises naming the node; ctx.device is the run's device.
+---@class kiln.ComfyNode
+---@field inputs? kiln.ComfyInput[]
+---@field outputs string[] the types it returns ({} for an output node)
+---@field run fun(ctx: table, args: table): table
+---@field output? boolean an output node (SaveImage, PreviewImage): the graph runs what leads to one
+---@field category? string ComfyUI's menu path ("image/upscaling")
+---@field description? string
+---@field model_file? string the FILE: input naming a UNet file (the graph's latent scale comes from it)
+
+---Adds a node type for the workflows run after it (kiln.comfy.run / plan, `kiln comfy`),
+---or with opts.replace = true replaces one (a built-in one too). The definition is checked
+---whole first; a bad one raises "kiln.comfy.add_node: NAME: ..." naming the field.
+---@param name string the class_type workflows use
+---@param def kiln.ComfyNode
+---@param opts? {replace?: boolean}
+---@return table definition the stored definition
+function kiln.comfy.add_node(name, def, opts) end
+
+---A checked and scheduled plan as text: a line per node with its estimated (or, after a
+---dry run, predicted) peak and what is freed after it.
+---@param plan table from kiln.comfy.plan
+---@param opts? kiln.ComfyOptions
+---@return string
+function kiln.comfy.format_plan(plan, opts) end
+
+---Bytes as text ("1.5 MiB").
+---@param bytes integer
+---@return string
+function kiln.comfy.human(bytes) end
+
+---`kiln comfy FILE.json|FILE.png --models DIR [--output DIR] ...`: the command line's
+---arguments (or one list of them).
+---@param ... string
+function kiln.comfy.main(...) end
 
 -- ---------------------------------------------------------------- errors
 

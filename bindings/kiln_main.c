@@ -1,6 +1,7 @@
 /* kiln_main.c - the `kiln` program: Lua 5.4's standalone interpreter (lua.c) as a
- * host of kiln.h: one kiln_open whose config carries the runtime options, then -e, -l,
- * the script and the REPL on kiln_lua_state (line input: repl_input.c; results: kiln.repl). */
+ * host of kiln.h alone (no private header): one kiln_open whose config carries the
+ * runtime options, then -e, -l, the script and the REPL on kiln_lua_state (line input:
+ * repl_input.c; results: kiln.repl). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <signal.h>
@@ -552,26 +553,23 @@ static void doREPL(lua_State *L, const cli_options *opt)
 
 /* ---------------------------------------------------------------- the context */
 
-/* kiln_open's "kiln_open: config.FIELD: detail" -> "--OPTION: detail". */
+/* A refused config field (kiln_last_config_field) said as the command line said it:
+ * "--OPTION: detail", a usage error. */
 static void report_open_failure(kiln_status st)
 {
     static const char *const options[][2] = {
         {"device", "--device"}, {"mode", "--mode"}, {"memory_budget", "--vram"},
-        {"threads", "--threads"}, {"trace", "--trace"}, {"verbose", "--quiet"},
+        {"threads", "--threads"}, {"trace", "--trace"}, {"precision", "--precision"},
     };
-    static const char prefix[] = "kiln_open: config.";
-    const char *msg = kiln_last_message(NULL);
-    if (st == KILN_ERR_ARG && strncmp(msg, prefix, sizeof prefix - 1) == 0) {
-        const char *field = msg + sizeof prefix - 1;
-        size_t n = strcspn(field, ":");
-        for (size_t i = 0; i < sizeof options / sizeof options[0]; i++)
-            if (strlen(options[i][0]) == n && strncmp(field, options[i][0], n) == 0 && field[n] == ':') {
-                fprintf(stderr, "%s: %s:%s\n", PROGNAME, options[i][1], field + n + 1);
-                usage_failed = 1;
-                return;
-            }
-    }
-    fprintf(stderr, "%s: %s\n", PROGNAME, msg);
+    const char *detail;
+    const char *field = kiln_last_config_field(NULL, &detail);
+    for (size_t i = 0; field && i < sizeof options / sizeof options[0]; i++)
+        if (strcmp(field, options[i][0]) == 0) {
+            fprintf(stderr, "%s: %s: %s\n", PROGNAME, options[i][1], detail);
+            usage_failed = 1;
+            return;
+        }
+    fprintf(stderr, "%s: %s\n", PROGNAME, kiln_last_message(NULL));
     if (st == KILN_ERR_ARG) usage_failed = 1;
 }
 
@@ -587,13 +585,13 @@ static void on_log(void *user, kiln_log_level level, const char *message)
 
 static kiln_ctx *open_context(const cli_options *opt)
 {
-    kiln_config cfg;
-    memset(&cfg, 0, sizeof cfg);
+    kiln_config cfg = KILN_CONFIG_INIT;
     cfg.device = opt->device;
     cfg.mode = opt->mode;
     cfg.memory_budget = opt->vram_bytes;
     cfg.threads = opt->threads;
     cfg.trace = opt->trace;
+    cfg.precision = opt->precision;
     cfg.ignore_env = (opt->flags & HAS_NOENV) != 0;
     cfg.log = on_log;
     /* a terminal program: stock Lua's print, os.exit and warnings, progress on stderr */
@@ -697,15 +695,6 @@ int main(int argc, char **argv)
     kiln_ctx *ctx = open_context(&opt);
     if (ctx == NULL) return usage_failed ? EXIT_USAGE : EXIT_FAILURE;
     lua_State *L = kiln_lua_state(ctx);
-    if (opt.precision) { /* kiln.precision(NAME), as a script would set it */
-        lua_getglobal(L, "kiln");
-        if (lua_istable(L, -1) && lua_getfield(L, -1, "precision") == LUA_TFUNCTION) {
-            lua_pushstring(L, opt.precision);
-            if (lua_pcall(L, 1, 0, 0) != LUA_OK)
-                fprintf(stderr, "%s: --precision %s: %s\n", PROGNAME, opt.precision, lua_tostring(L, -1));
-        }
-        lua_settop(L, 0);
-    }
     lua_pushcfunction(L, pmain);
     lua_pushinteger(L, argc);
     lua_pushlightuserdata(L, argv);

@@ -219,6 +219,91 @@ const char *l_opt_str_field(lua_State *L, int idx, const char *key, const char *
     return s;
 }
 
+/* ---------- hooks ---------- */
+
+#define HOOKS_KEY "kiln.hooks" /* registry: table name -> registered function */
+
+/* ORDER HOOK: the callbacks C makes into scripts, and the module that registers each
+ * when it loads. NULL provider: optional (kiln.stream adapts only passes it runs, so
+ * when it never loaded there is nothing to adapt). */
+static const char *const hook_names[] = {
+    "stream_adapt", /* kiln.suspend_point: adapt(device, excess) */
+    "mem_estimate", /* kiln.mem.estimate(fn, inputs [, opts]) -> bytes, details */
+    NULL,
+};
+static const char *const hook_providers[] = {NULL, "kiln.tiling"};
+
+static int hook_index(const char *name)
+{
+    for (int i = 0; hook_names[i]; i++)
+        if (strcmp(hook_names[i], name) == 0) return i;
+    return -1;
+}
+
+/* [-0, +1, m] the hooks table (created on first use) */
+static void push_hooks(lua_State *L)
+{
+    if (lua_getfield(L, LUA_REGISTRYINDEX, HOOKS_KEY) == LUA_TTABLE) return;
+    lua_pop(L, 1);
+    lua_newtable(L);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, HOOKS_KEY);
+}
+
+static int get_hook(lua_State *L, const char *name)
+{
+    push_hooks(L);
+    if (lua_getfield(L, -1, name) == LUA_TFUNCTION) {
+        lua_remove(L, -2);
+        return 1;
+    }
+    lua_pop(L, 2);
+    return 0;
+}
+
+int l_hook_push(lua_State *L, const char *name)
+{
+    int i = hook_index(name);
+    if (i < 0) return luaL_error(L, "kiln: unknown hook '%s'", name);
+    if (get_hook(L, name)) return 1;
+    if (!hook_providers[i]) return 0;
+    lua_getglobal(L, "require");
+    lua_pushstring(L, hook_providers[i]);
+    lua_call(L, 1, 0);
+    if (get_hook(L, name)) return 1;
+    return luaL_error(L, "kiln: hook '%s' is not registered: %s did not call kiln._register_hook(\"%s\", fn) when it loaded",
+                      name, hook_providers[i], name);
+}
+
+/* kiln._register_hook(name, fn) [-0, +0, v]: fn replaces what name had */
+static int register_hook(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    luaL_checktype(L, 2, LUA_TFUNCTION);
+    if (hook_index(name) < 0) return l_enum_error(L, 1, "hook", name, hook_names);
+    push_hooks(L);
+    lua_pushvalue(L, 2);
+    lua_setfield(L, -2, name);
+    return 0;
+}
+
+/* kiln._hook(name) -> the registered function, or nil (no loading) */
+static int hook_get(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    if (hook_index(name) < 0) return l_enum_error(L, 1, "hook", name, hook_names);
+    if (!get_hook(L, name)) lua_pushnil(L);
+    return 1;
+}
+
+void l_open_hooks(lua_State *L)
+{
+    lua_pushcfunction(L, register_hook);
+    lua_setfield(L, -2, "_register_hook");
+    lua_pushcfunction(L, hook_get);
+    lua_setfield(L, -2, "_hook");
+}
+
 /* ---------- output ---------- */
 
 const char *l_push_bytes(lua_State *L, double bytes)

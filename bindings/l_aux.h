@@ -53,6 +53,21 @@ lua_Number l_opt_num_field(lua_State *L, int idx, const char *key, lua_Number de
 int l_opt_bool_field(lua_State *L, int idx, const char *key, int def);
 const char *l_opt_str_field(lua_State *L, int idx, const char *key, const char *def);
 
+/* ---- hooks: Lua functions the C side calls back -------------------------------------
+ * A script module registers its callback when it loads (kiln._register_hook(name, fn),
+ * kept in the registry), so C never reaches into a module's fields by name. The names
+ * and their providers are one table in l_aux.c (ORDER HOOK). */
+
+/* Pushes the function registered as name and returns 1, or pushes nothing and returns
+ * 0. A hook with a provider module that is not registered yet loads that module once
+ * (require) first, and raises a clear error if it still did not register; a hook
+ * without one is optional (absent: nothing to call back). An unknown name raises.
+ *                                                                  [-0, +(0|1), e] */
+int l_hook_push(lua_State *L, const char *name);
+/* Adds kiln._register_hook(name, fn) and kiln._hook(name) -> fn or nil (for tests) to
+ * the kiln table at -1. */
+void l_open_hooks(lua_State *L);
+
 /* ---- output --------------------------------------------------------------------- */
 
 /* Pushes bytes as people read them ("1.50 GiB"; kiln_format_bytes). [-0, +1, m] */

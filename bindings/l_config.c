@@ -1,12 +1,16 @@
-/* l_config.c - the one setup path of a runtime (kiln.configure, used by the kiln
- * program, kiln.h contexts and scripts), kiln.parse_size (the only size parser), and
- * the allocators' pressure hook: a GC of the Lua state running on the calling thread. */
+/* l_config.c - the runtime settings from Lua: kiln.configure and l_settings_apply (the
+ * settings route of runtime/settings.c plus what belongs to a Lua state: the quiet flag
+ * and the default device; kiln_open comes here too), kiln.parse_size (the only size
+ * parser), and the allocators' pressure hook: a GC of the Lua state running on the
+ * calling thread. */
 #define _POSIX_C_SOURCE 200809L
 #include "l_config.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/events.h"
 #include "../runtime/model.h"
+#include "../runtime/settings.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -77,10 +81,8 @@ static int l_parse_size_lua(lua_State *L)
 
 /* ---------------------------------------------------------------- configure */
 
-/* ORDER FIELDS: the order configure applies them in (the quiet flag and the trace
- * first, so that what the others do is quiet and traced). */
-static const char *const fields[] = {"quiet", "trace", "threads", "device", "mode", "budget", NULL};
-#define MAX_THREADS 256 /* as kiln.set_threads */
+/* ORDER FIELDS: kiln.configure's fields; the runtime's are kiln_setting_name's (settings.h) */
+static const char *const fields[] = {"quiet", "trace", "threads", "device", "mode", "budget", "precision", NULL};
 
 static int error_message(lua_State *L)
 {
@@ -88,9 +90,9 @@ static int error_message(lua_State *L)
     return 1;
 }
 
-/* Raises {kind = "usage", field = field, message = "field: detail"} (a kiln.Error):
- * a bad option value is the caller's mistake, and the kiln program reports such an
- * error on one line, without a traceback. */
+/* Raises {kind = "usage", field = field, detail = why, message = "field: why"} (a
+ * kiln.Error): a bad option value is the caller's mistake, and the kiln program reports
+ * such an error on one line, without a traceback. */
 static int config_error(lua_State *L, const char *field, const char *fmt, ...)
 {
     va_list ap;
@@ -114,36 +116,39 @@ static int config_error(lua_State *L, const char *field, const char *fmt, ...)
     return lua_error(L);
 }
 
-/* Pushes kiln.<name> (name may be "mem.set_budget") from the kiln table at kidx. */
-static void push_setter(lua_State *L, int kidx, const char *name)
+kiln_status l_settings_apply(lua_State *L, const kiln_settings *settings, int quiet, kiln_setting *failed)
 {
-    const char *dot = strchr(name, '.');
-    if (dot) {
-        lua_pushlstring(L, name, (size_t)(dot - name));
-        lua_gettable(L, kidx);
-        lua_getfield(L, -1, dot + 1);
-        lua_remove(L, -2);
-    } else {
-        lua_getfield(L, kidx, name);
+    kiln_settings s = *settings;
+    int set_default = (s.given & KILN_SETTING_BIT(KILN_SETTING_DEVICE)) != 0;
+    if ((s.given & KILN_SETTING_BIT(KILN_SETTING_BUDGET)) && !set_default) s.device = l_default_device(L)->name;
+    kiln_status st = kiln_settings_check(&s, failed);
+    if (st != KILN_OK) return st;
+    if (quiet >= 0) { /* first: what the others do is quiet */
+        lua_pushboolean(L, quiet);
+        lua_setfield(L, LUA_REGISTRYINDEX, "kiln.quiet");
     }
-    if (!lua_isfunction(L, -1)) luaL_error(L, "kiln.configure: kiln.%s is missing", name);
+    st = kiln_settings_apply(&s, failed);
+    if (st != KILN_OK) return st;
+    if (set_default) l_set_default_device(L, kiln_device_get(s.device));
+    return KILN_OK;
 }
 
-/* Calls the setter under its nargs arguments; its failure is the field's. */
-static void call_setter(lua_State *L, const char *field, int nargs, int nres)
+/* The string field at idx, or a usage error naming it. */
+static const char *check_string(lua_State *L, int idx, const char *field, const char *what)
 {
-    if (lua_pcall(L, nargs, nres, 0) != LUA_OK) config_error(L, field, "%s", luaL_tolstring(L, -1, NULL));
+    if (lua_type(L, idx) != LUA_TSTRING) config_error(L, field, "expected %s, got %s", what, luaL_typename(L, idx));
+    return lua_tostring(L, idx);
 }
 
-/* kiln.configure{device=, mode=, budget=, threads=, quiet=, trace=}: checks every
- * field, then applies them through the kiln table's own setters. Absent fields are
- * left as they are. budget is bytes or a size string, for the device given (else the
- * default device); mode "auto" leaves the mode to the planner of each run; trace =
- * false stops a running trace. A bad field raises a usage error naming it.
- *                                                                    [-0, +0, e] */
+/* kiln.configure{device=, mode=, budget=, threads=, quiet=, trace=, precision=}: the
+ * fields as a kiln_settings, checked and applied by kiln_settings_apply (the route
+ * kiln_open takes too). Absent fields are left as they are. budget is bytes or a size
+ * string, for the device given (else the default device); mode "auto" leaves the mode
+ * to the planner of each run; trace = false stops a running trace; precision "auto"
+ * gives each device its own. A bad field raises a usage error naming it (its field
+ * and detail as data).                                               [-0, +0, e] */
 static int l_configure(lua_State *L)
 {
-    const int kidx = lua_upvalueindex(1);
     luaL_checktype(L, 1, LUA_TTABLE);
     lua_settop(L, 1);
     /* unknown fields first: a misspelt option must not be silently ignored */
@@ -165,86 +170,48 @@ static int l_configure(lua_State *L)
             return config_error(L, luaL_tolstring(L, -2, NULL), "unknown field (expected one of: %s)", list);
         }
     }
-    /* 2 quiet, 3 trace, 4 threads, 5 device, 6 mode, 7 budget */
+    /* 2 quiet, 3 trace, 4 threads, 5 device, 6 mode, 7 budget, 8 precision */
     for (int i = 0; fields[i]; i++) lua_getfield(L, 1, fields[i]);
-    const int quiet = 2, trace = 3, threads = 4, device = 5, mode = 6, budget = 7;
+    const int quiet = 2, trace = 3, threads = 4, device = 5, mode = 6, budget = 7, precision = 8;
 
+    kiln_settings s = {0};
     if (!lua_isnil(L, quiet) && !lua_isboolean(L, quiet))
         config_error(L, "quiet", "expected a boolean, got %s", luaL_typename(L, quiet));
-    if (!lua_isnil(L, trace) && lua_type(L, trace) != LUA_TSTRING && !(lua_isboolean(L, trace) && !lua_toboolean(L, trace)))
-        config_error(L, "trace", "expected a file name or false, got %s", luaL_typename(L, trace));
+    if (!lua_isnil(L, trace)) {
+        if (lua_type(L, trace) != LUA_TSTRING && !(lua_isboolean(L, trace) && !lua_toboolean(L, trace)))
+            config_error(L, "trace", "expected a file name or false, got %s", luaL_typename(L, trace));
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_TRACE);
+        s.trace = lua_tostring(L, trace); /* NULL for false: stop */
+    }
     if (!lua_isnil(L, threads)) {
         int ok;
         lua_Integer n = lua_tointegerx(L, threads, &ok);
         if (!ok || lua_type(L, threads) != LUA_TNUMBER)
             config_error(L, "threads", "expected an integer, got %s", luaL_tolstring(L, threads, NULL));
-        if (n < 0 || n > MAX_THREADS)
-            config_error(L, "threads", "%I is out of range (0 = one per core, up to %d)", n, MAX_THREADS);
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_THREADS);
+        s.threads = n < INT_MIN ? INT_MIN : n > INT_MAX ? INT_MAX : (int)n; /* the range is the settings' to check */
     }
     if (!lua_isnil(L, device)) {
-        if (lua_type(L, device) != LUA_TSTRING)
-            config_error(L, "device", "expected a device name, got %s", luaL_typename(L, device));
-        if (!kiln_device_get(lua_tostring(L, device))) config_error(L, "device", "%s", kiln_last_error());
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_DEVICE);
+        s.device = check_string(L, device, "device", "a device name");
     }
     if (!lua_isnil(L, mode)) {
-        if (lua_type(L, mode) != LUA_TSTRING)
-            config_error(L, "mode", "expected a memory mode, got %s", luaL_typename(L, mode));
-        const char *m = lua_tostring(L, mode);
-        if (strcmp(m, "auto") != 0 && kiln_memory_mode_from_name(m) < 0) {
-            luaL_Buffer b;
-            luaL_buffinit(L, &b);
-            for (int i = 0; i < KILN_MEM_MODE_COUNT; i++) {
-                luaL_addstring(&b, kiln_memory_mode_name((kiln_memory_mode)i));
-                luaL_addstring(&b, ", ");
-            }
-            luaL_addstring(&b, "auto");
-            luaL_pushresult(&b);
-            config_error(L, "mode", "unknown memory mode '%s' (expected one of: %s)", m, lua_tostring(L, -1));
-        }
-    }
-    uint64_t budget_bytes = 0;
-    if (!lua_isnil(L, budget) && !check_size(L, budget, &budget_bytes))
-        config_error(L, "budget", "invalid size '%s' (expected " SIZE_EXAMPLES ")", luaL_tolstring(L, budget, NULL));
-
-    if (!lua_isnil(L, quiet)) {
-        push_setter(L, kidx, "set_quiet");
-        lua_pushvalue(L, quiet);
-        call_setter(L, "quiet", 1, 0);
-    }
-    if (lua_toboolean(L, trace)) {
-        push_setter(L, kidx, "trace.start");
-        lua_pushvalue(L, trace);
-        call_setter(L, "trace", 1, 0);
-    } else if (!lua_isnil(L, trace)) {
-        push_setter(L, kidx, "trace.stop");
-        call_setter(L, "trace", 0, 0);
-    }
-    if (!lua_isnil(L, threads)) {
-        push_setter(L, kidx, "set_threads");
-        lua_pushvalue(L, threads);
-        call_setter(L, "threads", 1, 0);
-    }
-    if (!lua_isnil(L, device)) {
-        push_setter(L, kidx, "set_default_device");
-        lua_pushvalue(L, device);
-        call_setter(L, "device", 1, 0);
-    }
-    if (!lua_isnil(L, mode) && strcmp(lua_tostring(L, mode), "auto") != 0) {
-        push_setter(L, kidx, "memory_mode");
-        lua_pushvalue(L, mode);
-        call_setter(L, "mode", 1, 0);
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_MODE);
+        s.mode = check_string(L, mode, "mode", "a memory mode");
     }
     if (!lua_isnil(L, budget)) {
-        push_setter(L, kidx, "mem.set_budget");
-        if (!lua_isnil(L, device)) {
-            lua_pushvalue(L, device);
-        } else {
-            push_setter(L, kidx, "default_device");
-            call_setter(L, "budget", 0, 1);
-        }
-        lua_pushinteger(L, (lua_Integer)budget_bytes);
-        call_setter(L, "budget", 2, 0);
+        if (!check_size(L, budget, &s.budget))
+            config_error(L, "budget", "invalid size '%s' (expected " SIZE_EXAMPLES ")", luaL_tolstring(L, budget, NULL));
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_BUDGET);
     }
+    if (!lua_isnil(L, precision)) {
+        s.given |= KILN_SETTING_BIT(KILN_SETTING_PRECISION);
+        s.precision = check_string(L, precision, "precision", "a precision");
+    }
+    kiln_setting failed;
+    int q = lua_isnil(L, quiet) ? -1 : lua_toboolean(L, quiet);
+    if (l_settings_apply(L, &s, q, &failed) != KILN_OK)
+        config_error(L, kiln_setting_name(failed), "%s", kiln_last_error());
     return 0;
 }
 
@@ -360,8 +327,7 @@ static void track_state(lua_State *L)
 
 void l_open_config(lua_State *L)
 {
-    lua_pushvalue(L, -1); /* the kiln table, upvalue of configure */
-    lua_pushcclosure(L, l_configure, 1);
+    lua_pushcfunction(L, l_configure);
     lua_setfield(L, -2, "configure");
     lua_pushcfunction(L, l_parse_size_lua);
     lua_setfield(L, -2, "parse_size");

@@ -1,7 +1,7 @@
 /* l_fault.c - kiln.fault: the test hook of runtime/fault.h from Lua.
  *   kiln.fault.arm("alloc" | "write", n)  -- the n-th such event from now fails (0: off)
  *   kiln.fault.count("alloc" | "write")   -- events since the last arm */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/fault.h"
 
 static kiln_fault_kind check_kind(lua_State *L, int idx)

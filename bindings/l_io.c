@@ -2,7 +2,7 @@
  * kiln.load_gguf / save_gguf (zero-copy mmap views on the CPU), kiln.load_png /
  * save_png. */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/png_io.h"
 #include "../runtime/safetensors.h"
 #include "../runtime/gguf.h"

@@ -2,7 +2,7 @@
  * into Lua values) and encode (Lua values to compact JSON text), and kiln.json.null,
  * the value JSON's null decodes to. Both directions stop at the reader's nesting
  * depth, so what encode writes decode reads back. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/json.h"
 #include "../runtime/unicode.h"
 

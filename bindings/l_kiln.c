@@ -1,8 +1,10 @@
-/* l_kiln.c - luaopen_kiln: the `kiln` module table. It opens the parts (one
- * binding file each, declared in l_kiln.h), lazily loads the shipped script modules
- * on first use of kiln.<name>, and installs the embedded-script searcher. */
-#include "l_kiln.h"
+/* l_kiln.c - luaopen_kiln: the `kiln` module table. It opens the parts (one binding
+ * file each, declared in l_parts.h: a header without a .c, so that the parts and this
+ * file do not point at each other), lazily loads the shipped script modules on first
+ * use of kiln.<name>, and installs the embedded-script searcher. */
+#include "l_parts.h"
 #include "l_scripts.h"
+#include "../kernels/backends.h"
 
 #include <string.h>
 
@@ -11,9 +13,11 @@
  * from the kiln table, as the documented API names them. */
 static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_checkpoint", "kiln.checkpoint", "load"},
+    {"families", "kiln.family", "names"}, /* the registry's list, current after a register */
     {"load_controlnet", "kiln.controlnet", "load"},
     {"load_taesd", "kiln.taesd", "load"},
     {"load_upscaler", "kiln.upscaler", "load"},
+    {"load_t5", "kiln.t5", "load"},
     {"dry_run", "kiln.dry_run", "run"},
     {"show", "kiln.repl", "show"},
     {NULL, NULL, NULL},
@@ -45,6 +49,7 @@ static int kiln_index(lua_State *L)
 
 int luaopen_kiln(lua_State *L)
 {
+    kiln_backends_register_all(); /* the runtime's devices compute through these */
     lua_newtable(L);
     l_open_runtime(L);
     l_open_tensor(L);
@@ -57,12 +62,14 @@ int luaopen_kiln(lua_State *L)
     l_open_mem_plot(L);
     l_open_tile(L);
     l_open_tokenizer(L);
+    l_open_t5(L);
     l_open_json(L);
     l_open_config(L);
     l_open_queue(L);
     l_open_meta(L);
     l_open_suspend(L);
     l_open_fault(L);
+    l_open_hooks(L);
 
     lua_createtable(L, 0, 1);
     lua_pushcfunction(L, kiln_index);

@@ -1,8 +1,9 @@
 /* l_mem.c - kiln.mem: per-device memory statistics, budgets and the summary table,
  * and kiln.memory_mode. (The allocators' pressure hook, a Lua GC before an
  * out-of-memory is reported, is l_config.c's.) */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/model.h"
+#include "../runtime/settings.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -58,8 +59,11 @@ static int mem_set_budget(lua_State *L)
     kiln_device *d = l_check_device(L, 1);
     lua_Integer b = luaL_checkinteger(L, 2);
     if (b < 0) luaL_argerror(L, 2, "budget must be >= 0 bytes (0 = unlimited)");
-    if (l_opt_bool_field(L, 3, "live", 0)) kiln_allocator_set_budget_live(d->alloc, (uint64_t)b);
-    else kiln_allocator_set_budget(d->alloc, (uint64_t)b);
+    /* the settings route, as kiln.configure{budget =} and kiln_memory_set_budget */
+    kiln_settings s = {.given = KILN_SETTING_BIT(KILN_SETTING_BUDGET), .device = d->name, .budget = (uint64_t)b,
+                       .budget_live = l_opt_bool_field(L, 3, "live", 0)};
+    kiln_status st = kiln_settings_apply(&s, NULL);
+    if (st != KILN_OK) l_raise(L, st);
     return 0;
 }
 

@@ -1,7 +1,7 @@
 /* l_mem_plot.c - the memory picture from Lua: kiln.mem.plot (draw a device's
  * timeline into a PNG), kiln.mem.stage_table, kiln.mem.timeline (the raw frames and
  * stages) and kiln.mem.clear_timeline. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/mem_plot.h"
 
 #include <stdlib.h>

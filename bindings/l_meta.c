@@ -1,7 +1,7 @@
 /* l_meta.c - the primitives of a dry run (kiln.dry_run, scripts/kiln/dry_run.lua):
  * kiln.mem.meta_begin / meta_end / meta_target, which make the shape-only device
  * `meta` model another device and answer to its name, then give it back. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "l_config.h"
 #include "../runtime/meta.h"
 

@@ -5,7 +5,7 @@
  * :close(), __close and __gc share one idempotent release; later use says where the
  * model was closed. */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/model.h"
 
 #include <stdio.h>

@@ -1,7 +1,7 @@
 /* l_nn.c - kiln.nn: the functional neural-network ops, with the names and
  * semantics of PyTorch's torch.nn.functional (the documented API). */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/ops.h"
 
 #include <math.h>

@@ -4,7 +4,7 @@
  * requested (kiln.cancel, or the host's kiln_cancel). Loops call it between steps
  * and tiles: that is where a cancel takes effect. kiln.preview_image hands a picture
  * of a sampling in progress to the host's preview callback (kiln.preview). */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "l_tensor.h"
 
 #include <limits.h>

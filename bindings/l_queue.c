@@ -1,7 +1,7 @@
 /* l_queue.c - kiln.queue: the Lua face of the Redis client (runtime/queue.h), a
  * kiln.Queue handle with the stream commands `kiln batch` uses (XADD, XREADGROUP,
  * XACK, XAUTOCLAIM, XPENDING) and a plain `command` for the rest. */
-#include "l_kiln.h"
+#include "l_parts.h"
 
 #include "../runtime/queue.h"
 

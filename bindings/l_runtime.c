@@ -3,7 +3,7 @@
  * the devices and the default one, the CPU thread count, a monotonic clock,
  * isatty, the quiet flag, kiln.format_bytes, and the precision (process-wide, or
  * scoped to a call: kiln.with_precision). Also kiln.h's kiln_version(). */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "kiln.h"
 #include "../runtime/device.h"
 #include "../runtime/precision.h"

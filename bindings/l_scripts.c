@@ -13,10 +13,17 @@
 #include "lualib.h"
 
 #include "l_scripts.h"
+#include "kiln.h"
 
 /* Registry key of the searcher's state table: { path = "dir;dir" | nil }. The same
  * table is the searcher's upvalue, so kiln_scripts_set_path reaches it. */
 #define SCRIPTS_KEY "kiln.scripts"
+
+/* kiln.h's view of the table: the names alone (the REPL completes them). */
+const char *kiln_script_name_at(int i)
+{
+    return i >= 0 && (size_t)i < kiln_embedded_script_count ? kiln_embedded_scripts[i].name : NULL;
+}
 
 const kiln_embedded_script *kiln_scripts_find(const char *name)
 {

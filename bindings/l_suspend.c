@@ -3,7 +3,7 @@
  * allocator enforces it); kiln.suspend_stats; kiln.mem.budget_watch and kiln.mem.evict.
  * The pipelines call kiln.suspend_point between network blocks (kiln.stream), sampler
  * steps and tiles; a script with its own loop may call it anywhere. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/model.h"
 #include "../runtime/suspend.h"
 
@@ -46,10 +46,11 @@ static int parkable(const kiln_device *d)
 
 /* A device whose budget was lowered while the run went on (in its grace): when what
  * the run needed so far (the most it reserved since the last kiln.mem.reset_peak, or
- * what it holds now) exceeds the new budget,
- * evict what no running network holds, then let kiln.stream turn the networks running
- * on it to streaming (kiln.stream.adapt(device, excess)); a loaded model evicted
- * between two forward passes streams from its next one. Then the grace ends: from
+ * what it holds now) exceeds the new budget, evict what no running network holds,
+ * then let kiln.stream turn the networks running on it to streaming (the hook
+ * "stream_adapt"(device, excess) it registers when it loads; unloaded, no pass
+ * streams and there is none to turn); a loaded model evicted between two forward
+ * passes streams from its next one. Then the grace ends: from
  * here the allocator enforces the budget (evicting, else failing, which a tiled stage
  * answers with smaller tiles). */
 static void adapt(lua_State *L, kiln_device *d)
@@ -64,17 +65,10 @@ static void adapt(lua_State *L, kiln_device *d)
         uint64_t gone = held > s.reserved ? held - s.reserved : 0;
         need = need > gone ? need - gone : 0;
     }
-    if (s.budget && need > s.budget) {
-        lua_getfield(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
-        lua_getfield(L, -1, "kiln.stream");
-        if (lua_istable(L, -1) && lua_getfield(L, -1, "adapt") == LUA_TFUNCTION) {
-            lua_pushstring(L, d->name);
-            lua_pushinteger(L, (lua_Integer)(need - s.budget));
-            lua_call(L, 2, 0);
-            lua_pop(L, 2);
-        } else {
-            lua_pop(L, 3);
-        }
+    if (s.budget && need > s.budget && l_hook_push(L, "stream_adapt")) {
+        lua_pushstring(L, d->name);
+        lua_pushinteger(L, (lua_Integer)(need - s.budget));
+        lua_call(L, 2, 0);
     }
     kiln_allocator_end_grace(d->alloc);
 }

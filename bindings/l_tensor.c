@@ -2,7 +2,7 @@
  * reductions, conversion to Lua tables, and lifetime (:free, __close, __gc share
  * one idempotent release; later use says where the tensor was freed). */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/ops.h"
 #include "../runtime/rng.h"
 

@@ -1,12 +1,13 @@
 /* l_tile.c - kiln.tile: kiln.tile.map runs a Lua function over overlapping tiles of a
  * tensor and blends the outputs (runtime/tile.h); kiln.tile.plan shows the grid.
- * Also installs kiln.mem.estimate, which lives in scripts/kiln/tiling.lua.
+ * Also installs kiln.mem.estimate, which scripts/kiln/tiling.lua registers (the hook
+ * "mem_estimate", l_aux.h).
  *
  * The C loop holds native memory (the plan, the result) while Lua code runs, so
  * every call into Lua from inside it is protected (lua_pcall): an error in fn is
  * caught, the loop frees what it holds, then the same error value is raised again. */
 #include "l_tensor.h"
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/tile.h"
 
 #include <math.h>
@@ -296,15 +297,12 @@ static int tile_plan(lua_State *L)
     return 1;
 }
 
-/* kiln.mem.estimate(fn, inputs [, opts]) -> bytes, details: see scripts/kiln/tiling.lua */
+/* kiln.mem.estimate(fn, inputs [, opts]) -> bytes, details: the function kiln.tiling
+ * registers as the hook "mem_estimate" (see scripts/kiln/tiling.lua) */
 static int mem_estimate(lua_State *L)
 {
     int n = lua_gettop(L);
-    lua_getglobal(L, "require");
-    lua_pushstring(L, "kiln.tiling");
-    lua_call(L, 1, 1);
-    lua_getfield(L, -1, "estimate");
-    lua_remove(L, -2);
+    l_hook_push(L, "mem_estimate"); /* it has a provider: pushed, or raised */
     lua_insert(L, 1);
     lua_call(L, n, LUA_MULTRET);
     return lua_gettop(L);

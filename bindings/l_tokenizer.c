@@ -2,7 +2,7 @@
  * runtime/tokenizer.h (CLIP's byte-level BPE): :encode(text) -> ids without
  * start/end, :decode(ids), :bos(), :eos(), :token_id(str), :vocab_size(), :source().
  * Lifecycle as liolib's files: :free(), __close and __gc share one idempotent release. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/tokenizer.h"
 
 #include <stdio.h>

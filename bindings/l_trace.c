@@ -1,7 +1,8 @@
 /* l_trace.c - kiln.trace (start / stop a Chrome trace file, named spans, marks) and
  * the event log kiln.mem.events. */
-#include "l_kiln.h"
+#include "l_parts.h"
 #include "../runtime/events.h"
+#include "../runtime/trace.h"
 #include "../runtime/mem_timeline.h"
 
 #include <stdio.h>

@@ -3,7 +3,7 @@
  * with KILN_READLINE and stdin is a terminal; plain lines from stdin otherwise. */
 #define _POSIX_C_SOURCE 200809L
 #include "repl_input.h"
-#include "l_scripts.h"
+#include "kiln.h"
 
 #include <signal.h>
 #include <stdio.h>
@@ -118,8 +118,8 @@ static int push_path(lua_State *L, const char *text, const char *sep)
 static void add_embedded(lua_State *L, int setidx, const char *text, const char *sep)
 {
     size_t plen = (size_t)(sep - text) + 1; /* with the '.' */
-    for (size_t i = 0; i < kiln_embedded_script_count; i++) {
-        const char *name = kiln_embedded_scripts[i].name;
+    const char *name;
+    for (int i = 0; (name = kiln_script_name_at(i)) != NULL; i++) {
         if (strncmp(name, text, strlen(text)) == 0 && strlen(name) > plen && strchr(name + plen, '.') == NULL) {
             lua_pushstring(L, name);
             lua_pushboolean(L, 1);

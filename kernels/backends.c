@@ -1,6 +1,8 @@
-/* backends.c - the backends this build links, in the order the runtime meets them:
- * the runtime's one hook into kernels/ (kiln_backends_register_all, declared in
- * runtime/backend.h). A new backend adds its registrar here and nowhere else. */
+/* backends.c - the backends this build links, in the order the runtime meets them,
+ * handed in by the initialisation code (backends.h): kernels/ sits above the runtime
+ * and is called only through these tables. A new backend adds its registrar here and
+ * nowhere else. */
+#include "backends.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_register.h"
 #include "meta/meta_backend.h"

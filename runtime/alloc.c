@@ -1,6 +1,7 @@
 /* alloc.c - the caching allocator of one device, after PyTorch's CUDA caching
  * allocator, simplified: segments from the device's raw memory, blocks split and
- * coalesced inside them, best fit from two free pools, and a budget on reserved bytes. */
+ * coalesced inside them, best fit from two free pools, and a budget on reserved bytes.
+ * layer 1 of the memory core: uses events; never calls mem_timeline, device, trace. */
 #define _POSIX_C_SOURCE 200809L
 #include "alloc.h"
 #include "events.h"

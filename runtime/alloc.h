@@ -4,7 +4,9 @@
  * alignment >= 64 bytes). The budget caps *reserved* bytes (what the device really
  * holds). An allocation that does not fit first asks the eviction hook to free model
  * weights, then releases cached free segments, then runs the pressure hook (Lua GC),
- * and finally fails with KILN_ERR_OOM (kiln_error_oom). Thread-safe (one mutex). */
+ * and finally fails with KILN_ERR_OOM (kiln_error_oom). Thread-safe (one mutex).
+ * layer 1 of the memory core: uses events; never calls mem_timeline, device, trace.
+ * What frees memory above it (model eviction, the Lua GC) is reached through hooks. */
 #ifndef KILN_ALLOC_H
 #define KILN_ALLOC_H
 

@@ -1,17 +1,18 @@
-/* device.c - the device registry (cpu, sim, cuda:N) and reference-counted storages.
+/* device.c - the device registry (cpu, sim, cuda:N, meta) and reference-counted storages.
+ * layer 3 of the memory core: uses events, alloc, mem_timeline, backend_table; never calls trace, tensor, meta.
  * cpu: host memory, caching allocator with page grains and at most 2 GiB cached
  *      (no budget by default).
  * sim: a simulated accelerator: its own caching allocator and budget in host memory,
  *      explicit copies counted in bytes and time, CPU kernels for compute.
  * cuda:N: registered by the CUDA backend when present (its register_devices).
- * meta: shapes without data over reserved address space (meta.c), listed last.
- * Backends are met only through their tables, handed over at first use by
- * kiln_backends_register_all (kernels/backends.c). */
+ * meta: shapes without data (meta.h), registered by the meta backend, listed last.
+ * Backends are met only through their tables, handed in by the initialisation code
+ * (kiln_backend_register) before the first device is used. */
 #define _GNU_SOURCE
 #include "device.h"
-#include "backend.h"
+#include "backend_table.h"
 #include "events.h"
-#include "meta.h"
+#include "format_bytes.h"
 #include "mem_timeline.h"
 
 #include <pthread.h>
@@ -71,12 +72,22 @@ static kiln_device *add_device(kiln_device_type type, int index, const char *nam
     d->alloc = kiln_allocator_new(name, raw, budget, caching);
     d->backend = backend;
     devices[n_devices++] = d;
+    kiln_mem_timeline_add_device(d, d->alloc, d->name);
     return d;
 }
 
+static const kiln_backend *find_backend(const char *name);
+static void attach_locked(const kiln_backend *b);
+
 void kiln_backend_register(const kiln_backend *b)
 {
-    if (b && n_backends < MAX_BACKENDS) backends[n_backends++] = b;
+    pthread_mutex_lock(&registry_lock);
+    /* the initialisation code may run more than once (a second kiln_open) */
+    if (b && !find_backend(b->name) && n_backends < MAX_BACKENDS) {
+        backends[n_backends++] = b;
+        if (n_devices) attach_locked(b);
+    }
+    pthread_mutex_unlock(&registry_lock);
 }
 
 static const kiln_backend *find_backend(const char *name)
@@ -86,10 +97,33 @@ static const kiln_backend *find_backend(const char *name)
     return NULL;
 }
 
+/* meta is whichever device the meta backend registered (the last one) */
+static void find_meta_locked(void)
+{
+    for (int i = 0; i < n_devices && !meta_device; i++)
+        if (devices[i]->type == KILN_DEV_META) {
+            meta_device = devices[i];
+            /* outside a dry run meta models sim's settings (no budget) */
+            if (n_devices > 1) kiln_allocator_set_grain(meta_device->alloc, kiln_allocator_grain(devices[1]->alloc));
+        }
+}
+
+/* A backend handed in after the devices were made (kiln_open asks for them before
+ * its Lua state, whose luaopen_kiln hands the backends in): it computes for the host
+ * devices if it is the host's, and adds its own devices after those made so far. */
+static void attach_locked(const kiln_backend *b)
+{
+    if (strcmp(b->name, "cpu") == 0)
+        for (int i = 0; i < n_devices; i++)
+            if (!devices[i]->backend && (devices[i]->type == KILN_DEV_CPU || devices[i]->type == KILN_DEV_SIM))
+                devices[i]->backend = b;
+    if (b->register_devices) b->register_devices();
+    find_meta_locked();
+}
+
 static void init_devices_locked(void)
 {
     if (n_devices) return;
-    kiln_backends_register_all();
     const kiln_backend *host = find_backend("cpu");
     /* the host caches too: freeing a large activation to the C library and asking
      * again for the next op costs page faults and zeroing on every op; unused cached
@@ -102,13 +136,7 @@ static void init_devices_locked(void)
     add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, host);
     for (int i = 0; i < n_backends; i++)
         if (backends[i]->register_devices) backends[i]->register_devices();
-    const kiln_backend *meta = find_backend("meta");
-    if (meta) {
-        meta_device = kiln_device_register(KILN_DEV_META, 0, "meta", kiln_meta_raw_memory(), 0, meta);
-        /* outside a dry run meta models sim's settings (no budget) */
-        if (meta_device && n_devices > 1)
-            kiln_allocator_set_grain(meta_device->alloc, kiln_allocator_grain(devices[1]->alloc));
-    }
+    find_meta_locked();
 }
 
 static void init_devices(void)
@@ -132,13 +160,17 @@ kiln_device *kiln_device_register(kiln_device_type type, int index, const char *
     d->backend = backend;
     d->total_memory = total;
     devices[n_devices++] = d;
+    kiln_mem_timeline_add_device(d, d->alloc, d->name);
     return d;
 }
 
 const kiln_backend *kiln_backend_find(const char *name)
 {
     init_devices();
-    return find_backend(name);
+    pthread_mutex_lock(&registry_lock);
+    const kiln_backend *b = find_backend(name);
+    pthread_mutex_unlock(&registry_lock);
+    return b;
 }
 
 int kiln_device_count(void)
@@ -264,13 +296,11 @@ kiln_device *kiln_device_get(const char *name)
     init_devices();
     if (!name) return devices[0];
     const char *want = strcmp(name, "cuda") == 0 ? "cuda:0" : name;
-    if (meta_device && strcmp(want, "meta") == 0) return meta_device;
+    /* "meta", and during a dry run the modelled device's name, which meta takes for
+     * the run's length (meta.h) */
+    if (meta_device && (strcmp(want, "meta") == 0 || strcmp(meta_device->name, want) == 0)) return meta_device;
     for (int i = 0; i < n_devices; i++)
-        if (strcmp(devices[i]->name, want) == 0) {
-            /* a dry run: the modelled device's name means meta */
-            if (meta_device && devices[i] != meta_device && devices[i] == kiln_meta_target()) return meta_device;
-            return devices[i];
-        }
+        if (strcmp(devices[i]->name, want) == 0) return devices[i];
     char list[256] = "";
     for (int i = 0; i < n_devices; i++) {
         strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
@@ -318,6 +348,79 @@ static void unlink_storage(kiln_storage *s)
     pthread_mutex_unlock(&storage_lock);
 }
 
+/* ---- the event log's view of storages ---- */
+
+void kiln_storage_account(const kiln_storage *s, int alive)
+{
+    uint64_t th = kiln_events_alloc_threshold();
+    if (th && s->nbytes >= th) {
+        /* a new storage is still owned by "tensor": the thread's context says better */
+        const char *ctx = kiln_events_context();
+        const char *owner = alive && ctx[0] ? ctx : s->owner;
+        kiln_event_emit(alive ? KILN_EV_ALLOC : KILN_EV_FREE, s->device->name, s->nbytes, owner, "%s", "");
+    } else {
+        kiln_events_memory_changed(s->device->name);
+    }
+}
+
+typedef struct { char owner[64]; uint64_t bytes; int count; } owner_row;
+typedef struct { owner_row rows[16]; int n; uint64_t other; } owner_acc;
+
+static void add_owner(void *ctx, const kiln_storage *s)
+{
+    owner_acc *a = ctx;
+    if (s->release) return; /* mapped files and wrapped memory are not the allocator's */
+    for (int i = 0; i < a->n; i++)
+        if (strcmp(a->rows[i].owner, s->owner) == 0) { a->rows[i].bytes += s->nbytes; a->rows[i].count++; return; }
+    if (a->n == 16) { a->other += s->nbytes; return; }
+    snprintf(a->rows[a->n].owner, sizeof a->rows[a->n].owner, "%s", s->owner);
+    a->rows[a->n].bytes = s->nbytes;
+    a->rows[a->n].count = 1;
+    a->n++;
+}
+
+static int row_cmp(const void *x, const void *y)
+{
+    const owner_row *a = x, *b = y;
+    return a->bytes < b->bytes ? 1 : a->bytes > b->bytes ? -1 : strcmp(a->owner, b->owner);
+}
+
+/* An allocation of `requested` bytes on dev failed with KILN_ERR_OOM: the message gets
+ * what is resident on the device appended, and an OOM event records it. */
+static void report_oom(kiln_device *dev, uint64_t requested)
+{
+    kiln_oom_info o = *kiln_last_oom();
+    char msg[640], res[320], b[32];
+    snprintf(msg, sizeof msg, "%s", kiln_last_error());
+    owner_acc acc;
+    memset(&acc, 0, sizeof acc);
+    kiln_storage_foreach(dev, add_owner, &acc);
+    qsort(acc.rows, (size_t)acc.n, sizeof acc.rows[0], row_cmp);
+    size_t used = (size_t)snprintf(res, sizeof res, acc.n ? "resident on %s:" : "nothing resident on %s", dev->name);
+    for (int i = 0; i < acc.n && used < sizeof res; i++) {
+        kiln_format_bytes(b, sizeof b, (double)acc.rows[i].bytes);
+        used += (size_t)snprintf(res + used, sizeof res - used, "%s %s %s", i ? "," : "", acc.rows[i].owner, b);
+    }
+    if (acc.other && used < sizeof res) {
+        kiln_format_bytes(b, sizeof b, (double)acc.other);
+        snprintf(res + used, sizeof res - used, ", others %s", b);
+    }
+    kiln_error_oom(o.device, o.requested, o.free, o.budget, "%s; %s", msg, res);
+    char fr[32], bu[32];
+    kiln_format_bytes(fr, sizeof fr, (double)o.free);
+    if (o.budget) kiln_format_bytes(bu, sizeof bu, (double)o.budget);
+    else snprintf(bu, sizeof bu, "unlimited");
+    /* the resident list may be cut short here: the full one is in the error message */
+    char detail[sizeof ((kiln_event *)0)->detail];
+    size_t cut = (size_t)snprintf(detail, sizeof detail, "free %s of budget %s; ", fr, bu);
+    if (cut < sizeof detail) {
+        size_t k = strnlen(res, sizeof detail - cut - 1);
+        memcpy(detail + cut, res, k);
+        detail[cut + k] = 0;
+    }
+    kiln_event_emit(KILN_EV_OOM, dev->name, requested, NULL, "%s", detail);
+}
+
 kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out)
 {
     *out = NULL;
@@ -327,7 +430,7 @@ kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out
     kiln_status st = kiln_allocator_alloc(dev->alloc, nbytes ? nbytes : 1, &p);
     if (st != KILN_OK) {
         free(s);
-        if (st == KILN_ERR_OOM) kiln_events_oom(dev, nbytes); /* event; message names what is resident */
+        if (st == KILN_ERR_OOM) report_oom(dev, nbytes); /* event; message names what is resident */
         return st;
     }
     s->data = p;
@@ -337,8 +440,8 @@ kiln_status kiln_storage_new(kiln_device *dev, size_t nbytes, kiln_storage **out
     snprintf(s->owner, sizeof s->owner, "tensor");
     link_storage(s);
     kiln_mem_timeline_alloc(dev, p, s->owner);
-    kiln_events_storage(s, 1);
-    if (dev == meta_device) kiln_meta_note(dev); /* a dry run's stage watermarks */
+    kiln_storage_account(s, 1);
+    if (dev->storage_added) dev->storage_added(dev); /* meta: a dry run's stage watermarks */
     *out = s;
     return KILN_OK;
 }
@@ -373,7 +476,7 @@ void kiln_storage_release(kiln_storage *s)
     else {
         kiln_mem_timeline_free(s->device, s->data);
         kiln_allocator_release(s->device->alloc, s->data);
-        kiln_events_storage(s, 0);
+        kiln_storage_account(s, 0);
     }
     free(s);
 }

@@ -1,7 +1,11 @@
-/* device.h - devices (cpu, sim, cuda:N) and the storages that live on them.
+/* device.h - devices (cpu, sim, cuda:N, meta), the backends that compute for them,
+ * and the storages that live on them.
+ * layer 3 of the memory core: uses events, alloc, mem_timeline, backend_table; never calls trace, tensor, meta.
  * A storage is a reference-counted byte buffer that carries its device and its
  * release function (Torch7's THAllocator idea): device memory from the device's
- * allocator, a mapped file region, or wrapped host memory all look the same. */
+ * allocator, a mapped file region, or wrapped host memory all look the same. What
+ * knows more than a device (the meta device's dry runs, the trace) is met through
+ * hooks set from above: the device's own hooks and the event log's listener. */
 #ifndef KILN_DEVICE_H
 #define KILN_DEVICE_H
 
@@ -13,6 +17,7 @@ typedef enum { KILN_DEV_CPU = 0, KILN_DEV_SIM, KILN_DEV_CUDA, KILN_DEV_META } ki
 
 typedef struct kiln_backend kiln_backend;
 typedef struct kiln_device kiln_device;
+typedef struct kiln_storage kiln_storage;
 struct kiln_device {
     kiln_device_type type;
     int index;
@@ -25,6 +30,14 @@ struct kiln_device {
     uint64_t bytes_to_device, bytes_to_host;
     uint64_t bytes_to_device_at_reset;   /* bytes_to_device at the last kiln_device_reset_peak */
     double seconds_copying;
+    /* Optional hooks of the device's kind, set by the backend that registers it (the
+     * meta device's: kernels/meta), so the layers here need not know that kind:
+     * storage_added runs after each storage allocated on the device (a dry run's
+     * stage watermarks); host_zeros gives a cpu storage of nbytes that reads as zeros
+     * and costs nothing until written, for a copy off the device (nothing on meta is
+     * worth reading). NULL: none. */
+    void (*storage_added)(kiln_device *dev);
+    kiln_storage *(*host_zeros)(size_t nbytes);
 };
 
 typedef struct {
@@ -36,6 +49,25 @@ typedef struct {
 /* Counts one copy between dev and the host (to_device: host -> dev). Thread-safe. */
 void kiln_device_count_transfer(kiln_device *dev, int to_device, size_t bytes, double seconds);
 kiln_transfer_stats kiln_device_transfers(kiln_device *dev);
+
+/* ---- backends and the registry ----
+ * The initialisation code hands the backends in (kernels/backends.h's
+ * kiln_backends_register_all); the devices are created at their first use: cpu and
+ * sim computed by the "cpu" backend, then each backend's own (register_devices, in
+ * the order they were handed in). A device used before any backend was handed in has
+ * no backend until then, so the initialisation code runs first. */
+
+/* Adds a backend (its table lives for the process); one of a name is kept once. When
+ * the devices exist already, the "cpu" backend computes for those of the host that
+ * have none, and a backend's own devices are added after them. */
+void kiln_backend_register(const kiln_backend *b);
+/* The registered backend of that name ("cpu", "cuda"), or NULL (not for use inside
+ * register_devices). */
+const kiln_backend *kiln_backend_find(const char *name);
+/* Adds a device computed by backend over raw memory (from a backend's
+ * register_devices, with the registry lock held). */
+kiln_device *kiln_device_register(kiln_device_type type, int index, const char *name,
+                                  kiln_raw_memory raw, uint64_t total, const kiln_backend *backend);
 
 /* Looks a device up by name ("cpu", "sim", "cuda", "cuda:0"); NULL with a message
  * listing the devices present when absent. Devices are created on first use. */
@@ -75,7 +107,6 @@ void kiln_device_scratch_free(kiln_device *dev, void *p);
 int kiln_threads(void);
 void kiln_set_threads(int n);
 
-typedef struct kiln_storage kiln_storage;
 typedef void (*kiln_storage_release_fn)(kiln_storage *s);
 struct kiln_storage {
     void *data;
@@ -97,6 +128,12 @@ kiln_storage *kiln_storage_wrap(kiln_device *dev, void *data, size_t nbytes,
 void kiln_storage_retain(kiln_storage *s);
 void kiln_storage_release(kiln_storage *s);
 void kiln_storage_set_owner(kiln_storage *s, const char *owner);
+
+/* Records a storage of dev's allocator being created (alive = 1) or freed (alive = 0)
+ * in the event log (an ALLOC/FREE event at or above its threshold, else a memory
+ * change its listener sees). kiln_storage_new and kiln_storage_release call it; so
+ * does a release function that gives a device block back itself (suspend.c). */
+void kiln_storage_account(const kiln_storage *s, int alive);
 
 /* Calls fn for every live storage of dev (under the registry lock). */
 void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx);

@@ -1,5 +1,7 @@
-/* dtype.h - element types and conversions between them.
- * f16 and bf16 conversions round to nearest even and keep subnormals, inf and nan. */
+/* dtype.h - element types and the conversions of one element.
+ * f16 and bf16 conversions round to nearest even and keep subnormals, inf and nan.
+ * layer 0 of the memory core: uses nothing; never calls quant, convert.
+ * Whole arrays convert through convert.h; block formats are quant.h's. */
 #ifndef KILN_DTYPE_H
 #define KILN_DTYPE_H
 
@@ -42,13 +44,14 @@ int kiln_dtype_is_float(kiln_dtype dt);
 
 float kiln_f16_to_f32(uint16_t h);
 uint16_t kiln_f32_to_f16(float f);
-/* n values at once, bit for bit as kiln_f32_to_f16 (the hardware conversion where the
- * CPU has one) */
-void kiln_f32_to_f16_array(uint16_t *dst, const float *src, size_t n);
 float kiln_bf16_to_f32(uint16_t h);
 uint16_t kiln_f32_to_bf16(float f);
 float kiln_f8_e4m3fn_to_f32(uint8_t b);
 float kiln_f8_e5m2_to_f32(uint8_t b);
+/* Round to nearest even. e4m3fn has no infinity: what rounds past 448 (and nan)
+ * becomes nan, as PyTorch's conversion does; e5m2 overflows to inf. */
+uint8_t kiln_f32_to_f8_e4m3fn(float f);
+uint8_t kiln_f32_to_f8_e5m2(float f);
 
 /* The one scalar load of an element of any dtype as a number: exact for every
  * supported float and integer value but i64 beyond 2^53. Kernels keep their own
@@ -69,12 +72,5 @@ static inline double kiln_dtype_load(kiln_dtype dt, const void *p)
     default: return 0;
     }
 }
-
-/* Converts n contiguous elements; src and dst must not overlap unless dt equal. A
- * block type on either side needs n a multiple of its block (decoded or quantized
- * with the reference quantizer, quant.h). */
-void kiln_convert(void *dst, kiln_dtype dst_dt, const void *src, kiln_dtype src_dt, size_t n);
-/* Bulk float conversion to f32 (the hot path of f16/bf16/fp8/block weights). */
-void kiln_to_f32(float *dst, const void *src, kiln_dtype src_dt, size_t n);
 
 #endif

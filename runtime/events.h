@@ -1,14 +1,14 @@
-/* events.h - the memory event log and the trace writer.
+/* events.h - the memory event log and the runtime's clock: the bottom of the memory
+ * core, so that every layer above may record what it does and none is called back.
+ * layer 0 of the memory core: uses nothing; never calls alloc, mem_timeline, device, trace.
  * Every model load, offload, unload and eviction, every out-of-memory and (above a
  * threshold) every allocation is an event {time, kind, device, bytes, owner, detail}
- * kept in a ring buffer. While a trace is running, events, per-device memory
- * counters and named spans are also streamed to a Chrome trace JSON file (the
- * "traceEvents" format that Perfetto and chrome://tracing open), which is renamed
- * into place when the trace stops. Thread-safe. */
+ * kept in a ring buffer. Devices are named, not pointed at. A listener (the trace
+ * writer, trace.h) sees each event as it is recorded. Thread-safe. */
 #ifndef KILN_EVENTS_H
 #define KILN_EVENTS_H
 
-#include "device.h"
+#include "status.h"
 
 /* ORDER EVENT: keep event_kind_names in events.c in this order */
 typedef enum {
@@ -56,6 +56,8 @@ uint64_t kiln_events_alloc_threshold(void);
 /* Who the calling thread is working for ("model:unet" during its load): OOM and
  * allocation events without an explicit owner carry it. NULL clears. */
 void kiln_events_set_context(const char *owner);
+/* The calling thread's context ("" when none); valid on this thread until it changes. */
+const char *kiln_events_context(void);
 
 /* Seconds on the runtime's monotonic clock (the time base of events and traces). */
 double kiln_events_now(void);
@@ -67,27 +69,22 @@ int kiln_thread_id(void);
 void kiln_thread_set_name(const char *name, int worker);
 int kiln_thread_is_worker(void);
 
-/* Hooks from device.c: a storage from a device allocator was created (alive = 1) or
- * freed (alive = 0); an allocation of `requested` bytes on dev failed with
- * KILN_ERR_OOM (the message gets what is resident on the device appended). */
-void kiln_events_storage(const kiln_storage *s, int alive);
-void kiln_events_oom(kiln_device *dev, uint64_t requested);
+/* Thread names given so far, for a trace's metadata: copies at most max into out and
+ * returns how many. */
+typedef struct { int tid; char name[48]; } kiln_thread_name;
+int kiln_thread_names(kiln_thread_name *out, int max);
 
-/* ---- tracing ---- */
+/* ---- the listener ---- */
 
-/* Starts streaming a trace to a temporary file next to path; KILN_ERR_STATE when a
- * trace is already running, KILN_ERR_IO when the file cannot be created. */
-kiln_status kiln_trace_start(const char *path);
-/* Finishes the JSON, flushes, and renames the temporary file onto the path given to
- * start. KILN_ERR_STATE when no trace runs; on a write error the temporary file is
- * removed and the error names the path. */
-kiln_status kiln_trace_stop(void);
-int kiln_trace_active(void);
-/* A complete span [start, start + dur) on the calling thread ("ph":"X"). start is a
- * kiln_events_now() value; args is an optional JSON object body ("\"k\":1") or NULL. */
-void kiln_trace_span(const char *name, const char *category, double start, double end,
-                     const char *args_json);
-/* Samples the memory counters of dev (all devices when NULL) into the trace. */
-void kiln_trace_counters(kiln_device *dev);
+/* Called for every event after it is in the ring (e set, device = e->device), and for
+ * every change of a device's memory that is not an event of its own (e NULL: the
+ * device layer's storages below the allocation threshold). On the thread that caused
+ * it, outside the events lock, so it may read allocator statistics. The layers above
+ * subscribe here instead of being called: the trace writer (trace.c) while a trace
+ * runs. One listener; NULL removes it. */
+typedef void (*kiln_event_listener)(const kiln_event *e, const char *device);
+void kiln_events_set_listener(kiln_event_listener fn);
+/* Tells the listener that device's memory changed (nothing recorded). */
+void kiln_events_memory_changed(const char *device);
 
 #endif

@@ -1,4 +1,5 @@
 /* mem_timeline.c - the memory timeline behind the memory picture.
+ * layer 2 of the memory core: uses events, alloc; never calls device, trace.
  * Each device keeps its bytes by owner now and a list of frames: while the list has
  * room every change is a frame of its own; when it is full, neighbouring frames are
  * merged in pairs and later frames cover at least twice as much time, so a run of any
@@ -20,7 +21,9 @@
 #define MAX_OPEN 64
 
 typedef struct {
-    kiln_device *dev;
+    kiln_device *dev;         /* the key */
+    kiln_allocator *alloc;
+    const char *name;         /* the device's own name buffer */
     int n_owners;
     char owners[KILN_TIMELINE_OWNERS][64];
     uint64_t cur[KILN_TIMELINE_OWNERS];
@@ -141,13 +144,38 @@ static int device_index(kiln_device *dev)
 {
     for (int i = 0; i < n_tls; i++)
         if (tls[i]->dev == dev) return i;
-    if (n_tls == KILN_TIMELINE_DEVICES) return -1;
-    dev_tl *d = calloc(1, sizeof *d);
-    if (!d) return -1;
-    d->dev = dev;
-    tls[n_tls] = d;
-    /* stages already open saw nothing of this device: their peak starts at zero */
-    return n_tls++;
+    return -1;
+}
+
+void kiln_mem_timeline_add_device(kiln_device *dev, kiln_allocator *alloc, const char *name)
+{
+    if (!dev || !alloc) return;
+    pthread_mutex_lock(&tl_mu);
+    if (device_index(dev) < 0 && n_tls < KILN_TIMELINE_DEVICES) {
+        dev_tl *d = calloc(1, sizeof *d);
+        if (d) {
+            d->dev = dev;
+            d->alloc = alloc;
+            d->name = name;
+            /* stages already open saw nothing of this device: their peak starts at zero */
+            tls[n_tls++] = d;
+        }
+    }
+    pthread_mutex_unlock(&tl_mu);
+}
+
+/* The allocator of a device handed in, NULL for any other (which has no timeline). */
+static kiln_allocator *alloc_of(kiln_device *dev, const char **name)
+{
+    kiln_allocator *a = NULL;
+    pthread_mutex_lock(&tl_mu);
+    int di = device_index(dev);
+    if (di >= 0) {
+        a = tls[di]->alloc;
+        if (name) *name = tls[di]->name;
+    }
+    pthread_mutex_unlock(&tl_mu);
+    return a;
 }
 
 static int owner_index(dev_tl *d, const char *owner)
@@ -259,17 +287,19 @@ static void apply(int di, int a, uint64_t da, int b, uint64_t db, uint64_t budge
     }
 }
 
-static uint64_t budget_of(kiln_device *dev)
+static uint64_t budget_of(kiln_allocator *a)
 {
-    return kiln_allocator_stats(dev->alloc).budget;
+    return a ? kiln_allocator_stats(a).budget : 0;
 }
 
 void kiln_mem_timeline_alloc(kiln_device *dev, const void *ptr, const char *owner)
 {
     if (!dev || !ptr) return;
     /* allocator calls first: its lock is never taken under ours */
-    uint64_t size = kiln_allocator_block_size(dev->alloc, (void *)ptr);
-    uint64_t budget = budget_of(dev);
+    kiln_allocator *a = alloc_of(dev, NULL);
+    if (!a) return;
+    uint64_t size = kiln_allocator_block_size(a, (void *)ptr);
+    uint64_t budget = budget_of(a);
     pthread_mutex_lock(&tl_mu);
     int di = device_index(dev);
     if (di >= 0) {
@@ -283,7 +313,9 @@ void kiln_mem_timeline_alloc(kiln_device *dev, const void *ptr, const char *owne
 void kiln_mem_timeline_free(kiln_device *dev, const void *ptr)
 {
     if (!dev || !ptr) return;
-    uint64_t budget = budget_of(dev);
+    kiln_allocator *a = alloc_of(dev, NULL);
+    if (!a) return;
+    uint64_t budget = budget_of(a);
     pthread_mutex_lock(&tl_mu);
     int di = device_index(dev);
     live_entry *e = di >= 0 ? live_find(ptr, di) : NULL;
@@ -299,7 +331,9 @@ void kiln_mem_timeline_free(kiln_device *dev, const void *ptr)
 void kiln_mem_timeline_set_owner(kiln_device *dev, const void *ptr, const char *owner)
 {
     if (!dev || !ptr) return;
-    uint64_t budget = budget_of(dev);
+    kiln_allocator *a = alloc_of(dev, NULL);
+    if (!a) return;
+    uint64_t budget = budget_of(a);
     pthread_mutex_lock(&tl_mu);
     int di = device_index(dev);
     live_entry *e = di >= 0 ? live_find(ptr, di) : NULL;
@@ -415,8 +449,10 @@ kiln_status kiln_mem_timeline_get(kiln_device *dev, kiln_mem_timeline *out)
 {
     memset(out, 0, sizeof *out);
     if (!dev) return kiln_error(KILN_ERR_ARG, "memory timeline: no device");
-    snprintf(out->device, sizeof out->device, "%s", dev->name);
-    uint64_t budget = budget_of(dev);
+    const char *name = "?";
+    kiln_allocator *a = alloc_of(dev, &name);
+    snprintf(out->device, sizeof out->device, "%s", name);
+    uint64_t budget = budget_of(a);
     pthread_mutex_lock(&tl_mu);
     double t = now_locked();
     int di = -1;
@@ -474,7 +510,7 @@ kiln_status kiln_mem_timeline_get(kiln_device *dev, kiln_mem_timeline *out)
     pthread_mutex_unlock(&tl_mu);
     if (st != KILN_OK) {
         kiln_mem_timeline_release(out);
-        return kiln_error(st, "memory timeline of %s: out of host memory", dev->name);
+        return kiln_error(st, "memory timeline of %s: out of host memory", out->device);
     }
     return KILN_OK;
 }

@@ -1,11 +1,16 @@
 /* mem_timeline.h - the memory timeline: every allocation, free and owner change of
  * every device allocator's blocks, by owner, with the budget, and the named stages
  * (kiln.trace.span) on the events clock. Always on and bounded, so that a picture of
- * any run can be drawn after the fact (mem_plot.h). Thread-safe; its lock is a leaf. */
+ * any run can be drawn after the fact (mem_plot.h). Thread-safe; its lock is a leaf.
+ * layer 2 of the memory core: uses events, alloc; never calls device, trace.
+ * A device is only a key here: device.c hands each one's allocator and name in when
+ * it creates it (kiln_mem_timeline_add_device), so the timeline sits below it. */
 #ifndef KILN_MEM_TIMELINE_H
 #define KILN_MEM_TIMELINE_H
 
-#include "device.h"
+#include "alloc.h"
+
+typedef struct kiln_device kiln_device; /* device.h */
 
 /* Owners told apart per device; past this many, the last slot is "other". */
 #define KILN_TIMELINE_OWNERS 24
@@ -18,6 +23,11 @@
 #define KILN_TIMELINE_DEVICES 8
 
 /* ---- hooks (device.c, the span guard of the bindings) ---- */
+
+/* A new device, its allocator and its name (read at each kiln_mem_timeline_get, so a
+ * renamed meta device shows the device it models): device.c, as it creates one.
+ * Past KILN_TIMELINE_DEVICES devices, later ones have no timeline. */
+void kiln_mem_timeline_add_device(kiln_device *dev, kiln_allocator *alloc, const char *name);
 
 /* A block at ptr of dev's allocator was handed out, accounted to owner; its size is
  * the allocator's (kiln_allocator_block_size), so the sums equal its `allocated`. */

@@ -2,11 +2,12 @@
  * never committed, so a stray host read sees zeros and a stray write faults instead
  * of spending memory), and the dry run that makes it model another device: the
  * allocator's grain, cache limit and budget, the backend's optional entries
- * (conv2d_up2, group_norm_in_place, supports), and that device's name. */
+ * (conv2d_up2, group_norm_in_place, supports), and that device's name.
+ * In the stack it sits on device.c and the backend table and below model.c: it never
+ * calls up; what a dry run leaves in the layers above goes through the end hook. */
 #define _GNU_SOURCE
 #include "meta.h"
 #include "backend.h"
-#include "model.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@ static kiln_device *target;               /* modelled during a dry run, else NUL
 static const kiln_backend *base;          /* meta's own table, as registered */
 static const kiln_backend *modelled_be;   /* the backend whose decisions meta takes */
 static kiln_backend composed;             /* base's entries with modelled_be's options */
+static kiln_meta_end_fn end_hook;         /* kiln_meta_set_end_hook's, under meta_mu */
 
 static void *reserve(size_t n)
 {
@@ -124,15 +126,23 @@ kiln_status kiln_meta_begin(kiln_device *dev, uint64_t budget)
     return KILN_OK;
 }
 
+void kiln_meta_set_end_hook(kiln_meta_end_fn fn)
+{
+    pthread_mutex_lock(&meta_mu);
+    end_hook = fn;
+    pthread_mutex_unlock(&meta_mu);
+}
+
 uint64_t kiln_meta_end(void)
 {
     kiln_device *meta = kiln_device_meta();
     pthread_mutex_lock(&meta_mu);
     int was = target != NULL;
+    kiln_meta_end_fn hook = end_hook;
     target = NULL;
     pthread_mutex_unlock(&meta_mu);
     if (!meta) return 0;
-    if (was) kiln_model_drop_dry_copies(meta);
+    if (was && hook) hook(meta);
     snprintf(meta->name, sizeof meta->name, "meta");
     /* back to modelling sim's allocator and the CPU backend, without a budget */
     kiln_device *sim = kiln_device_get("sim");

@@ -25,10 +25,17 @@ int kiln_device_host_memory(const kiln_device *d);
  * empty, its peak reset, and kiln_device_get(target's name) returns meta until
  * kiln_meta_end. One dry run at a time (KILN_ERR_ARG when one is active). */
 kiln_status kiln_meta_begin(kiln_device *target, uint64_t budget);
-/* Ends it: every model copy made during the dry run (on meta, and host copies that
- * were never filled) is dropped, meta's cache emptied, its name and model restored.
- * Returns the bytes still allocated on meta by tensors that outlive the run. */
+/* Ends it: the end hook runs (model.c's drops every model copy made during the dry
+ * run: on meta, and host copies that were never filled), meta's cache is emptied, its
+ * name and model restored. Returns the bytes still allocated on meta by tensors that
+ * outlive the run. */
 uint64_t kiln_meta_end(void);
+/* The end hook: called by kiln_meta_end (outside meta's lock) with the meta device when
+ * a dry run was active, before meta's cache is emptied. The layers above meta register
+ * what they keep of a dry run here (model.c its model copies, at its initialisation)
+ * instead of meta calling up into them. One hook; a later call replaces it; NULL none. */
+typedef void (*kiln_meta_end_fn)(kiln_device *meta);
+void kiln_meta_set_end_hook(kiln_meta_end_fn fn);
 /* The device being modelled during a dry run, else NULL. */
 kiln_device *kiln_meta_target(void);
 /* The backend table of the modelled device (the CPU backend outside a dry run): meta's

@@ -1,107 +1,27 @@
-/* model.c - model weight stores: residency of every tensor (mapped / host /
- * device), load / offload / unload, LRU eviction through the allocators' evict hook,
- * memory modes, streaming (fetch / prefetch on a copy thread per device / release),
- * and the patch lists every copy of a weight is built with (adapter_delta.c has the
- * arithmetic).
- *
- * Locking: one registry mutex (reg_mu) guards every model's state, the registry and
- * the copy queues. Nothing allocates from a device allocator while holding it: an
- * allocation may call the evict hook, which takes reg_mu. Freeing under reg_mu is
- * fine (releasing never calls back), and the events lock is a leaf. */
+/* model.c - model weight stores: the registry of open models, residency of every tensor
+ * (mapped / host / device), load / offload / unload / pin, memory modes and LRU eviction
+ * through the allocators' evict hook. Streaming (model_stream.c) and the patch lists
+ * (model_patch.c) build on it through model_internal.h (which also says how they lock).
+ * In the stack it sits above tensor.c, device.c and meta.c; it registers its end of a dry
+ * run (dropping the copies the run made) as meta's end hook rather than meta calling up. */
 #define _GNU_SOURCE
-#include "model.h"
-#include "backend.h"
-#include "events.h"
+#include "model_internal.h"
 #include "format_bytes.h"
-#include "safetensors.h"
 #include "gguf.h"
-#include "meta.h"
 
-#include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_QUEUES 16
 /* Staging buffer of a converting copy to a device with its own memory (cuda): the
  * conversion never holds a second full host copy of a tensor. */
 #define STAGE_BYTES ((size_t)8 << 20)
 
-typedef struct {
-    const char *name;        /* in the file's entry (the model retains the file) */
-    kiln_st_file *file;
-    int index;
-    kiln_tensor *mapped;     /* view of the file (cpu, wrapped storage) */
-    kiln_tensor *host;       /* host copy in the cpu allocator, or NULL */
-    kiln_tensor *dev;        /* device copy, or NULL */
-    kiln_tensor *parked;     /* the real device copy set aside while a dry run's copy on
-                              * meta stands in its slot (put back when the run ends) */
-    unsigned char streamed;  /* dev came from fetch/prefetch: release frees it */
-    unsigned char fetched;   /* in use after fetch: not evictable until release */
-    unsigned char prefetched;/* dev came from the copy thread and was not fetched yet */
-    unsigned char inflight;  /* a prefetch is queued or copying */
-    unsigned char patch_host;/* host exists only to show patched values (model_tensor) */
-    struct patchset *ps;     /* patches, NULL when none (replaced whole, never edited) */
-    unsigned gen;            /* bumped when ps changes: a copy built from an older ps is stale */
-} mtensor;
-
-/* A patch: an adapter over views it owns, on rows [row0, row0 + rows) of dim 0
- * (rows 0: the whole tensor). Shared by the patch sets that hold it. */
-typedef struct patch {
-    int id;
-    atomic_int refs;
-    kiln_adapter a;
-    kiln_tensor *own[KILN_AF_COUNT];
-    int64_t row0, rows;
-} patch;
-
-/* The patches of a tensor, in the order added. Immutable once published, so a copy
- * thread builds from a retained set without holding the registry lock. */
-typedef struct patchset {
-    atomic_int refs;
-    int n;
-    patch *p[];
-} patchset;
-
-struct kiln_model {
-    char name[58];
-    char owner[64];          /* "model:<name>" */
-    int n;
-    mtensor *t;
-    int *slots;              /* open addressing: name -> index */
-    size_t slot_mask;
-    int n_files;
-    kiln_st_file **files;
-    kiln_device *target;     /* load target / streaming target, NULL when none */
-    int dtype;               /* load dtype or -1 */
-    int stream_always;       /* 1: loads keep the weights on the host for streaming, whatever
-                              * the memory mode (a partial residency: the caller keeps some
-                              * blocks fetched and streams the rest) */
-    int pinned, busy, inflight;
-    uint64_t last_used;
-    uint64_t n_fetch, n_prefetch, n_waits, n_hits;
-    int prefetch_tid;
-    int next_patch_id;
-    kiln_model *prev, *next;
-};
-
-typedef struct job { kiln_model *m; int idx; struct job *next; } job;
-typedef struct { pthread_t th; kiln_device *dev; int slot; int quit; } worker;
-
-static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER; /* a prefetch finished */
-static kiln_model *models;
-static uint64_t lru_clock;
+pthread_mutex_t kiln_model_mu = PTHREAD_MUTEX_INITIALIZER;
+kiln_model *kiln_model_list;
+uint64_t kiln_model_clock;
 static atomic_int memory_mode = KILN_MEM_NORMAL;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-
-static struct {
-    job *head, *tail;
-    worker *w;
-    pthread_cond_t cv;
-} queues[MAX_QUEUES];
 
 /* ORDER MEMMODE */
 static const char *const memory_mode_names[KILN_MEM_MODE_COUNT] = {"high", "normal", "low", "none"};
@@ -138,26 +58,7 @@ const char *kiln_residency_name(kiln_residency r)
 
 /* ---- helpers ---- */
 
-static kiln_device *tensor_device(const kiln_tensor *t) { return t->storage->device; }
-static size_t tensor_bytes(const kiln_tensor *t) { return t ? t->storage->nbytes : 0; }
-
-/* Where a model streams to: its load target, or meta while a dry run models that
- * device (a target taken before the run would otherwise be the real device). */
-static kiln_device *target_of(const kiln_model *m)
-{
-    kiln_device *mt = m->target ? kiln_meta_target() : NULL;
-    return mt && m->target == mt ? kiln_device_meta() : m->target;
-}
-
-static void drop(kiln_tensor **t)
-{
-    kiln_tensor_free(*t);
-    *t = NULL;
-}
-
-/* t->dev = r (under reg_mu). A dry run's copy on meta does not free a real device
- * copy it replaces: that one is parked and comes back when the run ends. */
-static void set_dev_locked(mtensor *t, kiln_tensor *r)
+void kiln_model_set_dev_locked(mtensor *t, kiln_tensor *r)
 {
     if (t->dev && r && kiln_device_is_meta(tensor_device(r)) && !kiln_device_is_meta(tensor_device(t->dev)) &&
         !t->parked)
@@ -167,14 +68,11 @@ static void set_dev_locked(mtensor *t, kiln_tensor *r)
     t->dev = r;
 }
 
-/* The copy new copies are made from: the host copy, else the file. */
-static const kiln_tensor *source_of(const mtensor *t) { return t->host ? t->host : t->mapped; }
-
 /* Load dtype for a tensor: floating-point tensors convert, integer ones (CLIP's
  * position_ids) keep theirs. A low-bit load dtype (fp8, a block type) is for the
  * weights of linear and convolution layers: vectors (biases, norms) keep their dtype,
  * and a block type also needs the last dimension in whole blocks. */
-static kiln_dtype want_dtype(int dtype, const kiln_tensor *t)
+kiln_dtype kiln_model_want_dtype(int dtype, const kiln_tensor *t)
 {
     kiln_dtype src = t->dtype;
     if (dtype < 0 || !kiln_dtype_is_float(src)) return src;
@@ -229,7 +127,7 @@ static int edit_distance(const char *a, const char *b)
     return row[lb];
 }
 
-static kiln_status missing_error(const kiln_model *m, const char *name)
+kiln_status kiln_model_missing_error(const kiln_model *m, const char *name)
 {
     if (m->n == 0) return kiln_error(KILN_ERR_ARG, "model '%s': no tensor '%s' (the model has no tensors)", m->name, name);
     int best[3] = {-1, -1, -1}, dist[3] = {1 << 30, 1 << 30, 1 << 30};
@@ -252,8 +150,7 @@ static kiln_status missing_error(const kiln_model *m, const char *name)
     return kiln_error(KILN_ERR_ARG, "model '%s': no tensor '%s' (closest: %s)", m->name, name, list);
 }
 
-/* Re-raises the pending error with a prefix, keeping out-of-memory details. */
-static kiln_status prefix_error(kiln_status st, const char *prefix)
+kiln_status kiln_model_prefix_error(kiln_status st, const char *prefix)
 {
     char msg[800];
     snprintf(msg, sizeof msg, "%s", kiln_last_error());
@@ -269,13 +166,12 @@ static void count_transfer(kiln_device *dev, int to_device, size_t n, double sec
     kiln_device_count_transfer(dev, to_device, n, secs);
 }
 
-static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt);
 static void release_mapped(kiln_storage *s);
 
 /* Every copy read from a file's mapping first checks that the file on disk is still
  * the one mapped: a file truncated under us faults (SIGBUS) on the first page past
  * its new end, where an error value is still possible here. */
-static kiln_status check_source(const kiln_tensor *src)
+kiln_status kiln_model_check_source(const kiln_tensor *src)
 {
     if (src->storage->release != release_mapped) return KILN_OK;
     return kiln_st_check(src->storage->ctx);
@@ -310,7 +206,7 @@ static int dry_copy(const kiln_tensor *src, kiln_device *dev, kiln_dtype dt, con
 /* A new copy of src on dev in dtype dt, accounted to owner. Host sources (the file
  * or a host copy) are converted straight into the new copy (through a bounded
  * staging buffer for devices with their own memory); anything else goes through
- * kiln_tensor_to. Must not be called with reg_mu held (it allocates). */
+ * kiln_tensor_to. Must not be called with kiln_model_mu held (it allocates). */
 static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype dt, const char *owner,
                            kiln_tensor **out)
 {
@@ -327,59 +223,17 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
     if ((st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r))) return st;
     kiln_storage_set_owner(r->storage, owner);
     double t0 = kiln_events_now();
-    st = fill_from_host(r, kiln_tensor_data(src), src->dtype);
+    st = kiln_model_fill_from_host(r, kiln_tensor_data(src), src->dtype);
     if (st) { kiln_tensor_free(r); return st; }
     count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
     *out = r;
     return KILN_OK;
 }
 
-/* ---- patches ---- */
-
-static void patch_release(patch *p)
-{
-    if (!p || atomic_fetch_sub(&p->refs, 1) != 1) return;
-    for (int f = 0; f < KILN_AF_COUNT; f++) kiln_tensor_free(p->own[f]);
-    free(p);
-}
-
-static patchset *ps_retain(patchset *ps)
-{
-    if (ps) atomic_fetch_add(&ps->refs, 1);
-    return ps;
-}
-
-static void ps_release(patchset *ps)
-{
-    if (!ps || atomic_fetch_sub(&ps->refs, 1) != 1) return;
-    for (int i = 0; i < ps->n; i++) patch_release(ps->p[i]);
-    free(ps);
-}
-
-/* A new set: old's patches without `drop`, plus `add` at the end (either may be NULL). */
-static patchset *ps_edit(const patchset *old, const patch *drop, patch *add)
-{
-    int n = old ? old->n : 0;
-    patchset *ps = malloc(sizeof *ps + sizeof(patch *) * (size_t)(n + 1));
-    if (!ps) return NULL;
-    atomic_init(&ps->refs, 1);
-    ps->n = 0;
-    for (int i = 0; i < n; i++) {
-        if (old->p[i] == drop) continue;
-        atomic_fetch_add(&old->p[i]->refs, 1);
-        ps->p[ps->n++] = old->p[i];
-    }
-    if (add) {
-        atomic_fetch_add(&add->refs, 1);
-        ps->p[ps->n++] = add;
-    }
-    return ps;
-}
-
 /* dst (contiguous, on any device) = n elements at src (host memory, dtype sdt),
  * converted to dst's dtype; devices with their own memory get them through a
  * bounded staging buffer. */
-static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt)
+kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt)
 {
     kiln_device *dev = tensor_device(dst);
     kiln_dtype dt = dst->dtype;
@@ -407,117 +261,34 @@ static kiln_status fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype 
     return st;
 }
 
-/* dst (a copy of the tensor whose file view is `mapped`: same shape, contiguous, any
- * dtype and device) = f32(mapped) + the deltas of ps, cast to dst's dtype. In place:
- * views of dst see the new values. The f32 sum is built in dst itself when dst is
- * f32 in host memory, else in scratch from the cpu allocator, freed before return.
- * Must not be called with reg_mu held (it allocates). */
-/* build_into a block of rows at a time, for a copy in host memory whose patches are all
- * row by row (kiln_adapter_rows): the f32 rows stay in cache between the conversion from
- * the file, the deltas and the conversion to the copy's dtype. KILN_ERR_UNSUPPORTED
- * (nothing written) when a patch is not row by row. */
-static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
-{
-    enum { MAX_PATCHES = 16, BLOCK_FLOATS = 1 << 18 };
-    if (ps->n > MAX_PATCHES || mapped->ndim < 1 || tensor_device(dst)->backend->to_device) return KILN_ERR_UNSUPPORTED;
-    int64_t n = kiln_tensor_numel(dst), rows = mapped->shape[0];
-    int64_t row = rows ? n / rows : 0;
-    if (row <= 0) return KILN_ERR_UNSUPPORTED;
-    kiln_adapter_rows *pr[MAX_PATCHES] = {0};
-    kiln_status st = KILN_OK;
-    char saved[512];
-    kiln_status saved_st = kiln_last_status();
-    snprintf(saved, sizeof saved, "%s", kiln_last_error());
-    for (int i = 0; i < ps->n && !st; i++)
-        st = kiln_adapter_rows_begin(&ps->p[i]->a, ps->p[i]->rows > 0 ? ps->p[i]->rows : rows, row, &pr[i]);
-    float *w = NULL;
-    int64_t block = BLOCK_FLOATS / row > 0 ? BLOCK_FLOATS / row : 1;
-    if (!st) st = kiln_device_scratch_alloc(kiln_device_cpu(), (size_t)(block * row) * sizeof(float), 0, (void **)&w);
-    if (st == KILN_ERR_UNSUPPORTED) kiln_error(saved_st, "%s", saved); /* not an error: the caller goes the other way */
-    for (int64_t r0 = 0; !st && r0 < rows; r0 += block) {
-        int64_t nr = rows - r0 < block ? rows - r0 : block;
-        kiln_convert(w, KILN_F32, (const char *)kiln_tensor_data(mapped) + kiln_dtype_nbytes(mapped->dtype, r0 * row),
-                     mapped->dtype, (size_t)(nr * row));
-        for (int i = 0; i < ps->n; i++) {
-            const patch *p = ps->p[i];
-            int64_t lo = r0, hi = r0 + nr; /* the rows of this block the patch covers */
-            if (p->rows > 0) {
-                if (lo < p->row0) lo = p->row0;
-                if (hi > p->row0 + p->rows) hi = p->row0 + p->rows;
-            }
-            if (lo < hi) kiln_adapter_rows_add(pr[i], w + (lo - r0) * row, lo - (p->rows > 0 ? p->row0 : 0), hi - lo);
-        }
-        kiln_convert((char *)kiln_tensor_data(dst) + kiln_dtype_nbytes(dst->dtype, r0 * row), dst->dtype, w, KILN_F32,
-                     (size_t)(nr * row));
-    }
-    if (w) kiln_device_scratch_free(kiln_device_cpu(), w);
-    for (int i = 0; i < ps->n; i++) kiln_adapter_rows_end(pr[i]);
-    return st;
-}
-
-static kiln_status build_into(kiln_tensor *dst, const kiln_tensor *mapped, const patchset *ps)
-{
-    /* a dry run's copy (meta, or zero host memory) holds no values to rebuild */
-    if (kiln_device_is_meta(tensor_device(dst)) || kiln_meta_is_host_storage(dst->storage)) return KILN_OK;
-    kiln_status cs = check_source(mapped);
-    if (cs) return cs;
-    if (!ps || ps->n == 0) return fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
-    kiln_status rs = build_rows(dst, mapped, ps);
-    if (rs != KILN_ERR_UNSUPPORTED) return rs;
-    int64_t n = kiln_tensor_numel(dst);
-    if (n == 0) return KILN_OK;
-    kiln_device *cpu = kiln_device_cpu();
-    int direct = dst->dtype == KILN_F32 && !tensor_device(dst)->backend->to_device;
-    float *w = NULL;
-    kiln_status st = KILN_OK;
-    if (direct) w = kiln_tensor_data(dst);
-    else if ((st = kiln_device_scratch_alloc(cpu, (size_t)n * sizeof(float), 0, (void **)&w))) return st;
-    kiln_convert(w, KILN_F32, kiln_tensor_data(mapped), mapped->dtype, (size_t)n);
-    int64_t row = mapped->shape[0] ? n / mapped->shape[0] : 0;
-    for (int i = 0; i < ps->n && !st; i++) {
-        const patch *p = ps->p[i];
-        int64_t shape[KILN_MAX_DIMS];
-        memcpy(shape, mapped->shape, sizeof(int64_t) * (size_t)mapped->ndim);
-        float *region = w;
-        if (p->rows > 0) {
-            shape[0] = p->rows;
-            region += p->row0 * row;
-        }
-        st = kiln_adapter_apply(&p->a, region, mapped->ndim, shape);
-    }
-    if (!st && !direct) st = fill_from_host(dst, w, KILN_F32);
-    if (!direct) kiln_device_scratch_free(cpu, w);
-    return st;
-}
-
-/* Under reg_mu: what a new copy of t in dtype want is made from. Unpatched: the host
+/* Under kiln_model_mu: what a new copy of t in dtype want is made from. Unpatched: the host
  * copy, else the file. Patched: the host copy when it already has that dtype (it
  * carries the patches), else the file plus the patch set (*ps retained). */
-static kiln_tensor *source_locked(const mtensor *t, kiln_dtype want, patchset **ps)
+kiln_tensor *kiln_model_source_locked(const mtensor *t, kiln_dtype want, patchset **ps)
 {
     *ps = NULL;
     if (t->ps && !(t->host && t->host->dtype == want)) {
-        *ps = ps_retain(t->ps);
+        *ps = kiln_patchset_retain(t->ps);
         return kiln_tensor_view_of(t->mapped);
     }
     return kiln_tensor_view_of(source_of(t));
 }
 
-/* A new copy on dev in dtype dt from what source_locked gave. */
-static kiln_status make_copy(const kiln_tensor *src, const patchset *ps, kiln_device *dev, kiln_dtype dt,
-                             const char *owner, kiln_tensor **out)
+/* A new copy on dev in dtype dt from what kiln_model_source_locked gave. */
+kiln_status kiln_model_make_copy(const kiln_tensor *src, const patchset *ps, kiln_device *dev, kiln_dtype dt,
+                                 const char *owner, kiln_tensor **out)
 {
     *out = NULL;
     kiln_status cs;
     if (dry_copy(src, dev, dt, owner, out, &cs)) return cs; /* patches too: nothing is computed */
-    if ((cs = check_source(src))) return cs;
+    if ((cs = kiln_model_check_source(src))) return cs;
     if (!ps) return copy_to(src, dev, dt, owner, out);
     kiln_tensor *r;
     kiln_status st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r);
     if (st) return st;
     kiln_storage_set_owner(r->storage, owner);
     double t0 = kiln_events_now();
-    if ((st = build_into(r, src, ps))) { kiln_tensor_free(r); return st; }
+    if ((st = kiln_patchset_build_into(r, src, ps))) { kiln_tensor_free(r); return st; }
     count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
     *out = r;
     return KILN_OK;
@@ -556,7 +327,7 @@ static size_t evict_locked(kiln_device *dev, size_t need, int one_step)
     size_t freed = 0;
     while (freed < need) {
         kiln_model *victim = NULL;
-        for (kiln_model *m = models; m; m = m->next) {
+        for (kiln_model *m = kiln_model_list; m; m = m->next) {
             if (m->pinned || m->busy || !evictable_on(m, dev)) continue;
             if (!victim || m->last_used < victim->last_used) victim = m;
         }
@@ -591,9 +362,9 @@ static size_t evict_locked(kiln_device *dev, size_t need, int one_step)
 size_t kiln_model_evict(kiln_device *dev, size_t need)
 {
     if (!dev) return 0;
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     size_t freed = evict_locked(dev, need ? need : 1, 0);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return freed;
 }
 
@@ -602,17 +373,20 @@ static size_t evict_hook(void *ctx, kiln_allocator *a, size_t need)
 {
     (void)a;
     if (kiln_memory_mode_get() == KILN_MEM_HIGH) return 0;
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     size_t freed = evict_locked(ctx, need ? need : 1, 1);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return freed;
 }
 
+static void drop_dry_copies(kiln_device *meta);
+
 static void init_runtime(void)
 {
-    for (int i = 0; i < MAX_QUEUES; i++) pthread_cond_init(&queues[i].cv, NULL);
+    kiln_model_stream_init();
     for (int i = 0; i < kiln_device_count(); i++)
         kiln_allocator_set_evict_hook(kiln_device_at(i)->alloc, evict_hook, kiln_device_at(i));
+    kiln_meta_set_end_hook(drop_dry_copies);
 }
 
 /* ---- open / close ---- */
@@ -642,7 +416,7 @@ static void model_free_all(kiln_model *m)
         kiln_tensor_free(t->parked);
         kiln_tensor_free(t->host);
         kiln_tensor_free(t->mapped);
-        ps_release(t->ps);
+        kiln_patchset_release(t->ps);
     }
     for (int i = 0; i < m->n_files; i++) kiln_st_release(m->files[i]);
     free(m->files);
@@ -736,36 +510,14 @@ kiln_status kiln_model_open_prefixed(const char *const *paths, int n, const char
         if (!t->mapped) { model_free_all(m); return kiln_error(KILN_ERR_OOM, "model: out of host memory"); }
     }
     m->dtype = -1;
-    pthread_mutex_lock(&reg_mu);
-    m->last_used = ++lru_clock;
-    m->next = models;
-    if (models) models->prev = m;
-    models = m;
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
+    m->last_used = ++kiln_model_clock;
+    m->next = kiln_model_list;
+    if (kiln_model_list) kiln_model_list->prev = m;
+    kiln_model_list = m;
+    pthread_mutex_unlock(&kiln_model_mu);
     *out = m;
     return KILN_OK;
-}
-
-/* Takes the queued prefetches of m off the queues and waits for a running one. */
-static void cancel_prefetches_locked(kiln_model *m)
-{
-    for (int q = 0; q < MAX_QUEUES; q++) {
-        job **pj = &queues[q].head, *last = NULL;
-        while (*pj) {
-            job *j = *pj;
-            if (j->m == m) {
-                *pj = j->next;
-                m->t[j->idx].inflight = 0;
-                m->inflight--;
-                free(j);
-            } else {
-                last = j;
-                pj = &j->next;
-            }
-        }
-        queues[q].tail = last;
-    }
-    while (m->inflight > 0) pthread_cond_wait(&done_cv, &reg_mu);
 }
 
 static uint64_t drop_copies_locked(kiln_model *m)
@@ -784,11 +536,14 @@ static uint64_t drop_copies_locked(kiln_model *m)
     return bytes;
 }
 
-void kiln_model_drop_dry_copies(kiln_device *meta)
+/* meta's end hook (registered by init_runtime): the end of a dry run drops every model
+ * copy on meta and every host copy made without reading its file, so later loads read
+ * the real weights, and puts back the real device copies the run's copies stood in for. */
+static void drop_dry_copies(kiln_device *meta)
 {
-    pthread_mutex_lock(&reg_mu);
-    for (kiln_model *m = models; m; m = m->next) cancel_prefetches_locked(m);
-    for (kiln_model *m = models; m; m = m->next) {
+    pthread_mutex_lock(&kiln_model_mu);
+    for (kiln_model *m = kiln_model_list; m; m = m->next) kiln_model_cancel_prefetches_locked(m);
+    for (kiln_model *m = kiln_model_list; m; m = m->next) {
         int dropped = 0;
         kiln_device *restored = NULL;
         for (int i = 0; i < m->n; i++) {
@@ -813,37 +568,25 @@ void kiln_model_drop_dry_copies(kiln_device *meta)
         if (restored) m->target = restored; /* as before the run, whatever it loaded or unloaded */
         else if (dropped && m->target == meta) m->target = NULL;
     }
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
 }
 
 void kiln_model_close(kiln_model *m)
 {
     if (!m) return;
-    pthread_mutex_lock(&reg_mu);
-    cancel_prefetches_locked(m);
+    pthread_mutex_lock(&kiln_model_mu);
+    kiln_model_cancel_prefetches_locked(m);
     if (m->prev) m->prev->next = m->next;
-    else models = m->next;
+    else kiln_model_list = m->next;
     if (m->next) m->next->prev = m->prev;
     const char *dev = m->target ? m->target->name : "";
     uint64_t bytes = drop_copies_locked(m);
     if (bytes) kiln_event_emit(KILN_EV_UNLOAD, dev, bytes, m->owner, "closed");
     /* The last model gone: the copy threads have nothing left to do. */
     worker *stop[MAX_QUEUES];
-    int n_stop = 0;
-    if (!models) {
-        for (int q = 0; q < MAX_QUEUES; q++) {
-            if (!queues[q].w) continue;
-            queues[q].w->quit = 1;
-            stop[n_stop++] = queues[q].w;
-            queues[q].w = NULL;
-            pthread_cond_broadcast(&queues[q].cv);
-        }
-    }
-    pthread_mutex_unlock(&reg_mu);
-    for (int i = 0; i < n_stop; i++) {
-        pthread_join(stop[i]->th, NULL);
-        free(stop[i]);
-    }
+    int n_stop = kiln_model_list ? 0 : kiln_model_stop_copy_threads_locked(stop);
+    pthread_mutex_unlock(&kiln_model_mu);
+    kiln_model_join_copy_threads(stop, n_stop);
     model_free_all(m);
 }
 
@@ -868,28 +611,28 @@ kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out
     *out = NULL;
     if (!m || !name) return kiln_error(KILN_ERR_ARG, "model tensor: model and name are required");
     int i = kiln_model_find(m, name);
-    if (i < 0) return missing_error(m, name);
-    pthread_mutex_lock(&reg_mu);
+    if (i < 0) return kiln_model_missing_error(m, name);
+    pthread_mutex_lock(&kiln_model_mu);
     mtensor *t = &m->t[i];
     if (t->ps && !t->dev && !t->host) {
         /* the file's view would show the weight without its patches: build a host
          * copy (accounted to the model) and hand that out */
         patchset *ps;
-        kiln_tensor *src = source_locked(t, t->mapped->dtype, &ps);
+        kiln_tensor *src = kiln_model_source_locked(t, t->mapped->dtype, &ps);
         m->busy++;
-        pthread_mutex_unlock(&reg_mu);
+        pthread_mutex_unlock(&kiln_model_mu);
         kiln_tensor *r = NULL;
-        kiln_status st = src ? make_copy(src, ps, kiln_device_cpu(), src->dtype, m->owner, &r)
+        kiln_status st = src ? kiln_model_make_copy(src, ps, kiln_device_cpu(), src->dtype, m->owner, &r)
                              : kiln_error(KILN_ERR_OOM, "out of host memory");
         kiln_tensor_free(src);
-        ps_release(ps);
-        pthread_mutex_lock(&reg_mu);
+        kiln_patchset_release(ps);
+        pthread_mutex_lock(&kiln_model_mu);
         m->busy--;
         if (st) {
-            pthread_mutex_unlock(&reg_mu);
+            pthread_mutex_unlock(&kiln_model_mu);
             char prefix[200];
             snprintf(prefix, sizeof prefix, "model '%s': patched tensor '%s': ", m->name, name);
-            return prefix_error(st, prefix);
+            return kiln_model_prefix_error(st, prefix);
         }
         if (!t->dev && !t->host) {
             t->host = r;
@@ -900,16 +643,16 @@ kiln_status kiln_model_tensor(kiln_model *m, const char *name, kiln_tensor **out
     }
     const kiln_tensor *best = t->dev ? t->dev : t->host ? t->host : t->mapped;
     kiln_tensor *v = kiln_tensor_view_of(best);
-    m->last_used = ++lru_clock;
-    pthread_mutex_unlock(&reg_mu);
+    m->last_used = ++kiln_model_clock;
+    pthread_mutex_unlock(&kiln_model_mu);
     if (!v) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory for a tensor header", m->name);
     /* the file's own view is read by whatever runs next: it must still be the file */
-    kiln_status cs = check_source(v);
+    kiln_status cs = kiln_model_check_source(v);
     if (cs) {
         kiln_tensor_free(v);
         char prefix[200];
         snprintf(prefix, sizeof prefix, "model '%s': tensor '%s': ", m->name, name);
-        return prefix_error(cs, prefix);
+        return kiln_model_prefix_error(cs, prefix);
     }
     *out = v;
     return KILN_OK;
@@ -919,10 +662,10 @@ kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *ou
 {
     if (!m || !name || !out) return kiln_error(KILN_ERR_ARG, "model where: model, name and out are required");
     int i = kiln_model_find(m, name);
-    if (i < 0) return missing_error(m, name);
-    pthread_mutex_lock(&reg_mu);
+    if (i < 0) return kiln_model_missing_error(m, name);
+    pthread_mutex_lock(&kiln_model_mu);
     *out = residency_of(&m->t[i]);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return KILN_OK;
 }
 
@@ -930,7 +673,7 @@ void kiln_model_get_info(kiln_model *m, kiln_model_info *o)
 {
     memset(o, 0, sizeof *o);
     if (!m) return;
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     o->n_tensors = m->n;
     for (int i = 0; i < m->n; i++) {
         const mtensor *t = &m->t[i];
@@ -953,7 +696,7 @@ void kiln_model_get_info(kiln_model *m, kiln_model_info *o)
     o->n_prefetch_waits = m->n_waits;
     o->n_prefetch_hits = m->n_hits;
     o->prefetch_thread = m->prefetch_tid;
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
 }
 
 static uint64_t bytes_on_locked(const kiln_model *m, const kiln_device *dev, int *count)
@@ -974,9 +717,9 @@ static uint64_t bytes_on_locked(const kiln_model *m, const kiln_device *dev, int
 uint64_t kiln_model_bytes(kiln_model *m, const kiln_device *dev)
 {
     if (!m) return 0;
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     uint64_t b = bytes_on_locked(m, dev, NULL);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return b;
 }
 
@@ -988,13 +731,13 @@ static int by_recent(const void *x, const void *y)
 
 int kiln_model_usage_list(kiln_model_usage *out, int max)
 {
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     int n_models = 0;
-    for (kiln_model *m = models; m; m = m->next) n_models++;
+    for (kiln_model *m = kiln_model_list; m; m = m->next) n_models++;
     kiln_model **list = malloc(sizeof *list * (size_t)(n_models ? n_models : 1));
-    if (!list) { pthread_mutex_unlock(&reg_mu); return 0; }
+    if (!list) { pthread_mutex_unlock(&kiln_model_mu); return 0; }
     int k = 0;
-    for (kiln_model *m = models; m; m = m->next) list[k++] = m;
+    for (kiln_model *m = kiln_model_list; m; m = m->next) list[k++] = m;
     qsort(list, (size_t)n_models, sizeof *list, by_recent);
     int rows = 0;
     for (int i = 0; i < n_models; i++) {
@@ -1022,7 +765,7 @@ int kiln_model_usage_list(kiln_model_usage *out, int max)
         }
     }
     free(list);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return rows;
 }
 
@@ -1035,24 +778,15 @@ static void load_error_prefix(kiln_model *m, kiln_device *dev, char *buf, size_t
                                    kiln_memory_mode_name(mode),
                                    mode == KILN_MEM_HIGH ? ": nothing is evicted automatically" : "");
     int first = 1;
-    pthread_mutex_lock(&reg_mu);
-    for (kiln_model *o = models; o && used < cap; o = o->next) {
+    pthread_mutex_lock(&kiln_model_mu);
+    for (kiln_model *o = kiln_model_list; o && used < cap; o = o->next) {
         if (o == m || !o->pinned) continue;
         used += (size_t)snprintf(buf + used, cap - used, "%s%s", first ? "; pinned: " : ", ", o->name);
         first = 0;
     }
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     if (used < cap) snprintf(buf + used, cap - used, "): ");
 }
-
-void kiln_model_set_stream_always(kiln_model *m, int on)
-{
-    pthread_mutex_lock(&reg_mu);
-    m->stream_always = on != 0;
-    pthread_mutex_unlock(&reg_mu);
-}
-
-int kiln_model_stream_always(const kiln_model *m) { return m->stream_always; }
 
 kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
 {
@@ -1063,12 +797,12 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
     int low = (mode == KILN_MEM_LOW || m->stream_always) && dev->type != KILN_DEV_CPU;
     unsigned char *made = calloc((size_t)(m->n ? m->n : 1), 1);
     if (!made) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     m->busy++;
     m->target = dev;
     m->dtype = dtype;
-    m->last_used = ++lru_clock;
-    pthread_mutex_unlock(&reg_mu);
+    m->last_used = ++kiln_model_clock;
+    pthread_mutex_unlock(&kiln_model_mu);
     kiln_events_set_context(m->owner);
     double t0 = kiln_events_now();
     kiln_status st = KILN_OK;
@@ -1076,8 +810,8 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
     for (int i = 0; i < m->n && !st; i++) {
         mtensor *t = &m->t[i];
         kiln_device *to = low ? kiln_device_cpu() : dev;
-        pthread_mutex_lock(&reg_mu);
-        kiln_dtype want = want_dtype(dtype, source_of(t));
+        pthread_mutex_lock(&kiln_model_mu);
+        kiln_dtype want = kiln_model_want_dtype(dtype, source_of(t));
         int have;
         if (low) {
             /* the host side of streaming: the file itself unless a conversion is due */
@@ -1095,28 +829,28 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
             }
         }
         patchset *ps = NULL;
-        kiln_tensor *src = have ? NULL : source_locked(t, want, &ps);
-        pthread_mutex_unlock(&reg_mu);
+        kiln_tensor *src = have ? NULL : kiln_model_source_locked(t, want, &ps);
+        pthread_mutex_unlock(&kiln_model_mu);
         if (have) continue;
-        if (!src) { ps_release(ps); st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
+        if (!src) { kiln_patchset_release(ps); st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
         kiln_tensor *r;
-        st = make_copy(src, ps, to, want, m->owner, &r);
+        st = kiln_model_make_copy(src, ps, to, want, m->owner, &r);
         kiln_tensor_free(src);
-        ps_release(ps);
+        kiln_patchset_release(ps);
         if (st) break;
-        pthread_mutex_lock(&reg_mu);
+        pthread_mutex_lock(&kiln_model_mu);
         if (low) {
             kiln_tensor_free(t->host);
             t->host = r;
         } else {
-            set_dev_locked(t, r);
+            kiln_model_set_dev_locked(t, r);
         }
         if (low) t->patch_host = 0;
         if (!low) { t->streamed = t->fetched = t->prefetched = 0; made[i] = 1; }
-        pthread_mutex_unlock(&reg_mu);
+        pthread_mutex_unlock(&kiln_model_mu);
         copied++;
     }
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     if (st) {
         for (int i = 0; i < m->n; i++)
             if (made[i]) drop(&m->t[i].dev);
@@ -1127,13 +861,13 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
     }
     m->busy--;
     uint64_t bytes = bytes_on_locked(m, low ? kiln_device_cpu() : dev, NULL);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     free(made);
     kiln_events_set_context(NULL);
     if (st) {
         char prefix[400];
         load_error_prefix(m, dev, prefix, sizeof prefix);
-        return prefix_error(st, prefix);
+        return kiln_model_prefix_error(st, prefix);
     }
     kiln_event_emit(KILN_EV_LOAD, low ? kiln_device_cpu()->name : dev->name, bytes, m->owner,
                     "%d tensors, %d copied, dtype %s, mode %s%s%s, %.1f ms", m->n, copied,
@@ -1145,18 +879,18 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
 kiln_status kiln_model_offload(kiln_model *m)
 {
     if (!m) return kiln_error(KILN_ERR_ARG, "model offload: model is NULL");
-    pthread_mutex_lock(&reg_mu);
-    cancel_prefetches_locked(m);
+    pthread_mutex_lock(&kiln_model_mu);
+    kiln_model_cancel_prefetches_locked(m);
     m->busy++;
     const char *from = m->target ? m->target->name : "?";
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     kiln_events_set_context(m->owner);
     kiln_device *cpu = kiln_device_cpu();
     kiln_status st = KILN_OK;
     int moved = 0;
     for (int i = 0; i < m->n && !st; i++) {
         mtensor *t = &m->t[i];
-        pthread_mutex_lock(&reg_mu);
+        pthread_mutex_lock(&kiln_model_mu);
         kiln_tensor *src = NULL;
         if (t->dev && tensor_device(t->dev) == cpu) {
             kiln_tensor_free(t->host);
@@ -1169,7 +903,7 @@ kiln_status kiln_model_offload(kiln_model *m)
             src = kiln_tensor_view_of(t->dev);
             if (!src) st = kiln_error(KILN_ERR_OOM, "out of host memory");
         }
-        pthread_mutex_unlock(&reg_mu);
+        pthread_mutex_unlock(&kiln_model_mu);
         if (!src) continue;
         kiln_tensor *h;
         double t0 = kiln_events_now();
@@ -1177,24 +911,24 @@ kiln_status kiln_model_offload(kiln_model *m)
         if (!st) count_transfer(tensor_device(src), 0, tensor_bytes(h), kiln_events_now() - t0);
         kiln_tensor_free(src);
         if (st) break;
-        pthread_mutex_lock(&reg_mu);
+        pthread_mutex_lock(&kiln_model_mu);
         kiln_tensor_free(t->host);
         t->host = h;
         t->patch_host = 0;
         drop(&t->dev);
         t->streamed = t->fetched = t->prefetched = 0;
-        pthread_mutex_unlock(&reg_mu);
+        pthread_mutex_unlock(&kiln_model_mu);
         moved++;
     }
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     m->busy--;
     uint64_t bytes = bytes_on_locked(m, cpu, NULL);
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     kiln_events_set_context(NULL);
     if (st) {
         char prefix[160];
         snprintf(prefix, sizeof prefix, "model '%s': offloading to host memory: ", m->name);
-        return prefix_error(st, prefix);
+        return kiln_model_prefix_error(st, prefix);
     }
     kiln_event_emit(KILN_EV_OFFLOAD, cpu->name, bytes, m->owner, "%d tensors moved from %s", moved, from);
     return KILN_OK;
@@ -1203,13 +937,13 @@ kiln_status kiln_model_offload(kiln_model *m)
 void kiln_model_unload(kiln_model *m)
 {
     if (!m) return;
-    pthread_mutex_lock(&reg_mu);
-    cancel_prefetches_locked(m);
+    pthread_mutex_lock(&kiln_model_mu);
+    kiln_model_cancel_prefetches_locked(m);
     const char *dev = m->target ? m->target->name : "";
     uint64_t bytes = drop_copies_locked(m);
     m->target = NULL;
     m->dtype = -1;
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     /* an unload is a request for the memory: the host allocator caches what is freed,
      * so give its wholly free segments (the dropped weights among them) and the
      * kernels' idle scratch back now */
@@ -1220,498 +954,23 @@ void kiln_model_unload(kiln_model *m)
 void kiln_model_pin(kiln_model *m)
 {
     if (!m) return;
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     m->pinned++;
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
 }
 
 kiln_status kiln_model_unpin(kiln_model *m)
 {
     if (!m) return kiln_error(KILN_ERR_ARG, "model unpin: model is NULL");
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     int was = m->pinned;
     if (was) m->pinned--;
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     if (!was) return kiln_error(KILN_ERR_STATE, "model '%s': unpin without a matching pin", m->name);
     return KILN_OK;
 }
 
-/* ---- streaming ---- */
-
-static kiln_status resolve(kiln_model *m, const char *const *names, int n, int **idx, const char *what)
-{
-    *idx = NULL;
-    if (!m) return kiln_error(KILN_ERR_ARG, "model %s: model is NULL", what);
-    if (n < 0 || (n > 0 && !names)) return kiln_error(KILN_ERR_ARG, "model '%s': %s: bad name list", m->name, what);
-    int *v = malloc(sizeof *v * (size_t)(n ? n : 1));
-    if (!v) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
-    for (int i = 0; i < n; i++) {
-        v[i] = names[i] ? kiln_model_find(m, names[i]) : -1;
-        if (v[i] < 0) {
-            free(v);
-            if (!names[i]) return kiln_error(KILN_ERR_ARG, "model '%s': %s: name %d is NULL", m->name, what, i + 1);
-            kiln_status st = missing_error(m, names[i]);
-            char prefix[64];
-            snprintf(prefix, sizeof prefix, "%s: ", what);
-            return prefix_error(st, prefix);
-        }
-    }
-    *idx = v;
-    return KILN_OK;
-}
-
-static kiln_status need_target_locked(kiln_model *m, const char *what)
-{
-    if (m->target) return KILN_OK;
-    return kiln_error(KILN_ERR_STATE, "model '%s': %s needs a device: call load(device) first", m->name, what);
-}
-
-kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n)
-{
-    int *idx;
-    kiln_status st = resolve(m, names, n, &idx, "fetch");
-    if (st) return st;
-    pthread_mutex_lock(&reg_mu);
-    st = need_target_locked(m, "fetch");
-    kiln_device *dev = target_of(m);
-    int dtype = m->dtype;
-    m->last_used = ++lru_clock;
-    pthread_mutex_unlock(&reg_mu);
-    if (st) { free(idx); return st; }
-    kiln_events_set_context(m->owner);
-    for (int k = 0; k < n && !st; k++) {
-        mtensor *t = &m->t[idx[k]];
-        pthread_mutex_lock(&reg_mu);
-        if (t->inflight) {
-            m->n_waits++;
-            while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
-        }
-        if (t->dev && tensor_device(t->dev) == dev) {
-            if (t->prefetched) { m->n_hits++; t->prefetched = 0; }
-            if (t->streamed) t->fetched = 1;
-            pthread_mutex_unlock(&reg_mu);
-            continue;
-        }
-        kiln_dtype want = want_dtype(dtype, source_of(t));
-        patchset *ps;
-        kiln_tensor *src = source_locked(t, want, &ps);
-        pthread_mutex_unlock(&reg_mu);
-        if (!src) { ps_release(ps); st = kiln_error(KILN_ERR_OOM, "out of host memory"); break; }
-        kiln_tensor *r;
-        st = make_copy(src, ps, dev, want, m->owner, &r);
-        kiln_tensor_free(src);
-        ps_release(ps);
-        if (st) break;
-        pthread_mutex_lock(&reg_mu);
-        if (t->dev && tensor_device(t->dev) == dev) {
-            kiln_tensor_free(r); /* another thread was faster */
-        } else {
-            set_dev_locked(t, r);
-            t->streamed = 1;
-            t->fetched = 1;
-        }
-        m->n_fetch++;
-        pthread_mutex_unlock(&reg_mu);
-    }
-    kiln_events_set_context(NULL);
-    free(idx);
-    if (st) {
-        char prefix[200];
-        snprintf(prefix, sizeof prefix, "model '%s': fetch to %s: ", m->name, dev->name);
-        return prefix_error(st, prefix);
-    }
-    return KILN_OK;
-}
-
-kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n)
-{
-    int *idx;
-    kiln_status st = resolve(m, names, n, &idx, "release");
-    if (st) return st;
-    pthread_mutex_lock(&reg_mu);
-    for (int k = 0; k < n; k++) {
-        mtensor *t = &m->t[idx[k]];
-        if (t->inflight) {
-            /* still queued: take it off; copying: wait for it */
-            for (int q = 0; q < MAX_QUEUES && t->inflight; q++) {
-                job *last = NULL;
-                for (job **pj = &queues[q].head; *pj;) {
-                    job *j = *pj;
-                    if (j->m == m && j->idx == idx[k]) {
-                        *pj = j->next;
-                        free(j);
-                        t->inflight = 0;
-                        m->inflight--;
-                    } else {
-                        last = j;
-                        pj = &j->next;
-                    }
-                }
-                queues[q].tail = last;
-            }
-            while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
-        }
-        if (t->dev && t->streamed) drop(&t->dev);
-        t->streamed = t->fetched = t->prefetched = 0;
-    }
-    pthread_mutex_unlock(&reg_mu);
-    free(idx);
-    return KILN_OK;
-}
-
-static int queue_slot(const kiln_device *dev)
-{
-    for (int i = 0; i < kiln_device_count() && i < MAX_QUEUES; i++)
-        if (kiln_device_at(i) == dev) return i;
-    return -1;
-}
-
-/* One prefetch copy of t to dev: reg_mu held on entry and on return, released while
- * copying; the copy is installed unless t changed meanwhile. A copy that fails is not
- * an error: fetch makes its own. */
-static void prefetch_copy_locked(kiln_model *m, mtensor *t, kiln_device *dev)
-{
-    kiln_dtype want = want_dtype(m->dtype, source_of(t));
-    patchset *ps;
-    kiln_tensor *src = source_locked(t, want, &ps);
-    unsigned gen = t->gen;
-    pthread_mutex_unlock(&reg_mu);
-    kiln_tensor *r = NULL;
-    kiln_status st = KILN_ERR_OOM;
-    double t0 = kiln_events_now();
-    if (src) {
-        /* the patches' arithmetic runs here too, overlapping the compute */
-        kiln_events_set_context(m->owner);
-        st = make_copy(src, ps, dev, want, m->owner, &r);
-        kiln_tensor_free(src);
-    }
-    ps_release(ps);
-    if (!st && kiln_trace_active()) {
-        char args[160];
-        snprintf(args, sizeof args, "\"model\":\"%s\",\"bytes\":%llu", m->name,
-                 (unsigned long long)tensor_bytes(r));
-        kiln_trace_span(t->name, "prefetch", t0, kiln_events_now(), args);
-    }
-    pthread_mutex_lock(&reg_mu);
-    if (!st && t->gen == gen && target_of(m) == dev && !(t->dev && tensor_device(t->dev) == dev)) {
-        set_dev_locked(t, r);
-        r = NULL;
-        t->streamed = 1;
-        t->prefetched = 1;
-        m->n_prefetch++;
-        m->prefetch_tid = kiln_thread_id();
-    }
-    kiln_tensor_free(r);
-}
-
-static void *copy_thread(void *arg)
-{
-    worker *w = arg;
-    char name[32];
-    snprintf(name, sizeof name, "copy %s", w->dev->name);
-    kiln_thread_set_name(name, 1);
-    pthread_mutex_lock(&reg_mu);
-    for (;;) {
-        while (!w->quit && !queues[w->slot].head) pthread_cond_wait(&queues[w->slot].cv, &reg_mu);
-        if (w->quit) break;
-        job *j = queues[w->slot].head;
-        queues[w->slot].head = j->next;
-        if (!j->next) queues[w->slot].tail = NULL;
-        kiln_model *m = j->m; /* stays open: close waits for m->inflight */
-        mtensor *t = &m->t[j->idx];
-        free(j);
-        if (target_of(m) == w->dev && !(t->dev && tensor_device(t->dev) == w->dev))
-            prefetch_copy_locked(m, t, w->dev);
-        t->inflight = 0;
-        m->inflight--;
-        pthread_cond_broadcast(&done_cv);
-    }
-    pthread_mutex_unlock(&reg_mu);
-    return NULL;
-}
-
-void kiln_model_wait_copies(void)
-{
-    pthread_mutex_lock(&reg_mu);
-    for (;;) {
-        int busy = 0;
-        for (kiln_model *m = models; m && !busy; m = m->next) busy = m->inflight > 0;
-        if (!busy) break;
-        pthread_cond_wait(&done_cv, &reg_mu);
-    }
-    pthread_mutex_unlock(&reg_mu);
-}
-
-/* A dry run (the meta device) prefetches at once, on the calling thread. Its arithmetic
- * takes no time, so a copy thread would land the copies at a moment that varies from
- * run to run: before, during or after the block that runs meanwhile allocates its
- * temporaries (the dry run's peak of the demo txt2img in low mode came out 0-3.4% low,
- * differently each run). Copied at once, the next block's weights are resident through
- * the block that runs meanwhile: the most a real run can hold, whose copies land when
- * the copy thread gets a core, and the dry run's peak is the same every time.
- * kiln_model_set_prefetch_at_once(1) gives real devices the same timing (tests compare
- * a real run's peak with the dry run's; it takes the overlap of copies and compute away).
- * As on the copy thread, a copy that fails is not an error: fetch makes its own. */
-static atomic_int prefetch_at_once;
-
-void kiln_model_set_prefetch_at_once(int on) { atomic_store(&prefetch_at_once, on != 0); }
-int kiln_model_prefetch_at_once(void) { return atomic_load(&prefetch_at_once); }
-
-static void prefetch_now(kiln_model *m, const int *idx, int n, kiln_device *dev)
-{
-    pthread_mutex_lock(&reg_mu);
-    for (int k = 0; k < n; k++) {
-        mtensor *t = &m->t[idx[k]];
-        if (!t->inflight && !(t->dev && tensor_device(t->dev) == dev)) prefetch_copy_locked(m, t, dev);
-    }
-    pthread_mutex_unlock(&reg_mu);
-    kiln_events_set_context(NULL);
-}
-
-kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n)
-{
-    int *idx;
-    kiln_status st = resolve(m, names, n, &idx, "prefetch");
-    if (st) return st;
-    pthread_mutex_lock(&reg_mu);
-    st = need_target_locked(m, "prefetch");
-    kiln_device *dev = target_of(m);
-    if (!st && (dev->type == KILN_DEV_META || atomic_load(&prefetch_at_once))) {
-        m->last_used = ++lru_clock;
-        pthread_mutex_unlock(&reg_mu);
-        prefetch_now(m, idx, n, dev);
-        free(idx);
-        return KILN_OK;
-    }
-    int q = st ? -1 : queue_slot(dev);
-    if (!st && q < 0) st = kiln_error(KILN_ERR_ARG, "model '%s': prefetch: no copy queue for %s", m->name, dev->name);
-    if (!st && !queues[q].w) {
-        worker *w = calloc(1, sizeof *w);
-        if (w) {
-            w->dev = dev;
-            w->slot = q;
-        }
-        if (!w || pthread_create(&w->th, NULL, copy_thread, w) != 0) {
-            free(w);
-            st = kiln_error(KILN_ERR_STATE, "model '%s': prefetch: cannot start the copy thread for %s", m->name, dev->name);
-        } else {
-            queues[q].w = w;
-        }
-    }
-    for (int k = 0; k < n && !st; k++) {
-        mtensor *t = &m->t[idx[k]];
-        if (t->inflight || (t->dev && tensor_device(t->dev) == dev)) continue;
-        job *j = malloc(sizeof *j);
-        if (!j) { st = kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name); break; }
-        j->m = m;
-        j->idx = idx[k];
-        j->next = NULL;
-        if (queues[q].tail) queues[q].tail->next = j;
-        else queues[q].head = j;
-        queues[q].tail = j;
-        t->inflight = 1;
-        m->inflight++;
-    }
-    if (q >= 0) pthread_cond_signal(&queues[q].cv);
-    m->last_used = ++lru_clock;
-    pthread_mutex_unlock(&reg_mu);
-    free(idx);
-    return st;
-}
-
-/* ---- patches: add / remove / count, the owner's kind ---- */
-
-/* Rebuilds copies[0..n) of t from the file and ps, in place; a copy that fails is
- * dropped from t (if still t's) so nothing stale stays. Returns the first error. */
-static kiln_status rebuild_copies(mtensor *t, kiln_tensor **copies, int n, const patchset *ps)
-{
-    kiln_status first = KILN_OK;
-    char msg[800] = "";
-    for (int k = 0; k < n; k++) {
-        if (!copies[k]) continue;
-        kiln_status st = build_into(copies[k], t->mapped, ps);
-        if (!st) continue;
-        if (!first) {
-            first = st;
-            snprintf(msg, sizeof msg, "%s", kiln_last_error());
-        }
-        pthread_mutex_lock(&reg_mu);
-        if (t->host && t->host->storage == copies[k]->storage) drop(&t->host);
-        if (t->dev && t->dev->storage == copies[k]->storage) {
-            drop(&t->dev);
-            t->streamed = t->fetched = t->prefetched = 0;
-        }
-        pthread_mutex_unlock(&reg_mu);
-    }
-    if (first) kiln_error(first, "%s", msg);
-    return first;
-}
-
-kiln_status kiln_model_add_patch(kiln_model *m, const char *target, const kiln_adapter *a, int64_t row_first,
-                                 int64_t row_count, int *id)
-{
-    if (id) *id = 0;
-    if (!m || !target || !a || !id) return kiln_error(KILN_ERR_ARG, "model add_patch: model, target, adapter and id are required");
-    int i = kiln_model_find(m, target);
-    if (i < 0) return prefix_error(missing_error(m, target), "add_patch: ");
-    mtensor *t = &m->t[i];
-    const kiln_tensor *w = t->mapped;
-    char ws[96], ds_str[96], rs[96];
-    kiln_shape_str(w, ws, sizeof ws);
-    if (!kiln_dtype_is_float(w->dtype))
-        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: tensor '%s' is %s, not a floating-point weight", m->name,
-                          target, kiln_dtype_name(w->dtype));
-    int nd;
-    int64_t ds[KILN_MAX_DIMS];
-    kiln_status st = kiln_adapter_delta_shape(a, &nd, ds);
-    if (st) {
-        char prefix[300];
-        snprintf(prefix, sizeof prefix, "model '%s': add_patch on '%s': ", m->name, target);
-        return prefix_error(st, prefix);
-    }
-    if (!isfinite(a->scale) || !isfinite(a->strength))
-        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch on '%s': scale and strength must be finite numbers", m->name, target);
-    kiln_tensor region = *w;
-    rs[0] = 0;
-    if (row_count < 0 || (row_count > 0 && (w->ndim < 1 || row_first < 0 || row_first + row_count > w->shape[0])))
-        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: rows %lld..%lld (counting from 1) are outside dim 1 of tensor '%s' %s",
-                          m->name, (long long)row_first + 1, (long long)(row_first + row_count), target, ws);
-    if (row_count > 0) {
-        region.shape[0] = row_count;
-        char b[96];
-        snprintf(rs, sizeof rs, " (rows %lld..%lld: %s)", (long long)row_first + 1, (long long)(row_first + row_count),
-                 kiln_shape_str(&region, b, sizeof b));
-    }
-    int64_t dn = 1;
-    for (int d = 0; d < nd; d++) dn *= ds[d];
-    kiln_tensor dshape = {0};
-    dshape.ndim = nd;
-    memcpy(dshape.shape, ds, sizeof(int64_t) * (size_t)nd);
-    kiln_shape_str(&dshape, ds_str, sizeof ds_str);
-    if (dn != kiln_tensor_numel(&region))
-        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: the %s delta %s does not fit tensor '%s' %s%s", m->name,
-                          kiln_adapter_kind_name(a->kind), ds_str, target, ws, rs);
-    const kiln_tensor *dora = a->f[KILN_AF_DORA_SCALE];
-    if (dora && (region.ndim < 2 || kiln_tensor_numel(dora) != region.shape[1])) {
-        char b[96];
-        return kiln_error(KILN_ERR_ARG, "model '%s': add_patch: 'dora_scale' %s does not fit tensor '%s' %s%s: it needs "
-                          "one value per column (dim 2)", m->name, kiln_shape_str(dora, b, sizeof b), target, ws, rs);
-    }
-    patch *p = calloc(1, sizeof *p);
-    if (!p) return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name);
-    atomic_init(&p->refs, 1);
-    p->a = *a;
-    p->row0 = row_count > 0 ? row_first : 0;
-    p->rows = row_count > 0 ? row_count : 0;
-    for (int f = 0; f < KILN_AF_COUNT; f++) {
-        if (!a->f[f]) continue;
-        p->own[f] = kiln_tensor_view_of(a->f[f]);
-        p->a.f[f] = p->own[f];
-        if (!p->own[f]) { patch_release(p); return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name); }
-    }
-
-    pthread_mutex_lock(&reg_mu);
-    m->busy++;
-    while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu); /* a prefetch builds from the old set */
-    patchset *old = t->ps, *cur = ps_edit(old, NULL, p);
-    if (!cur) {
-        m->busy--;
-        pthread_mutex_unlock(&reg_mu);
-        patch_release(p);
-        return kiln_error(KILN_ERR_OOM, "model '%s': add_patch: out of host memory", m->name);
-    }
-    p->id = ++m->next_patch_id;
-    t->ps = ps_retain(cur);
-    t->gen++;
-    kiln_tensor *copies[2] = {t->host ? kiln_tensor_view_of(t->host) : NULL, t->dev ? kiln_tensor_view_of(t->dev) : NULL};
-    pthread_mutex_unlock(&reg_mu);
-
-    kiln_events_set_context(m->owner);
-    st = rebuild_copies(t, copies, 2, cur);
-    kiln_events_set_context(NULL);
-    pthread_mutex_lock(&reg_mu);
-    if (st) {
-        /* nothing added: the old set back; the copies that were rebuilt are dropped
-         * (the file gives them back when needed) */
-        ps_release(t->ps);
-        t->ps = old;
-        old = NULL;
-        t->gen++;
-        drop(&t->host);
-        drop(&t->dev);
-        t->streamed = t->fetched = t->prefetched = 0;
-    } else {
-        *id = p->id;
-    }
-    m->busy--;
-    pthread_mutex_unlock(&reg_mu);
-    kiln_tensor_free(copies[0]);
-    kiln_tensor_free(copies[1]);
-    ps_release(old);
-    ps_release(cur);
-    patch_release(p);
-    if (st) {
-        char prefix[300];
-        snprintf(prefix, sizeof prefix, "model '%s': add_patch on '%s': ", m->name, target);
-        return prefix_error(st, prefix);
-    }
-    return KILN_OK;
-}
-
-kiln_status kiln_model_remove_patch(kiln_model *m, int id)
-{
-    if (!m) return kiln_error(KILN_ERR_ARG, "model remove_patch: model is NULL");
-    pthread_mutex_lock(&reg_mu);
-    mtensor *t = NULL;
-    patch *p = NULL;
-    for (int i = 0; i < m->n && !p; i++) {
-        patchset *ps = m->t[i].ps;
-        for (int k = 0; ps && k < ps->n; k++)
-            if (ps->p[k]->id == id) { t = &m->t[i]; p = ps->p[k]; break; }
-    }
-    if (!p) {
-        pthread_mutex_unlock(&reg_mu);
-        return kiln_error(KILN_ERR_ARG, "model '%s': no patch with id %d (removed already?)", m->name, id);
-    }
-    m->busy++;
-    while (t->inflight) pthread_cond_wait(&done_cv, &reg_mu);
-    patchset *old = t->ps, *cur = NULL;
-    if (old->n > 1 && !(cur = ps_edit(old, p, NULL))) {
-        m->busy--;
-        pthread_mutex_unlock(&reg_mu);
-        return kiln_error(KILN_ERR_OOM, "model '%s': remove_patch: out of host memory", m->name);
-    }
-    t->ps = ps_retain(cur);
-    t->gen++;
-    if (!cur && t->host && t->patch_host) drop(&t->host); /* the file's view serves again */
-    kiln_tensor *copies[2] = {t->host ? kiln_tensor_view_of(t->host) : NULL, t->dev ? kiln_tensor_view_of(t->dev) : NULL};
-    pthread_mutex_unlock(&reg_mu);
-    /* a copy that cannot be rebuilt is dropped: the removal itself always holds */
-    kiln_events_set_context(m->owner);
-    rebuild_copies(t, copies, 2, cur);
-    kiln_events_set_context(NULL);
-    pthread_mutex_lock(&reg_mu);
-    m->busy--;
-    pthread_mutex_unlock(&reg_mu);
-    kiln_tensor_free(copies[0]);
-    kiln_tensor_free(copies[1]);
-    ps_release(old);
-    ps_release(cur);
-    return KILN_OK;
-}
-
-int kiln_model_patch_count(kiln_model *m, const char *target)
-{
-    if (!m) return -1;
-    int i = target ? kiln_model_find(m, target) : -1;
-    if (target && i < 0) return -1;
-    int n = 0;
-    pthread_mutex_lock(&reg_mu);
-    for (int k = target ? i : 0; k < (target ? i + 1 : m->n); k++)
-        if (m->t[k].ps) n += m->t[k].ps->n;
-    pthread_mutex_unlock(&reg_mu);
-    return n;
-}
+/* ---- the owner's kind ---- */
 
 kiln_status kiln_model_set_owner_kind(kiln_model *m, const char *kind)
 {
@@ -1721,7 +980,7 @@ kiln_status kiln_model_set_owner_kind(kiln_model *m, const char *kind)
             return kiln_error(KILN_ERR_ARG, "model '%s': owner kind '%s': letters, digits, '_' and '-' only", m->name, kind);
     if (strlen(kind) + 1 + strlen(m->name) >= sizeof m->owner)
         return kiln_error(KILN_ERR_ARG, "model '%s': owner kind '%s' is too long", m->name, kind);
-    pthread_mutex_lock(&reg_mu);
+    pthread_mutex_lock(&kiln_model_mu);
     snprintf(m->owner, sizeof m->owner, "%s:%s", kind, m->name);
     for (int i = 0; i < m->n; i++) {
         mtensor *t = &m->t[i];
@@ -1729,7 +988,7 @@ kiln_status kiln_model_set_owner_kind(kiln_model *m, const char *kind)
         if (t->host) kiln_storage_set_owner(t->host->storage, m->owner);
         if (t->dev) kiln_storage_set_owner(t->dev->storage, m->owner);
     }
-    pthread_mutex_unlock(&reg_mu);
+    pthread_mutex_unlock(&kiln_model_mu);
     return KILN_OK;
 }
 

@@ -6,7 +6,9 @@
  * to). Copies are accounted to the owner "model:<name>". Device copies of unpinned
  * models are evicted, least recently used first, when an allocation needs room
  * (memory mode "normal"). In mode "low" weights stay on the host and are streamed:
- * fetch / prefetch (a copy thread per device) / release, tensor by tensor.
+ * fetch / prefetch (a copy thread per device) / release, tensor by tensor. The end
+ * of a dry run (meta.h) drops the copies the run made: model.c registers that as
+ * meta's end hook when the first model opens.
  *
  * Thread-safety: a model may be used by one thread at a time (plus the runtime's
  * own copy threads); eviction may come from any thread. */
@@ -168,9 +170,5 @@ int kiln_model_usage_list(kiln_model_usage *out, int max);
  * elsewhere are dropped but not counted). The allocators' evict hook calls this in
  * every mode but "high". */
 size_t kiln_model_evict(kiln_device *dev, size_t need);
-
-/* The end of a dry run (meta.h): drops every model copy on meta and every host copy
- * made without reading its file, so later loads read the real weights. */
-void kiln_model_drop_dry_copies(kiln_device *meta);
 
 #endif

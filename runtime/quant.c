@@ -1,4 +1,6 @@
-/* quant.c - fp8 and ggml's block formats. Decoding and the reference quantizers keep
+/* quant.c - ggml's block formats.
+ * layer 1 of the memory core: uses dtype; never calls convert.
+ * Decoding and the reference quantizers keep
  * the formats' float arithmetic in the same order (each product and sum rounded to
  * f32 where the definition rounds it), so results match ggml bit for bit. Nothing
  * here may fuse a*b+c into one rounding: GCC's -std=c11 turns contraction off, and
@@ -15,57 +17,6 @@
 #include <float.h>
 #include <math.h>
 #include <string.h>
-
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-/* ---- fp8 ---- */
-
-float kiln_f8_e4m3fn_to_f32(uint8_t b)
-{
-    int sign = b & 0x80, e = (b >> 3) & 15, m = b & 7;
-    float v;
-    if (e == 15 && m == 7) return sign ? -NAN : NAN;
-    if (e == 0) v = (float)m * 0.001953125f; /* m * 2^-9 */
-    else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-    return sign ? -v : v;
-}
-
-float kiln_f8_e5m2_to_f32(uint8_t b) { return kiln_f16_to_f32((uint16_t)(b << 8)); }
-
-/* Round |f| (finite, below the overflow bound) to nbits of mantissa with exponent
- * bias `bias` and subnormal unit 2^sub_exp; returns the code without sign. */
-static uint32_t f8_round(float a, int mbits, int bias, int sub_exp)
-{
-    uint32_t u = f32_bits(a);
-    int min_normal_exp = 1 - bias;
-    if (a < ldexpf(1.0f, min_normal_exp)) /* subnormal: a multiple of 2^sub_exp, nearest even */
-        return (uint32_t)rintf(ldexpf(a, -sub_exp));
-    uint32_t r = u - ((uint32_t)(127 - bias) << 23);
-    int drop = 23 - mbits;
-    uint32_t low = r & ((1u << drop) - 1), half = 1u << (drop - 1);
-    r >>= drop;
-    if (low > half || (low == half && (r & 1))) r++;
-    return r;
-}
-
-uint8_t kiln_f32_to_f8_e4m3fn(float f)
-{
-    uint8_t sign = (f32_bits(f) >> 24) & 0x80;
-    float a = fabsf(f);
-    if (a != a || a >= 480.0f) return sign | 0x7f;
-    uint32_t r = f8_round(a, 3, 7, -9);
-    return sign | (uint8_t)(r > 0x7f ? 0x7f : r); /* 0x7f: rounded past 448, nan */
-}
-
-uint8_t kiln_f32_to_f8_e5m2(float f)
-{
-    uint8_t sign = (f32_bits(f) >> 24) & 0x80;
-    float a = fabsf(f);
-    if (a != a) return sign | 0x7f;
-    if (a >= 65536.0f) return sign | 0x7c;
-    uint32_t r = f8_round(a, 2, 15, -16);
-    return sign | (uint8_t)(r > 0x7c ? 0x7c : r);
-}
 
 /* ---- decoding ---- */
 

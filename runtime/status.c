@@ -9,11 +9,11 @@ static _Thread_local char tl_msg[1024];
 static _Thread_local kiln_status tl_status;
 static _Thread_local kiln_oom_info tl_oom;
 
-/* kiln.h's codes: hosts store and compare KILN_ERR_SCRIPT's value, so it stays 64,
+/* kiln_status.h's codes: hosts store and compare KILN_ERR_SCRIPT's value, so it stays 64,
  * clear of the core's own codes. */
 _Static_assert(KILN_ERR_SCRIPT == 64 && KILN_STATUS_COUNT < KILN_ERR_SCRIPT, "kiln_status values");
 
-/* ORDER STATUS (kiln.h) */
+/* ORDER STATUS (kiln_status.h) */
 static const char *const status_names[KILN_STATUS_COUNT] = {
     "ok", "argument", "io", "format", "oom", "unsupported", "state", "cancelled",
 };

@@ -30,7 +30,7 @@ static void parked_release(kiln_storage *s)
 {
     kiln_allocator_release(kiln_device_cpu()->alloc, s->data);
     s->release = NULL;
-    kiln_events_storage(s, 0);
+    kiln_storage_account(s, 0);
 }
 
 static int parkable(const kiln_device *d)

@@ -1,10 +1,11 @@
 /* tensor.c - tensor headers and views over storages: reshape, permute, narrow,
  * expand, squeeze; contiguous copies and device/dtype transfers. Views never copy;
- * element data moves only through the device backend's copy or an explicit transfer. */
+ * element data moves only through the device backend's copy or an explicit transfer.
+ * layer 4 of the memory core: uses device, backend_table, dtype, convert; never calls meta, trace.
+ * The meta device is met as a device type and its hooks (device.h), not through meta.c. */
 #define _POSIX_C_SOURCE 200809L
 #include "tensor.h"
-#include "meta.h"
-#include "backend.h"
+#include "backend_table.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -439,6 +440,8 @@ static kiln_status transfer(kiln_tensor *dst, const kiln_tensor *src)
     return st;
 }
 
+static int is_meta(const kiln_device *d) { return d->type == KILN_DEV_META; }
+
 /* A copy r that arrived on dev in the wire dtype becomes *out in dt (r consumed). */
 static kiln_status arrived(kiln_tensor *r, kiln_device *dev, kiln_dtype wire, kiln_dtype dt, kiln_tensor **out)
 {
@@ -468,7 +471,7 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
      * target is smaller, after arriving otherwise; the wire format is contiguous. */
     kiln_tensor *c = NULL;
     kiln_dtype wire = kiln_dtype_size(dt) <= kiln_dtype_size(t->dtype) ? dt : t->dtype;
-    if (kiln_device_is_meta(dev) && !kiln_device_is_meta(sd)) {
+    if (is_meta(dev) && !is_meta(sd)) {
         /* onto meta: nothing is read, so the sending side converts nothing; what the
          * device holds (the wire copy, then its conversion) is as for a real one */
         c = kiln_tensor_view_of(t);
@@ -477,10 +480,10 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
     else st = kiln_tensor_contiguous(t, &c);
     if (st) return st;
     kiln_tensor *r;
-    if (kiln_device_is_meta(sd) && dev->type == KILN_DEV_CPU) {
+    if (is_meta(sd) && dev->type == KILN_DEV_CPU && sd->host_zeros) {
         /* off meta: host memory that reads as zeros and costs nothing until written, so
          * a dry run parks tiles and offloads weights without filling gigabytes */
-        kiln_storage *hs = kiln_meta_host_storage(kiln_dtype_nbytes(wire, kiln_tensor_numel(c)));
+        kiln_storage *hs = sd->host_zeros(kiln_dtype_nbytes(wire, kiln_tensor_numel(c)));
         r = hs ? kiln_tensor_from_storage(hs, 0, wire, c->ndim, c->shape, NULL) : NULL;
         kiln_storage_release(hs);
         kiln_tensor_free(c);
@@ -489,7 +492,7 @@ kiln_status kiln_tensor_to(const kiln_tensor *t, kiln_device *dev, kiln_dtype dt
         return arrived(r, dev, wire, dt, out);
     }
     if ((st = kiln_tensor_new(dev, wire, c->ndim, c->shape, &r))) { kiln_tensor_free(c); return st; }
-    if (kiln_device_is_meta(dev) && !kiln_device_is_meta(sd)) {
+    if (is_meta(dev) && !is_meta(sd)) {
         kiln_device_count_transfer(dev, 1, kiln_tensor_nbytes(r), 0);
         st = KILN_OK;
     } else {

@@ -1,10 +1,11 @@
 /* tensor.h - the tensor: dtype, shape, strides and a byte offset into a
  * reference-counted storage. Dimensions are 0-based here (the Lua binding maps
- * Lua's 1-based dims). Views share storage; nothing copies implicitly. */
+ * Lua's 1-based dims). Views share storage; nothing copies implicitly.
+ * layer 4 of the memory core: uses device, backend_table, dtype, convert; never calls meta, trace. */
 #ifndef KILN_TENSOR_H
 #define KILN_TENSOR_H
 
-#include "dtype.h"
+#include "convert.h"
 #include "device.h"
 
 #define KILN_MAX_DIMS 8

@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "unicode_entity.h"
 
 #define KILN_UNICODE_REPLACEMENT 0xFFFDu
 
@@ -30,13 +31,6 @@ uint32_t kiln_unicode_compose(uint32_t a, uint32_t b);
  * (0 when c is not mapped). */
 int kiln_unicode_width_fold(uint32_t c, uint32_t out[2]);
 
-/* One HTML5 character reference name (all valid with a trailing ';'). */
-typedef struct {
-    const char *name;
-    uint32_t cp[2];     /* its characters (cp[1] == 0 for one) */
-    uint32_t upper[3];  /* ftfy also decodes "&NAME;" upper-cased to these; 0 when not */
-    int bare;           /* also recognised without the ';' (the legacy names) */
-} kiln_unicode_entity;
 /* Looks up a name (case-sensitive, without '&' and ';'); NULL when absent. */
 const kiln_unicode_entity *kiln_unicode_entity_find(const char *name, size_t len);
 /* Windows-1252 meaning of a C1 control U+0080..U+009F (itself where 1252 leaves it

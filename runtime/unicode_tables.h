@@ -2,7 +2,7 @@
 #ifndef KILN_UNICODE_TABLES_H
 #define KILN_UNICODE_TABLES_H
 
-#include "unicode.h"
+#include "unicode_entity.h"
 
 typedef struct { uint32_t lo, hi; } kiln_uni_range;
 /* Code points lo, lo+stride, ..., hi map to c + delta. */

@@ -38,6 +38,11 @@ static const char *test_cur_name;
     else { test_n_pass++; printf("PASS %s\n", #fn); } \
     fflush(stdout); } while (0)
 
+/* The initialisation a test program does before any device is used: hand the
+ * runtime the backends this build links (kernels/backends.h), as luaopen_kiln does. */
+void kiln_backends_register_all(void);
+__attribute__((constructor)) static void test_register_backends(void) { kiln_backends_register_all(); }
+
 static inline int test_summary(void)
 {
     printf("# %d passed, %d failed, %d skipped\n", test_n_pass, test_n_fail, test_n_skip);

@@ -1,7 +1,7 @@
 /* test_dtype.c - dtype names and conversions, against numpy / torch bit for bit
  * (tests/golden/dtype.bin from tests/golden/gen_dtype.py) and kiln's own rules
  * for integer targets (truncate toward zero, saturate, nan -> 0). */
-#include "dtype.h"
+#include "convert.h"
 #include "test.h"
 
 #include <stdint.h>

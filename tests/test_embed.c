@@ -11,6 +11,7 @@
 
 #include <pthread.h>
 #include <sys/stat.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
@@ -626,9 +627,17 @@ static void t_memory_and_oom(void)
     if (!ctx) return;
     CHECK(kiln_memory_stats(ctx, NULL, &m) == KILN_OK && strcmp(m.device, "sim") == 0 && m.budget == 1 << 20,
           "config budget: %s %llu", m.device, (unsigned long long)m.budget);
+    kiln_oom_info none;
+    CHECK(kiln_memory_last_oom(ctx, &none) == KILN_ERR_STATE, "OOM details before any OOM");
     kiln_status st = kiln_run_string(ctx, "big = kiln.zeros({1024, 1024})");
     CHECK(st == KILN_ERR_OOM, "4 MiB in a 1 MiB budget gave %s", kiln_status_string(st));
     CHECK(contains(kiln_last_message(ctx), "sim"), "OOM message '%s'", kiln_last_message(ctx));
+    kiln_oom_info oi;
+    CHECK(kiln_memory_last_oom(ctx, &oi) == KILN_OK && strcmp(oi.device, "sim") == 0 && oi.requested >= 4u << 20 &&
+              oi.budget == 1 << 20 && oi.free <= 1 << 20,
+          "last OOM: %s requested %llu free %llu budget %llu", oi.device,
+          (unsigned long long)oi.requested, (unsigned long long)oi.free, (unsigned long long)oi.budget);
+    CHECK(kiln_memory_last_oom(NULL, &oi) == KILN_ERR_ARG, "NULL context");
     /* caught in the script, it is an ordinary value */
     CHECK(kiln_run_string(ctx, "local ok, e = pcall(kiln.zeros, {1024, 1024}); "
                                "assert(not ok and e.kind == 'oom' and e.device == 'sim')") == KILN_OK,
@@ -644,6 +653,9 @@ static void t_memory_and_oom(void)
           "allocated %llu ooms %llu", (unsigned long long)m.allocated, (unsigned long long)m.n_ooms);
     const char *s = kiln_memory_summary(ctx);
     CHECK(s && contains(s, "sim") && contains(s, "cpu"), "summary '%s'", s ? s : "(null)");
+    CHECK(kiln_run_string(ctx, "error('not memory')") == KILN_ERR_SCRIPT, "script error");
+    CHECK(kiln_memory_last_oom(ctx, &oi) == KILN_ERR_STATE && oi.device[0] == '\0',
+          "a failure that is not an OOM leaves no OOM details");
     kiln_close(ctx);
     CHECK(kiln_memory_summary(NULL) == NULL, "summary without a context");
 }
@@ -682,6 +694,121 @@ static void t_parse_size(void)
                                "kiln.configure{quiet = true}; assert(kiln.quiet())\n"
                                "kiln.configure{device = 'sim', mode = 'auto'}\n"
                                "assert(kiln.default_device() == 'sim')\n"
+                               "kiln.configure{device = 'cpu'}") == KILN_OK,
+          "configure: %s", kiln_last_message(ctx));
+    kiln_close(ctx);
+}
+
+/* kiln_config.size: a shorter config (an older header's) is read up to its size, a
+ * larger one (a newer header's) refused; KILN_VERSION_NUMBER is checked at open. */
+static void t_config_size_and_version(void)
+{
+    kiln_config cfg = KILN_CONFIG_INIT;
+    CHECK(cfg.size == sizeof(kiln_config) && cfg.device == NULL && cfg.memory_budget == 0, "KILN_CONFIG_INIT");
+    cfg.log_level = KILN_LOG_OFF;
+    cfg.precision = "f8"; /* a field the shorter config does not have: never read */
+    cfg.size = offsetof(kiln_config, precision);
+    kiln_ctx *ctx = NULL;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_OK && ctx, "shorter config: %s", kiln_last_message(NULL));
+    kiln_close(ctx);
+    ctx = NULL;
+    cfg.size = sizeof cfg;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_ERR_ARG && !ctx, "full config: the precision field is read");
+    CHECK(contains(kiln_last_message(NULL), "config.precision") && contains(kiln_last_message(NULL), "f8"),
+          "message '%s'", kiln_last_message(NULL));
+    cfg.size = 0; /* = {0}: the size of the header kiln_open was compiled with */
+    CHECK(kiln_open(&cfg, &ctx) == KILN_ERR_ARG && !ctx, "size 0: the whole config is read");
+
+    /* a newer header's config: larger than this library knows */
+    unsigned char bigger[sizeof(kiln_config) + 16];
+    memset(bigger, 0, sizeof bigger);
+    kiln_config small = KILN_CONFIG_INIT;
+    small.size = sizeof bigger;
+    memcpy(bigger, &small, sizeof small);
+    kiln_status st = kiln_open((const kiln_config *)(void *)bigger, &ctx);
+    CHECK(st == KILN_ERR_UNSUPPORTED && !ctx, "larger config gave %s", kiln_status_string(st));
+    CHECK(contains(kiln_last_message(NULL), "config.size") && contains(kiln_last_message(NULL), "newer kiln.h"),
+          "message '%s'", kiln_last_message(NULL));
+    small.size = 3;
+    CHECK(kiln_open(&small, &ctx) == KILN_ERR_ARG && !ctx, "a size smaller than any kiln_config");
+
+    /* versions: the patch may differ; the minor of a 0.x, or the major, may not */
+    CHECK(kiln_open_v(KILN_VERSION_NUMBER + 1, NULL, &ctx) == KILN_OK && ctx, "another patch version: %s",
+          kiln_last_message(NULL));
+    kiln_close(ctx);
+    ctx = NULL;
+    char want[32];
+    snprintf(want, sizeof want, "kiln.h %d.%d.0", KILN_VERSION_MAJOR, KILN_VERSION_MINOR + 1);
+    st = kiln_open_v(KILN_VERSION_NUMBER - KILN_VERSION_PATCH + 100, NULL, &ctx);
+    CHECK(st == KILN_ERR_UNSUPPORTED && !ctx, "a host of the next minor version gave %s", kiln_status_string(st));
+    CHECK(contains(kiln_last_message(NULL), want) && contains(kiln_last_message(NULL), kiln_version()),
+          "message '%s' names both versions", kiln_last_message(NULL));
+    snprintf(want, sizeof want, "kiln.h %d.", KILN_VERSION_MAJOR + 1);
+    CHECK(kiln_open_v(KILN_VERSION_NUMBER + 10000, &cfg, &ctx) == KILN_ERR_UNSUPPORTED && !ctx &&
+              contains(kiln_last_message(NULL), want),
+          "another major version: '%s'", kiln_last_message(NULL));
+    CHECK(kiln_open_v(0, NULL, &ctx) == KILN_ERR_UNSUPPORTED && !ctx, "no version");
+}
+
+/* A refused setting comes back as data: the config field and the reason alone, the
+ * same from kiln.configure (err.field, err.detail). */
+static void t_settings_field_as_data(void)
+{
+    static const struct { const char *field; const char *part; } cases[] = {
+        {"mode", "turbo"}, {"memory_budget", "too large"}, {"threads", "9999"}, {"trace", "no-such-dir"},
+        {"precision", "f8"}, {"device", "warp9"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char trace[300];
+        snprintf(trace, sizeof trace, "%s/no-such-dir/trace.json", tmpdir);
+        kiln_config cfg = KILN_CONFIG_INIT;
+        cfg.log_level = KILN_LOG_OFF;
+        const char *f = cases[i].field;
+        if (!strcmp(f, "mode")) cfg.mode = "turbo";
+        if (!strcmp(f, "memory_budget")) cfg.memory_budget = UINT64_MAX;
+        if (!strcmp(f, "threads")) cfg.threads = 9999;
+        if (!strcmp(f, "trace")) cfg.trace = trace;
+        if (!strcmp(f, "precision")) cfg.precision = "f8";
+        if (!strcmp(f, "device")) cfg.device = "warp9";
+        kiln_ctx *ctx = NULL;
+        kiln_status st = kiln_open(&cfg, &ctx);
+        const char *detail = NULL;
+        const char *field = kiln_last_config_field(NULL, &detail);
+        CHECK(st == KILN_ERR_ARG && !ctx, "%s: %s", f, kiln_status_string(st));
+        CHECK(field && strcmp(field, f) == 0, "field %s, expected %s", field ? field : "(null)", f);
+        CHECK(detail && contains(detail, cases[i].part) && !contains(detail, "config."), "%s: detail '%s'", f,
+              detail ? detail : "(null)");
+        char prefix[64];
+        snprintf(prefix, sizeof prefix, "kiln_open: config.%s: ", f);
+        CHECK(strncmp(kiln_last_message(NULL), prefix, strlen(prefix)) == 0 && contains(kiln_last_message(NULL), detail),
+              "message '%s'", kiln_last_message(NULL));
+        if (ctx) kiln_close(ctx);
+    }
+    kiln_config cfg = KILN_CONFIG_INIT;
+    cfg.log_level = (kiln_log_level)9;
+    kiln_ctx *ctx = NULL;
+    const char *detail = NULL;
+    CHECK(kiln_open(&cfg, &ctx) == KILN_ERR_ARG && kiln_last_config_field(NULL, &detail) == NULL && detail &&
+              *detail == '\0',
+          "a failure that is no setting names no field");
+    ctx = open_quiet(NULL);
+    CHECK(ctx && kiln_last_config_field(NULL, NULL) == NULL, "after a success: no field");
+    if (!ctx) return;
+    CHECK(kiln_last_config_field(ctx, &detail) == NULL, "a context's field");
+    CHECK(kiln_run_string(ctx, "local ok, e = pcall(kiln.configure, {mode = 'turbo'})\n"
+                               "assert(not ok and e.field == 'mode' and e.detail:find('turbo') and\n"
+                               "       not e.detail:find('^mode') and e.message == 'mode: ' .. e.detail, tostring(e))\n"
+                               "ok, e = pcall(kiln.configure, {precision = 'f8'})\n"
+                               "assert(not ok and e.field == 'precision' and e.detail:find('f8'), tostring(e))\n"
+                               "ok, e = pcall(kiln.configure, {device = 'sim', budget = '6X'})\n"
+                               "assert(not ok and e.field == 'budget' and kiln.default_device() == 'cpu', tostring(e))\n"
+                               "local before = kiln.mem.stats('sim').budget\n"
+                               "kiln.configure{device = 'sim', budget = '3M', precision = 'auto'}\n"
+                               "assert(kiln.mem.stats('sim').budget == 3 << 20 and kiln.default_device() == 'sim')\n"
+                               "kiln.mem.set_budget('sim', 5 << 20)\n"
+                               "assert(kiln.mem.stats('sim').budget == 5 << 20)\n"
+                               "kiln.configure{budget = before}\n"
+                               "assert(kiln.mem.stats('sim').budget == before)\n"
                                "kiln.configure{device = 'cpu'}") == KILN_OK,
           "configure: %s", kiln_last_message(ctx));
     kiln_close(ctx);
@@ -888,6 +1015,8 @@ int main(void)
     RUN(t_memory_and_oom);
     RUN(t_png_roundtrip);
     RUN(t_parse_size);
+    RUN(t_config_size_and_version);
+    RUN(t_settings_field_as_data);
     RUN(t_config_terminal_fields);
     RUN(t_pressure_per_context);
     RUN(t_close_frees_everything); /* last: every context is closed by now */

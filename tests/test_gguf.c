@@ -8,6 +8,7 @@
 #include "test_files.h"
 #include "gguf.h"
 #include "quant.h"
+#include "convert.h"
 
 #include <stdint.h>
 

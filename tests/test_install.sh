@@ -36,13 +36,22 @@ else
   exit 1
 fi
 missing=""
-for f in bin/kiln lib/libkiln.a lib/libkiln.so include/kiln.h lib/pkgconfig/kiln.pc \
+version=$(sed -n 's/^#define KILN_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)$/\2/p' bindings/kiln.h | paste -sd.)
+somajor=${version%%.*}
+for f in bin/kiln lib/libkiln.a lib/libkiln.so.$version include/kiln.h include/kiln_status.h lib/pkgconfig/kiln.pc \
          lib/lua/5.4/kiln.so share/man/man1/kiln.1 share/kiln/kiln.meta.lua; do
   [ -f "$prefix/$f" ] || missing="$missing $f"
 done
 if [ -z "$missing" ]; then pass "installed files"; else fail "installed files" "missing:$missing"; fi
-headers=$(cd "$prefix/include" && ls)
-if [ "$headers" = "kiln.h" ]; then pass "kiln.h is the only header"; else fail "headers" "$headers"; fi
+if [ "$(readlink "$prefix/lib/libkiln.so.$somajor")" = "libkiln.so.$version" ] &&
+   [ "$(readlink "$prefix/lib/libkiln.so")" = "libkiln.so.$somajor" ]; then
+  pass "libkiln.so -> libkiln.so.$somajor -> libkiln.so.$version installed"
+else
+  fail "library links" "$(ls -l "$prefix"/lib/libkiln.so* 2>&1)"
+fi
+headers=$(cd "$prefix/include" && ls | paste -sd' ')
+if [ "$headers" = "kiln.h kiln_status.h" ]; then pass "kiln.h and the kiln_status.h it includes are the headers"
+else fail "headers" "$headers"; fi
 
 # ---- build the example with pkg-config alone --------------------------------------
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
@@ -58,8 +67,8 @@ else
   fail "build art_tool" "$(head -20 "$work/cc.log")"
   exit 1
 fi
-if LD_LIBRARY_PATH=$prefix/lib ldd "$work/art_tool" 2>/dev/null | grep -q "$prefix/lib/libkiln.so"; then
-  pass "art_tool links the installed libkiln.so"
+if LD_LIBRARY_PATH=$prefix/lib ldd "$work/art_tool" 2>/dev/null | grep -q "libkiln.so.$somajor => $prefix/lib/libkiln.so.$somajor"; then
+  pass "art_tool links the installed libkiln.so.$somajor (its SONAME)"
 else
   fail "libkiln.so" "$(LD_LIBRARY_PATH=$prefix/lib ldd "$work/art_tool" 2>&1 | grep kiln)"
 fi
@@ -119,7 +128,7 @@ cd "$root"
 
 # ---- uninstall -----------------------------------------------------------------
 if ${MAKE:-make} -s uninstall PREFIX="$prefix" >"$work/uninstall.log" 2>&1; then
-  left=$(find "$prefix" -type f | sed "s|^$prefix/||")
+  left=$(find "$prefix" -type f -o -type l | sed "s|^$prefix/||")
   if [ -z "$left" ]; then pass "make uninstall"; else fail "make uninstall" "left behind: $left"; fi
 else
   fail "make uninstall" "$(tail -5 "$work/uninstall.log")"

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "model.h"
 #include "events.h"
+#include "trace.h"
 #include "json.h"
 #include "safetensors.h"
 #include "test.h"

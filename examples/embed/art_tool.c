@@ -68,7 +68,7 @@ int main(int argc, char **argv)
 {
     const char *out_path = "art.png", *script = "examples/embed/art_tool.lua", *prompt = "a lighthouse at dusk";
     const char *steps = "20", *size = "256", *seed = "0", *model = NULL, *preview = NULL;
-    kiln_config cfg = {0};
+    kiln_config cfg = KILN_CONFIG_INIT; /* its size: the library knows which fields this host has */
     progress_state progress = {0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -96,7 +96,7 @@ int main(int argc, char **argv)
     /* 1. a context: the device, its budget, where the script's messages go */
     cfg.log = on_log;
     kiln_ctx *ctx;
-    if (kiln_open(&cfg, &ctx) != KILN_OK) {
+    if (kiln_open(&cfg, &ctx) != KILN_OK) { /* a bad --device, or a library of another version */
         fprintf(stderr, "art_tool: %s\n", kiln_last_message(NULL));
         return 1;
     }

@@ -14,6 +14,7 @@
 #include "cpu_internal.h"
 #include "cpu_isa.h"
 #include "threadpool.h"
+#include "../../runtime/tunables.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -445,7 +446,7 @@ typedef enum { PATH_AUTO = 0, PATH_GEMM, PATH_WINOGRAD, PATH_WINOGRAD_FEW, PATH_
 
 static conv_path forced_path(void)
 {
-    const char *e = getenv("KILN_CONV_PATH");
+    const char *e = kiln_tunable_str("KILN_CONV_PATH");
     if (!e) return PATH_AUTO;
     if (!strcmp(e, "gemm")) return PATH_GEMM;
     if (!strcmp(e, "winograd")) return PATH_WINOGRAD;

@@ -16,6 +16,7 @@
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
+#include "../../runtime/tunables.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -715,7 +716,7 @@ AVX512 static void strip_task(void *vctx, int64_t begin, int64_t end)
  * KILN_WINOGRAD_TILE=4|6 forces one (tests, benchmarks). */
 static int pick_tile(const kiln_conv2d_params *p)
 {
-    const char *e = getenv("KILN_WINOGRAD_TILE");
+    const char *e = kiln_tunable_str("KILN_WINOGRAD_TILE");
     if (e && (!strcmp(e, "4") || !strcmp(e, "6"))) return e[0] - '0';
     double t4 = (double)((p->oh + 3) / 4) * (double)((p->ow + 3) / 4);
     double t6 = (double)((p->oh + 5) / 6) * (double)((p->ow + 5) / 6);

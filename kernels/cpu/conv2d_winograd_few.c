@@ -26,6 +26,7 @@
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
+#include "../../runtime/tunables.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -410,7 +411,7 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
      * faster at 8x8 all the same. KILN_WINOGRAD_FEW_TILE=2|4 forces one (tests). */
     int64_t t4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4), t2 = ((p->oh + 1) / 2) * ((p->ow + 1) / 2);
     c.m = t4 <= TINY_TILES && p->n * t2 <= MAX_TILES ? 2 : 4;
-    const char *tile = getenv("KILN_WINOGRAD_FEW_TILE");
+    const char *tile = kiln_tunable_str("KILN_WINOGRAD_FEW_TILE");
     if (tile && (!strcmp(tile, "2") || !strcmp(tile, "4"))) c.m = tile[0] - '0';
     c.a = c.m + 2; c.P = c.a * c.a;
     c.TH = (p->oh + c.m - 1) / c.m; c.TW = (p->ow + c.m - 1) / c.m; c.T = c.TH * c.TW; c.NT = p->n * c.T;

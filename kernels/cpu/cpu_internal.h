@@ -1,7 +1,7 @@
 /* cpu_internal.h - what the CPU kernel files share with each other and not with the
- * runtime (cpu_kernels.h is the backend's API): the GEMM entry points of gemm.c that
- * the convolutions build on, its scratch cache, and the convolution paths conv2d.c
- * chooses between. */
+ * runtime (cpu_kernels.h is the backend's API): the GEMM entry points (gemm.c, their
+ * bf16 forms in gemm_bf16.c) that the convolutions build on, the scratch cache
+ * (gemm_scratch.c), and the convolution paths conv2d.c chooses between. */
 #ifndef KILN_CPU_INTERNAL_H
 #define KILN_CPU_INTERNAL_H
 
@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* ---- gemm.c ---- */
+/* ---- gemm.c, gemm_bf16.c ---- */
 
 /* Packs columns [j0, j0+n) x depth [k0, k0+kc) of B into ceil(n/32) slivers of kc x 32
  * floats each (dst[s][k][0..31]), zero past n: a custom B source (implicit im2col). */
@@ -55,6 +55,8 @@ int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *A
 void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, int64_t lda, int64_t M, int64_t K);
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
                          int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch);
+
+/* ---- gemm_scratch.c ---- */
 
 /* Cached, 64-byte aligned scratch (uninitialized; NULL when out of memory). */
 void *kiln_cpu_scratch_get(size_t bytes);

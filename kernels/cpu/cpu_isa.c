@@ -1,5 +1,6 @@
 /* cpu_isa.c - see cpu_isa.h. */
 #include "cpu_isa.h"
+#include "../../runtime/tunables.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -13,7 +14,7 @@ int kiln_cpu_isa(void)
         c = ISA_GENERIC;
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
         __builtin_cpu_init();
-        const char *e = getenv("KILN_CPU_ISA");
+        const char *e = kiln_tunable_str("KILN_CPU_ISA");
         int cap = !e ? ISA_AVX512 : !strcmp(e, "generic") ? ISA_GENERIC : !strcmp(e, "avx2") ? ISA_AVX2 : ISA_AVX512;
         if (__builtin_cpu_supports("avx512f")) c = ISA_AVX512;
         else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c = ISA_AVX2;
@@ -31,7 +32,7 @@ int kiln_cpu_has_bf16(void)
     if (c < 0) {
         c = 0;
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
-        const char *e = getenv("KILN_CPU_ISA");
+        const char *e = kiln_tunable_str("KILN_CPU_ISA");
         c = kiln_cpu_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512bf16") && !(e && !strcmp(e, "avx512"));
 #endif
         atomic_store_explicit(&cached, c, memory_order_relaxed);

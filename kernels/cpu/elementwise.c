@@ -1,7 +1,8 @@
 /* elementwise.c - CPU copy/convert, fill, binary and unary ops over strided tensors.
  * All-f32 operands take float loops the compiler vectorizes; other dtypes go through
  * double loads (kiln_dtype_load) and stores (exact for every supported integer and
- * float value). */
+ * float value), with the formulas CUDA shares (kernels/kernel_formulas.h). */
+#include "../kernel_formulas.h"
 #include "cpu_backend.h"
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
@@ -49,15 +50,7 @@ static inline void store(char *p, kiln_dtype dt, double v)
     case KILN_F16: *(uint16_t *)p = kiln_f32_to_f16((float)v); break;
     case KILN_BF16: *(uint16_t *)p = kiln_f32_to_bf16((float)v); break;
     case KILN_F8_E4M3FN: case KILN_F8_E5M2: kiln_convert(p, dt, &(float){(float)v}, KILN_F32, 1); break;
-    default: {
-        /* integers: truncate toward zero, saturate, nan -> 0 (never undefined behaviour) */
-        double lo = dt == KILN_U8 ? 0 : dt == KILN_I32 ? -2147483648.0 : -9223372036854775808.0;
-        double hi = dt == KILN_U8 ? 255 : dt == KILN_I32 ? 2147483647.0 : 9223372036854774784.0;
-        double t = v != v ? 0 : v < lo ? lo : v > hi ? hi : trunc(v);
-        if (dt == KILN_U8) *(uint8_t *)p = (uint8_t)t;
-        else if (dt == KILN_I32) *(int32_t *)p = (int32_t)t;
-        else *(int64_t *)p = (int64_t)t;
-    } break;
+    default: kiln_store_int(p, dt, v); break; /* integers: truncate, saturate, nan -> 0 */
     }
 }
 
@@ -225,20 +218,6 @@ kiln_status kiln_cpu_fill(kiln_tensor *t, double v)
 }
 
 /* ---- binary ---- */
-static inline double bin_d(kiln_binop op, double a, double b)
-{
-    switch (op) {
-    case KILN_BIN_ADD: return a + b;
-    case KILN_BIN_SUB: return a - b;
-    case KILN_BIN_MUL: return a * b;
-    case KILN_BIN_DIV: return a / b;
-    case KILN_BIN_POW: return pow(a, b);
-    case KILN_BIN_MIN: return (a != a || b != b) ? NAN : (a < b ? a : b);
-    case KILN_BIN_MAX: return (a != a || b != b) ? NAN : (a > b ? a : b);
-    default: return 0;
-    }
-}
-
 typedef struct { kiln_binop op; kiln_dtype dt[3]; double s; int swap; int has_b; } bin_ctx;
 
 #define BIN_F32_LOOP(EXPR) do { \
@@ -269,7 +248,7 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
         case KILN_BIN_SUB: BIN_F32_LOOP(x - y); return;
         case KILN_BIN_MUL: BIN_F32_LOOP(x * y); return;
         case KILN_BIN_DIV: BIN_F32_LOOP(x / y); return;
-        /* NaN in either operand gives NaN, as bin_d */
+        /* NaN in either operand gives NaN, as kiln_binary_d */
         case KILN_BIN_MIN: BIN_F32_LOOP((x != x || y != y) ? x + y : (x < y ? x : y)); return;
         case KILN_BIN_MAX: BIN_F32_LOOP((x != x || y != y) ? x + y : (x > y ? x : y)); return;
         default: break;
@@ -281,10 +260,8 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
         double x = kiln_dtype_load(c->dt[1], ptr[1] + i * st[1] * (int64_t)e1);
         double y = c->has_b ? kiln_dtype_load(c->dt[2], ptr[2] + i * st[2] * (int64_t)e2) : c->s;
         if (c->swap) { double t = x; x = y; y = t; }
-        double r;
-        if (int_out && c->op == KILN_BIN_DIV) r = y == 0 ? 0 : trunc(x / y); /* integer division truncates (documented) */
-        else r = bin_d(c->op, x, y);
-        store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0], r);
+        /* an integer output: division truncates (documented) */
+        store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0], kiln_binary_d(c->op, x, y, int_out));
     }
 }
 
@@ -313,33 +290,6 @@ kiln_status kiln_cpu_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *
 }
 
 /* ---- unary ---- */
-static inline double un_d(kiln_unop op, double x, double p0, double p1)
-{
-    switch (op) {
-    case KILN_UN_NEG: return -x;
-    case KILN_UN_EXP: return exp(x);
-    case KILN_UN_LOG: return log(x);
-    case KILN_UN_SQRT: return sqrt(x);
-    case KILN_UN_ABS: return fabs(x);
-    case KILN_UN_TANH: return tanh(x);
-    case KILN_UN_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case KILN_UN_SILU: return x / (1.0 + exp(-x));
-    case KILN_UN_GELU: return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
-    case KILN_UN_GELU_TANH: return 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));
-    case KILN_UN_QUICK_GELU: return x / (1.0 + exp(-1.702 * x));
-    case KILN_UN_RELU: return x > 0 ? x : (x != x ? x : 0);
-    case KILN_UN_SIN: return sin(x);
-    case KILN_UN_COS: return cos(x);
-    case KILN_UN_CLAMP:
-        if (x != x) return x;
-        if (p0 == p0 && x < p0) x = p0;
-        if (p1 == p1 && x > p1) x = p1;
-        return x;
-    case KILN_UN_LEAKY_RELU: return x < 0 ? x * p0 : x;
-    default: return 0;
-    }
-}
-
 typedef struct { kiln_unop op; kiln_dtype dt[2]; double p0, p1; } un_ctx;
 
 static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
@@ -375,7 +325,7 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
             return;
         }
         case KILN_UN_CLAMP: {
-            /* NaN bounds are absent bounds (un_d); a NaN input stays NaN */
+            /* NaN bounds are absent bounds (kiln_unary_d); a NaN input stays NaN */
             float lo = c->p0 == c->p0 ? (float)c->p0 : -INFINITY, hi = c->p1 == c->p1 ? (float)c->p1 : INFINITY;
             for (int64_t i = 0; i < n; i++) {
                 float v = a[i], r = v < lo ? lo : v;
@@ -390,7 +340,7 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
     size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]);
     for (int64_t i = 0; i < n; i++)
         store(ptr[0] + i * st[0] * (int64_t)e0, c->dt[0],
-              un_d(c->op, kiln_dtype_load(c->dt[1], ptr[1] + i * st[1] * (int64_t)e1), c->p0, c->p1));
+              kiln_unary_d(c->op, kiln_dtype_load(c->dt[1], ptr[1] + i * st[1] * (int64_t)e1), c->p0, c->p1));
 }
 
 kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)

@@ -2,6 +2,7 @@
  * align_corners=False, nearest-exact, legacy nearest) and 2-D padding of [NC, H, W]
  * planes. Source indices and weights follow ATen's UpSample.h formulas (float scale,
  * double source index for linear), so pixels and weights are those of torch 1.13. Rows are spread over the thread pool. */
+#include "../kernel_formulas.h"
 #include "cpu_kernels.h"
 #include "threadpool.h"
 
@@ -46,44 +47,7 @@ void kiln_cpu_upsample_nearest(float *y, const float *x, int64_t nc, int64_t h, 
 
 static inline float scale_of(int64_t in, int64_t out) { return (float)in / (float)out; }
 
-/* compute_source_index_and_lambda: identity when the size is unchanged, else the
- * source index in double (ATen's acc_type of float) from the float scale, clamped at
- * 0; lambda1 rounded to float, lambda0 = 1 - lambda1 in float. */
-static inline void linear_index(int64_t i, int64_t in, int64_t out, float scale, int64_t *i0, int64_t *i1,
-                                float *l0, float *l1)
-{
-    if (in == out) {
-        *i0 = *i1 = i;
-        *l0 = 1.0f;
-        *l1 = 0.0f;
-        return;
-    }
-    double src = (double)scale * ((double)i + 0.5) - 0.5;
-    if (src < 0) src = 0;
-    int64_t k = (int64_t)src;
-    if (k > in - 1) k = in - 1; /* never taken for align_corners=False; keeps reads in bounds */
-    *i0 = k;
-    *i1 = k < in - 1 ? k + 1 : k;
-    *l1 = (float)(src - (double)k);
-    *l0 = 1.0f - *l1;
-}
-
-/* nearest_neighbor_exact_compute_source_index: floorf((i + 0.5) * scale), the
- * product in double as in the C++ source */
-static inline int64_t nearest_exact_index(int64_t i, int64_t in, float scale)
-{
-    int64_t k = (int64_t)floorf((float)(((double)i + 0.5) * (double)scale));
-    return k < in - 1 ? k : in - 1;
-}
-
-/* nearest_idx: identity and x2 special cases, else floorf(i * scale) */
-static inline int64_t nearest_index(int64_t i, int64_t in, int64_t out, float scale)
-{
-    if (out == in) return i;
-    if (out == 2 * in) return i >> 1;
-    int64_t k = (int64_t)floorf((float)i * scale);
-    return k < in - 1 ? k : in - 1;
-}
+/* the index rules themselves are kernels/kernel_formulas.h's, which CUDA shares */
 
 typedef struct {
     float *y;
@@ -103,23 +67,20 @@ static void interp_rows(void *p, int64_t b, int64_t e)
         if (c->mode == 0) {
             int64_t y0, y1;
             float h0, h1;
-            linear_index(oy, c->h, c->oh, c->sh, &y0, &y1, &h0, &h1);
+            kiln_linear_index(oy, c->h, c->oh, c->sh, &y0, &y1, &h0, &h1);
             const float *r0 = src + y0 * c->w, *r1 = src + y1 * c->w;
             for (int64_t ox = 0; ox < c->ow; ox++) {
                 int64_t x0, x1;
                 float w0, w1;
-                linear_index(ox, c->w, c->ow, c->sw, &x0, &x1, &w0, &w1);
-                /* same association as ATen's Interpolate<2>: inner W, then H */
-                float t0 = r0[x0] * w0 + r0[x1] * w1;
-                float t1 = r1[x0] * w0 + r1[x1] * w1;
-                dst[ox] = t0 * h0 + t1 * h1;
+                kiln_linear_index(ox, c->w, c->ow, c->sw, &x0, &x1, &w0, &w1);
+                dst[ox] = kiln_bilinear_blend(r0[x0], r0[x1], r1[x0], r1[x1], w0, w1, h0, h1);
             }
         } else if (c->mode == 1) {
-            const float *row = src + nearest_exact_index(oy, c->h, c->sh) * c->w;
-            for (int64_t ox = 0; ox < c->ow; ox++) dst[ox] = row[nearest_exact_index(ox, c->w, c->sw)];
+            const float *row = src + kiln_nearest_exact_index(oy, c->h, c->sh) * c->w;
+            for (int64_t ox = 0; ox < c->ow; ox++) dst[ox] = row[kiln_nearest_exact_index(ox, c->w, c->sw)];
         } else {
-            const float *row = src + nearest_index(oy, c->h, c->oh, c->sh) * c->w;
-            for (int64_t ox = 0; ox < c->ow; ox++) dst[ox] = row[nearest_index(ox, c->w, c->ow, c->sw)];
+            const float *row = src + kiln_nearest_index(oy, c->h, c->oh, c->sh) * c->w;
+            for (int64_t ox = 0; ox < c->ow; ox++) dst[ox] = row[kiln_nearest_index(ox, c->w, c->ow, c->sw)];
         }
     }
 }
@@ -148,24 +109,7 @@ void kiln_cpu_interpolate_nearest(float *y, const float *x, int64_t nc, int64_t 
 
 /* ---- pad2d ---- */
 
-/* Source index of output coordinate i (already shifted by the leading pad), or -1
- * for the constant border. Reflection folds repeatedly and circular wraps
- * repeatedly, so even a pad wider than the input (which F.pad rejects) stays in
- * bounds. */
-static inline int64_t pad_index(int64_t s, int64_t n, kiln_pad_mode mode)
-{
-    if (s >= 0 && s < n) return s;
-    if (mode == KILN_PAD_CONSTANT) return -1;
-    if (mode == KILN_PAD_REPLICATE || n == 1) return s < 0 ? 0 : n - 1;
-    if (mode == KILN_PAD_CIRCULAR) {
-        s %= n;
-        return s < 0 ? s + n : s;
-    }
-    int64_t period = 2 * (n - 1);
-    s %= period;
-    if (s < 0) s += period;
-    return s < n ? s : period - s;
-}
+/* border indices: kiln_pad_index (kernels/kernel_formulas.h) */
 
 typedef struct {
     float *y;
@@ -181,7 +125,7 @@ static void pad_rows(void *p, int64_t b, int64_t e)
     for (int64_t r = b; r < e; r++) {
         int64_t plane = r / c->oh, oy = r % c->oh;
         float *dst = c->y + r * c->ow;
-        int64_t sy = pad_index(oy - c->top, c->h, c->mode);
+        int64_t sy = kiln_pad_index(oy - c->top, c->h, c->mode);
         if (sy < 0) {
             for (int64_t ox = 0; ox < c->ow; ox++) dst[ox] = c->value;
             continue;
@@ -191,12 +135,12 @@ static void pad_rows(void *p, int64_t b, int64_t e)
         int64_t in0 = c->left > 0 ? c->left : 0;
         int64_t in1 = c->left + c->w < c->ow ? c->left + c->w : c->ow;
         for (int64_t ox = 0; ox < in0 && ox < c->ow; ox++) {
-            int64_t sx = pad_index(ox - c->left, c->w, c->mode);
+            int64_t sx = kiln_pad_index(ox - c->left, c->w, c->mode);
             dst[ox] = sx < 0 ? c->value : row[sx];
         }
         if (in1 > in0) memcpy(dst + in0, row + (in0 - c->left), (size_t)(in1 - in0) * sizeof(float));
         for (int64_t ox = in1 > in0 ? in1 : in0; ox < c->ow; ox++) {
-            int64_t sx = pad_index(ox - c->left, c->w, c->mode);
+            int64_t sx = kiln_pad_index(ox - c->left, c->w, c->mode);
             dst[ox] = sx < 0 ? c->value : row[sx];
         }
     }

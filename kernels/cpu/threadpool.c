@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include "threadpool.h"
 #include "../../runtime/precision.h"
+#include "../../runtime/tunables.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -38,8 +39,8 @@ static _Thread_local int tl_in_job = 0;
 
 static int default_threads(void)
 {
-    const char *e = getenv("KILN_THREADS");
-    if (e && atoi(e) > 0) return atoi(e) > 256 ? 256 : atoi(e);
+    int n = kiln_tunable_int("KILN_THREADS", 0);
+    if (n > 0) return n > 256 ? 256 : n;
     long c = sysconf(_SC_NPROCESSORS_ONLN);
     return c > 0 ? (int)c : 1;
 }
@@ -66,8 +67,8 @@ static int spin_iters(void)
     static atomic_int n = -1;
     int v = atomic_load_explicit(&n, memory_order_relaxed);
     if (v < 0) {
-        const char *e = getenv("KILN_SPIN");
-        v = e && atoi(e) >= 0 ? atoi(e) : 4000;
+        v = kiln_tunable_int("KILN_SPIN", 4000);
+        if (v < 0) v = 4000;
         atomic_store_explicit(&n, v, memory_order_relaxed);
     }
     return v;

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "cuda_backend.h"
 #include "../../runtime/precision.h"
+#include "../../runtime/tunables.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,12 +80,6 @@ static void cuda_raw_free(void *ctx, void *p, size_t n)
 
 /* ---- context ---- */
 
-static int env_flag(const char *name)
-{
-    const char *e = getenv(name);
-    return e && *e && strcmp(e, "0") != 0;
-}
-
 static kiln_status init_fail(kiln_cuda_ctx *c, kiln_status st)
 {
     snprintf(c->init_error, sizeof c->init_error, "%s", kiln_last_error());
@@ -116,9 +111,9 @@ static kiln_status ctx_init(kiln_cuda_ctx *c)
     c->sm_count = p.multiProcessorCount;
     c->cc_major = p.major;
     c->cc_minor = p.minor;
-    c->debug_sync = env_flag("KILN_CUDA_SYNC");
-    c->tf32 = env_flag("KILN_CUDA_TF32");
-    c->conv_benchmark = env_flag("KILN_CUDA_CONV_BENCHMARK");
+    c->debug_sync = kiln_tunable_flag("KILN_CUDA_SYNC");
+    c->tf32 = kiln_tunable_flag("KILN_CUDA_TF32");
+    c->conv_benchmark = kiln_tunable_flag("KILN_CUDA_CONV_BENCHMARK");
     if ((st = kiln_cuda_check(c, op, "cudaStreamCreate", cudaStreamCreateWithFlags(&c->compute, cudaStreamNonBlocking))) ||
         (st = kiln_cuda_check(c, op, "cudaStreamCreate", cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking))) ||
         (st = kiln_cuda_check(c, op, "cudaEventCreate", cudaEventCreateWithFlags(&c->order_ev, cudaEventDisableTiming))))
@@ -135,8 +130,8 @@ static kiln_status ctx_init(kiln_cuda_ctx *c)
         return init_fail(c, st);
     /* pinned staging: KILN_CUDA_STAGING_MB per slot (default 8); smaller on failure,
      * and plain synchronous copies when no pinned memory can be had */
-    const char *e = getenv("KILN_CUDA_STAGING_MB");
-    size_t slot = (size_t)(e && atoi(e) > 0 ? atoi(e) : 8) << 20;
+    int mb = kiln_tunable_int("KILN_CUDA_STAGING_MB", 8);
+    size_t slot = (size_t)(mb > 0 ? mb : 8) << 20;
     for (; slot >= (256u << 10); slot /= 4) {
         void *h = NULL;
         if (cudaMallocHost(&h, slot * KILN_CUDA_STAGE_SLOTS) == cudaSuccess) {

@@ -1,10 +1,12 @@
 /* cuda_dev.h - device-side helpers shared by the .cu files: element loads and
  * stores for every kiln dtype (with the CPU backend's conversion rules), typed
  * float conversions for templated kernels, launch sizing and dtype dispatch.
- * Included only by nvcc-compiled files. */
+ * Included only by nvcc-compiled files; the formulas the CPU computes alike come from
+ * kernels/kernel_formulas.h. */
 #ifndef KILN_CUDA_DEV_H
 #define KILN_CUDA_DEV_H
 
+#include "../kernel_formulas.h"
 #include "cuda_backend.h"
 
 #include <cuda_bf16.h>
@@ -60,21 +62,15 @@ __device__ __forceinline__ float kd_loadf(const char *p, int dt)
     }
 }
 
-/* Integers: truncate toward zero, saturate, nan -> 0 (as the CPU backend's store). */
+/* Integers: truncate toward zero, saturate, nan -> 0 (the CPU backend's store, one
+ * formula in kernel_formulas.h). */
 __device__ __forceinline__ void kd_store(char *p, int dt, double v)
 {
     switch (dt) {
     case KILN_F32: *(float *)p = (float)v; break;
     case KILN_F16: *(__half *)p = __float2half_rn((float)v); break;
     case KILN_BF16: *(kiln_bf16_t *)p = __float2bfloat16_rn((float)v); break;
-    default: {
-        double lo = dt == KILN_U8 ? 0.0 : dt == KILN_I32 ? -2147483648.0 : -9223372036854775808.0;
-        double hi = dt == KILN_U8 ? 255.0 : dt == KILN_I32 ? 2147483647.0 : 9223372036854774784.0;
-        double t = v != v ? 0.0 : v < lo ? lo : v > hi ? hi : trunc(v);
-        if (dt == KILN_U8) *(uint8_t *)p = (uint8_t)t;
-        else if (dt == KILN_I32) *(int32_t *)p = (int32_t)t;
-        else *(long long *)p = (long long)t;
-    } break;
+    default: kiln_store_int(p, dt, v); break;
     }
 }
 

@@ -24,12 +24,7 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int *d, in
 __device__ float decode_elem(const uint8_t *s, int dt, int64_t i)
 {
     switch (dt) {
-    case KILN_F8_E4M3FN: {
-        uint8_t b = s[i];
-        int e = (b >> 3) & 15, m = b & 7;
-        float v = e == 15 && m == 7 ? NAN : e == 0 ? (float)m * 0.001953125f : ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        return b & 0x80 ? -v : v;
-    }
+    case KILN_F8_E4M3FN: return kiln_f8_e4m3fn_decode(s[i]);
     case KILN_F8_E5M2: return __half2float(__ushort_as_half((unsigned short)(s[i] << 8)));
     case KILN_Q8_0: {
         const uint8_t *b = s + (i / 32) * 34;

@@ -117,14 +117,7 @@ static void fill_pattern(kiln_dtype dt, double v, unsigned char *bytes)
     case KILN_F32: { float f = (float)v; memcpy(bytes, &f, 4); } break;
     case KILN_F16: { uint16_t h = kiln_f32_to_f16((float)v); memcpy(bytes, &h, 2); } break;
     case KILN_BF16: { uint16_t h = kiln_f32_to_bf16((float)v); memcpy(bytes, &h, 2); } break;
-    default: {
-        double lo = dt == KILN_U8 ? 0 : dt == KILN_I32 ? -2147483648.0 : -9223372036854775808.0;
-        double hi = dt == KILN_U8 ? 255 : dt == KILN_I32 ? 2147483647.0 : 9223372036854774784.0;
-        double t = v != v ? 0 : v < lo ? lo : v > hi ? hi : (double)(long long)v;
-        if (dt == KILN_U8) { uint8_t u = (uint8_t)t; memcpy(bytes, &u, 1); }
-        else if (dt == KILN_I32) { int32_t u = (int32_t)t; memcpy(bytes, &u, 4); }
-        else { long long u = (long long)t; memcpy(bytes, &u, 8); }
-    } break;
+    default: kiln_store_int(bytes, dt, v); break;
     }
 }
 
@@ -159,20 +152,9 @@ extern "C" kiln_status kiln_cuda_fill(kiln_tensor *t, double v)
 
 /* ---- binary ---- */
 
-template <typename CT>
-__device__ __forceinline__ CT bin_op(int op, CT a, CT b, int int_div)
-{
-    switch (op) {
-    case KILN_BIN_ADD: return a + b;
-    case KILN_BIN_SUB: return a - b;
-    case KILN_BIN_MUL: return a * b;
-    case KILN_BIN_DIV: return int_div ? (b == 0 ? (CT)0 : trunc(a / b)) : a / b;
-    case KILN_BIN_POW: return pow(a, b);
-    case KILN_BIN_MIN: return (a != a || b != b) ? (CT)NAN : (a < b ? a : b);
-    case KILN_BIN_MAX: return (a != a || b != b) ? (CT)NAN : (a > b ? a : b);
-    default: return 0;
-    }
-}
+/* the formulas: kiln_binary_f / kiln_binary_d (kernel_formulas.h), by compute type */
+__device__ __forceinline__ float bin_op(int op, float a, float b, int int_div) { return kiln_binary_f(op, a, b, int_div); }
+__device__ __forceinline__ double bin_op(int op, double a, double b, int int_div) { return kiln_binary_d(op, a, b, int_div); }
 
 /* all operands of one float type T, contiguous (b may be the scalar) */
 template <typename T>
@@ -181,7 +163,7 @@ __global__ void binary_flat_k(int op, T *o, const T *a, const T *b, float s, int
     KILN_GRID_STRIDE(i, n) {
         float x = kf_to<T>(a[i]), y = b ? kf_to<T>(b[i]) : s;
         if (swap) { float t = x; x = y; y = t; }
-        o[i] = kf_from<T>(bin_op<float>(op, x, y, 0));
+        o[i] = kf_from<T>(bin_op(op, x, y, 0));
     }
 }
 
@@ -202,7 +184,7 @@ __global__ void binary_k(kiln_cuda_iter it, int op, char *o, int dto, const char
             y = b ? (CT)kd_load(b + off[2] * eb, dtb) : s;
         }
         if (swap) { CT t = x; x = y; y = t; }
-        CT r = bin_op<CT>(op, x, y, int_div);
+        CT r = bin_op(op, x, y, int_div);
         if (sizeof(CT) == 4) kd_storef(o + off[0] * eo, dto, (float)r);
         else kd_store(o + off[0] * eo, dto, (double)r);
     }
@@ -240,38 +222,14 @@ extern "C" kiln_status kiln_cuda_binary(kiln_binop op, kiln_tensor *out, const k
 
 /* ---- unary ---- */
 
-template <typename CT>
-__device__ __forceinline__ CT un_op(int op, CT x, CT p0, CT p1)
-{
-    switch (op) {
-    case KILN_UN_NEG: return -x;
-    case KILN_UN_EXP: return exp(x);
-    case KILN_UN_LOG: return log(x);
-    case KILN_UN_SQRT: return sqrt(x);
-    case KILN_UN_ABS: return fabs(x);
-    case KILN_UN_TANH: return tanh(x);
-    case KILN_UN_SIGMOID: return (CT)1 / ((CT)1 + exp(-x));
-    case KILN_UN_SILU: return x / ((CT)1 + exp(-x));
-    case KILN_UN_GELU: return (CT)0.5 * x * ((CT)1 + erf(x * (CT)0.70710678118654752440));
-    case KILN_UN_GELU_TANH: return (CT)0.5 * x * ((CT)1 + tanh((CT)0.79788456080286535588 * (x + (CT)0.044715 * x * x * x)));
-    case KILN_UN_QUICK_GELU: return x / ((CT)1 + exp((CT)-1.702 * x));
-    case KILN_UN_RELU: return x > 0 ? x : (x != x ? x : (CT)0);
-    case KILN_UN_SIN: return sin(x);
-    case KILN_UN_COS: return cos(x);
-    case KILN_UN_CLAMP:
-        if (x != x) return x;
-        if (p0 == p0 && x < p0) x = p0;
-        if (p1 == p1 && x > p1) x = p1;
-        return x;
-    case KILN_UN_LEAKY_RELU: return x < 0 ? x * p0 : x;
-    default: return 0;
-    }
-}
+/* the formulas: kiln_unary_f / kiln_unary_d (kernel_formulas.h), by compute type */
+__device__ __forceinline__ float un_op(int op, float x, float p0, float p1) { return kiln_unary_f(op, x, p0, p1); }
+__device__ __forceinline__ double un_op(int op, double x, double p0, double p1) { return kiln_unary_d(op, x, p0, p1); }
 
 template <typename T>
 __global__ void unary_flat_k(int op, T *o, const T *a, float p0, float p1, int64_t n)
 {
-    KILN_GRID_STRIDE(i, n) o[i] = kf_from<T>(un_op<float>(op, kf_to<T>(a[i]), p0, p1));
+    KILN_GRID_STRIDE(i, n) o[i] = kf_from<T>(un_op(op, kf_to<T>(a[i]), p0, p1));
 }
 
 template <typename CT>
@@ -281,8 +239,8 @@ __global__ void unary_k(kiln_cuda_iter it, int op, char *o, int dto, const char 
     KILN_GRID_STRIDE(i, n) {
         int64_t off[2];
         kiln_iter_offsets<2>(it, i, off);
-        if (sizeof(CT) == 4) kd_storef(o + off[0] * eo, dto, (float)un_op<CT>(op, (CT)kd_loadf(a + off[1] * ea, dta), p0, p1));
-        else kd_store(o + off[0] * eo, dto, (double)un_op<CT>(op, (CT)kd_load(a + off[1] * ea, dta), p0, p1));
+        if (sizeof(CT) == 4) kd_storef(o + off[0] * eo, dto, (float)un_op(op, (CT)kd_loadf(a + off[1] * ea, dta), p0, p1));
+        else kd_store(o + off[0] * eo, dto, (double)un_op(op, (CT)kd_load(a + off[1] * ea, dta), p0, p1));
     }
 }
 
@@ -320,7 +278,7 @@ __global__ void geglu_k(T *y, const T *x, int64_t rows, int64_t D)
     KILN_GRID_STRIDE(i, rows * D) {
         int64_t r = i / D, j = i - r * D;
         float a = kf_to<T>(x[r * 2 * D + j]), g = kf_to<T>(x[r * 2 * D + D + j]);
-        y[i] = kf_from<T>(a * (0.5f * g * (1.0f + erff(g * 0.70710678118654752440f))));
+        y[i] = kf_from<T>(a * kiln_unary_f(KILN_UN_GELU, g, 0.0f, 0.0f));
     }
 }
 

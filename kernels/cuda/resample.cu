@@ -1,46 +1,10 @@
 /* resample.cu - interpolation of [N, C, H, W] (nearest with an integer factor,
  * torch's legacy nearest, nearest-exact, bilinear align_corners=False) and 2-D
  * padding (constant, reflect, replicate) on CUDA, a thread per output element.
- * Source indices follow ATen's UpSample.h in float exactly as kernels/cpu/resample.c
- * does; explicit __fmul_rn/__fadd_rn keep nvcc from contracting them into FMAs, so
- * the chosen pixels and the bilinear blend are bit-for-bit those of the CPU. */
+ * Source indices, the bilinear blend and the padding rule are kernel_formulas.h's,
+ * which kernels/cpu/resample.c uses too (its explicit roundings keep nvcc from
+ * contracting them into FMAs), so pixels are bit-for-bit those of the CPU. */
 #include "cuda_dev.h"
-
-/* compute_source_index_and_lambda (align_corners=false): identity when the size is
- * unchanged, else the source index in double from the float scale, clamped at 0;
- * lambda1 rounded to float, lambda0 = 1 - lambda1 in float (as the CPU kernel) */
-__device__ __forceinline__ void linear_index(int64_t i, int64_t in, int64_t out, float scale, int64_t *i0, int64_t *i1,
-                                             float *l0, float *l1)
-{
-    if (in == out) {
-        *i0 = *i1 = i;
-        *l0 = 1.0f;
-        *l1 = 0.0f;
-        return;
-    }
-    double src = __dadd_rn(__dmul_rn((double)scale, __dadd_rn((double)i, 0.5)), -0.5);
-    if (src < 0) src = 0;
-    int64_t k = (int64_t)src;
-    if (k > in - 1) k = in - 1;
-    *i0 = k;
-    *i1 = k < in - 1 ? k + 1 : k;
-    *l1 = (float)__dadd_rn(src, -(double)k);
-    *l0 = __fadd_rn(1.0f, -*l1);
-}
-
-__device__ __forceinline__ int64_t nearest_exact_index(int64_t i, int64_t in, float scale)
-{
-    int64_t k = (int64_t)floorf((float)__dmul_rn(__dadd_rn((double)i, 0.5), (double)scale));
-    return k < in - 1 ? k : in - 1;
-}
-
-__device__ __forceinline__ int64_t nearest_index(int64_t i, int64_t in, int64_t out, float scale)
-{
-    if (out == in) return i;
-    if (out == 2 * in) return i >> 1;
-    int64_t k = (int64_t)floorf(__fmul_rn((float)i, scale));
-    return k < in - 1 ? k : in - 1;
-}
 
 /* mode: 0 bilinear, 1 nearest-exact, 2 nearest, 3 nearest with integer factor f */
 template <typename T>
@@ -54,16 +18,14 @@ __global__ void resample_k(T *y, const T *x, int64_t nc, int64_t h, int64_t w, i
         if (mode == 0) {
             int64_t y0, y1, x0, x1;
             float h0, h1, w0, w1;
-            linear_index(oy, h, oh, sh, &y0, &y1, &h0, &h1);
-            linear_index(ox, w, ow, sw, &x0, &x1, &w0, &w1);
-            /* ATen's Interpolate<2> association: inner W, then H */
-            float t0 = __fadd_rn(__fmul_rn(kf_to<T>(src[y0 * w + x0]), w0), __fmul_rn(kf_to<T>(src[y0 * w + x1]), w1));
-            float t1 = __fadd_rn(__fmul_rn(kf_to<T>(src[y1 * w + x0]), w0), __fmul_rn(kf_to<T>(src[y1 * w + x1]), w1));
-            v = __fadd_rn(__fmul_rn(t0, h0), __fmul_rn(t1, h1));
+            kiln_linear_index(oy, h, oh, sh, &y0, &y1, &h0, &h1);
+            kiln_linear_index(ox, w, ow, sw, &x0, &x1, &w0, &w1);
+            v = kiln_bilinear_blend(kf_to<T>(src[y0 * w + x0]), kf_to<T>(src[y0 * w + x1]), kf_to<T>(src[y1 * w + x0]),
+                                    kf_to<T>(src[y1 * w + x1]), w0, w1, h0, h1);
         } else if (mode == 1) {
-            v = kf_to<T>(src[nearest_exact_index(oy, h, sh) * w + nearest_exact_index(ox, w, sw)]);
+            v = kf_to<T>(src[kiln_nearest_exact_index(oy, h, sh) * w + kiln_nearest_exact_index(ox, w, sw)]);
         } else if (mode == 2) {
-            v = kf_to<T>(src[nearest_index(oy, h, oh, sh) * w + nearest_index(ox, w, ow, sw)]);
+            v = kf_to<T>(src[kiln_nearest_index(oy, h, oh, sh) * w + kiln_nearest_index(ox, w, ow, sw)]);
         } else {
             v = kf_to<T>(src[(oy / f) * w + ox / f]);
         }
@@ -104,30 +66,13 @@ extern "C" kiln_status kiln_cuda_resample(kiln_resample mode, kiln_tensor *out, 
 
 /* ---- pad2d ---- */
 
-/* source index of s (already shifted by the leading pad), -1 for the constant border;
- * reflection folds and circular wraps repeatedly so it stays in bounds (as the CPU kernel) */
-__device__ __forceinline__ int64_t pad_index(int64_t s, int64_t n, int mode)
-{
-    if (s >= 0 && s < n) return s;
-    if (mode == KILN_PAD_CONSTANT) return -1;
-    if (mode == KILN_PAD_REPLICATE || n == 1) return s < 0 ? 0 : n - 1;
-    if (mode == KILN_PAD_CIRCULAR) {
-        s %= n;
-        return s < 0 ? s + n : s;
-    }
-    int64_t period = 2 * (n - 1);
-    s %= period;
-    if (s < 0) s += period;
-    return s < n ? s : period - s;
-}
-
 template <typename T>
 __global__ void pad_k(T *y, const T *x, int64_t nc, int64_t h, int64_t w, int64_t top, int64_t left, int64_t oh, int64_t ow,
                       int mode, float value)
 {
     KILN_GRID_STRIDE(i, nc * oh * ow) {
         int64_t ox = i % ow, r = i / ow, oy = r % oh, plane = r / oh;
-        int64_t sy = h > 0 ? pad_index(oy - top, h, mode) : -1, sx = w > 0 ? pad_index(ox - left, w, mode) : -1;
+        int64_t sy = h > 0 ? kiln_pad_index(oy - top, h, mode) : -1, sx = w > 0 ? kiln_pad_index(ox - left, w, mode) : -1;
         y[i] = sy < 0 || sx < 0 ? kf_from<T>(value) : x[(plane * h + sy) * w + sx];
     }
 }

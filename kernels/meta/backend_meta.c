@@ -201,6 +201,8 @@ static kiln_status meta_to_host(void *dst, const void *src, size_t n)
     return KILN_OK;
 }
 
+static void meta_register_devices(void);
+
 static const kiln_backend meta_backend = {
     .name = "meta",
     .supports = meta_supports,
@@ -224,6 +226,18 @@ static const kiln_backend meta_backend = {
     .pad2d = meta_pad2d,
     .to_device = meta_to_device,
     .to_host = meta_to_host,
+    .register_devices = meta_register_devices,
 };
+
+/* The meta device (listed last: backends.c hands meta in last) with its hooks, so the
+ * device and tensor layers need not know meta.c: the dry run's stage watermarks after
+ * each allocation, and zero host memory for a copy off meta. */
+static void meta_register_devices(void)
+{
+    kiln_device *d = kiln_device_register(KILN_DEV_META, 0, "meta", kiln_meta_raw_memory(), 0, &meta_backend);
+    if (!d) return;
+    d->storage_added = kiln_meta_note;
+    d->host_zeros = kiln_meta_host_storage;
+}
 
 void kiln_meta_backend_register(void) { kiln_backend_register(&meta_backend); }

@@ -14,7 +14,7 @@
 local kiln = require "kiln"
 local util = require "kiln.util"
 
-local batch = {}
+local M = {}
 
 local GROUP = "workers"
 
@@ -82,7 +82,7 @@ end
 -- ---------------------------------------------------------------- validation
 
 --- Checks one decoded job; returns nil or the problem.
-function batch.check_job(j)
+function M.check_job(j)
   if type(j) ~= "table" or j[1] ~= nil then return "not a JSON object" end
   if type(j.id) ~= "string" or j.id == "" then return "no \"id\" (a non-empty string)" end
   if not j.id:match("^[%w._%-]+$") or j.id:match("^%.") then
@@ -121,7 +121,7 @@ end
 
 --- Reads and checks every line of a JSONL text; returns the jobs, or raises a usage
 -- error naming each bad line ("jobs.jsonl:3: ...") before anything is queued.
-function batch.parse_jobs(text, name)
+function M.parse_jobs(text, name)
   local jobs, bad, seen = {}, {}, {}
   local n = 0
   for line in (text .. "\n"):gmatch("([^\n]*)\n") do
@@ -129,7 +129,7 @@ function batch.parse_jobs(text, name)
     line = line:gsub("\r$", "")
     if line:match("%S") then
       local ok, j = pcall(kiln.json.decode, line)
-      local why = not ok and ("not JSON: " .. tostring(j):gsub("^json: ", "")) or batch.check_job(j)
+      local why = not ok and ("not JSON: " .. tostring(j):gsub("^json: ", "")) or M.check_job(j)
       if not why and seen[j.id] then why = ("id %q repeats line %d"):format(j.id, seen[j.id]) end
       if why then
         bad[#bad + 1] = ("%s:%d: %s"):format(name, n, why)
@@ -159,7 +159,7 @@ local function ensure_group(q, stream)
 end
 
 --- Queues jobs (batch.parse_jobs's); returns (queued, skipped as already queued).
-function batch.enqueue(q, Q, jobs)
+function M.enqueue(q, Q, jobs)
   local queued, skipped = 0, 0
   for _, e in ipairs(jobs) do
     local j = e.job
@@ -187,7 +187,7 @@ end
 
 --- The numbers `status` prints: total, done, failed, pending, in_flight (per worker),
 -- rate (jobs/s over the last minute of completions, else the whole run), eta (s).
-function batch.counts(q, Q)
+function M.counts(q, Q)
   local c = {
     total = q:command("HLEN", Q .. ":ids"), done = q:command("HLEN", Q .. ":done"),
     failed = q:command("HLEN", Q .. ":failed"), in_flight = {}, workers = {},
@@ -471,7 +471,7 @@ local DEFAULTS = {
   vram = "", claim_idle = 60, retries = 3, name = "", quiet = false, retry = 60,
 }
 
-function batch.main(...)
+function M.main(...)
   local args = { ... }
   local cmd = table.remove(args, 1)
   if cmd == nil or cmd == "--help" or cmd == "-h" or cmd == "help" then
@@ -488,14 +488,14 @@ function batch.main(...)
   local o = util.parse_args(args, DEFAULTS)
   local Q = o.queue
   if cmd == "enqueue" then
-    local jobs = batch.parse_jobs(read_file(file), file) -- all checked before connecting
+    local jobs = M.parse_jobs(read_file(file), file) -- all checked before connecting
     local q <close> = connect(o)
-    local n, skipped = batch.enqueue(q, Q, jobs)
+    local n, skipped = M.enqueue(q, Q, jobs)
     print(("queued: %d%s"):format(n, skipped > 0 and (" (%d already queued, skipped)"):format(skipped) or ""))
     return
   elseif cmd == "status" then
     local q <close> = connect(o)
-    print_status(batch.counts(q, Q))
+    print_status(M.counts(q, Q))
     return
   end
   if o.output == "" then util.usage_error("kiln batch worker: --output DIR is needed") end
@@ -519,4 +519,4 @@ function batch.main(...)
   w:log("drained: %d done here", w.done)
 end
 
-return batch
+return M

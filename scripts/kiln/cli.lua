@@ -7,7 +7,7 @@ local sample = require "kiln.sample"
 local pipeline = require "kiln.pipeline"
 local extra_networks = require "kiln.extra_networks"
 
-local cli = {}
+local M = {}
 
 local COMMON = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = 0.0, sampler = "euler", -- cfg 0: the model's
@@ -24,7 +24,7 @@ local PATH_OPTIONS = { model = true, input = true, loras = true, embeddings = tr
 
 --- Parses a size such as 6G, 512M, 1.5GiB, 300000000 into bytes (kiln.parse_size,
 -- the one size parser); a usage error when it is not one.
-function cli.parse_size(s)
+function M.parse_size(s)
   local ok, n = pcall(kiln.parse_size, s)
   if not ok or type(n) ~= "number" then
     util.usage_error(("'%s' is not a size (examples: 6G, 512M, 1.5GiB)"):format(tostring(s)))
@@ -33,7 +33,7 @@ function cli.parse_size(s)
 end
 
 --- The folder of the running script (for paths relative to the example).
-function cli.script_dir()
+function M.script_dir()
   local s = arg and arg[0] or ""
   return s:match("^(.*)/[^/]*$") or "."
 end
@@ -47,8 +47,8 @@ local function exists(p)
 end
 
 --- The bundled demo model.
-function cli.default_model()
-  local here = cli.script_dir()
+function M.default_model()
+  local here = M.script_dir()
   for _, p in ipairs({ here .. "/models/kiln-shapes.safetensors", "examples/models/kiln-shapes.safetensors" }) do
     if exists(p) then return p end
   end
@@ -89,7 +89,7 @@ local function flag(k) return "--" .. k:gsub("_", "-") end
 
 --- The usage text of a script: its options with what they do (help: name -> text
 -- for a script's own options) and their defaults.
-function cli.usage(defaults, help)
+function M.usage(defaults, help)
   local lines = { ("usage: kiln %s [options]"):format(arg and arg[0] or "script.lua"), "options:" }
   local keys = {}
   for k in pairs(defaults) do keys[#keys + 1] = k end
@@ -155,54 +155,48 @@ local function check_values(o)
   end
 end
 
--- --device, --mode ("auto": kiln.planner decides per run), --vram and --quiet
--- applied to the runtime through kiln.configure, the one setup path. A refusal (an
--- unknown device, a malformed size) is the command line's mistake.
+-- The command-line option of each kiln.configure field (its value is o[option]).
+local OPTION_OF = { device = "device", mode = "mode", budget = "vram", precision = "precision", quiet = "quiet" }
+
+-- --device, --mode ("auto": kiln.planner decides per run), --vram, --precision and
+-- --quiet applied to the runtime through kiln.configure, the settings route kiln_open
+-- takes too. A refusal names its field and reason as data (err.field, err.detail):
+-- the command line's mistake, said as the command line said it.
 local function apply_runtime(o)
   local cfg = {
     device = o.device ~= "" and o.device or nil,
     mode = o.mode ~= "" and o.mode or nil,
     budget = o.vram ~= "" and o.vram or nil,
+    precision = o.precision ~= "" and o.precision or nil,
     quiet = o.quiet or nil,
   }
   local ok, err = pcall(kiln.configure, cfg)
   if not ok then
-    -- kiln.configure names the field ({field =, message = "field: detail"}); say it
-    -- as the command line did
-    local field = type(err) == "table" and err.field
-    local msg = util.is_usage_error(err) and err.message or tostring(err):gsub("^[^:]*:%d+: ", "")
-    if field then msg = msg:gsub("^" .. field .. ": ", "") end
-    local what = ({ device = "--device " .. o.device, mode = "--mode " .. o.mode, budget = "--vram " .. o.vram })[field]
-      or cfg.device and ("--device " .. cfg.device) or cfg.mode and ("--mode " .. cfg.mode) or "--vram " .. o.vram
-    util.usage_error(("%s: %s"):format(what, msg))
-  end
-  if o.precision ~= "" then
-    local pok, perr = pcall(kiln.precision, o.precision)
-    if not pok then
-      util.usage_error(("--precision %s: %s"):format(o.precision, tostring(perr):match("%((.*)%)") or tostring(perr)))
-    end
+    local option = type(err) == "table" and OPTION_OF[err.field]
+    if not option then error(err, 0) end
+    util.usage_error(("%s %s: %s"):format(flag(option), tostring(o[option]), err.detail))
   end
 end
 
 --- Parses args with the common options plus `extra` defaults; checks their values
 -- (a mistake is a usage error: kiln prints "kiln: <message>" and exits with 2),
--- applies --device, --mode, --vram and --quiet to the runtime. Returns the options
--- table. --help (or -h) prints the usage (help: name -> text of the extra options)
+-- applies --device, --mode, --vram, --precision and --quiet to the runtime. Returns
+-- the options table. --help (or -h) prints the usage (help: name -> text of the extra options)
 -- and exits.
-function cli.parse(args, extra, help)
+function M.parse(args, extra, help)
   local defaults = {}
   for k, v in pairs(COMMON) do defaults[k] = v end
   for k, v in pairs(extra or {}) do defaults[k] = v end
   for _, a in ipairs(args or {}) do
     if a == "--help" or a == "-h" then
-      print(cli.usage(defaults, help))
+      print(M.usage(defaults, help))
       os.exit(0)
     end
   end
   local o = util.parse_args(args or {}, defaults)
   check_values(o)
   apply_runtime(o)
-  if o.model == "" then o.model = cli.default_model() end
+  if o.model == "" then o.model = M.default_model() end
   for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg", "clip_skip" }) do
     if o[k] == 0 then o[k] = nil end
   end
@@ -212,7 +206,7 @@ function cli.parse(args, extra, help)
   if o.preview == "" then o.preview = nil end
   if o.preview_every == 0 then o.preview_every = nil end
   if o.preview_precision == "" then o.preview_precision = nil end
-  -- --vae names the checkpoint's VAE (cli.checkpoint_options), not a per-run one
+  -- --vae names the checkpoint's VAE (M.checkpoint_options), not a per-run one
   o.checkpoint_vae = o.vae ~= "" and o.vae or nil
   o.vae = nil
   o.device = kiln.default_device()
@@ -222,7 +216,7 @@ end
 --- The options of kiln.load_checkpoint that the command line sets (--loras,
 -- --embeddings: the folders LoRAs and embeddings are found in by name; --vae: a VAE
 -- file or "taesd").
-function cli.checkpoint_options(o)
+function M.checkpoint_options(o)
   return { loras = o.loras ~= "" and o.loras or nil, embeddings = o.embeddings ~= "" and o.embeddings or nil,
     vae = o.checkpoint_vae }
 end
@@ -231,7 +225,7 @@ end
 -- line gave none, and checks them against what its networks need, in pixels (a
 -- usage error such as "--width 100: must be a multiple of 8 (96 or 104 would do)").
 -- `scale` (hires fix) also checks the sizes scaled by it. Returns o.
-function cli.image_size(o, ckpt, scale)
+function M.image_size(o, ckpt, scale)
   o.width = o.width or pipeline.image_size(ckpt)
   o.height = o.height or pipeline.image_size(ckpt)
   local m = pipeline.size_multiple(ckpt)
@@ -254,7 +248,7 @@ end
 
 --- --clip-skip against the checkpoint's text encoders (a usage error when one has
 -- fewer layers). Returns o.
-function cli.check_clip_skip(o, ckpt)
+function M.check_clip_skip(o, ckpt)
   local n = o.clip_skip
   if not n then return o end
   for _, e in ipairs(ckpt.clip and ckpt.clip.encoders or {}) do
@@ -268,7 +262,7 @@ end
 
 --- The files a run of n images writes: out itself for one, else out with _1, _2...
 -- before its extension ("out.png" -> "out_1.png", "out_2.png").
-function cli.out_paths(out, n)
+function M.out_paths(out, n)
   if n <= 1 then return { out } end
   local stem, ext = out:match("^(.-)(%.[^./]*)$")
   if not stem then stem, ext = out, "" end
@@ -278,9 +272,9 @@ function cli.out_paths(out, n)
 end
 
 --- Saves each image of a batch [N, C, H, W] with its parameters (pipeline.save) at
--- cli.out_paths(o.out, N). Returns the list of paths.
-function cli.save(img, o, ckpt, extra)
-  local paths = cli.out_paths(o.out, img.shape[1])
+-- M.out_paths(o.out, N). Returns the list of paths.
+function M.save(img, o, ckpt, extra)
+  local paths = M.out_paths(o.out, img.shape[1])
   for i, p in ipairs(paths) do
     local one = img.shape[1] == 1 and img or img:narrow(1, i, 1)
     pipeline.save(one, p, o, ckpt, extra)
@@ -290,7 +284,7 @@ function cli.save(img, o, ckpt, extra)
 end
 
 --- Prints what a run wrote and where the memory went (unless quiet).
-function cli.report(path, o)
+function M.report(path, o)
   if type(path) == "table" then path = table.concat(path, ", ") end
   print(("wrote %s"):format(path))
   if not kiln.quiet() then
@@ -299,4 +293,4 @@ function cli.report(path, o)
   end
 end
 
-return cli
+return M

@@ -1,6 +1,10 @@
 -- kiln.comfy: runs ComfyUI workflows in the API format (node id -> {class_type,
 -- inputs}, a link being [node id, output index]), given as a file, a PNG with a
--- `prompt` text chunk, JSON text or a decoded table. The node types are kiln.comfy_nodes.
+-- `prompt` text chunk, JSON text or a decoded table. The node types live in
+-- kiln.comfy.registry, filled by the topic files kiln.comfy.loaders, .conditioning,
+-- .sampling, .latent, .vae and .image, and by scripts through kiln.comfy.add_node; every
+-- input is checked against its node's spec (ComfyUI's types, ranges and lists) before
+-- anything runs.
 --
 -- What ComfyUI lacks and this module adds is lifetimes taken from the graph: the
 -- nodes that lead to an output run in dependency order; every result is counted by
@@ -14,7 +18,13 @@
 local kiln = require "kiln"
 local lfs = require "lfs"
 local util = require "kiln.util"
-local nodes = require "kiln.comfy_nodes"
+local registry = require "kiln.comfy.registry"
+local V = require "kiln.comfy.values"
+-- the built-in node types, one file per topic (as ComfyUI's categories group them);
+-- each registers its nodes when loaded
+for _, topic in ipairs({ "loaders", "conditioning", "sampling", "latent", "vae", "image" }) do
+  require("kiln.comfy." .. topic)
+end
 
 local M = {}
 local fmt = string.format
@@ -30,10 +40,10 @@ local function mode_of(p) return lfs.attributes(p, "mode") end
 -- ComfyUI writes the API JSON as `prompt` and its UI graph as `workflow`.
 function M.png_text(path)
   local f = io.open(path, "rb")
-  if not f then fail(path .. ": cannot open") end
+  if not f then util.file_error("kiln.comfy", path, "cannot open") end
   local data = f:read("a")
   f:close()
-  if data:sub(1, 8) ~= "\137PNG\r\n\26\n" then fail(path .. ": not a PNG file") end
+  if data:sub(1, 8) ~= "\137PNG\r\n\26\n" then util.file_error("kiln.comfy", path, "not a PNG file") end
   local out, pos = {}, 9
   while pos + 8 <= #data do
     local len, kind = string.unpack(">I4c4", data, pos)
@@ -67,13 +77,15 @@ local function read_workflow(src)
   if type(src) ~= "string" then fail("a workflow is a path, JSON text or a table, got " .. type(src)) end
   local text = src
   if not src:match("^%s*{") then
-    if mode_of(src) ~= "file" then fail(src .. ": no such file") end
+    if mode_of(src) ~= "file" then util.file_error("kiln.comfy", src, "no such file") end
     if src:lower():match("%.png$") then
       local chunks = M.png_text(src)
-      if chunks.prompt == false then fail(src .. ": its prompt chunk is compressed (zTXt/iTXt), which kiln does not read") end
+      if chunks.prompt == false then
+        util.file_error("kiln.comfy", src, "its prompt chunk is compressed (zTXt/iTXt), which kiln does not read")
+      end
       if not chunks.prompt then
-        fail(src .. (chunks.workflow and ": it has only ComfyUI's UI workflow, not the API format (prompt chunk)"
-          or ": no ComfyUI workflow in it (no prompt text chunk)"))
+        util.file_error("kiln.comfy", src, chunks.workflow and "it has only ComfyUI's UI workflow, not the API format (prompt chunk)"
+          or "no ComfyUI workflow in it (no prompt text chunk)")
       end
       text = chunks.prompt
     else
@@ -90,13 +102,18 @@ end
 
 -- ------------------------------------------------------------------ checking
 
-local function supported_list()
-  local names = {}
-  for k, v in pairs(nodes) do if type(v) == "table" and v.run then names[#names + 1] = k end end
-  table.sort(names)
-  return names
+local supported_list = registry.names
+
+--- The node types kiln runs (the built-in ones and those added), sorted.
+function M.supported() return registry.names() end
+
+--- Adds a node type (or, with opts.replace, replaces one) for the workflows run after:
+-- kiln.comfy.registry documents the definition; it is checked whole here.
+function M.add_node(name, def, opts)
+  local ok, d = pcall(registry.add_node, name, def, opts)
+  if not ok then error(d, 2) end
+  return d
 end
-M.supported = supported_list
 
 local function is_link(v)
   return type(v) == "table" and #v == 2 and (type(v[1]) == "string" or math.tointeger(v[1]) ~= nil)
@@ -104,8 +121,6 @@ local function is_link(v)
 end
 
 local function node_name(id, n) return fmt("node %s (%s)", id, n and n.class_type or "?") end
-
-local LITERAL = { INT = true, FLOAT = true, STRING = true, BOOLEAN = true }
 
 -- where a model file of `folders` (ComfyUI's folder names, "|" between a current and a
 -- legacy one: "diffusion_models|unet") named `name` is: models/folder/name (or found by
@@ -116,7 +131,7 @@ local function find_model(opts, folders, name, where)
   local looked = {}
   for folder in folders:gmatch("[^|]+") do
     local cands = { name }
-    local afolder, anames = nodes.file_alias(folder, name)
+    local afolder, anames = registry.file_alias(folder, name)
     if afolder then folder, cands = afolder, anames end
     local dir = folder == "input" and opts.input or join(opts.models or "models", folder)
     for _, n in ipairs(cands) do
@@ -144,10 +159,10 @@ local function check(g, opts)
     if type(n) ~= "table" or type(n.class_type) ~= "string" then
       fail(fmt("node %s: must be an object with class_type and inputs", id))
     end
-    local spec = nodes[n.class_type]
-    if not (type(spec) == "table" and spec.run) then
-      if nodes.not_yet[n.class_type] then
-        fail(fmt("%s: not supported yet: %s", node_name(id, n), nodes.not_yet[n.class_type]))
+    local spec = registry.get(n.class_type)
+    if not spec then
+      if registry.not_yet[n.class_type] then
+        fail(fmt("%s: not supported yet: %s", node_name(id, n), registry.not_yet[n.class_type]))
       end
       fail(fmt("%s: unknown node type '%s' (kiln runs: %s)", node_name(id, n), n.class_type,
         table.concat(supported_list(), ", ")))
@@ -158,7 +173,7 @@ local function check(g, opts)
   for id, n in pairs(out) do
     local where = node_name(id, n)
     for _, inp in ipairs(n.spec.inputs) do
-      local name, ty, default = inp[1], inp[2], inp[3]
+      local name, ty = inp.name, inp.type
       local v = n.raw[name]
       if is_link(v) then
         local src = out[tostring(v[1])]
@@ -171,43 +186,21 @@ local function check(g, opts)
           fail(fmt("%s: input '%s' links to output %d of %s, which has %d output(s)", where, name, idx,
             node_name(src.id, src), #src.spec.outputs))
         end
-        local want = ty:match("^FILE:") and "STRING" or ty
+        -- a file name or a combo's value may come from a node's STRING output
+        local want = (ty:match("^FILE:") or ty == "COMBO") and "STRING" or ty
         if produced ~= want then
           fail(fmt("%s: input '%s' expects %s, but output %d of %s is %s", where, name, want, idx,
             node_name(src.id, src), produced))
         end
         n.args[name] = { link = src.id, index = idx }
       else
-        if v == nil then v = default end
-        if v == nil then
-          local what = ty:match("^FILE:") and ("a file name in " .. ty:sub(6):gsub("|", "/ or ") .. "/") or ty
-          fail(fmt("%s: input '%s' (%s) is missing", where, name, what))
-        end
-        if v == false and not LITERAL[ty] and not ty:match("^FILE:") then
-          v = nil                               -- an optional link left out
-        elseif ty == "INT" then
-          if math.tointeger(v) == nil then fail(fmt("%s: input '%s' must be a whole number, got %s", where, name, tostring(v))) end
-          v = math.tointeger(v)
-        elseif ty == "FLOAT" then
-          if type(v) ~= "number" then fail(fmt("%s: input '%s' must be a number, got %s", where, name, type(v))) end
-        elseif ty == "STRING" then
-          if type(v) ~= "string" then fail(fmt("%s: input '%s' must be a string, got %s", where, name, type(v))) end
-          local choices = inp[4]     -- a list: the names the node takes (ComfyUI's combo box)
-          if choices then
-            local ok = false
-            for _, c in ipairs(choices) do ok = ok or c == v end
-            if not ok then
-              fail(fmt("%s: input '%s' is '%s', not one of %s", where, name, v, table.concat(choices, ", ")))
-            end
-          end
-        elseif ty == "BOOLEAN" then
-          if type(v) ~= "boolean" then fail(fmt("%s: input '%s' must be true or false, got %s", where, name, tostring(v))) end
-        elseif ty:match("^FILE:") then
+        -- the spec's type, range or list (a default where the value is left out)
+        v = registry.check_literal(where, inp, v)
+        if v ~= nil and ty:match("^FILE:") then
+          if type(v) ~= "string" then fail(fmt("%s: input '%s' must be a file name, got %s", where, name, type(v))) end
           v = find_model(opts, ty:sub(6), v, fmt("%s input '%s'", where, name))
-        else
-          fail(fmt("%s: input '%s' must link to a %s output, got %s", where, name, ty, kiln.json.encode(v)))
         end
-        n.args[name] = { value = v }
+        if v ~= nil then n.args[name] = { value = v } end
       end
     end
   end
@@ -222,7 +215,7 @@ local function schedule(graph)
   local function sorted_deps(n)
     local deps = {}
     for _, inp in ipairs(n.spec.inputs) do
-      local a = n.args[inp[1]]
+      local a = n.args[inp.name]
       if a and a.link then deps[#deps + 1] = a.link end
     end
     return deps
@@ -322,6 +315,17 @@ end
 
 function Ctx:log(s) if not self.quiet then io.stderr:write(s, "\n") end end
 
+--- Raises msg as the node running now ("node ID (CLASS): msg"), for a node's run.
+function Ctx:fail(msg) V.fail(self, msg) end
+
+--- The values of the usual link types, for a node's run: an IMAGE [B, 3, H, W] in
+-- [0, 1], a MASK [B, 1, H, W], a LATENT (samples times the scale factor, and an
+-- optional noise mask); the tensors are the run's from then on (freed after their
+-- last reader).
+function Ctx:image(t) return V.image(self, t) end
+function Ctx:mask(t) return V.mask(self, t) end
+function Ctx:latent(samples, noise_mask) return V.latent(self, samples, noise_mask) end
+
 --- Loads a model to the run's device (or opts.device) for the node running now;
 -- opts.dtype: the dtype its weights take there (UNETLoader's weight_dtype).
 function Ctx:use(part, opts)
@@ -382,13 +386,13 @@ function Ctx:latent_scale()
   self.scale = false
   local ids = {}
   for id, n in pairs(self.graph or {}) do
-    if nodes.MODEL_LOADERS[n.class_type] then ids[#ids + 1] = id end
+    if n.spec.model_file then ids[#ids + 1] = id end
   end
   table.sort(ids, function(a, b) return (tonumber(a) or math.huge) < (tonumber(b) or math.huge) or
     ((tonumber(a) or math.huge) == (tonumber(b) or math.huge) and a < b) end)
   for _, id in ipairs(ids) do
     local n = self.graph[id]
-    local path = n.args[nodes.MODEL_LOADERS[n.class_type]].value
+    local path = n.args[n.spec.model_file].value
     local ok, c = pcall(self.checkpoint, self, path)
     if ok and c.scale_factor then
       self.scale = c.scale_factor
@@ -513,11 +517,12 @@ local function estimate(graph, order, last, opts)
     -- its streaming window), read from the files' headers (kiln.planner.part_bytes);
     -- the file's size where a file cannot be opened so
     for _, inp in ipairs(n.spec.inputs) do
-      if inp[2]:match("^FILE:") and inp[2] ~= "FILE:input" and inp[2] ~= "FILE:loras" then
-        weights_of[id] = (weights_of[id] or 0) + (lfs.attributes(arg(n, inp[1]), "size") or 0)
+      local file = inp.type:match("^FILE:") and arg(n, inp.name)  -- nil: left out, or on a link
+      if file and inp.type ~= "FILE:input" and inp.type ~= "FILE:loras" then
+        weights_of[id] = (weights_of[id] or 0) + (lfs.attributes(file, "size") or 0)
       end
     end
-    if weights_of[id] and (nodes.MODEL_LOADERS[c] or c == "ControlNetLoader") then
+    if weights_of[id] and (n.spec.model_file or c == "ControlNetLoader") then
       local planner = require "kiln.planner"
       local function size(part)
         local total, window = planner.part_bytes(part)
@@ -528,7 +533,7 @@ local function estimate(graph, order, last, opts)
           local cn <close> = kiln.load_controlnet(arg(n, "control_net_name"))
           return size(cn)
         end
-        local ck <close> = kiln.load_checkpoint(arg(n, nodes.MODEL_LOADERS[c]))
+        local ck <close> = kiln.load_checkpoint(arg(n, n.spec.model_file))
         local function part(k) local p = rawget(ck, k) return p and size(p) or 0 end
         return { model = part("unet"), clip = part("clip"), vae = part("vae") }
       end)
@@ -592,17 +597,65 @@ end
 
 -- ------------------------------------------------------------------ running
 
-local function collect(ctx, graph, values, n)
+-- The arguments of node n from the values computed so far. A link into a literal
+-- input (INT, FLOAT, STRING, BOOLEAN, a combo or a file name) carries a value
+-- {type = T, value = x}: x is checked against the spec now, as a literal was before
+-- the run, and handed over as is.
+local function collect(vals, n, where, dirs)
   local a = {}
   for _, inp in ipairs(n.spec.inputs) do
-    local x = n.args[inp[1]]
+    local x = n.args[inp.name]
     if x and x.link then
-      a[inp[1]] = values[x.link][x.index + 1]
+      local v = vals[x.link][x.index + 1]
+      local ty = inp.type
+      if registry.LITERAL[ty] or ty == "COMBO" or ty:match("^FILE:") then
+        v = registry.check_literal(where, inp, type(v) == "table" and v.value or nil)
+        if ty:match("^FILE:") then v = find_model(dirs, ty:sub(6), v, fmt("%s input '%s'", where, inp.name)) end
+      end
+      a[inp.name] = v
     elseif x then
-      a[inp[1]] = x.value
+      a[inp.name] = x.value
     end
   end
   return a
+end
+
+-- The outputs a node's run returned, checked against its definition (a node added by a
+-- script names what it got wrong before a reader trips over it).
+local function check_outputs(where, spec, outs)
+  if type(outs) ~= "table" then
+    fail(fmt("%s: its run returned %s, not the list of its outputs", where, type(outs)))
+  end
+  for i, ty in ipairs(spec.outputs) do
+    local v = outs[i]
+    if type(v) ~= "table" or v.type ~= ty then
+      fail(fmt("%s: output %d must be a %s value (ctx:value), got %s", where, i - 1, ty,
+        type(v) == "table" and tostring(v.type) or type(v)))
+    end
+  end
+end
+
+-- ------------------------------------------------------------------ per-node peaks
+
+-- A node's peak on dev without touching the device's own counter (a host measuring
+-- the whole run with kiln.mem.reset_peak / stats reads the run's true peak): the memory
+-- timeline keeps each stage's exact peak per device from its begin (the bytes held
+-- then) to its end, so a node run as the stage "<id> <class_type>" has its peak there,
+-- nested inside whatever the host measures. `since`: the timeline's clock when the run
+-- began, so that a stage of an earlier run with the same name is not taken.
+local function timeline_since(dev)
+  local ok, tl = pcall(kiln.mem.timeline, dev)
+  return ok and type(tl) == "table" and tl.stop or nil
+end
+
+local function stage_peak(dev, label, since)
+  if not since then return nil end
+  local ok, tl = pcall(kiln.mem.timeline, dev)
+  if not (ok and type(tl) == "table" and tl.stages) then return nil end
+  for i = #tl.stages, 1, -1 do
+    local st = tl.stages[i]
+    if st.name == label and st.t0 >= since and st.t1 then return st.peak end
+  end
 end
 
 local predict
@@ -617,7 +670,7 @@ function M.plan(src, opts)
   local order = schedule(graph)
   local last = last_uses(graph, order)
   local rows = estimate(graph, order, last, opts)
-  return { graph = graph, order = order, last = last, rows = rows, text = text }
+  return { graph = graph, order = order, last = last, rows = rows, text = text, dirs = o }
 end
 
 --- The schedule as text: one line per node with its estimated peak and what is freed after it.
@@ -705,7 +758,7 @@ function M.run(src, opts)
   end
   local dev = opts.device or kiln.default_device()
   local ctx = setmetatable({
-    device = dev, models = opts.models or "models", output = opts.output or "output",
+    device = dev, models = plan.dirs.models, output = opts.output or "output",
     quiet = opts.quiet, prompt_text = plan.text, files = {}, previews = {},
     tcount = {}, rcount = {}, names = {}, ckpts = {}, closers = {}, counters = {}, used = {},
     graph = plan.graph, dry = opts._on_meta,
@@ -714,19 +767,22 @@ function M.run(src, opts)
   local graph, order, last = plan.graph, plan.order, plan.last
   local values = {}
   local report = { nodes = {}, peak = 0 }
-  kiln.mem.reset_peak(dev)
   local run_peak = 0
+  local since = timeline_since(dev)
   local ok, err = pcall(function()
     for pos, id in ipairs(order) do
       local n = graph[id]
       ctx.where = node_name(id, n)
       ctx.node_id = id
       ctx.used = {}
-      local args = collect(ctx, graph, values, n)
-      kiln.mem.reset_peak(dev)
+      local args = collect(values, n, ctx.where, plan.dirs)
+      local label = fmt("%s %s", id, n.class_type)
+      local before = kiln.mem.stats(dev)
       local t0 = kiln.time()
-      local outs = kiln.trace.span(fmt("%s %s", id, n.class_type), n.spec.run, ctx, args)
-      values[id] = outs
+      local outs = kiln.trace.span(label, n.spec.run, ctx, args)
+      if type(outs) == "table" then values[id] = outs end  -- freed at the end if the check fails
+      check_outputs(ctx.where, n.spec, outs)
+      local peak = stage_peak(dev, label, since)
       -- results nobody reads die at once; inputs whose last reader this was die now
       for i = 1, #n.spec.outputs do
         if not opts.keep_all and (last[id .. ":" .. (i - 1)] or 0) <= pos and outs[i] then ctx:drop(outs[i]) end
@@ -743,7 +799,13 @@ function M.run(src, opts)
           if ctx.rcount[part] then part:offload() end
         end
       end
-      local peak = kiln.mem.stats(dev).peak
+      if not peak then
+        -- no stage kept (a timeline full of others): the device's counter since the
+        -- host's reset, which is this node's peak where it rose while the node ran and
+        -- a bound from below (what was held before and after) where it did not
+        local after = kiln.mem.stats(dev)
+        peak = after.peak > before.peak and after.peak or math.max(before.allocated, after.allocated)
+      end
       run_peak = math.max(run_peak, peak)
       report.nodes[#report.nodes + 1] = { id = id, class_type = n.class_type, peak = peak, seconds = kiln.time() - t0 }
       ctx:log(fmt("%3d. node %-4s %-26s peak %s", pos, id, n.class_type, human(peak)))
@@ -751,7 +813,7 @@ function M.run(src, opts)
   end)
   -- the end (or an error): everything still alive is freed, every model closed
   for _, outs in pairs(values) do
-    for _, v in ipairs(outs) do if v.tensors then ctx:drop(v) end end
+    for _, v in ipairs(outs) do if type(v) == "table" and v.tensors then ctx:drop(v) end end
   end
   for i = #ctx.closers, 1, -1 do pcall(ctx.closers[i].close, ctx.closers[i]) end
   -- what the pipelines left to the collector (views, copies) goes now, not at some later step

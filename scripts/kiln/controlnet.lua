@@ -10,7 +10,10 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
 local unet = require "kiln.unet"
-local checkpoint = require "kiln.checkpoint"
+local mf = require "kiln.model_files"
+local part = require "kiln.part"
+local families = require "kiln.family"
+local sd = require "kiln.families.sd"
 local nn = kiln.nn
 
 local M = {}
@@ -21,9 +24,8 @@ local ControlNet = setmetatable({}, { __index = unet.UNet })
 ControlNet.__index = ControlNet
 M.ControlNet = ControlNet
 
-local function fail(path, msg)
-  error(fmt("kiln.load_controlnet: %s%s", path and ("'" .. path .. "': ") or "", msg), 0)
-end
+local WHO = "kiln.load_controlnet"
+local function fail(path, msg) util.file_error(WHO, path, msg) end
 
 -- input_hint_block: 8 convolutions (SiLU between), the 3rd, 5th and 7th of stride 2
 -- (8x down to the latent size), the last a zero convolution to model_channels.
@@ -142,7 +144,7 @@ function ControlNet:_middle(h, emb_silu, context)
   return r
 end
 
-local function shape_str(t) return "[" .. table.concat(t.shape, ", ") .. "]" end
+local shape_str = util.shape_str
 
 -- x [B, in_channels, h, w], t (B timesteps or one), context [B or 1, L, context_dim],
 -- hint [B or 1, hint_channels, 8h, 8w] in [0, 1], y [B, adm] (SDXL); opts.strength
@@ -242,9 +244,9 @@ end
 -- ---------------------------------------------------------------- loading
 
 -- diffusers ControlNetModel name -> original name: the UNet's down and mid blocks as
--- checkpoint.diffusers_unet_map maps them, plus the hint encoder and zero convolutions.
+-- kiln.families.sd.diffusers_unet_map maps them, plus the hint encoder and zero convolutions.
 function M.diffusers_map(shapes)
-  local map = checkpoint.diffusers_unet_map(shapes)
+  local map = sd.diffusers_unet_map(shapes)
   for name in pairs(shapes) do
     local orig
     local rest = name:match("^controlnet_cond_embedding%.conv_in%.(.*)$")
@@ -276,7 +278,6 @@ local OTHER = {
 }
 
 local function layout(shapes, path)
-  local I = checkpoint.internal
   for _, o in ipairs(OTHER) do
     local found = shapes[o[1]] ~= nil
     if not found then
@@ -289,7 +290,7 @@ local function layout(shapes, path)
         "takes ControlNets of SD 1.x, 2.x and SDXL", o[2], o[1]))
     end
   end
-  if I.has_prefix(shapes, "control_model.input_hint_block.") then return { prefix = "control_model." } end
+  if mf.has_prefix(shapes, "control_model.input_hint_block.") then return { prefix = "control_model." } end
   if shapes["input_hint_block.0.weight"] then return { prefix = "" } end
   if shapes["controlnet_cond_embedding.conv_in.weight"] then return { map = M.diffusers_map(shapes) } end
   local n = 0
@@ -308,38 +309,34 @@ function M.load(path, opts)
     local f = io.open(path:gsub("/+$", "") .. "/" .. name, "rb")
     if f then f:close(); path = path:gsub("/+$", "") .. "/" .. name; break end
   end
-  local I = checkpoint.internal
-  local tensors, meta = checkpoint.read_safetensors(path)
-  local shapes = I.shapes_of(tensors)
+  local tensors, meta = mf.read(path, WHO)
+  local shapes = mf.shapes_of(tensors)
   local L = layout(shapes, path)
   local sub
   if L.map then
     sub = {}
     for orig, real in pairs(L.map) do sub[orig] = shapes[real] end
   else
-    sub = checkpoint.sub(shapes, L.prefix)
+    sub = mf.sub(shapes, L.prefix)
   end
   local heads = opts.heads or tonumber(meta["kiln.heads.unet"] or meta["kiln.heads.controlnet"])
   local head_dim = opts.head_dim or tonumber(meta["kiln.head_dim.unet"] or meta["kiln.head_dim.controlnet"])
-  local ctx
-  for name, sh in pairs(sub) do
-    if name:match("%.transformer_blocks%.0%.attn2%.to_k%.weight$") then ctx = sh[2] end
-  end
-  local family = (sub["label_emb.0.0.weight"] and "sdxl") or (ctx == 768 and "sd1") or (ctx == 1024 and "sd2") or nil
+  -- the family its UNet-shaped names say (kiln.family), and that family's heads
+  local family = families.detect_unet(sub)
   if not heads and not head_dim then
-    -- SD 1.x has 8 heads everywhere, later families heads of 64
-    if family == "sd1" then heads = 8 else head_dim = 64 end
+    local def = family and families.get(family)
+    if def then heads, head_dim = def.unet.heads, def.unet.head_dim else head_dim = 64 end
   end
   local ok, cfg = pcall(M.config, sub, { heads = heads, head_dim = head_dim })
   if not ok then fail(path, tostring(cfg)) end
   cfg.family = family
   local resolve = function(n) return L.map and (L.map[n] or n) or (L.prefix .. n) end
   local exp = M.expected(cfg)
-  I.validate(path, "ControlNet", exp, resolve, shapes)
-  local store = I.open_store({ path }, I.names_of(exp, resolve), "controlnet")
+  mf.validate(path, "ControlNet", exp, resolve, shapes, WHO)
+  local store = mf.open_store({ path }, mf.names_of(exp, resolve), "controlnet", WHO)
   cfg.summary = fmt("hint %d, channels %d x {%s}, %d res blocks, context %d", cfg.hint_channels,
     cfg.model_channels, table.concat(cfg.channel_mult, ","), cfg.num_res_blocks, cfg.context_dim or 0)
-  return I.as_model(M.new(stream.weights(store, L.prefix or "", L.map), cfg), store, "ControlNet")
+  return part.as_model(M.new(stream.weights(store, L.prefix or "", L.map), cfg), store, "ControlNet")
 end
 
 return M

@@ -9,6 +9,7 @@
 local kiln = require "kiln"
 local lfs = require "lfs"
 local util = require "kiln.util"
+local mf = require "kiln.model_files"
 
 local M = {}
 local fmt = string.format
@@ -26,23 +27,21 @@ function M.stem(path)
 end
 
 local function pickle_help()
-  -- checkpoint.lua owns the conversion hint; required here so the two never differ.
-  -- An A1111 .pt keeps its vectors in a nested dictionary, which that one-liner (flat
-  -- tensors only) would drop, hence the second line.
-  return require("kiln.checkpoint").PICKLE_HELP .. "\nFor an A1111 embedding (.pt): python -c \"import " ..
+  -- kiln.model_files owns the conversion hint, so the two never differ. An A1111 .pt
+  -- keeps its vectors in a nested dictionary, which that one-liner (flat tensors only)
+  -- would drop, hence the second line.
+  return mf.PICKLE_HELP .. "\nFor an A1111 embedding (.pt): python -c \"import " ..
       "torch, safetensors.torch as s; d = torch.load('IN.pt', map_location='cpu'); s.save_file({'emb_params': " ..
       "d['string_to_param']['*'].contiguous()}, 'OUT.safetensors')\""
 end
 
-local function is_pickle(path)
-  return path:match("%.pt$") or path:match("%.ckpt$") or path:match("%.pth$") or path:match("%.bin$")
-end
+local is_pickle = mf.is_pickle_name
 
 -- [n, dim] (a 1-D [dim] file is one vector), as a host f32 tensor.
 local function as_vectors(t, where)
   if #t.shape == 1 then t = t:reshape({ 1, t.shape[1] }) end
   if #t.shape ~= 2 then
-    error(fmt("%s: shape [%s], expected [vectors, width]", where, table.concat(t.shape, ", ")), 0)
+    error(fmt("%s: shape %s, expected [vectors, width]", where, util.shape_str(t)), 0)
   end
   if t.dtype ~= "f32" then t = t:to("f32") end
   return t

@@ -24,7 +24,7 @@
 -- zero-padded copy. All of it runs on the image's device.
 local kiln = require "kiln"
 
-local image = {}
+local M = {}
 
 local BIG = 2.0 ^ 100
 local TAN_22_5 = math.sqrt(2) - 1
@@ -123,7 +123,7 @@ local round_half_even = require("kiln.util").round_half_even
 -- same rows or columns off each side), then interpolated (opts.mode "nearest-exact"
 -- by default, "nearest" or "bilinear"; "area", "bicubic", "lanczos" and "bislerp" as
 -- kiln.resample computes them). Returns a new tensor (img stays the caller's).
-function image.resize(img, w, h, opts)
+function M.resize(img, w, h, opts)
   opts = opts or {}
   if mt_name(img) ~= "kiln.Tensor" or #img.shape ~= 4 then
     error("kiln.image.resize: img must be an image tensor [B, C, H, W], got " .. type(img), 2)
@@ -150,7 +150,7 @@ function image.resize(img, w, h, opts)
   return kiln.nn.interpolate(src, { size = { h, w }, mode = mode })
 end
 
-function image.canny(img, low, high)
+function M.canny(img, low, high)
   check_args(img, low, high)
   local n, h, w = img.shape[1], img.shape[3], img.shape[4]
 
@@ -272,4 +272,4 @@ function image.canny(img, low, high)
   return out
 end
 
-return image
+return M

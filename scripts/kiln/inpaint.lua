@@ -7,11 +7,11 @@
 --   local img = pipeline.inpaint(ckpt, image, mask, { prompt = "a red circle", seed = 1 })
 local kiln = require "kiln"
 
-local inpaint = {}
+local M = {}
 
 --- Checks that mask is a mask for image: a tensor [1, 1, H, W] (H, W the image's).
 -- Raises at the caller's caller (level 3) otherwise.
-function inpaint.check_mask(image, mask)
+function M.check_mask(image, mask)
   if type(image) ~= "userdata" or not image.shape or #image.shape ~= 4 then
     error("inpaint: image must be a tensor [1, 3, H, W]", 3)
   end
@@ -29,7 +29,7 @@ end
 
 --- The noise mask at latent size lh x lw: ComfyUI's prepare_mask, a bilinear
 -- interpolation of the pixel mask (not an area average), values kept as they come.
-function inpaint.latent_mask(mask, lh, lw)
+function M.latent_mask(mask, lh, lw)
   if mask.shape[3] == lh and mask.shape[4] == lw then return mask:clone() end
   return kiln.nn.interpolate(mask, { size = { lh, lw }, mode = "bilinear" })
 end
@@ -37,7 +37,7 @@ end
 --- The denoiser of KSamplerX0Inpaint around den: before the model, the kept region
 -- (1 - m) of x is the input's latent noised to the current sigma with the noise the
 -- sampler started from; after it, the kept region of the prediction is the latent.
-function inpaint.masked_denoiser(den, m, latent, noise)
+function M.masked_denoiser(den, m, latent, noise)
   local keep = 1 - m
   return function(x, sigma)
     local xin = x * m + (latent + noise * sigma) * keep
@@ -53,7 +53,7 @@ end
 -- replicated). The fade lies inside the mask only, so a pixel where the mask is 0
 -- stays exactly 0 and comes back bit for bit; where the mask is 1 well inside (and
 -- everywhere when it is 1 everywhere) it is exactly 1.
-function inpaint.feather(mask, r)
+function M.feather(mask, r)
   r = math.tointeger(r or 4) or 4
   if r <= 0 then return mask:clone() end
   local k = 2 * r + 1
@@ -74,14 +74,14 @@ end
 
 --- ComfyUI's VAEEncodeForInpaint, the pixels: the image with the rounded mask's
 -- region filled with grey 0.5, the input of a 9-channel UNet's latent.
-function inpaint.grey_fill(image, mask)
+function M.grey_fill(image, mask)
   local keep = 1 - round01(mask)
   return (image - 0.5) * keep + 0.5
 end
 
 --- ComfyUI's VAEEncodeForInpaint, the noise mask: the rounded mask grown by a
 -- g x g box (padding ceil((g - 1) / 2), cropped back to H x W), clamped, rounded.
-function inpaint.grow_mask(mask, g)
+function M.grow_mask(mask, g)
   g = math.tointeger(g or 6) or 6
   local r = round01(mask)
   if g <= 0 then return r end
@@ -95,7 +95,7 @@ end
 
 --- Pastes generated images [N, 3, H, W] onto the input [1, 3, H, W] through the
 -- feathered mask fm [1, 1, H, W]: gen * fm + input * (1 - fm).
-function inpaint.paste(gen, image, fm)
+function M.paste(gen, image, fm)
   return gen * fm + image * (1 - fm)
 end
 
@@ -103,9 +103,9 @@ end
 -- in [0, 1] (1 = repaint); opts as img2img's, denoise defaulting to 1, mask_blur the
 -- paste-back feather in pixels (default 4). Returns images [batch, 3, H, W] and the
 -- latents.
-function inpaint.run(ckpt, image, mask, opts)
+function M.run(ckpt, image, mask, opts)
   local pipeline = require "kiln.pipeline"
-  inpaint.check_mask(image, mask)
+  M.check_mask(image, mask)
   local o = {}
   for k, v in pairs(opts or {}) do o[k] = v end
   if o.denoise == nil then o.denoise = 1 end
@@ -123,21 +123,21 @@ function inpaint.run(ckpt, image, mask, opts)
   if ckpt.unet.config.in_channels == 9 then
     -- an inpainting UNet: ComfyUI's VAEEncodeForInpaint (grey fill, grown noise mask)
     -- and the model's concat (the noise mask at latent size, rounded; the latent)
-    src = inpaint.grey_fill(rgb, m)
-    local grown = inpaint.grow_mask(m, o.grow_mask or 6)
-    o.denoise_mask = inpaint.latent_mask(grown, H // f, W // f)
+    src = M.grey_fill(rgb, m)
+    local grown = M.grow_mask(m, o.grow_mask or 6)
+    o.denoise_mask = M.latent_mask(grown, H // f, W // f)
     grown:free()
     o.concat_mask = round01(o.denoise_mask)
   else
-    o.denoise_mask = inpaint.latent_mask(m, H // f, W // f)
+    o.denoise_mask = M.latent_mask(m, H // f, W // f)
   end
   local blur = o.mask_blur
   o.mask_blur, o.grow_mask = nil, nil        -- inpainting's own, not img2img's
   local gen, lat = pipeline.img2img(ckpt, src, o)
   o.denoise_mask:free()
   if o.concat_mask then o.concat_mask:free(); src:free() end
-  local fm = inpaint.feather(m, blur or 4)
-  local out = inpaint.paste(gen:to(rgb.device), rgb, fm)
+  local fm = M.feather(m, blur or 4)
+  local out = M.paste(gen:to(rgb.device), rgb, fm)
   gen:free(); fm:free(); m:free()
   return out, lat
 end
@@ -146,7 +146,7 @@ end
 -- left/right/top/bottom pixels and the mask [1, 1, H', W'] (1 in the new border;
 -- inside, within `feather` pixels of a grown side, ((feather - d) / feather)^2 at
 -- distance d). The new border repeats the edge pixels (ComfyUI fills it with grey).
-function inpaint.outpaint_pad(image, p)
+function M.outpaint_pad(image, p)
   local left, right, top, bottom = p.left or 0, p.right or 0, p.top or 0, p.bottom or 0
   local feather = p.feather or 0
   local h, w = image.shape[3], image.shape[4]
@@ -182,7 +182,7 @@ end
 --- A mask [1, 1, H, W] from a PNG tensor [1, C, H, W]: where it has alpha (C = 2
 -- or 4) 1 - alpha (ComfyUI's LoadImage: transparent pixels are repainted), else its
 -- grey level (the mean of R, G, B), white = repaint.
-function inpaint.mask_of_png(t)
+function M.mask_of_png(t)
   local c = t.shape[2]
   if c == 2 or c == 4 then
     return 1 - t:narrow(2, c, 1):contiguous()
@@ -191,4 +191,4 @@ function inpaint.mask_of_png(t)
   return t:narrow(2, 1, 3):mean(2, true)
 end
 
-return inpaint
+return M

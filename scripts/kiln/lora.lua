@@ -16,7 +16,8 @@
 local kiln = require "kiln"
 local lfs = require "lfs"
 local util = require "kiln.util"
-local checkpoint = require "kiln.checkpoint"
+local mf = require "kiln.model_files"
+local families = require "kiln.family"
 local unet = require "kiln.unet"
 local clip = require "kiln.clip"
 
@@ -26,9 +27,7 @@ local K = {}
 M.mapping = K
 local fmt = string.format
 
-local FAMILY_NAMES = { sd1 = "SD 1.x", sd2 = "SD 2.x", sdxl = "SDXL" }
-
-local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
+local shape_str = util.shape_str
 
 local function numel(s)
   local n = 1
@@ -260,7 +259,7 @@ end
 -- ---------------------------------------------------------------- the checkpoint's names
 
 -- original (CompVis / sgm) UNet tensor name -> diffusers name: the inverse of
--- checkpoint.diffusers_unet_map (nrb: res blocks per level). nil for a name diffusers
+-- kiln.families.sd.diffusers_unet_map (nrb: res blocks per level). nil for a name diffusers
 -- does not have.
 local RES_INV = {
   { "in_layers.0.", "norm1." }, { "in_layers.2.", "conv1." }, { "emb_layers.1.", "time_emb_proj." },
@@ -609,28 +608,17 @@ end
 
 -- ---------------------------------------------------------------- files
 
-local function lora_fail(who, path, msg)
-  error(fmt("%s: '%s': %s", who, path, msg), 0)
-end
+local lora_fail = util.file_error
 
 local function check_path(who, path)
   if type(path) ~= "string" then error(fmt("%s: path must be a string, got %s", who, type(path)), 3) end
 end
 
 local function check_file(who, path)
-  if path:match("%.ckpt$") or path:match("%.pt$") or path:match("%.pth$") or path:match("%.bin$") then
-    lora_fail(who, path, checkpoint.PICKLE_HELP or "kiln reads .safetensors only")
-  end
-  local f, err = io.open(path, "rb")
-  if not f then error(fmt("%s: %s", who, err), 0) end
-  local head = f:read(9) or ""
-  f:close()
-  if head:sub(9, 9) ~= "{" then
-    if head:sub(1, 2) == "PK" or head:byte(1) == 0x80 then
-      lora_fail(who, path, "a PyTorch pickle, not safetensors. " .. (checkpoint.PICKLE_HELP or ""))
-    end
-    lora_fail(who, path, "not a safetensors file")
-  end
+  if mf.is_pickle_name(path) then lora_fail(who, path, mf.PICKLE_HELP) end
+  local kind = mf.sniff(path, who)
+  if kind == "pickle" then lora_fail(who, path, "a PyTorch pickle, not safetensors. " .. mf.PICKLE_HELP) end
+  if kind ~= "safetensors" then lora_fail(who, path, "not a safetensors file") end
 end
 
 -- The key list and a shape reader of a file, without reading tensor data.
@@ -777,8 +765,8 @@ function M.add(ckpt, path, opts)
   local fam, why = K.family_of(modules, src.shape)
   local family = rawget(ckpt, "family")
   local function family_error()
-    return fmt("this is an %s LoRA (%s) on an %s checkpoint", FAMILY_NAMES[fam], why,
-      FAMILY_NAMES[family] or tostring(family))
+    return fmt("this is an %s LoRA (%s) on an %s checkpoint", families.label(fam), why,
+      families.label(family))
   end
   if fam and family and fam ~= family then bail(family_error()) end
   local index = ckpt_index(ckpt)
@@ -795,7 +783,7 @@ function M.add(ckpt, path, opts)
     local matched_any = #unmatched < #names
     if not matched_any then
       bail(fmt("none of its %d keys matches a weight of this %s checkpoint (for example %s)", #names,
-        FAMILY_NAMES[family] or tostring(family), table.concat({ unmatched[1], unmatched[2], unmatched[3] }, ", ")))
+        families.label(family), table.concat({ unmatched[1], unmatched[2], unmatched[3] }, ", ")))
     end
   end
   -- patches: all or none
@@ -856,7 +844,7 @@ function M.find(ckpt, name)
   if path then return path end
   for _, ext in ipairs({ ".pt", ".ckpt", ".pth", ".bin" }) do
     local p = search(dir, key .. ext)
-    if p then error(fmt("%s: LoRA '%s' is %s: %s", who, key, p, checkpoint.PICKLE_HELP or ""), 0) end
+    if p then error(fmt("%s: LoRA '%s' is %s: %s", who, key, p, mf.PICKLE_HELP), 0) end
   end
   error(fmt("%s: LoRA '%s' not found: no %s.safetensors in the LoRA folder %s (subfolders searched)", who, key, key,
     dir), 0)

@@ -5,11 +5,11 @@
 -- embed kiln receive the same events through kiln.progress when it exists.
 local kiln = require "kiln"
 
-local progress = {}
+local M = {}
 
 --- Starts a display for n steps labelled `label`; returns an object with
 -- :step(i) (call after step i) .
-function progress.start(label, n)
+function M.start(label, n)
   local quiet = kiln.quiet()
   local tty = kiln.isatty("stderr")
   local t0, last = kiln.time(), -math.huge
@@ -35,4 +35,4 @@ function progress.start(label, n)
   return p
 end
 
-return progress
+return M

@@ -3,10 +3,10 @@
 -- and kiln.show: a picture in the terminal (kitty, iTerm2, sixel) or a PNG file.
 local kiln = require "kiln"
 
-local repl = {}
+local M = {}
 
 --- Bounds of what is shown; a session may change them (repl.limits.depth = 5).
-repl.limits = {
+M.limits = {
   depth = 4,       -- table nesting shown; deeper tables print as {...}
   items = 30,      -- entries shown per table
   string = 120,    -- characters of a string inside a table
@@ -75,7 +75,7 @@ end
 -- dimension (a copy as small as what is shown). Returns a nested table and, per
 -- dimension, whether it was cut.
 local function shown_values(t, shape)
-  local limits = repl.limits
+  local limits = M.limits
   local small, cut, owned = t, {}, {}
   if numel(shape) > limits.values then
     for d, n in ipairs(shape) do
@@ -98,7 +98,7 @@ end
 local function render(vals, cut, depth, ndim, f, indent, width, cellw)
   if depth == ndim then
     local cells = {}
-    local e = repl.limits.edge
+    local e = M.limits.edge
     for i, v in ipairs(vals) do
       cells[#cells + 1] = ("%" .. cellw .. "s"):format(format_number(v, f))
       if cut[depth] and i == e then cells[#cells + 1] = "..." end
@@ -118,7 +118,7 @@ local function render(vals, cut, depth, ndim, f, indent, width, cellw)
     return "[" .. table.concat(lines, "\n" .. indent .. " ") .. "]"
   end
   local parts = {}
-  local e = repl.limits.edge
+  local e = M.limits.edge
   for i, sub in ipairs(vals) do
     parts[#parts + 1] = render(sub, cut, depth + 1, ndim, f, indent .. " ", width, cellw)
     if cut[depth] and i == e then parts[#parts + 1] = "..." end
@@ -138,7 +138,7 @@ end
 
 --- A tensor for people: its summary line, then its values (elided past
 -- repl.limits.values elements), then min / max / mean when elided.
-function repl.format_tensor(t)
+function M.format_tensor(t)
   local head = tostring(t)
   local ok, shape = pcall(function() return t.shape end)
   if not ok then return head end -- a freed tensor says so in its summary
@@ -155,8 +155,8 @@ function repl.format_tensor(t)
   local f = number_format(flat, INTEGER_DTYPES[dtype])
   local cellw = 1 -- right-aligned columns
   for _, v in ipairs(flat) do cellw = math.max(cellw, #format_number(v, f)) end
-  local lines = { head, render(vals, cut, 1, #shape, f, "", repl.limits.width, cellw) }
-  if n > repl.limits.values then
+  local lines = { head, render(vals, cut, 1, #shape, f, "", M.limits.width, cellw) }
+  if n > M.limits.values then
     local stats = {}
     for _, op in ipairs({ "min", "max", "mean" }) do
       local oks, v = pcall(t[op], t)
@@ -187,7 +187,7 @@ end
 
 --- A checkpoint on one line: family, file, bytes of its weights, where each
 -- network is.
-function repl.format_checkpoint(c)
+function M.format_checkpoint(c)
   local parts, total = {}, 0
   for _, name in ipairs({ "clip", "unet", "vae" }) do
     local net = rawget(c, name)
@@ -211,7 +211,7 @@ for w in ("and break do else elseif end false for function goto if in local nil 
 end
 
 local function quote(s)
-  local max = repl.limits.string
+  local max = M.limits.string
   local cut = #s > max
   if cut then s = s:sub(1, max) end
   local q = fmt("%q", s):gsub("\\\n", "\\n"):gsub("\r", "\\r")
@@ -235,9 +235,9 @@ end
 
 local function format_table(t, depth, ancestors, indent)
   if ancestors[t] then return "<cycle>" end
-  if depth > repl.limits.depth then return "{...}" end
+  if depth > M.limits.depth then return "{...}" end
   ancestors[t] = true
-  local items, n, shown, max = {}, 0, 0, repl.limits.items
+  local items, n, shown, max = {}, 0, 0, M.limits.items
   local len = rawlen(t)
   for i = 1, len do
     n = n + 1
@@ -262,7 +262,7 @@ local function format_table(t, depth, ancestors, indent)
   if n > shown then items[#items + 1] = fmt("... (%d more)", n - shown) end
   if #items == 0 then return "{}" end
   local one = "{" .. table.concat(items, ", ") .. "}"
-  if #one + #indent <= repl.limits.width and not one:find("\n", 1, true) then return one end
+  if #one + #indent <= M.limits.width and not one:find("\n", 1, true) then return one end
   return "{\n" .. indent .. "  " .. table.concat(items, ",\n" .. indent .. "  ") .. "\n" .. indent .. "}"
 end
 
@@ -273,7 +273,7 @@ format_value = function(v, depth, ancestors, indent)
     -- inside a table: the summary only (the values would drown the table)
     return tostring(v)
   end
-  if is_checkpoint(v) then return repl.format_checkpoint(v) end
+  if is_checkpoint(v) then return M.format_checkpoint(v) end
   if tv == "table" then
     local mt = getmetatable(v)
     if type(mt) == "table" and rawget(mt, "__tostring") then return tostring(v) end
@@ -283,18 +283,18 @@ format_value = function(v, depth, ancestors, indent)
 end
 
 --- A value for people, as the REPL shows a result (a string at the top is itself).
-function repl.format(v)
+function M.format(v)
   if type(v) == "string" then return v end
-  if is_tensor(v) then return repl.format_tensor(v) end
+  if is_tensor(v) then return M.format_tensor(v) end
   if is_model(v) then return tostring(v) end
   return format_value(v, 1, {}, "")
 end
 
 --- The REPL's printer: each value formatted, tab-separated, on stdout.
-function repl.print(...)
+function M.print(...)
   local n = select("#", ...)
   local out = {}
-  for i = 1, n do out[i] = repl.format((select(i, ...))) end
+  for i = 1, n do out[i] = M.format((select(i, ...))) end
   io.stdout:write(table.concat(out, "\t"), "\n")
   io.stdout:flush()
 end
@@ -319,12 +319,12 @@ local function base64(s)
   end
   return table.concat(out)
 end
-repl.base64 = base64
+M.base64 = base64
 
 --- The protocol the terminal speaks, from its environment (env: a table or a
 -- function name -> value; default os.getenv): "kitty", "iterm", "sixel" or "file".
 -- KILN_SHOW (one of those names) overrides what the environment suggests.
-function repl.protocol(env)
+function M.protocol(env)
   local get = type(env) == "function" and env
     or type(env) == "table" and function(k) return env[k] end
     or os.getenv
@@ -371,7 +371,7 @@ end
 
 --- The kitty graphics protocol's escape sequences for a PNG: base64 in chunks of
 -- 4096, every chunk but the last marked m=1.
-function repl.kitty_sequence(png)
+function M.kitty_sequence(png)
   local b64, parts = base64(png), {}
   local n = #b64
   for i = 1, math.max(n, 1), 4096 do
@@ -384,12 +384,12 @@ function repl.kitty_sequence(png)
 end
 
 --- iTerm2's inline image sequence for a PNG.
-function repl.iterm_sequence(png)
+function M.iterm_sequence(png)
   return ("\27]1337;File=inline=1;size=%d;preserveAspectRatio=1:%s\7\n"):format(#png, base64(png))
 end
 
 --- A sixel picture: colors rounded to a 6x6x6 cube, six rows a band, runs compressed.
-function repl.sixel_sequence(img)
+function M.sixel_sequence(img)
   local px = img:to("f32"):table()[1]
   local c, h, w = #px, #px[1], #px[1][1]
   local function level(v)
@@ -451,18 +451,18 @@ end
 -- where to write (anything with :write, default io.stdout). Without opts.out and
 -- with stdout not a terminal, the picture goes to a file. Returns the protocol used
 -- and, for "file", the PNG's path.
-function repl.show(img, opts)
+function M.show(img, opts)
   opts = opts or {}
   local image = as_image(img)
   local out = opts.out or io.stdout
-  local protocol = opts.protocol or repl.protocol(opts.env)
+  local protocol = opts.protocol or M.protocol(opts.env)
   if not opts.out and not opts.protocol and not kiln.isatty("stdout") then protocol = "file" end
   if protocol == "kitty" then
-    out:write(repl.kitty_sequence(png_bytes(image)))
+    out:write(M.kitty_sequence(png_bytes(image)))
   elseif protocol == "iterm" then
-    out:write(repl.iterm_sequence(png_bytes(image)))
+    out:write(M.iterm_sequence(png_bytes(image)))
   elseif protocol == "sixel" then
-    out:write(repl.sixel_sequence(image))
+    out:write(M.sixel_sequence(image))
   elseif protocol == "file" then
     local path = temp_png(opts.env)
     kiln.save_png(image, path)
@@ -476,4 +476,4 @@ function repl.show(img, opts)
   return protocol
 end
 
-return repl
+return M

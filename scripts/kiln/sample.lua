@@ -18,7 +18,7 @@
 -- tests/lua/test_meta.lua) and the tests all read it.
 local kiln = require "kiln"
 
-local sample = {}
+local M = {}
 
 ---------------------------------------------------------------------------
 -- helpers
@@ -41,7 +41,7 @@ local function ancestral_step(sigma_from, sigma_to, eta)
   local down = math.sqrt(sigma_to ^ 2 - up ^ 2)
   return down, up
 end
-sample.ancestral_step = ancestral_step
+M.ancestral_step = ancestral_step
 
 -- a double rounded to f32 (as PyTorch front ends store sigmas)
 local function f32(v) return string.unpack("f", string.pack("f", v)) end
@@ -89,7 +89,7 @@ local function u32_words(v, out)          -- a non-negative integer, low word fi
   return out
 end
 
-function sample.seed_sequence(entropy, spawn_key, pool_size, n)
+function M.seed_sequence(entropy, spawn_key, pool_size, n)
   local ent = u32_words(entropy, {})
   local spawn = {}
   for _, k in ipairs(spawn_key or {}) do u32_words(k, spawn) end
@@ -130,17 +130,17 @@ local function round6(t) return tonumber(("%.6f"):format(t)) end
 
 --- A Brownian tree over [t0, t1] (torchsde's BrownianTree(t0, 0, t1, entropy =
 -- seed), see above): returns increment(ta, tb) = W(tb) - W(ta), t0 <= ta <= tb <= t1.
-function sample.brownian_tree(shape, t0, t1, seed)
+function M.brownian_tree(shape, t0, t1, seed)
   assert(t1 > t0, "sample.brownian_tree: need t0 < t1")
   local POOL = 24
   local function draw(state) return kiln.randn(shape, { seed = state }) end
   local root = { s = round6(t0), e = round6(t1), key = 0, depth = 0 }
-  root.W = draw(sample.seed_sequence(seed, nil, POOL, 1)[1]) * math.sqrt(t1 - t0)
+  root.W = draw(M.seed_sequence(seed, nil, POOL, 1)[1]) * math.sqrt(t1 - t0)
   local function split(node)
     if node.left then return end
     local m = round6(0.5 * (node.e + node.s))
     node.m = m
-    node.seed = sample.seed_sequence(seed, { node.key, node.depth }, POOL, 1)[1]
+    node.seed = M.seed_sequence(seed, { node.key, node.depth }, POOL, 1)[1]
     node.left = { s = node.s, e = m, parent = node, is_left = true, key = 2 * node.key, depth = node.depth + 1 }
     node.right = { s = m, e = node.e, parent = node, is_left = false, key = 2 * node.key + 1, depth = node.depth + 1 }
   end
@@ -198,14 +198,14 @@ end
 -- (W(sigma_next) - W(sigma)) / sqrt(|sigma_next - sigma|), W the Brownian tree
 -- over [smallest sigma > 0, largest sigma] seeded by seed, as ComfyUI's
 -- BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed).
-function sample.brownian_noise(shape, sigmas, seed)
+function M.brownian_noise(shape, sigmas, seed)
   local s = list_of(sigmas)
   local lo, hi = math.huge, -math.huge
   for _, v in ipairs(s) do
     if v > 0 then lo, hi = math.min(lo, v), math.max(hi, v) end
   end
   if not (hi > lo) then hi = lo + 1 end
-  local increment = sample.brownian_tree(shape, lo, hi, seed)
+  local increment = M.brownian_tree(shape, lo, hi, seed)
   return function(_, sigma, sigma_next)
     assert(sigma and sigma_next, "the Brownian noise needs the two sigmas it bridges")
     if sigma == sigma_next then return kiln.zeros(shape) end
@@ -271,7 +271,7 @@ local samplers, sampler_info, sampler_order, add_sampler = registry("sampler", "
 -- label, and whether it draws noise at every step (ancestral and SDE samplers;
 -- the others draw none unless s_churn asks for it): true, or "brownian" for the
 -- SDE samplers whose default noise is the Brownian tree (sample.brownian_noise).
-function sample.add_sampler(name, fn, label, noise) add_sampler(name, fn, label, noise) end
+function M.add_sampler(name, fn, label, noise) add_sampler(name, fn, label, noise) end
 
 function samplers.euler(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -284,7 +284,7 @@ function samplers.euler(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("euler", samplers.euler, "Euler", false)
+M.add_sampler("euler", samplers.euler, "Euler", false)
 
 function samplers.euler_ancestral(denoise, x, s, opts, noise, step)
   local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
@@ -297,7 +297,7 @@ function samplers.euler_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("euler_ancestral", samplers.euler_ancestral, "Euler a", true)
+M.add_sampler("euler_ancestral", samplers.euler_ancestral, "Euler a", true)
 
 function samplers.heun(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -318,7 +318,7 @@ function samplers.heun(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("heun", samplers.heun, "Heun", false)
+M.add_sampler("heun", samplers.heun, "Heun", false)
 
 function samplers.dpm_2(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -339,7 +339,7 @@ function samplers.dpm_2(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpm_2", samplers.dpm_2, "DPM2", false)
+M.add_sampler("dpm_2", samplers.dpm_2, "DPM2", false)
 
 function samplers.dpm_2_ancestral(denoise, x, s, opts, noise, step)
   local n, eta, s_noise = #s - 1, opts.eta or 1, opts.s_noise or 1
@@ -360,7 +360,7 @@ function samplers.dpm_2_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpm_2_ancestral", samplers.dpm_2_ancestral, "DPM2 a", true)
+M.add_sampler("dpm_2_ancestral", samplers.dpm_2_ancestral, "DPM2 a", true)
 
 -- Integral over [a, b] of the Lagrange basis polynomial j of the nodes t[i-k]
 -- (k-diffusion's linear_multistep_coeff). The integrand is a polynomial of degree
@@ -396,7 +396,7 @@ function samplers.lms(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("lms", samplers.lms, "LMS", false)
+M.add_sampler("lms", samplers.lms, "LMS", false)
 
 local function t_fn(sigma) return -math.log(sigma) end
 local function sigma_fn(t) return math.exp(-t) end
@@ -421,7 +421,7 @@ function samplers.dpmpp_2s_ancestral(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpmpp_2s_ancestral", samplers.dpmpp_2s_ancestral, "DPM++ 2S a", true)
+M.add_sampler("dpmpp_2s_ancestral", samplers.dpmpp_2s_ancestral, "DPM++ 2S a", true)
 
 function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
   local n = #s - 1
@@ -444,7 +444,7 @@ function samplers.dpmpp_2m(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpmpp_2m", samplers.dpmpp_2m, "DPM++ 2M", false)
+M.add_sampler("dpmpp_2m", samplers.dpmpp_2m, "DPM++ 2M", false)
 
 -- DPM-Solver++(2S) SDE step pair; the noise of each half step is the Brownian
 -- increment between its two sigmas (noise(shape, sigma, sigma_next)).
@@ -474,7 +474,7 @@ function samplers.dpmpp_sde(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpmpp_sde", samplers.dpmpp_sde, "DPM++ SDE", "brownian")
+M.add_sampler("dpmpp_sde", samplers.dpmpp_sde, "DPM++ SDE", "brownian")
 
 -- DPM-Solver++(2M) SDE (k-diffusion's sample_dpmpp_2m_sde, midpoint solver):
 -- the 2M update with eta of each step's log-SNR change spent on fresh noise.
@@ -502,7 +502,7 @@ function samplers.dpmpp_2m_sde(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpmpp_2m_sde", samplers.dpmpp_2m_sde, "DPM++ 2M SDE", "brownian")
+M.add_sampler("dpmpp_2m_sde", samplers.dpmpp_2m_sde, "DPM++ 2M SDE", "brownian")
 
 -- DPM-Solver++(3M) SDE (k-diffusion's sample_dpmpp_3m_sde): third-order
 -- multistep in log sigma from the last three denoised predictions.
@@ -539,31 +539,31 @@ function samplers.dpmpp_3m_sde(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("dpmpp_3m_sde", samplers.dpmpp_3m_sde, "DPM++ 3M SDE", "brownian")
+M.add_sampler("dpmpp_3m_sde", samplers.dpmpp_3m_sde, "DPM++ 3M SDE", "brownian")
 
 -- Solves the small dense system A y = b (Gaussian elimination, partial pivoting).
 local function solve(A, b)
   local n = #b
-  local M = {}
+  local aug = {}
   for i = 1, n do
-    M[i] = {}
-    for j = 1, n do M[i][j] = A[i][j] end
-    M[i][n + 1] = b[i]
+    aug[i] = {}
+    for j = 1, n do aug[i][j] = A[i][j] end
+    aug[i][n + 1] = b[i]
   end
   for c = 1, n do
     local p = c
-    for r = c + 1, n do if math.abs(M[r][c]) > math.abs(M[p][c]) then p = r end end
-    M[c], M[p] = M[p], M[c]
+    for r = c + 1, n do if math.abs(aug[r][c]) > math.abs(aug[p][c]) then p = r end end
+    aug[c], aug[p] = aug[p], aug[c]
     for r = c + 1, n do
-      local f = M[r][c] / M[c][c]
-      for j = c, n + 1 do M[r][j] = M[r][j] - f * M[c][j] end
+      local f = aug[r][c] / aug[c][c]
+      for j = c, n + 1 do aug[r][j] = aug[r][j] - f * aug[c][j] end
     end
   end
   local y = {}
   for i = n, 1, -1 do
-    local acc = M[i][n + 1]
-    for j = i + 1, n do acc = acc - M[i][j] * y[j] end
-    y[i] = acc / M[i][i]
+    local acc = aug[i][n + 1]
+    for j = i + 1, n do acc = acc - aug[i][j] * y[j] end
+    y[i] = acc / aug[i][i]
   end
   return y
 end
@@ -652,12 +652,12 @@ local function unipc(variant)
   end
 end
 samplers.uni_pc = unipc("bh1")
-sample.add_sampler("uni_pc", samplers.uni_pc, "UniPC", false)
+M.add_sampler("uni_pc", samplers.uni_pc, "UniPC", false)
 samplers.uni_pc_bh2 = unipc("bh2")
-sample.add_sampler("uni_pc_bh2", samplers.uni_pc_bh2, "UniPC BH2", false)
+M.add_sampler("uni_pc_bh2", samplers.uni_pc_bh2, "UniPC BH2", false)
 
 -- ComfyUI's "ddim" is Euler in sigma space (identical to DDIM with eta = 0).
-sample.add_sampler("ddim", samplers.euler, "DDIM", false)
+M.add_sampler("ddim", samplers.euler, "DDIM", false)
 
 -- Latent consistency models: jump to the prediction, re-noise to the next sigma.
 function samplers.lcm(denoise, x, s, opts, noise, step)
@@ -670,9 +670,9 @@ function samplers.lcm(denoise, x, s, opts, noise, step)
   end
   return x
 end
-sample.add_sampler("lcm", samplers.lcm, "LCM", true)
+M.add_sampler("lcm", samplers.lcm, "LCM", true)
 
-sample.samplers = samplers
+M.samplers = samplers
 
 local function sorted(t)
   local r = {}
@@ -682,27 +682,27 @@ local function sorted(t)
 end
 
 --- The sampler names, sorted.
-function sample.names() return sorted(sampler_order) end
+function M.names() return sorted(sampler_order) end
 
 --- The registry entry of a sampler: {name, fn, label, noise}, or nil.
-function sample.sampler_info(name)
+function M.sampler_info(name)
   local e = sampler_info[name]
   return e and { name = e.name, fn = e.fn, label = e.label, noise = e.noise }
 end
 
 --- Runs sampler `name` (k-diffusion / ComfyUI names) from x over sigmas.
-function sample.run(name, denoise, x, sigmas, opts)
+function M.run(name, denoise, x, sigmas, opts)
   opts = opts or {}
   local fn = sampler_info[name] and sampler_info[name].fn
   if not fn then
-    error(("unknown sampler '%s' (known: %s)"):format(tostring(name), table.concat(sample.names(), ", ")), 2)
+    error(("unknown sampler '%s' (known: %s)"):format(tostring(name), table.concat(M.names(), ", ")), 2)
   end
   if type(denoise) ~= "function" then error("sample.run: denoise must be a function(x, sigma)", 2) end
   local s = list_of(sigmas)
   if #s < 2 then error("sample.run: need at least 2 sigmas (steps + 1, ending in 0)", 2) end
   local noise = opts.noise
   if not noise and sampler_info[name].brownian then
-    noise = sample.brownian_noise(x.shape, s, opts.seed or 0)
+    noise = M.brownian_noise(x.shape, s, opts.seed or 0)
   end
   noise = noise or default_noise(opts)
   return fn(denoise, x, s, opts, noise, stepper(opts, #s - 1))
@@ -725,7 +725,7 @@ end
 
 local ZSNR_LAST = 4.8973451890853435e-08
 
-function sample.discrete_schedule(opts)
+function M.discrete_schedule(opts)
   opts = opts or {}
   local n = opts.timesteps or 1000
   local b0, b1 = math.sqrt(opts.linear_start or 0.00085), math.sqrt(opts.linear_end or 0.012)
@@ -778,7 +778,7 @@ local schedules, schedule_info, schedule_order, add_scheduler = registry("schedu
 --- Adds a scheduler to the registry: name (ComfyUI's), fn(steps, opts) -> sigmas,
 -- the A1111 label ("Schedule type"), and whether it reads the model's discrete
 -- schedule (opts.model_sampling) rather than sigma_min / sigma_max alone.
-function sample.add_scheduler(name, fn, label, needs_model) add_scheduler(name, fn, label, needs_model) end
+function M.add_scheduler(name, fn, label, needs_model) add_scheduler(name, fn, label, needs_model) end
 
 function schedules.karras(steps, o)
   local rho = o.rho or 7
@@ -790,7 +790,7 @@ function schedules.karras(steps, o)
   end
   return with_zero(out)
 end
-sample.add_scheduler("karras", schedules.karras, "Karras", false)
+M.add_scheduler("karras", schedules.karras, "Karras", false)
 
 function schedules.exponential(steps, o)
   local a, b = math.log(o.sigma_max), math.log(o.sigma_min)
@@ -801,7 +801,7 @@ function schedules.exponential(steps, o)
   end
   return with_zero(out)
 end
-sample.add_scheduler("exponential", schedules.exponential, "Exponential", false)
+M.add_scheduler("exponential", schedules.exponential, "Exponential", false)
 
 local function need_model(o, name)
   local ms = o.model_sampling
@@ -822,9 +822,9 @@ local function normal_like(steps, o, sgm)
 end
 
 function schedules.normal(steps, o) return normal_like(steps, o, false) end
-sample.add_scheduler("normal", schedules.normal, "Normal", true)
+M.add_scheduler("normal", schedules.normal, "Normal", true)
 function schedules.sgm_uniform(steps, o) return normal_like(steps, o, true) end
-sample.add_scheduler("sgm_uniform", schedules.sgm_uniform, "SGM Uniform", true)
+M.add_scheduler("sgm_uniform", schedules.sgm_uniform, "SGM Uniform", true)
 
 function schedules.simple(steps, o)
   local s = need_model(o, "simple").sigmas
@@ -833,7 +833,7 @@ function schedules.simple(steps, o)
   for x = 0, steps - 1 do out[#out + 1] = s[#s - math.floor(x * ss)] end
   return with_zero(out)
 end
-sample.add_scheduler("simple", schedules.simple, "Simple", true)
+M.add_scheduler("simple", schedules.simple, "Simple", true)
 
 function schedules.ddim_uniform(steps, o)
   local s = need_model(o, "ddim_uniform").sigmas
@@ -845,9 +845,9 @@ function schedules.ddim_uniform(steps, o)
   end
   return with_zero(out)
 end
-sample.add_scheduler("ddim_uniform", schedules.ddim_uniform, "DDIM", true)
+M.add_scheduler("ddim_uniform", schedules.ddim_uniform, "DDIM", true)
 
-sample.schedules = schedules
+M.schedules = schedules
 
 -- The beta distribution's quantile function for the "beta" schedule: the regularized
 -- incomplete beta function I_x(a, b) by its continued fraction (modified Lentz), log
@@ -908,7 +908,7 @@ local function beta_ppf(q, a, b)
   end
   return 0.5 * (lo + hi)
 end
-sample.beta_ppf = beta_ppf
+M.beta_ppf = beta_ppf
 
 local rint = require("kiln.util").round_half_even -- numpy.rint
 
@@ -927,13 +927,13 @@ function schedules.beta(steps, o)
   end
   return with_zero(out)
 end
-sample.add_scheduler("beta", schedules.beta, "Beta", true)
+M.add_scheduler("beta", schedules.beta, "Beta", true)
 
 --- The scheduler names, sorted.
-function sample.scheduler_names() return sorted(schedule_order) end
+function M.scheduler_names() return sorted(schedule_order) end
 
 --- The registry entry of a scheduler: {name, fn, label, needs_model}, or nil.
-function sample.scheduler_info(name)
+function M.scheduler_info(name)
   local e = schedule_info[name]
   return e and { name = e.name, fn = e.fn, label = e.label, needs_model = e.needs_model }
 end
@@ -941,24 +941,24 @@ end
 --- sigmas(name, steps, opts) -> 1-D f32 tensor of steps + 1 values ending in 0.
 -- karras / exponential take sigma_min, sigma_max (and rho); the schedulers that
 -- need the model take opts.model_sampling (defaults: SD's schedule).
-function sample.sigmas(name, steps, opts)
+function M.sigmas(name, steps, opts)
   opts = opts or {}
   local info = schedule_info[name]
   if not info then
     error(("unknown schedule '%s' (known: %s)"):format(tostring(name),
-      table.concat(sample.scheduler_names(), ", ")), 2)
+      table.concat(M.scheduler_names(), ", ")), 2)
   end
   local fn = info.fn
   if math.type(steps) ~= "integer" or steps < 1 then error("sample.sigmas: steps must be a positive integer", 2) end
   if not info.needs_model and not (opts.sigma_min and opts.sigma_max) then
-    local ms = opts.model_sampling or sample.discrete_schedule()
+    local ms = opts.model_sampling or M.discrete_schedule()
     opts = setmetatable({ sigma_min = opts.sigma_min or ms.sigma_min, sigma_max = opts.sigma_max or ms.sigma_max },
       { __index = opts })
   end
   if info.needs_model and not opts.model_sampling then
-    opts = setmetatable({ model_sampling = sample.discrete_schedule() }, { __index = opts })
+    opts = setmetatable({ model_sampling = M.discrete_schedule() }, { __index = opts })
   end
   return fn(steps, opts)
 end
 
-return sample
+return M

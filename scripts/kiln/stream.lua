@@ -28,7 +28,7 @@
 -- Each pass:run starts with kiln.suspend_point(): a host may park the run there
 -- (kiln_suspend), and a budget lowered while the run goes on takes effect there. When
 -- evicting what no network holds is not enough, kiln.suspend_point calls
--- M.adapt(dev, excess):
+-- M.adapt(dev, excess) (registered below as the hook "stream_adapt"):
 -- the open passes on that device whose weights are resident turn to streaming from
 -- their next block (the model's device copies go, it is marked streamed with no
 -- resident blocks, and the blocks are fetched one by one as in mode "low"), so the
@@ -389,5 +389,6 @@ function M.adapt(dev, excess)
     excess = excess - math.max(0, e.bytes - window)
   end
 end
+kiln._register_hook("stream_adapt", M.adapt)
 
 return M

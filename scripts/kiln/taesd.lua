@@ -20,7 +20,9 @@ local lfs = require "lfs"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
 local seamless = require "kiln.seamless"
-local checkpoint = require "kiln.checkpoint"
+local util = require "kiln.util"
+local mf = require "kiln.model_files"
+local families = require "kiln.family"
 local nn = kiln.nn
 
 local M = {}
@@ -30,9 +32,8 @@ local TAESD = {}
 TAESD.__index = TAESD
 M.TAESD = TAESD
 
-local function fail(path, msg)
-  error(fmt("kiln.load_taesd: %s%s", path and ("'" .. path .. "': ") or "", msg), 0)
-end
+local WHO = "kiln.load_taesd"
+local function fail(path, msg) util.file_error(WHO, path, msg) end
 
 -- ---------------------------------------------------------------- architecture
 
@@ -101,7 +102,7 @@ end
 -- "encoder.". Returns prefix, sub-shapes, kind, width, latent channels.
 local function find_half(shapes, want)
   for _, p in ipairs({ "", "taesd_" .. want .. ".", want .. "." }) do
-    local sub = p == "" and shapes or checkpoint.sub(shapes, p)
+    local sub = p == "" and shapes or mf.sub(shapes, p)
     local kind, w, L = M.kind(sub)
     if kind == want then return p, sub, kind, w, L end
   end
@@ -136,18 +137,14 @@ local function block_of(name) return name:match("^(%d+%.)") end
 -- Opens one half from a file: {layers, weights, streamer, model, width, latent, path}.
 local function open_half(path, want)
   if type(path) ~= "string" then fail(nil, fmt("%s must be a file name, got %s", want, type(path))) end
-  local ok, tensors = pcall(checkpoint.read_safetensors, path)
-  if not ok then fail(nil, tostring(tensors):gsub("^kiln%.load_checkpoint: ", "")) end
-  local I = checkpoint.internal
-  local shapes = I.shapes_of(tensors)
+  local shapes = mf.shapes_of((mf.read(path, WHO)))
   local prefix, _, _, w, L = find_half(shapes, want)
   if not prefix then fail(path, describe(shapes, want)) end
   local layers = want == "decoder" and decoder_layers() or encoder_layers()
   local exp = M.expected(layers, w, L)
   local resolve = function(n) return prefix .. n end
-  local vok, verr = pcall(I.validate, path, "TAESD " .. want, exp, resolve, shapes)
-  if not vok then fail(nil, tostring(verr):gsub("^kiln%.load_checkpoint: ", "")) end
-  local store = I.open_store({ path }, I.names_of(exp, resolve), "taesd_" .. want)
+  mf.validate(path, "TAESD " .. want, exp, resolve, shapes, WHO)
+  local store = mf.open_store({ path }, mf.names_of(exp, resolve), "taesd_" .. want, WHO)
   local weights = stream.weights(store, prefix)
   local order = {}
   for i = 1, #layers do
@@ -269,7 +266,7 @@ local function device_of(half) return half.weights:device(half.probe) end
 
 -- ---------------------------------------------------------------- the object
 
-local function shape_str(t) return "[" .. table.concat(t.shape, ", ") .. "]" end
+local shape_str = util.shape_str
 
 -- The networks' untiled calls, as kiln.tiling expects them (VAE:_decode_untiled's
 -- contract): scaled latents -> images in [0, 1], and back.
@@ -432,9 +429,12 @@ end
 
 -- ---------------------------------------------------------------- beside a checkpoint
 
--- The file names of a family's TAESD (as madebyollin/taesd and ComfyUI's vae_approx
--- folder name them).
-local function stem_of(family) return family == "sdxl" and "taesdxl" or "taesd" end
+-- The file names of a family's TAESD (its `taesd` field, as madebyollin/taesd and
+-- ComfyUI's vae_approx folder name them).
+local function stem_of(name)
+  local def = families.get(name)
+  return def and def.taesd or "taesd"
+end
 
 local function dirname(p) return p:match("^(.*)/[^/]*$") or "." end
 local function exists(p) return lfs.attributes(p, "mode") == "file" end

@@ -63,8 +63,6 @@ local is_oom = util.is_oom
 -- an OOM error from an older runtime may lack a field: "?" rather than a crash
 local function human(b) return b == nil and "?" or kiln.format_bytes(b) end
 
-local function shape_str(t) return "[" .. table.concat(t.shape, ",") .. "]" end
-
 -- Logs a tiling event: stderr (unless quiet) and the event log / trace.
 local function log_event(detail)
   if kiln.trace and kiln.trace.mark then pcall(kiln.trace.mark, "tiling", detail) end
@@ -271,6 +269,7 @@ function M.estimate(fn, inputs, opts)
   return bytes, { a = m.a, b = m.b, c = m.c, probes = m.probes, px = m.px, device = m.device,
     method = m.exact and "exact" or "measured", activation_dtype = kiln.activation_dtype(m.device) }
 end
+kiln._register_hook("mem_estimate", M.estimate) -- kiln.mem.estimate calls it
 
 -- ---------------------------------------------------------------- auto tile
 
@@ -462,7 +461,7 @@ function M.apply(fn, x, opts)
     error(fmt("%s: overlap must be an integer >= 0, got %s", what, tostring(overlap)), 2)
   end
   if x.shape[3] % unit ~= 0 or x.shape[4] % unit ~= 0 then
-    error(fmt("%s: input %s is not a multiple of %d", what, shape_str(x), unit), 2)
+    error(fmt("%s: input %s is not a multiple of %d", what, util.shape_str(x), unit), 2)
   end
   local size = math.max(x.shape[3], x.shape[4]) // unit
   if tile == "auto" then

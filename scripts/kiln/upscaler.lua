@@ -34,7 +34,8 @@ local util = require "kiln.util"
 local stream = require "kiln.stream"
 local tiling = require "kiln.tiling"
 local seamless = require "kiln.seamless"
-local checkpoint = require "kiln.checkpoint"
+local mf = require "kiln.model_files"
+local part = require "kiln.part"
 local nn = kiln.nn
 
 local M = {}
@@ -44,11 +45,10 @@ local Upscaler = {}
 Upscaler.__index = Upscaler
 M.Upscaler = Upscaler
 
-local function fail(path, msg)
-  error(fmt("kiln.load_upscaler: %s%s", path and ("'" .. path .. "': ") or "", msg), 0)
-end
+local WHO = "kiln.load_upscaler"
+local function fail(path, msg) util.file_error(WHO, path, msg) end
 
-local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
+local shape_str = util.shape_str
 
 -- Tiles in input pixels: the default without a budget to size them from, and the overlap.
 M.DEFAULT_TILE = 512
@@ -226,7 +226,7 @@ local function strip_wrapper(shapes)
     for name in pairs(shapes) do
       if name:sub(1, #p) ~= p then all = false; break end
     end
-    if all then return checkpoint.sub(shapes, p), p end
+    if all then return mf.sub(shapes, p), p end
   end
   return shapes, ""
 end
@@ -681,17 +681,14 @@ function M.load(path)
   local f = io.open(path, "rb")
   if not f then fail(path, "no such file") end
   f:close()
-  local I = checkpoint.internal
-  local ok, tensors = pcall(checkpoint.read_safetensors, path)
-  if not ok then error((tostring(tensors):gsub("^kiln%.load_checkpoint: ", "kiln.load_upscaler: ")), 0) end
-  local shapes = I.shapes_of(tensors)
+  local shapes = mf.shapes_of((mf.read(path, WHO)))
   local d = M.detect(shapes, path)
   local cfg = d.config
   local map = d.map
   local resolve = function(n) return d.prefix .. (map and map[n] or n) end
   local exp = M.expected(d.arch, cfg)
-  I.validate(path, d.arch .. " upscaler", exp, resolve, shapes)
-  local store = I.open_store({ path }, I.names_of(exp, resolve), "upscaler")
+  mf.validate(path, d.arch .. " upscaler", exp, resolve, shapes, WHO)
+  local store = mf.open_store({ path }, mf.names_of(exp, resolve), "upscaler", WHO)
   local full = {}
   if map then for k, v in pairs(map) do full[k] = d.prefix .. v end end
   if d.arch == "RRDBNet" then
@@ -701,7 +698,7 @@ function M.load(path)
     cfg.summary = fmt("SRVGGNetCompact x%d, %d convs, %d features", cfg.scale, cfg.nconv + 2, cfg.nf)
   end
   local weights = stream.weights(store, d.prefix, map and full or nil)
-  return I.as_model(M.new(weights, d.arch, cfg), store, "Upscaler")
+  return part.as_model(M.new(weights, d.arch, cfg), store, "Upscaler")
 end
 
 return M

@@ -1,11 +1,11 @@
 -- kiln.util: small helpers shared by the shipped scripts: command-line parsing and
 -- its usage errors, the out-of-memory test, reading a network's shapes, and rounding
 -- as Python and NumPy round.
-local util = {}
+local M = {}
 
 --- x rounded to the nearest whole number, halves to the even neighbour (Python's
 -- round, numpy.rint), as an integer when it is one.
-function util.round_half_even(x)
+function M.round_half_even(x)
   local f = math.floor(x)
   local d = x - f
   if d > 0.5 or (d == 0.5 and f % 2 == 1) then f = f + 1 end
@@ -17,12 +17,12 @@ end
 local USAGE_MT = { __tostring = function(e) return e.message end }
 
 --- Raises a usage error: the table {kind = "usage", message = msg}.
-function util.usage_error(msg)
+function M.usage_error(msg)
   error(setmetatable({ kind = "usage", message = tostring(msg) }, USAGE_MT), 0)
 end
 
 --- "[a, b, c]": a shape (a Lua list of sizes) or a tensor's shape, for messages.
-function util.shape_str(x)
+function M.shape_str(x)
   local s = (type(x) == "userdata" or (type(x) == "table" and x.shape)) and x.shape or x
   return "[" .. table.concat(s, ", ") .. "]"
 end
@@ -30,20 +30,20 @@ end
 --- Raises "WHO: 'path': msg" (or "WHO: msg" without a path) as a plain string error
 -- at level (default 0: no position; the message names the file). How loaders say which
 -- file is wrong.
-function util.file_error(who, path, msg, level)
+function M.file_error(who, path, msg, level)
   error(string.format("%s: %s%s", who, path and ("'" .. path .. "': ") or "", msg), level or 0)
 end
 
 --- True when e is a usage error raised by util.usage_error.
-function util.is_usage_error(e) return type(e) == "table" and e.kind == "usage" end
+function M.is_usage_error(e) return type(e) == "table" and e.kind == "usage" end
 
 --- True when e is the runtime's out-of-memory error (a table with kind "oom").
-function util.is_oom(e) return type(e) == "table" and e.kind == "oom" end
+function M.is_oom(e) return type(e) == "table" and e.kind == "oom" end
 
 --- file (a name, no folder part) in dir or below it: the shallowest match, the first
 -- in sorted order (case-sensitive); a name with a '/' only directly under dir. nil
 -- when there is none. How LoRAs, embeddings and other models are found by name.
-function util.find_file(dir, file)
+function M.find_file(dir, file)
   local lfs = require "lfs"
   local function join(a, b) return (a:gsub("/+$", "")) .. "/" .. b end
   local function mode(p) return lfs.attributes(p, "mode") end
@@ -73,7 +73,7 @@ function util.find_file(dir, file)
 end
 
 --- The keys of a table, sorted (messages and files list names in a stable order).
-function util.sorted_keys(t)
+function M.sorted_keys(t)
   local k = {}
   for n in pairs(t) do k[#k + 1] = n end
   table.sort(k)
@@ -83,21 +83,21 @@ end
 -- Parses "--name value" / "--flag" command-line arguments into a table, with
 -- defaults; a mistake (an unknown option, which lists the known ones, a missing or
 -- malformed value) is a usage error.
-function util.parse_args(args, defaults)
+function M.parse_args(args, defaults)
   local opts = {}
   for k, v in pairs(defaults) do opts[k] = type(v) == "table" and {} or v end -- lists: repeatable
   local i = 1
   while i <= #args do
     local a = args[i]
     local name = a:match("^%-%-([%w_%-]+)$")
-    if not name then util.usage_error(("unexpected argument '%s'"):format(a)) end
+    if not name then M.usage_error(("unexpected argument '%s'"):format(a)) end
     local key = name:gsub("%-", "_")
     if defaults[key] == nil then
       local known = {}
       for k in pairs(defaults) do known[#known + 1] = "--" .. k:gsub("_", "-") end
       table.sort(known)
-      local near = util.nearest(key, defaults)
-      util.usage_error(near and ("unknown option '--%s' (did you mean '--%s'?)"):format(name, near:gsub("_", "-"))
+      local near = M.nearest(key, defaults)
+      M.usage_error(near and ("unknown option '--%s' (did you mean '--%s'?)"):format(name, near:gsub("_", "-"))
         or ("unknown option '--%s' (known: %s)"):format(name, table.concat(known, " ")))
     end
     if type(defaults[key]) == "boolean" then
@@ -105,9 +105,9 @@ function util.parse_args(args, defaults)
       i = i + 1
     else
       local v = args[i + 1]
-      if v == nil then util.usage_error(("option '--%s' needs a value"):format(name)) end
+      if v == nil then M.usage_error(("option '--%s' needs a value"):format(name)) end
       if type(defaults[key]) == "number" then
-        v = tonumber(v) or util.usage_error(("--%s %s: not a number"):format(name, args[i + 1]))
+        v = tonumber(v) or M.usage_error(("--%s %s: not a number"):format(name, args[i + 1]))
       end
       if type(defaults[key]) == "table" then table.insert(opts[key], v) else opts[key] = v end
       i = i + 2
@@ -118,7 +118,7 @@ end
 
 --- The edit distance between two strings: insertions, deletions, substitutions and
 -- swaps of two neighbours ("stpes" is one from "steps"), each costing one.
-function util.edit_distance(a, b)
+function M.edit_distance(a, b)
   local la, lb = #a, #b
   local d = {}
   for i = 0, la do d[i] = { [0] = i } end
@@ -139,13 +139,13 @@ end
 --- The name of `names` (a list, or a set's keys) nearest to name, or nil when none is
 -- near enough to be a likely misspelling (within a third of the longer name, at
 -- least 2). Ties go to the alphabetically first, so the answer never varies.
-function util.nearest(name, names)
+function M.nearest(name, names)
   local list = {}
   for k, v in pairs(names) do list[#list + 1] = type(k) == "string" and k or v end
   table.sort(list)
   local best, bd
   for _, k in ipairs(list) do
-    local dist = util.edit_distance(name, k)
+    local dist = M.edit_distance(name, k)
     if not bd or dist < bd then best, bd = k, dist end
   end
   if bd and bd <= math.max(2, math.max(#name, #best) // 3) then return best end
@@ -155,7 +155,7 @@ end
 --- Checks that every key of opts (a table, or nil) is one of known (a set): an
 -- unknown or misspelt option is an error "WHO: unknown option 'stpes' (did you mean
 -- 'steps'?)" raised at level (default: the caller of the caller). Returns opts.
-function util.check_options(opts, known, who, level)
+function M.check_options(opts, known, who, level)
   if opts == nil then return opts end
   if type(opts) ~= "table" then
     error(("%s: options must be a table, got %s"):format(who, type(opts)), level or 3)
@@ -167,7 +167,7 @@ function util.check_options(opts, known, who, level)
   if #bad == 0 then return opts end
   table.sort(bad)                            -- the same message whatever the table's order
   local k = bad[1]
-  local near = type(k) == "string" and util.nearest(k, known)
+  local near = type(k) == "string" and M.nearest(k, known)
   local msg = ("%s: unknown option '%s'"):format(who, k)
   if near then
     msg = msg .. (" (did you mean '%s'?)"):format(near)
@@ -182,7 +182,7 @@ end
 
 -- Number of distinct indices matched by pattern's capture in a name -> shape table
 -- (max index + 1): how many input_blocks, layers, levels a checkpoint has.
-function util.count_indices(shapes, pattern)
+function M.count_indices(shapes, pattern)
   local n = -1
   for name in pairs(shapes) do
     local i = name:match(pattern)
@@ -193,10 +193,10 @@ end
 
 -- The shape of a tensor a network's configuration is read from; a clear error
 -- naming the network, the tensor and what it was needed for when absent.
-function util.need_shape(shapes, name, what, net)
+function M.need_shape(shapes, name, what, net)
   local s = shapes[name]
   if not s then error(("%s: tensor '%s' not found (needed to read %s)"):format(net, name, what), 0) end
   return s
 end
 
-return util
+return M

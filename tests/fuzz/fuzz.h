@@ -17,6 +17,11 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* The initialisation a harness does before any device is used: hand the runtime the
+ * backends this build links (kernels/backends.h), as luaopen_kiln does. */
+void kiln_backends_register_all(void);
+__attribute__((constructor)) static void fuzz_register_backends(void) { kiln_backends_register_all(); }
+
 #define FUZZ_REQUIRE(cond) do { \
     if (!(cond)) { fprintf(stderr, "%s:%d: invariant broken: %s\n", __FILE__, __LINE__, #cond); abort(); } \
 } while (0)

@@ -12,7 +12,7 @@
 #include <lua.h>
 #include <lualib.h>
 
-#include "l_kiln.h"
+#include "l_parts.h"
 
 static lua_State *fuzz_lua;
 

@@ -157,7 +157,7 @@ body.append(s.rstrip() + '\n};\n')
 # The header declares every table with its length, so unicode.c bisects with
 # sizeof; the tables are internal to the runtime (hidden in libkiln.so).
 head = [GENERATED,
-        '#ifndef KILN_UNICODE_TABLES_H\n#define KILN_UNICODE_TABLES_H\n\n#include "unicode.h"\n\n',
+        '#ifndef KILN_UNICODE_TABLES_H\n#define KILN_UNICODE_TABLES_H\n\n#include "unicode_entity.h"\n\n',
         ROW_TYPES, '\n']
 for name, typ, rows in tables:
     head.append('extern const %s %s[%d];\n' % (typ, name, len(rows)))

@@ -347,6 +347,91 @@ test("comfy: outpainting and inpainting nodes, tiled VAE and image scaling run a
   eq(#r.previews, 1)
 end)
 
+-- ComfyUI's VAEDecodeTiled (nodes.py): "if tile_size < overlap * 4: overlap = tile_size // 4",
+-- then tile_size and overlap divided by vae.spacial_compression_decode() -- the VAE's own
+-- factor, 4 for the demo VAE (8 for SD's). tile_size 64, overlap 32: the overlap becomes
+-- 64 // 4 = 16 pixels, and the latent tiles 64 // 4 = 16 with an overlap of 16 // 4 = 4.
+-- kiln refused it before ("overlap must be an integer in [0, tile/2)": 32 // 8 = 4 of 8).
+test("comfy: VAEDecodeTiled tile_size 64, overlap 32 runs with ComfyUI's tiles and equals VAEDecode", function()
+  local f = math.tointeger(demo.vae.factor)
+  eq(f, 4, "the demo VAE's factor")
+  local g = txt2img_graph({ prompt = "a red circle", seed = 2, steps = 2, cfg = 3, prefix = "tiled", w = 256, h = 256 })
+  g["8"] = { class_type = "VAEDecodeTiled", inputs = { samples = { "3", 0 }, vae = { "4", 2 }, tile_size = 64, overlap = 32 } }
+  g["10"] = { class_type = "VAEDecode", inputs = { samples = { "3", 0 }, vae = { "4", 2 } } }
+  g["11"] = { class_type = "SaveImage", inputs = { images = { "10", 0 }, filename_prefix = "whole" } }
+  local vae_nodes = require "kiln.comfy.vae"
+  local orig, seen = vae_nodes.decode_tiles, {}
+  vae_nodes.decode_tiles = function(...)
+    local t, o = orig(...)
+    seen[#seen + 1] = { args = { ... }, tile = t, overlap = o }
+    return t, o
+  end
+  local ok, files = pcall(run, g)
+  vae_nodes.decode_tiles = orig
+  assert(ok, files)
+  eq(#seen, 1)
+  eq(table.concat(seen[1].args, ","), "64,32,4", "tile_size, overlap and the VAE's own factor")
+  eq(seen[1].tile, 16, "64 // 4")
+  eq(seen[1].overlap, 4, "(64 // 4) // 4")
+  local tiled <close> = kiln.load_png(files[1])
+  local whole <close> = kiln.load_png(files[2])
+  eq(tiled.shape[3], 256 // 8 * f, "the latent (256 // 8 = 32, two tiles across) times the VAE's factor")
+  -- kiln's tiles normalize with the whole picture's GroupNorm statistics: close to the whole
+  -- decode (ComfyUI's average of three tilings with their own statistics only approaches it)
+  local psnr = require("imgcmp").psnr(tiled, whole)
+  print(("# VAEDecodeTiled 64/32 on the demo VAE: PSNR %.1f dB against VAEDecode"):format(psnr))
+  truthy(psnr >= 35, ("PSNR %.1f dB"):format(psnr))
+  -- VAEEncodeTiled's overlap of half its tile cannot run in ComfyUI either (its halved tiling)
+  g = txt2img_graph({ prompt = "x", seed = 1, steps = 1, cfg = 3, prefix = "enc", w = 256, h = 256 })
+  g["12"] = { class_type = "VAEEncodeTiled", inputs = { pixels = { "8", 0 }, vae = { "4", 2 }, tile_size = 64, overlap = 32 } }
+  g["13"] = { class_type = "VAEDecode", inputs = { samples = { "12", 0 }, vae = { "4", 2 } } }
+  g["9"].inputs.images = { "13", 0 }
+  raises(function() run(g) end, "node 12 (VAEEncodeTiled): overlap 32 must be below tile_size / 2 (32)")
+  g["12"].inputs.overlap = 16
+  local enc <close> = kiln.load_png(run(g)[1])
+  eq(enc.shape[3], 128, "encoded in tiles and decoded again")
+end)
+
+test("comfy: comfy.run leaves the device's peak counter to the host: reset before, stats after cover the whole run", function()
+  local g = txt2img_graph({ prompt = "a red circle", seed = 2, steps = 2, cfg = 3, prefix = "hostpeak" })
+  kiln.mem.reset_peak("sim")
+  local _, r = run(g, { device = "sim" })
+  local host = kiln.mem.stats("sim").peak
+  local most, last = 0, r.nodes[#r.nodes]
+  for _, n in ipairs(r.nodes) do most = math.max(most, n.peak) end
+  eq(r.peak, most, "the report's peak is its nodes' highest")
+  truthy(most > 0, "peaks were measured")
+  -- before, comfy.run reset the counter at each node: the host read the last node's (SaveImage's)
+  truthy(host >= most, ("the host reads %s, the graph used %s"):format(comfy.human(host), comfy.human(most)))
+  truthy(host > last.peak, ("the host's peak %s is above the last node's %s"):format(comfy.human(host), comfy.human(last.peak)))
+  -- the per-node peaks nest: the KSampler (the UNet on the device) is above the loader's
+  local by = {}
+  for _, n in ipairs(r.nodes) do by[n.class_type] = n.peak end
+  truthy(by.KSampler > by.SaveImage, "the sampler's peak is its own")
+  eq(kiln.mem.stats("sim").allocated, 0, "nothing left on the device")
+end)
+
+test("comfy: built-in nodes refuse values outside ComfyUI's ranges and lists, by name", function()
+  local function bad(node, name, v, ...)
+    local g = txt2img_graph(S)
+    g[node].inputs[name] = v
+    raises(function() run(g) end, ...)
+  end
+  bad("3", "steps", 0, "node 3 (KSampler): input 'steps' is 0, below the minimum 1 (allowed: 1 to 10000)")
+  bad("3", "denoise", 1.5, "node 3 (KSampler): input 'denoise' is 1.5, above the maximum 1.0 (allowed: 0.0 to 1.0)")
+  bad("3", "cfg", -1, "node 3 (KSampler): input 'cfg' is -1, below the minimum 0.0")
+  bad("3", "seed", -5, "node 3 (KSampler): input 'seed' is -5, below the minimum 0 (allowed: 0 to 18446744073709551615)")
+  bad("3", "sampler_name", "nope", "node 3 (KSampler): input 'sampler_name' is 'nope', not one of ", "euler_ancestral")
+  bad("3", "scheduler", "sideways", "node 3 (KSampler): input 'scheduler' is 'sideways', not one of ", "karras")
+  bad("5", "width", 8, "node 5 (EmptyLatentImage): input 'width' is 8, below the minimum 16 (allowed: 16 to 16384)")
+  bad("5", "batch_size", 0, "node 5 (EmptyLatentImage): input 'batch_size' is 0, below the minimum 1")
+  bad("3", "model", nil, "node 3 (KSampler): input 'model' (MODEL) is missing")
+  local g = txt2img_graph(S)
+  g["70"] = { class_type = "CLIPSetLastLayer", inputs = { clip = { "4", 1 }, stop_at_clip_layer = 0 } }
+  g["6"].inputs.clip = { "70", 0 }
+  raises(function() run(g) end, "node 70 (CLIPSetLastLayer): input 'stop_at_clip_layer' is 0, above the maximum -1 (allowed: -24 to -1)")
+end)
+
 test("comfy: CLIPTextEncodeSDXL on the tiny SDXL checkpoint equals kiln.pipeline.txt2img", function()
   link(T.ckpt_file("sdxl"), MODELS .. "/checkpoints/tiny-xl.safetensors")
   local ck <close> = kiln.load_checkpoint(MODELS .. "/checkpoints/tiny-xl.safetensors")

@@ -10,7 +10,7 @@ local test = H.test
 
 local META = "bindings/kiln.meta.lua"
 -- Submodules that are public API even while they load lazily (kiln.X -> require "kiln.X").
-local PUBLIC_MODULES = { "nn", "mem", "trace", "sample", "tile", "pipeline", "util", "cli", "extra_networks", "lora", "image" }
+local PUBLIC_MODULES = { "nn", "mem", "trace", "sample", "tile", "pipeline", "util", "cli", "extra_networks", "lora", "image", "comfy" }
 
 -- ---------------------------------------------------------------- the meta file
 

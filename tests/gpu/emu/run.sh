@@ -22,10 +22,12 @@ pids=()
 for f in runtime/*.c kernels/*.c $(ls kernels/*/*.c | grep -v '^kernels/cuda/'); do
   gcc -std=c11 -O1 -g -c "$f" -o "$B/obj/$(echo "$f" | tr / _).o" & pids+=($!)
 done
-# the runtime's compiled-in data (the built-in CLIP vocabulary), made as the Makefile makes it
+# the runtime's compiled-in data (the built-in CLIP and T5 vocabularies), made as the Makefile makes it
 if [ -f runtime/data/gen_blob.lua ]; then
   lua5.4 runtime/data/gen_blob.lua "$B/clip_vocab.c" kiln_clip_vocab_gz runtime/data/bpe_simple_vocab_16e6.txt.gz
   gcc -std=c11 -O1 -c "$B/clip_vocab.c" -o "$B/obj/clip_vocab.o" & pids+=($!)
+  lua5.4 runtime/data/gen_blob.lua "$B/t5_vocab.c" kiln_t5_vocab_gz runtime/data/t5_spiece.bin.gz
+  gcc -std=c11 -O1 -c "$B/t5_vocab.c" -o "$B/obj/t5_vocab.o" & pids+=($!)
 fi
 gcc -std=c11 -Wall -Wextra -O1 -g -I"$CUDA_HOME/include" -c kernels/cuda/cuda_backend.c -o "$B/obj/cuda_backend.o" & pids+=($!)
 g++ -std=c++17 -O1 -g -ffp-contract=off -I"$CUDA_HOME/include" -c "$E/emu_runtime.cpp" -o "$B/obj/emu_runtime.o" & pids+=($!)

@@ -1,13 +1,11 @@
-/* l_kiln.h - the openers of the kiln module's parts (one per binding file, each
- * adding its functions to the kiln table), luaopen_kiln, and the progress host an
- * embedding context installs. The shared helpers are l_aux.h's. */
-#ifndef KILN_L_KILN_H
-#define KILN_L_KILN_H
+/* l_parts.h - the openers of the kiln module's parts (one per binding file, each
+ * adding its functions to the kiln table; luaopen_kiln itself is kiln.h's), and the
+ * progress host an embedding context installs. The shared helpers are l_aux.h's. */
+#ifndef KILN_L_PARTS_H
+#define KILN_L_PARTS_H
 
 #include "l_aux.h"
-
-/* The Lua module entry point (require "kiln"); exported from libkiln and kiln.so. */
-KILN_API int luaopen_kiln(lua_State *L);
+#include "kiln.h" /* luaopen_kiln, the Lua module entry point, is public */
 
 /* Sub-module openers: each adds its functions to the kiln table at -1. */
 void l_open_runtime(lua_State *L); /* version, devices, threads, time, isatty, quiet, format_bytes */
@@ -21,6 +19,7 @@ void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
 void l_open_mem_plot(lua_State *L); /* after l_open_mem: kiln.mem.plot, timeline, stage_table */
 void l_open_tile(lua_State *L);  /* kiln.tile; adds kiln.mem.estimate */
 void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
+void l_open_t5(lua_State *L);        /* kiln._t5_tokenize (kiln.t5.tokenize is t5.lua's) */
 void l_open_json(lua_State *L);      /* kiln.json */
 void l_open_fault(lua_State *L);     /* kiln.fault: the tests' fault injection */
 void l_open_config(lua_State *L);    /* kiln.configure, parse_size; the pressure hook (l_config.h) */
