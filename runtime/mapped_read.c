@@ -84,8 +84,13 @@ kiln_status kiln_mapped_read(const char *path, void *dst, kiln_dtype ddt, const 
     g.hi = (const char *)src + kiln_dtype_nbytes(sdt, (int64_t)n);
     g.armed = 0;
     current = &g;
-    /* savemask 1: the handler runs with SIGBUS blocked; the jump unblocks it */
-    if (sigsetjmp(g.jb, 1)) {
+    /* savemask 0: saving the mask is a system call on every copy; the jump out of the
+     * handler instead unblocks SIGBUS (blocked while the handler runs) itself */
+    if (sigsetjmp(g.jb, 0)) {
+        sigset_t bus;
+        sigemptyset(&bus);
+        sigaddset(&bus, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
         current = outer;
         return kiln_error(KILN_ERR_IO, "%s changed on disk while it was read (truncated? a read past its end "
                           "faulted): reopen it", path);
