@@ -1952,8 +1952,10 @@ local Model = {}
 function Model:load(device, opts) end
 
 ---on: later loads keep the weights on the host for streaming whatever the memory mode
----(the networks' partial residency, part:load(dev, {resident = bytes})); returns self.
----@param on boolean
+---(the networks' partial residency, part:load(dev, {resident = bytes})); "whole": later
+---loads put every weight on the device, in mode "low" too (a residency of all its bytes);
+---false: the memory mode decides. Returns self.
+---@param on boolean|"whole"
 ---@return kiln.Model
 function Model:set_streamed(on) end
 
