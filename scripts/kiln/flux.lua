@@ -76,6 +76,16 @@ function M.config(shapes, meta)
   if cfg.depth < 1 and cfg.depth_single < 1 then
     error("Flux: no double_blocks.N.* nor single_blocks.N.* tensors", 0)
   end
+  -- a hole in the numbering: a partial or damaged file, said by block
+  for _, kind in ipairs({ { "double_blocks", cfg.depth, "img_attn.qkv.weight" },
+    { "single_blocks", cfg.depth_single, "linear1.weight" } }) do
+    for b = 0, kind[2] - 1 do
+      if not shapes[fmt("%s.%d.%s", kind[1], b, kind[3])] then
+        error(fmt("Flux: block %s.%d is missing (no %s.%d.%s; the file has %s up to %d): a partial or " ..
+          "damaged file?", kind[1], b, kind[1], b, kind[3], kind[1], kind[2] - 1), 0)
+      end
+    end
+  end
   if cfg.depth > 0 then
     cfg.mlp_hidden = need(shapes, "double_blocks.0.img_mlp.0.weight", "the MLP width")[1]
     cfg.qkv_bias = shapes["double_blocks.0.img_attn.qkv.bias"] ~= nil
