@@ -17,6 +17,10 @@ ids, double-stream blocks (adaLN modulation, LayerNorm without affine at 1e-6,
 fused qkv, RMS q/k norms, joint attention over text then image tokens, GELU-tanh
 MLP, gated residuals), single-stream blocks (fused linear1 -> qkv + MLP, linear2
 over both) and the final adaLN layer; latents packed in 2x2 patches.
+When written, these outputs were checked against BFL's own Flux class (its
+model.py, layers.py and math.py run outside this repository with a stand-in for
+the three einops patterns they use and a softmax attention in place of torch
+1.13's missing scaled_dot_product_attention): identical to the last bit.
 
 Writes under tests/golden/flux/:
 - flux.recipe: name, dtype, shape, seed, std, mean per tensor (tensor =
