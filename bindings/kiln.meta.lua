@@ -512,7 +512,7 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
----The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl");
+---The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl", "flux");
 ---ckpt.family is one of them. Each is a module under kiln.families.*, listed by the
 ---registry require("kiln.family") (register(def) adds one at run time).
 ---@type string[]
@@ -2080,8 +2080,11 @@ function Tokenizer:free() end
 ---@class kiln.Checkpoint
 ---@field clip kiln.CLIP
 ---@field unet kiln.UNet
+---@field dit? kiln.Flux the transformer of a Flux checkpoint (instead of unet)
 ---@field vae kiln.VAE
----@field family "sd1"|"sd2"|"sdxl"
+---@field family "sd1"|"sd2"|"sdxl"|"flux"
+---@field variant? "dev"|"schnell" a Flux checkpoint's (guidance_in present: dev)
+---@field shift_factor number the latent's shift (Flux 0.1159; 0 for SD)
 ---@field path string
 ---@field image_size integer
 ---@field lora_dir? string the {loras = DIR} folder
@@ -2167,6 +2170,22 @@ local UNet = {}
 ---@param opts? {control?: kiln.Tensor[]} a ControlNet's residuals (cn:forward)
 ---@return kiln.Tensor
 function UNet:forward(x, t, context, y, opts) end
+
+---Black Forest Labs' Flux.1 transformer ([dev], [schnell]); also a kiln.Model (streams
+---block by block in mode "low").
+---@class kiln.Flux: kiln.Model
+---@field config table hyper-parameters read from the shapes (hidden, heads, depth, depth_single, guidance, axes_dim, ...)
+local Flux = {}
+
+---The velocity, as BFL's Flux.forward on the latent packed in 2x2 patches with
+---`prepare`'s position ids.
+---@param x kiln.Tensor latents [B, 16, h, w] (h, w even)
+---@param t kiln.Tensor|number flow time [B] in [0, 1]
+---@param context kiln.Tensor T5 states [B, L, d]
+---@param y kiln.Tensor CLIP-L's pooled output [B, d_pooled]
+---@param opts? {guidance?: number|kiln.Tensor} distilled guidance ([dev] needs it; [schnell] ignores it)
+---@return kiln.Tensor
+function Flux:forward(x, t, context, y, opts) end
 
 ---The autoencoder; also a kiln.Model.
 ---@class kiln.VAE: kiln.Model
