@@ -512,7 +512,7 @@ function kiln.model(paths, opts) end
 ---@return kiln.Checkpoint
 function kiln.load_checkpoint(path, opts) end
 
----The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl");
+---The names of the model families kiln runs, in detection order ("sd1", "sd2", "sdxl", "flux");
 ---ckpt.family is one of them. Each is a module under kiln.families.*, listed by the
 ---registry require("kiln.family") (register(def) adds one at run time).
 ---@type string[]
@@ -573,6 +573,30 @@ function Upscaler:forward(x) end
 ---@param path string
 ---@return kiln.Upscaler
 function kiln.load_upscaler(path) end
+
+---Google's T5 v1.1 text encoder (Flux, SD 3.5, PixArt), also its weight store: load,
+---offload, unload, bytes, {resident = bytes}; mode "low" streams it block by block.
+---Computes in f32 or bf16 (kiln.precision; under "f16" in f32 on the CPU, bf16 elsewhere).
+---@class kiln.T5: kiln.Model
+---@field config table d_model, heads, d_kv, inner, d_ff, vocab, blocks, buckets, layout, dtype
+local T5 = {}
+
+---Token ids (an integer tensor [B, n] or [n], or Lua lists) -> the last hidden state
+---[B, n, d_model] f32, as transformers' T5EncoderModel(ids).last_hidden_state (no mask).
+---An id outside the vocabulary is an error.
+---@param ids kiln.Tensor|integer[]|integer[][]
+---@return kiln.Tensor
+function T5:forward(ids) end
+
+---Loads a T5 v1.1 encoder: ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn(_scaled) .safetensors
+---(transformers' names under any prefix), a GGUF file in llama.cpp's names (q8_0, K-quants,
+---...), or a diffusers folder (text_encoder_2/ itself, or the pipeline folder). The
+---hyper-parameters come from the shapes (heads from the relative attention bias table;
+---opts.heads, a num_heads in the file or its config.json must agree).
+---@param path string
+---@param opts? {heads?: integer}
+---@return kiln.T5
+function kiln.load_t5(path, opts) end
 
 -- ---------------------------------------------------------------- TAESD, previews
 
@@ -1304,6 +1328,9 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field preview_every? integer previews after steps N, 2N, ... and the last (1)
 ---@field previewer? "latent2rgb"|"taesd"|kiln.TAESD|false how previews are made (latent2rgb: latent size; taesd: full size; false: none, the host's either)
 ---@field vae? "taesd"|string|kiln.TAESD decode (and encode) this run with TAESD in place of the checkpoint's VAE
+---Every pipeline refuses a key it does not know: "kiln.pipeline.txt2img: unknown option
+---'stpes' (did you mean 'steps'?)". kiln.pipeline.OPTIONS lists each pipeline's. A run
+---computes on `device` alone (the default device is that one for the run's length).
 
 ---A ControlNet of a pipeline run (ComfyUI's ControlNetApplyAdvanced).
 ---@class kiln.ControlEntry
@@ -1434,6 +1461,36 @@ function kiln.pipeline.parameters(opts, ckpt, extra) end
 ---@return string path
 function kiln.pipeline.save(image, path, opts, ckpt, extra) end
 
+---The options each pipeline knows: OPTIONS.txt2img / img2img / hires_fix / inpaint, sets
+---of names.
+---@type table<string, table<string, boolean>>
+kiln.pipeline.OPTIONS = {}
+
+---Raises "kiln.pipeline.NAME: unknown option 'X' (did you mean 'Y'?)" at the pipeline's
+---caller when opts has a key pipeline NAME does not know.
+---@param name "txt2img"|"img2img"|"hires_fix"|"inpaint"
+---@param opts? table
+function kiln.pipeline.check_options(name, opts) end
+
+---The options of pipeline NAME among a larger table (the command line's, with its out and
+---model): a new table of the keys the pipeline knows.
+---@param name "txt2img"|"img2img"|"hires_fix"|"inpaint"
+---@param o table
+---@return table
+function kiln.pipeline.options_of(name, o) end
+
+---The device a run on dev computes on: dev (default: the default device), but the CPU in
+---memory mode "none"/"cpu".
+---@param dev? kiln.DeviceName
+---@return kiln.DeviceName
+function kiln.pipeline.run_device(dev) end
+
+---Makes the run's device (run_device(dev)) the default one until the result is closed
+---(`local d <close> = ...`), on an error too; nil when it already is.
+---@param dev? kiln.DeviceName
+---@return table?
+function kiln.pipeline.on_device(dev) end
+
 ---The measured peak of every device that held bytes since kiln.mem.reset_peak, as the
 ---PNG's kiln.peak text: "cpu: 80.2 MiB, sim: 459.1 MiB" (nil when none did).
 ---@return string?
@@ -1455,6 +1512,29 @@ function kiln.util.parse_args(args, defaults) end
 ---program prints "kiln: msg" and exits with status 2, without a traceback.
 ---@param msg string
 function kiln.util.usage_error(msg) end
+
+---The edit distance of two strings: insertions, deletions, substitutions and swaps of
+---two neighbours, each costing one.
+---@param a string
+---@param b string
+---@return integer
+function kiln.util.edit_distance(a, b) end
+
+---The name of names (a list, or a set's keys) nearest to name by edit distance, or nil
+---when none is within a third of the longer name (at least 2).
+---@param name string
+---@param names table
+---@return string?
+function kiln.util.nearest(name, names) end
+
+---Raises "WHO: unknown option 'X' (did you mean 'Y'?)" (or the known names when none is
+---near) at `level` when opts has a key that is not in the set known. Returns opts.
+---@param opts? table
+---@param known table<string, boolean>
+---@param who string
+---@param level? integer
+---@return table?
+function kiln.util.check_options(opts, known, who, level) end
 
 ---x rounded to the nearest whole number, halves to the even neighbour (Python's round,
 ---numpy.rint); an integer when it is one.
@@ -1877,8 +1957,10 @@ local Model = {}
 function Model:load(device, opts) end
 
 ---on: later loads keep the weights on the host for streaming whatever the memory mode
----(the networks' partial residency, part:load(dev, {resident = bytes})); returns self.
----@param on boolean
+---(the networks' partial residency, part:load(dev, {resident = bytes})); "whole": later
+---loads put every weight on the device, in mode "low" too (a residency of all its bytes);
+---false: the memory mode decides. Returns self.
+---@param on boolean|"whole"
 ---@return kiln.Model
 function Model:set_streamed(on) end
 
@@ -2003,8 +2085,11 @@ function Tokenizer:free() end
 ---@class kiln.Checkpoint
 ---@field clip kiln.CLIP
 ---@field unet kiln.UNet
+---@field dit? kiln.Flux the transformer of a Flux checkpoint (instead of unet)
 ---@field vae kiln.VAE
----@field family "sd1"|"sd2"|"sdxl"
+---@field family "sd1"|"sd2"|"sdxl"|"flux"
+---@field variant? "dev"|"schnell" a Flux checkpoint's (guidance_in present: dev)
+---@field shift_factor number the latent's shift (Flux 0.1159; 0 for SD)
 ---@field path string
 ---@field image_size integer
 ---@field lora_dir? string the {loras = DIR} folder
@@ -2068,9 +2153,12 @@ function CLIP:tokenize(text) end
 ---parses the emphasis syntax (word:1.2) and embedding:NAME (added with
 ---ckpt:add_embedding, else NAME.safetensors in the {embeddings = DIR} folder).
 ---opts: clip_skip, emphasis = false, comma_backtrack, weighting = "a1111" (default:
----scale, keep the mean) | "comfy" (ComfyUI's parse; (z - z_empty) * w + z_empty) | "none".
+---scale, keep the mean) | "comfy" (ComfyUI's parse; (z - z_empty) * w + z_empty) | "none",
+---max_chunks: the most 75-token chunks the prompt may take (default
+---require("kiln.clip").max_chunks, 32; math.huge: none); a longer prompt is an error that
+---names the limit and how to raise it. Time is linear in the prompt's length.
 ---@param text string
----@param opts? {clip_skip?: integer, emphasis?: boolean, comma_backtrack?: integer, weighting?: "a1111"|"comfy"|"none"}
+---@param opts? {clip_skip?: integer, emphasis?: boolean, comma_backtrack?: integer, weighting?: "a1111"|"comfy"|"none", max_chunks?: integer}
 ---@return kiln.Tensor cond
 ---@return kiln.Tensor? pooled
 function CLIP:encode(text, opts) end
@@ -2087,6 +2175,22 @@ local UNet = {}
 ---@param opts? {control?: kiln.Tensor[]} a ControlNet's residuals (cn:forward)
 ---@return kiln.Tensor
 function UNet:forward(x, t, context, y, opts) end
+
+---Black Forest Labs' Flux.1 transformer ([dev], [schnell]); also a kiln.Model (streams
+---block by block in mode "low").
+---@class kiln.Flux: kiln.Model
+---@field config table hyper-parameters read from the shapes (hidden, heads, depth, depth_single, guidance, axes_dim, ...)
+local Flux = {}
+
+---The velocity, as BFL's Flux.forward on the latent packed in 2x2 patches with
+---`prepare`'s position ids.
+---@param x kiln.Tensor latents [B, 16, h, w] (h, w even)
+---@param t kiln.Tensor|number flow time [B] in [0, 1]
+---@param context kiln.Tensor T5 states [B, L, d]
+---@param y kiln.Tensor CLIP-L's pooled output [B, d_pooled]
+---@param opts? {guidance?: number|kiln.Tensor} distilled guidance ([dev] needs it; [schnell] ignores it)
+---@return kiln.Tensor
+function Flux:forward(x, t, context, y, opts) end
 
 ---The autoencoder; also a kiln.Model.
 ---@class kiln.VAE: kiln.Model

@@ -17,6 +17,7 @@ static const struct { const char *name, *module, *field; } lazy[] = {
     {"load_controlnet", "kiln.controlnet", "load"},
     {"load_taesd", "kiln.taesd", "load"},
     {"load_upscaler", "kiln.upscaler", "load"},
+    {"load_t5", "kiln.t5", "load"},
     {"dry_run", "kiln.dry_run", "run"},
     {"show", "kiln.repl", "show"},
     {NULL, NULL, NULL},

@@ -200,12 +200,20 @@ static int m_load(lua_State *L)
 
 /* m:set_streamed(on) -> m: on, later loads keep the weights on the host for
  * streaming whatever the memory mode (the networks' partial residency: kiln.stream
- * keeps some blocks fetched and streams the others). m.streamed tells. */
+ * keeps some blocks fetched and streams the others); "whole": later loads put every
+ * weight on the device, in mode "low" too (a residency of all its bytes); false: the
+ * memory mode decides. m.streamed tells whether it streams always. */
 static int m_set_streamed(lua_State *L)
 {
     kiln_model *m = check_model(L, 1);
     luaL_checkany(L, 2);
-    kiln_model_set_stream_always(m, lua_toboolean(L, 2));
+    int on = lua_toboolean(L, 2);
+    if (lua_type(L, 2) == LUA_TSTRING) {
+        if (strcmp(lua_tostring(L, 2), "whole") != 0)
+            return luaL_argerror(L, 2, lua_pushfstring(L, "true, false or \"whole\" expected, got \"%s\"", lua_tostring(L, 2)));
+        on = -1;
+    }
+    kiln_model_set_stream_always(m, on);
     lua_settop(L, 1);
     return 1;
 }
@@ -490,7 +498,7 @@ static int m_index(lua_State *L)
         return 1;
     }
     if (strcmp(key, "streamed") == 0) {
-        lua_pushboolean(L, kiln_model_stream_always(m));
+        lua_pushboolean(L, kiln_model_stream_always(m) > 0);
         return 1;
     }
     if (strcmp(key, "pinned") == 0) {

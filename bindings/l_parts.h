@@ -19,7 +19,7 @@ void l_open_trace(lua_State *L); /* after l_open_mem: adds to kiln.mem */
 void l_open_mem_plot(lua_State *L); /* after l_open_mem: kiln.mem.plot, timeline, stage_table */
 void l_open_tile(lua_State *L);  /* kiln.tile; adds kiln.mem.estimate */
 void l_open_tokenizer(lua_State *L); /* kiln.tokenizer */
-void l_open_t5(lua_State *L);        /* kiln.t5: tokenize */
+void l_open_t5(lua_State *L);        /* kiln._t5_tokenize (kiln.t5.tokenize is t5.lua's) */
 void l_open_json(lua_State *L);      /* kiln.json */
 void l_open_fault(lua_State *L);     /* kiln.fault: the tests' fault injection */
 void l_open_config(lua_State *L);    /* kiln.configure, parse_size; the pressure hook (l_config.h) */

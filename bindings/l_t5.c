@@ -1,6 +1,7 @@
-/* l_t5.c - the kiln.t5 table: kiln.t5.tokenize(text) over runtime/t5_tokenizer.h (T5
- * v1.1's SentencePiece vocabulary, compiled in). The vocabulary is opened on the first
- * call and kept by the Lua state, as an upvalue whose __gc frees it. */
+/* l_t5.c - T5's tokenizer for Lua: kiln.t5.tokenize(text) (published by scripts/kiln/t5.lua)
+ * over runtime/t5_tokenizer.h (T5 v1.1's SentencePiece vocabulary, compiled in). The
+ * vocabulary is opened on the first call and kept by the Lua state, as an upvalue whose
+ * __gc frees it. */
 #include "l_parts.h"
 #include "../runtime/t5_tokenizer.h"
 
@@ -42,10 +43,10 @@ static int t5_tokenize(lua_State *L)
     return 1;
 }
 
-/* Adds kiln.t5 = {tokenize} to the kiln table at -1. */
+/* Adds kiln._t5_tokenize to the kiln table at -1: the script module kiln.t5 (the encoder,
+ * scripts/kiln/t5.lua) publishes it as kiln.t5.tokenize, so that the name has one owner. */
 void l_open_t5(lua_State *L)
 {
-    lua_createtable(L, 0, 1);
     l_t5vocab *u = lua_newuserdatauv(L, sizeof *u, 0);
     u->t = NULL;
     if (luaL_newmetatable(L, KILN_T5_VOCAB_MT)) {
@@ -54,6 +55,5 @@ void l_open_t5(lua_State *L)
     }
     lua_setmetatable(L, -2);
     lua_pushcclosure(L, t5_tokenize, 1);
-    lua_setfield(L, -2, "tokenize");
-    lua_setfield(L, -2, "t5");
+    lua_setfield(L, -2, "_t5_tokenize");
 }

@@ -48,6 +48,7 @@ local edges = o.canny and kiln.image.canny(hint, 0.4, 0.8) or nil
 local file = o.control
 o.control = { { net = cn, image = edges or hint, strength = o.control_strength,
   start = o.control_start, stop = o.control_stop } }
-local img <close> = pipeline.txt2img(ckpt, o)          -- the ControlNet loads with the UNet
+-- the ControlNet loads with the UNet; the pipeline takes its own options of the command line's
+local img <close> = pipeline.txt2img(ckpt, pipeline.options_of("txt2img", o))
 o.control = file
 cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

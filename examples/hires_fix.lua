@@ -35,7 +35,9 @@ local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.image_size(o, ckpt, o.scale)                       -- both passes' sizes checked
 cli.check_clip_skip(o, ckpt)
 
-local img <close> = pipeline.hires_fix(ckpt, o)         -- stages unload what the next one does not need
+-- stages unload what the next one does not need; the pipeline takes its own options of the
+-- command line's (an unknown one is an error)
+local img <close> = pipeline.hires_fix(ckpt, pipeline.options_of("hires_fix", o))
 local final = { width = img.shape[4], height = img.shape[3] }
 setmetatable(final, { __index = o })
 local paths = cli.save(img, final, ckpt, { ("Hires upscale: %g"):format(o.scale), "Hires upscaler: " ..

@@ -31,5 +31,5 @@ end
 local image <close> = load_input()
 o.width, o.height = image.shape[4], image.shape[3]
 
-local img <close> = pipeline.img2img(ckpt, image, o)
+local img <close> = pipeline.img2img(ckpt, image, pipeline.options_of("img2img", o))
 cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

@@ -58,6 +58,6 @@ if mask.shape[3] ~= H or mask.shape[4] ~= W then
 end
 o.width, o.height = W, H
 
-local img <close> = pipeline.inpaint(ckpt, rgb, mask, o)
+local img <close> = pipeline.inpaint(ckpt, rgb, mask, pipeline.options_of("inpaint", o))
 mask:free()
 cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

@@ -43,6 +43,6 @@ end
 
 local grown, mask = inpaint.outpaint_pad(rgb, o)
 o.width, o.height = W, H
-local img <close> = pipeline.inpaint(ckpt, grown, mask, o)
+local img <close> = pipeline.inpaint(ckpt, grown, mask, pipeline.options_of("inpaint", o))
 grown:free(); mask:free()
 cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

@@ -18,5 +18,7 @@ local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o)) --
 cli.image_size(o, ckpt)                                -- the model's size unless given; checked
 cli.check_clip_skip(o, ckpt)
 
-local img <close> = pipeline.txt2img(ckpt, o)          -- clip, unet, vae: each loaded, used, unloaded
+-- clip, unet, vae: each loaded, used, unloaded; the pipeline takes its own options of the
+-- command line's (--out, --model... are the script's; an unknown one is an error)
+local img <close> = pipeline.txt2img(ckpt, pipeline.options_of("txt2img", o))
 cli.report(cli.save(img, o, ckpt), o)                  -- one PNG per image of the batch

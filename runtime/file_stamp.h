@@ -1,7 +1,7 @@
 /* file_stamp.h - what a mapped file looked like when it was opened (device, inode,
  * size, modification time), so a reader can tell that it was truncated or replaced
- * before touching the mapping again: reading a page past a truncated end is SIGBUS,
- * which no error value can catch. */
+ * before touching the mapping again (a page past a truncated end is SIGBUS). A
+ * truncation after the check is caught by the copy itself (mapped_read.h). */
 #ifndef KILN_FILE_STAMP_H
 #define KILN_FILE_STAMP_H
 

@@ -474,7 +474,8 @@ kiln_status kiln_mem_timeline_get(kiln_device *dev, kiln_mem_timeline *out)
         out->peak_time = d->peak_time;
         out->frames = malloc(((size_t)d->n_frames + 1) * sizeof *out->frames);
         if (out->frames) {
-            memcpy(out->frames, d->frames, (size_t)d->n_frames * sizeof *out->frames);
+            if (d->n_frames) /* frames is NULL before the first one */
+                memcpy(out->frames, d->frames, (size_t)d->n_frames * sizeof *out->frames);
             out->n_frames = d->n_frames;
         } else {
             st = KILN_ERR_OOM;

@@ -8,6 +8,7 @@
 #include "model_internal.h"
 #include "format_bytes.h"
 #include "gguf.h"
+#include "mapped_read.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -170,11 +171,18 @@ static void release_mapped(kiln_storage *s);
 
 /* Every copy read from a file's mapping first checks that the file on disk is still
  * the one mapped: a file truncated under us faults (SIGBUS) on the first page past
- * its new end, where an error value is still possible here. */
+ * its new end, where an error value is still possible here. A truncation after the
+ * check (or one the stamp misses) is caught by the copy itself (mapped_read.c). */
 kiln_status kiln_model_check_source(const kiln_tensor *src)
 {
     if (src->storage->release != release_mapped) return KILN_OK;
     return kiln_st_check(src->storage->ctx);
+}
+
+const char *kiln_model_mapped_path(const kiln_tensor *t)
+{
+    if (!t || t->storage->release != release_mapped) return NULL;
+    return ((const kiln_st_file *)t->storage->ctx)->path;
 }
 
 /* A copy onto dev that must not read its source: dev is meta, or a dry run is on and
@@ -223,7 +231,7 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
     if ((st = kiln_tensor_new(dev, dt, src->ndim, src->shape, &r))) return st;
     kiln_storage_set_owner(r->storage, owner);
     double t0 = kiln_events_now();
-    st = kiln_model_fill_from_host(r, kiln_tensor_data(src), src->dtype);
+    st = kiln_model_fill_from_host(r, kiln_tensor_data(src), src->dtype, kiln_model_mapped_path(src));
     if (st) { kiln_tensor_free(r); return st; }
     count_transfer(dev, 1, kiln_tensor_nbytes(r), kiln_events_now() - t0);
     *out = r;
@@ -232,8 +240,11 @@ static kiln_status copy_to(const kiln_tensor *src, kiln_device *dev, kiln_dtype 
 
 /* dst (contiguous, on any device) = n elements at src (host memory, dtype sdt),
  * converted to dst's dtype; devices with their own memory get them through a
- * bounded staging buffer. */
-kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt)
+ * bounded staging buffer. path: the file src is mapped from, or NULL: reads of a
+ * mapping go through kiln_mapped_read (a truncated file is an error, not SIGBUS), so
+ * they are staged on the host even without a conversion (a device's own copy
+ * routine, a driver call, is not a place to jump out of). */
+kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt, const char *path)
 {
     kiln_device *dev = tensor_device(dst);
     kiln_dtype dt = dst->dtype;
@@ -241,8 +252,8 @@ kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dt
     kiln_status st = KILN_OK;
     if (n == 0 || kiln_device_is_meta(dev)) return KILN_OK;
     if (!dev->backend->to_device) {
-        kiln_convert(kiln_tensor_data(dst), dt, src, sdt, n);
-    } else if (dt == sdt) {
+        st = kiln_mapped_read(path, kiln_tensor_data(dst), dt, src, sdt, n);
+    } else if (dt == sdt && !path) {
         st = dev->backend->to_device(kiln_tensor_data(dst), src, kiln_tensor_nbytes(dst));
     } else {
         /* pieces in whole blocks of any block type (256 elements), byte offsets by dtype */
@@ -252,8 +263,8 @@ kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dt
         st = kiln_allocator_alloc(kiln_device_cpu()->alloc, kiln_dtype_nbytes(dt, (int64_t)chunk), &stage);
         for (size_t off = 0; !st && off < n; off += chunk) {
             size_t k = n - off < chunk ? n - off : chunk;
-            kiln_convert(stage, dt, (const char *)src + kiln_dtype_nbytes(sdt, (int64_t)off), sdt, k);
-            st = dev->backend->to_device((char *)kiln_tensor_data(dst) + kiln_dtype_nbytes(dt, (int64_t)off), stage,
+            st = kiln_mapped_read(path, stage, dt, (const char *)src + kiln_dtype_nbytes(sdt, (int64_t)off), sdt, k);
+            if (!st) st = dev->backend->to_device((char *)kiln_tensor_data(dst) + kiln_dtype_nbytes(dt, (int64_t)off), stage,
                                          kiln_dtype_nbytes(dt, (int64_t)k));
         }
         if (stage) kiln_allocator_release(kiln_device_cpu()->alloc, stage);
@@ -794,7 +805,9 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
     if (dtype >= KILN_DTYPE_COUNT || dtype < -1) return kiln_error(KILN_ERR_ARG, "model '%s': load: bad dtype %d", m->name, dtype);
     kiln_memory_mode mode = kiln_memory_mode_get();
     if (!dev || mode == KILN_MEM_NONE) dev = kiln_device_cpu();
-    int low = (mode == KILN_MEM_LOW || m->stream_always) && dev->type != KILN_DEV_CPU;
+    /* a model set to stream always keeps its weights on the host in every mode; one set
+     * to load whole (a residency of all its bytes) puts them on dev in mode "low" too */
+    int low = (m->stream_always > 0 || (mode == KILN_MEM_LOW && m->stream_always == 0)) && dev->type != KILN_DEV_CPU;
     unsigned char *made = calloc((size_t)(m->n ? m->n : 1), 1);
     if (!made) return kiln_error(KILN_ERR_OOM, "model '%s': out of host memory", m->name);
     pthread_mutex_lock(&kiln_model_mu);
@@ -818,7 +831,7 @@ kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype)
             have = t->host ? t->host->dtype == want : want == t->mapped->dtype;
         } else {
             have = t->dev && tensor_device(t->dev) == dev && (dtype < 0 || t->dev->dtype == want);
-            if (have) t->streamed = t->prefetched = 0; /* load owns it now */
+            if (have) t->streamed = t->fetched = t->prefetched = 0; /* load owns it now (evictable again) */
             if (!have && dev->type == KILN_DEV_CPU && t->host && t->host->dtype == want) {
                 /* a host copy is already what a cpu load wants */
                 kiln_tensor_free(t->dev);

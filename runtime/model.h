@@ -74,9 +74,12 @@ int kiln_model_find(const kiln_model *m, const char *name);
  * remembers dev as the streaming target. On failure the device copies made by this
  * call are freed (the model falls back to host/mapped copies). */
 kiln_status kiln_model_load(kiln_model *m, kiln_device *dev, int dtype);
-/* on: later loads of m behave as in mode "low" whatever the memory mode (weights stay
- * on the host, the target is remembered for fetch / prefetch / release): a partial
- * residency, where the caller keeps some blocks fetched and streams the others. */
+/* on > 0: later loads of m behave as in mode "low" whatever the memory mode (weights
+ * stay on the host, the target is remembered for fetch / prefetch / release): a
+ * partial residency, where the caller keeps some blocks fetched and streams the others.
+ * on < 0: later loads put every weight on the device, in mode "low" too (a residency
+ * of all the model's bytes; a fetch of a loaded tensor copies nothing, and a release
+ * keeps it). 0: the memory mode decides. kiln_model_stream_always gives 1, -1 or 0. */
 void kiln_model_set_stream_always(kiln_model *m, int on);
 int kiln_model_stream_always(const kiln_model *m);
 /* Device copies become host copies (on the cpu allocator). */

@@ -56,7 +56,9 @@ struct kiln_model {
     int dtype;               /* load dtype or -1 */
     int stream_always;       /* 1: loads keep the weights on the host for streaming, whatever
                               * the memory mode (a partial residency: the caller keeps some
-                              * blocks fetched and streams the rest) */
+                              * blocks fetched and streams the rest); -1: loads put them all
+                              * on the device, in mode "low" too (a residency of all its
+                              * bytes); 0: the memory mode decides */
     int pinned, busy, inflight;
     uint64_t last_used;
     uint64_t n_fetch, n_prefetch, n_waits, n_hits;
@@ -99,9 +101,12 @@ kiln_status kiln_model_missing_error(const kiln_model *m, const char *name);
 kiln_status kiln_model_prefix_error(kiln_status st, const char *prefix);
 /* KILN_OK unless src is a file's view and the file changed on disk. */
 kiln_status kiln_model_check_source(const kiln_tensor *src);
+/* The path of the file whose mapping t views, or NULL when t is not a file's view. */
+const char *kiln_model_mapped_path(const kiln_tensor *t);
 /* dst (contiguous, on any device) = n elements at src (host memory, dtype sdt),
- * converted to dst's dtype. */
-kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt);
+ * converted to dst's dtype. path: the file src is mapped from (its reads are guarded
+ * against a truncated file, mapped_read.h), or NULL. */
+kiln_status kiln_model_fill_from_host(kiln_tensor *dst, const void *src, kiln_dtype sdt, const char *path);
 /* Under kiln_model_mu: what a new copy of t in dtype want is made from (*ps retained or
  * NULL). */
 kiln_tensor *kiln_model_source_locked(const mtensor *t, kiln_dtype want, patchset **ps);

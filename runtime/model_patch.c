@@ -3,6 +3,7 @@
  * each patch's delta (adapter_delta.c has the arithmetic). The stores are model.c's. */
 #define _GNU_SOURCE
 #include "model_internal.h"
+#include "mapped_read.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -93,8 +94,10 @@ static kiln_status build_rows(kiln_tensor *dst, const kiln_tensor *mapped, const
     if (st == KILN_ERR_UNSUPPORTED) kiln_error(saved_st, "%s", saved); /* not an error: the caller goes the other way */
     for (int64_t r0 = 0; !st && r0 < rows; r0 += block) {
         int64_t nr = rows - r0 < block ? rows - r0 : block;
-        kiln_convert(w, KILN_F32, (const char *)kiln_tensor_data(mapped) + kiln_dtype_nbytes(mapped->dtype, r0 * row),
-                     mapped->dtype, (size_t)(nr * row));
+        st = kiln_mapped_read(kiln_model_mapped_path(mapped), w, KILN_F32,
+                              (const char *)kiln_tensor_data(mapped) + kiln_dtype_nbytes(mapped->dtype, r0 * row),
+                              mapped->dtype, (size_t)(nr * row));
+        if (st) break;
         for (int i = 0; i < ps->n; i++) {
             const patch *p = ps->p[i];
             int64_t lo = r0, hi = r0 + nr; /* the rows of this block the patch covers */
@@ -123,7 +126,8 @@ kiln_status kiln_patchset_build_into(kiln_tensor *dst, const kiln_tensor *mapped
     if (kiln_device_is_meta(tensor_device(dst)) || kiln_meta_is_host_storage(dst->storage)) return KILN_OK;
     kiln_status cs = kiln_model_check_source(mapped);
     if (cs) return cs;
-    if (!ps || ps->n == 0) return kiln_model_fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype);
+    const char *path = kiln_model_mapped_path(mapped);
+    if (!ps || ps->n == 0) return kiln_model_fill_from_host(dst, kiln_tensor_data(mapped), mapped->dtype, path);
     kiln_status rs = build_rows(dst, mapped, ps);
     if (rs != KILN_ERR_UNSUPPORTED) return rs;
     int64_t n = kiln_tensor_numel(dst);
@@ -134,7 +138,7 @@ kiln_status kiln_patchset_build_into(kiln_tensor *dst, const kiln_tensor *mapped
     kiln_status st = KILN_OK;
     if (direct) w = kiln_tensor_data(dst);
     else if ((st = kiln_device_scratch_alloc(cpu, (size_t)n * sizeof(float), 0, (void **)&w))) return st;
-    kiln_convert(w, KILN_F32, kiln_tensor_data(mapped), mapped->dtype, (size_t)n);
+    st = kiln_mapped_read(path, w, KILN_F32, kiln_tensor_data(mapped), mapped->dtype, (size_t)n);
     int64_t row = mapped->shape[0] ? n / mapped->shape[0] : 0;
     for (int i = 0; i < ps->n && !st; i++) {
         const patch *p = ps->p[i];
@@ -147,7 +151,7 @@ kiln_status kiln_patchset_build_into(kiln_tensor *dst, const kiln_tensor *mapped
         }
         st = kiln_adapter_apply(&p->a, region, mapped->ndim, shape);
     }
-    if (!st && !direct) st = kiln_model_fill_from_host(dst, w, KILN_F32);
+    if (!st && !direct) st = kiln_model_fill_from_host(dst, w, KILN_F32, NULL);
     if (!direct) kiln_device_scratch_free(cpu, w);
     return st;
 }

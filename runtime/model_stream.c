@@ -84,7 +84,7 @@ void kiln_model_join_copy_threads(worker **stop, int n_stop)
 void kiln_model_set_stream_always(kiln_model *m, int on)
 {
     pthread_mutex_lock(&kiln_model_mu);
-    m->stream_always = on != 0;
+    m->stream_always = on > 0 ? 1 : on < 0 ? -1 : 0;
     pthread_mutex_unlock(&kiln_model_mu);
 }
 

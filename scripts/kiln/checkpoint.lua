@@ -64,10 +64,16 @@ function M.inspect(shapes, meta, path, forced)
   local L = M.layout(shapes, meta, path, forced)
   local F = family.get(L.family)
   local info = { family = L.family, layout = L }
-  local heads, head_dim = family.unet_heads(F, meta)
-  local ok, cfg = pcall(unet.config, mf.sub(shapes, L.unet), { heads = heads, head_dim = head_dim })
-  if not ok then fail(path, tostring(cfg)) end
-  info.unet = cfg
+  if F.dit then -- a transformer family: its module reads the configuration (F.dit names it)
+    local ok, cfg = pcall(require(F.dit).config, mf.sub(shapes, L.unet), meta)
+    if not ok then fail(path, tostring(cfg)) end
+    info.dit = cfg
+  else
+    local heads, head_dim = family.unet_heads(F, meta)
+    local ok, cfg = pcall(unet.config, mf.sub(shapes, L.unet), { heads = heads, head_dim = head_dim })
+    if not ok then fail(path, tostring(cfg)) end
+    info.unet = cfg
+  end
   if L.has_vae then
     local okv, vcfg = pcall(vae.config, mf.sub(shapes, L.vae), {
       scale_factor = meta_num(meta, "kiln.scale_factor") or F.latent.scale_factor,
@@ -113,6 +119,28 @@ local function build_unet(src, cfg, fam)
   mf.validate(src.path, fam .. " UNet", exp, resolve, src.shapes)
   local store = mf.open_store(src.paths, mf.names_of(exp, resolve), "unet")
   return part.as_model(unet.new(new_weights(store, src.prefix, src.map), cfg), store, "UNet")
+end
+
+-- A transformer (F.dit: its module's config / expected / new), as build_unet.
+local function build_dit(src, cfg, F)
+  local net = require(F.dit)
+  local resolve = resolver(src)
+  local exp = net.expected(cfg)
+  mf.validate(src.path, F.label .. " transformer", exp, resolve, src.shapes)
+  local store = mf.open_store(src.paths, mf.names_of(exp, resolve), "dit")
+  return part.as_model(net.new(new_weights(store, src.prefix, src.map), cfg), store, "DiT")
+end
+
+-- What stands in for a part a file lacks (F.missing[name]): any use raises the
+-- family's message naming the file to pass.
+local function missing_part(name, msg)
+  return setmetatable({}, {
+    __index = function(_, k)
+      if k == "close" then return function() end end
+      error(fmt("kiln: %s.%s: %s", name, tostring(k), msg), 2)
+    end,
+    __tostring = function() return fmt("missing %s (%s)", name, msg) end,
+  })
 end
 
 local function build_vae(src, cfg)
@@ -212,7 +240,7 @@ local function finish(ckpt)
   -- textual inversion: ckpt:add_embedding(path [, name]) (see kiln.embedding)
   ckpt.add_embedding = function(self, path, name) return embedding.add(self, path, name) end
   ckpt.close = function(self)
-    for _, k in ipairs({ "clip", "unet", "vae" }) do
+    for _, k in ipairs({ "clip", "unet", "dit", "t5", "vae" }) do
       local p = rawget(self, k)
       if p then p:close() end
     end
@@ -242,7 +270,7 @@ local function load_single(path, opts)
     return { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = prefix }
   end
 
-  ckpt.unet = build_unet(at(L.unet), info.unet, fam)
+  if F.dit then ckpt.dit = build_dit(at(L.unet), info.dit, F) else ckpt.unet = build_unet(at(L.unet), info.unet, fam) end
 
   -- VAE: override file, else the checkpoint's
   local scale = opts.scale_factor or meta_num(src.meta, "kiln.scale_factor") or F.latent.scale_factor
@@ -283,6 +311,11 @@ local function load_single(path, opts)
   end
 
   ckpt.scale_factor = scale
+  ckpt.shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor
+  if F.variant then ckpt.variant = F.variant(src.shapes, L.unet) end
+  for name, msg in pairs(F.missing or {}) do
+    if rawget(ckpt, name) == nil then ckpt[name] = missing_part(name, msg) end
+  end
   ckpt.prediction = opts.prediction or src.meta["kiln.prediction"] or
       (F.guess_prediction and F.guess_prediction(src, L.unet)) or F.defaults.prediction
   if opts.zsnr ~= nil then ckpt.zsnr = opts.zsnr else ckpt.zsnr = src.meta["kiln.zsnr"] == "true" end

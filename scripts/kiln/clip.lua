@@ -381,6 +381,56 @@ end
 
 -- ---------------------------------------------------------------- prompt parsing
 
+-- The weights of parse_emphasis's pieces (1.0, BREAK -1) from its events {from, to, m}
+-- (in the order the brackets closed): each piece's weight is the product of the
+-- factors of the events covering it. One sweep over the pieces keeps the count of each
+-- active factor; a piece's weight is the product over its active factors, in the
+-- order they first closed, of m multiplied by itself count times (memoized, so
+-- ((1.1 * 1.1) * 1.1) is the same double as applying the brackets one by one; a piece
+-- under several distinct factors may differ from that by an ulp, far below the f32 the
+-- weights are used in). Linear in pieces + events while a piece lies under a few
+-- distinct factors, however deep the brackets.
+local function weights_of(res, events)
+  if #events == 0 then return end
+  local starts, stops, rank, nrank = {}, {}, {}, 0
+  for _, e in ipairs(events) do
+    local a, b, m = e[1], e[2], e[3]
+    starts[a] = starts[a] or {}; table.insert(starts[a], m)
+    stops[b] = stops[b] or {}; table.insert(stops[b], m)
+    if not rank[m] then nrank = nrank + 1; rank[m] = nrank end
+  end
+  local powers = {}                  -- powers[m][c] = (((1.0 * m) * m) ...) c times
+  local function power(m, c)
+    local p = powers[m]
+    if not p then p = { [0] = 1.0 }; powers[m] = p end
+    for i = #p + 1, c do p[i] = p[i - 1] * m end
+    return p[c]
+  end
+  local count, active, w, dirty = {}, {}, 1.0, false
+  for k = 1, #res do
+    for _, m in ipairs(starts[k] or {}) do
+      if not count[m] then count[m] = 0; active[#active + 1] = m end
+      count[m] = count[m] + 1
+      dirty = true
+    end
+    if dirty then
+      table.sort(active, function(x, y) return rank[x] < rank[y] end)
+      w = 1.0
+      for _, m in ipairs(active) do w = w * power(m, count[m]) end
+      dirty = false
+    end
+    res[k][2] = res[k][2] * w       -- 1.0, or BREAK's -1 (multiplied too, as A1111 does)
+    for _, m in ipairs(stops[k] or {}) do
+      count[m] = count[m] - 1
+      if count[m] == 0 then
+        count[m] = nil
+        for i, x in ipairs(active) do if x == m then table.remove(active, i) break end end
+      end
+      dirty = true
+    end
+  end
+end
+
 -- A1111's parse_prompt_attention: "(a:1.2) [b] \(c\)" -> {{"a", 1.2}, {" ", 1}, ...}.
 -- ( ) multiplies by 1.1, [ ] divides by 1.1, (text:w) multiplies by w, \( \) \[ \] \\
 -- are literal, unclosed brackets apply to the rest; BREAK (upper case, own word)
@@ -389,8 +439,12 @@ end
 function M.parse_emphasis(text)
   local res = {}
   local round, square = {}, {}
+  -- A bracket's weight multiplies the pieces from its opening to now: recorded here as
+  -- an event and applied once at the end (weights_of), as multiplying every piece at
+  -- every closing bracket costs pieces x brackets (quadratic in unclosed brackets).
+  local events = {}
   local function multiply(from, m)
-    for p = from, #res do res[p][2] = res[p][2] * m end
+    if from <= #res then events[#events + 1] = { from, #res, m } end
   end
   local function add_text(s)
     -- split on BREAK as A1111's re_break (\s*\bBREAK\b\s*)
@@ -471,17 +525,22 @@ function M.parse_emphasis(text)
   end
   for _, p in ipairs(round) do multiply(p, 1.1) end
   for _, p in ipairs(square) do multiply(p, 1 / 1.1) end
-  if #res == 0 then res = { { "", 1.0 } } end
-  local k = 1
-  while k < #res do
-    if res[k][2] == res[k + 1][2] then
-      res[k][1] = res[k][1] .. res[k + 1][1]
-      table.remove(res, k + 1)
+  if #res == 0 then return { { "", 1.0 } } end
+  weights_of(res, events)
+  -- adjacent runs of equal weight merged in one pass (removing and concatenating one
+  -- at a time is quadratic in a run of escapes or colons)
+  local out, run = {}, { res[1][1] }
+  local w = res[1][2]
+  for k = 2, #res do
+    if res[k][2] == w then
+      run[#run + 1] = res[k][1]
     else
-      k = k + 1
+      out[#out + 1] = { table.concat(run), w }
+      run, w = { res[k][1] }, res[k][2]
     end
   end
-  return res
+  out[#out + 1] = { table.concat(run), w }
+  return out
 end
 
 -- ComfyUI's prompt parse (its token_weights), used with weighting = "comfy". Where it
@@ -687,6 +746,11 @@ end
 
 -- ---------------------------------------------------------------- the clip part
 
+--- The most 75-token chunks clip:encode takes from one prompt (opts.max_chunks for one
+-- call; math.huge: no limit). A longer prompt is an error naming the limit, so that
+-- one request cannot hold a server for minutes (each chunk is one encoder pass).
+M.max_chunks = 32
+
 -- The text side of a checkpoint: one encoder (SD 1.x, 2.x) or two (SDXL), sharing a
 -- tokenizer. Each entry of encoders: {enc = Encoder, layer = n, final_norm = bool,
 -- pad = id, pooled = bool}.
@@ -755,9 +819,23 @@ function Text:encode_pieces(pieces, opts)
     found[name] = found[name] or embedding.resolve(self, name, "clip:encode")
     return found[name].count
   end
+  local max_chunks = opts.max_chunks or M.max_chunks
+  if max_chunks ~= math.huge and (math.tointeger(max_chunks) == nil or max_chunks < 1) then
+    error(fmt("clip:encode: max_chunks %s: must be a whole number from 1 (math.huge: no limit)",
+      tostring(max_chunks)), 3)
+  end
   for ei, e in ipairs(self.encoders) do
     local chunks = M.chunks(pieces, tok, { bos = bos, eos = eos, pad = e.pad or eos, comma = comma,
       backtrack = opts.comma_backtrack, embedding = resolve })
+    if #chunks > max_chunks then
+      local n = 0
+      for _, c in ipairs(chunks) do
+        for _, id in ipairs(c.ids) do if id ~= bos and id ~= eos and id ~= (e.pad or eos) then n = n + 1 end end
+      end
+      error(fmt("clip:encode: the prompt is %d chunks of 75 tokens (%d tokens), over the limit of %d chunks; "
+        .. "raise it with clip:encode(text, {max_chunks = N}) or require(\"kiln.clip\").max_chunks = N",
+        #chunks, n, max_chunks), 3)
+    end
     local zs = {}
     local cfg = e.enc.config
     local layer = e.layer
@@ -812,7 +890,8 @@ end
 -- layer, 2 = the penultimate, ...; default the family's), emphasis = false (plain text),
 -- weighting = "a1111" (the default, above) | "comfy" (ComfyUI's parse, M.parse_comfy, and
 -- its weighting, M.apply_weights_comfy) | "none" (A1111's parse, weights ignored),
--- comma_backtrack (default 20, as A1111). `embedding:NAME` (or NAME.safetensors) puts a
+-- comma_backtrack (default 20, as A1111), max_chunks (default M.max_chunks, 32: a longer
+-- prompt is an error naming the limit). `embedding:NAME` (or NAME.safetensors) puts a
 -- textual-inversion embedding's vectors in the prompt, weighted like any token
 -- ("(embedding:NAME:1.2)"); see kiln.embedding for where names are found.
 function Text:encode(text, opts)

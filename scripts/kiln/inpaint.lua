@@ -114,8 +114,11 @@ function M.run(ckpt, image, mask, opts)
   if W % f ~= 0 or H % f ~= 0 then
     error(("image size %dx%d pixels: width and height must be multiples of %d"):format(W, H, f), 2)
   end
-  local rgb = image:narrow(2, 1, 3):contiguous()
-  local m = mask:clamp(0, 1)
+  -- the run's device alone (opts.device): the inputs go there, as the masks made of them
+  local dev = pipeline.run_device(o.device)
+  local on_dev <close> = pipeline.on_device(dev)
+  local rgb = image:narrow(2, 1, 3):to(dev):contiguous()
+  local m = mask:to(dev):clamp(0, 1)
   local src = rgb
   if ckpt.unet.config.in_channels == 9 then
     -- an inpainting UNet: ComfyUI's VAEEncodeForInpaint (grey fill, grown noise mask)
@@ -128,10 +131,12 @@ function M.run(ckpt, image, mask, opts)
   else
     o.denoise_mask = M.latent_mask(m, H // f, W // f)
   end
+  local blur = o.mask_blur
+  o.mask_blur, o.grow_mask = nil, nil        -- inpainting's own, not img2img's
   local gen, lat = pipeline.img2img(ckpt, src, o)
   o.denoise_mask:free()
   if o.concat_mask then o.concat_mask:free(); src:free() end
-  local fm = M.feather(m, o.mask_blur or 4)
+  local fm = M.feather(m, blur or 4)
   local out = M.paste(gen:to(rgb.device), rgb, fm)
   gen:free(); fm:free(); m:free()
   return out, lat

@@ -22,7 +22,7 @@ local MODEL_PROPS = { name = true, residency = true, device = true, pinned = tru
 -- part:load(dev, {resident = bytes, dtype = ...}): a partial residency for a network
 -- streamed by blocks (kiln.stream): about `bytes` of its blocks stay on the device
 -- and the rest streams at each use, in any memory mode. A value at or above the
--- model's bytes loads it whole; a value above what the device's budget leaves beside
+-- model's bytes loads it whole, in mode "low" too; a value above what the device's budget leaves beside
 -- the streaming window is lowered, with a note. Without `resident` a load takes the
 -- part's resident_plan (set by --mode auto, kiln.planner) or else clears an earlier
 -- residency (the memory mode decides again).
@@ -53,7 +53,7 @@ local function load_part(self, store, kind, dev, opts)
     end
     local total = streamer:total_bytes(store)
     if resident >= total then
-      resident = nil
+      resident = "whole"
     else
       local d = dev or kiln.default_device()
       local st = kiln.mem.stats(d)
@@ -70,8 +70,10 @@ local function load_part(self, store, kind, dev, opts)
     end
   end
   if streamer and store.set_streamed then
-    store:set_streamed(resident ~= nil)
-    streamer:set_resident(resident)
+    -- all of it: loaded whole onto the device in every memory mode (mode "low" would
+    -- otherwise keep it on the host and stream every block at every use)
+    store:set_streamed(resident == "whole" and "whole" or resident ~= nil)
+    streamer:set_resident(resident ~= "whole" and resident or nil)
   end
   store:load(dev, opts)
   return self

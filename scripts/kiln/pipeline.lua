@@ -4,15 +4,16 @@
 -- so a workflow's peak is the largest stage, not the sum.
 --
 --   local ckpt <close> = kiln.load_checkpoint(path)
---   local img = pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 20, seed = 1 })
+--   local img = kiln.pipeline.txt2img(ckpt, { prompt = "a red circle", steps = 20, seed = 1 })
 local kiln = require "kiln"
 local lfs = require "lfs"
 local sample = require "kiln.sample"
 local progress = require "kiln.progress"
 local extra_networks = require "kiln.extra_networks"
 local seamless = require "kiln.seamless"
+local util = require "kiln.util"
 
-local pipeline = {}
+local M = {}
 
 local DEFAULTS = {
   prompt = "", negative = "", seed = 0, steps = 20, cfg = nil, sampler = "euler", -- cfg: default_cfg
@@ -23,20 +24,65 @@ local DEFAULTS = {
   weighting = nil,  -- prompt weights as "a1111" (nil) or "comfy" computes them (clip:encode)
 }
 
+-- The options each pipeline knows, in one table: any other key is a mistake, an error
+-- naming it and the nearest known name (a misspelt "stpes" would otherwise run with
+-- the default steps). The helpers a pipeline hands its options on to read theirs from
+-- here too: the samplers (sampler, scheduler, eta, s_noise, sigmas, add_noise,
+-- callback), the previews (preview, previewer, preview_every, preview_precision),
+-- the planner (mode), the VAE's tiling (tile, overlap), MultiDiffusion (unet_tile,
+-- unet_overlap), seamless (tileable), LoRAs (lora and the prompt's tags), ControlNets
+-- (control, its entries checked by check_controls) and TAESD (vae).
+local COMMON_OPTIONS = {
+  "prompt", "negative", "seed", "steps", "cfg", "sampler", "scheduler", "width", "height",
+  "denoise", "device", "batch_cfg", "batch", "clip_skip", "weighting",
+  "eta", "s_noise", "sigmas", "add_noise", "callback",
+  "preview", "previewer", "preview_every", "preview_precision",
+  "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
+}
+local function option_set(...)
+  local set = {}
+  for _, list in ipairs({ COMMON_OPTIONS, ... }) do
+    for _, k in ipairs(list) do set[k] = true end
+  end
+  return set
+end
+M.OPTIONS = {
+  txt2img = option_set(),
+  -- denoise_mask, concat_mask, concat_latent: inpainting's (kiln.inpaint sets them)
+  img2img = option_set({ "denoise_mask", "concat_mask", "concat_latent" }),
+  hires_fix = option_set({ "scale", "upscale", "hires_denoise", "hires_steps", "hires_tile" }),
+  inpaint = option_set({ "mask_blur", "grow_mask" }),
+}
+
+--- Raises "kiln.pipeline.NAME: unknown option 'stpes' (did you mean 'steps'?)" at
+-- the pipeline's caller when opts has a key pipeline NAME does not know.
+function M.check_options(name, opts)
+  util.check_options(opts, M.OPTIONS[name], "kiln.pipeline." .. name, 4) -- not a tail call: the level counts this
+end
+
+--- The options of pipeline NAME among o (a larger table, such as the command line's
+-- with its --out and --model): a new table of the keys the pipeline knows.
+function M.options_of(name, o)
+  local r = {}
+  for k in pairs(M.OPTIONS[name]) do r[k] = o[k] end
+  return r
+end
+
 --- The guidance scale a checkpoint is sampled with when the caller gives none: its
 -- metadata's kiln.cfg (the demo model: 3), else 7 (A1111's and ComfyUI's usual).
-function pipeline.default_cfg(ckpt)
+function M.default_cfg(ckpt)
   local m = ckpt and ckpt.metadata and tonumber(ckpt.metadata["kiln.cfg"])
   return m or 7.0
 end
 
 local check_controls -- below, with the ControlNet pieces
+local lowered_between_steps -- below, with the sampling
 
 local function opts_with_defaults(opts, ckpt)
   local o = {}
   for k, v in pairs(DEFAULTS) do o[k] = v end
   for k, v in pairs(opts or {}) do o[k] = v end
-  if o.cfg == nil then o.cfg = pipeline.default_cfg(ckpt) end
+  if o.cfg == nil then o.cfg = M.default_cfg(ckpt) end
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
   return o
@@ -63,7 +109,7 @@ end
 
 --- The native image size of a checkpoint: its metadata's kiln.image_size, else
 -- the family's (SD 1.x 512, SD 2.x 768 for v-prediction else 512, SDXL 1024).
-function pipeline.image_size(ckpt)
+function M.image_size(ckpt)
   local m = ckpt.metadata and tonumber(ckpt.metadata["kiln.image_size"])
   if m then return m end
   if ckpt.family == "sdxl" then return 1024 end
@@ -74,7 +120,7 @@ end
 --- A1111's model hash (first 10 hex digits of the file's SHA-256), computed once
 -- per checkpoint; skipped for files over 512 MiB unless forced (hashing a 7 GB
 -- file costs seconds).
-function pipeline.model_hash(ckpt, force)
+function M.model_hash(ckpt, force)
   if ckpt._hash == nil and ckpt.path then
     local a = lfs.attributes(ckpt.path)   -- nil when missing; a diffusers folder has no hash
     if a and a.mode == "file" and (force or a.size <= 512 * 1024 * 1024) then
@@ -89,17 +135,38 @@ end
 --- The device stages run on: opts.device, else kiln's default device.
 local function device_of(o) return o.device or kiln.default_device() end
 
+--- The device a run on dev computes on: dev, but the CPU in memory mode "none" ("cpu"),
+-- where the networks run on the CPU whatever the device.
+function M.run_device(dev)
+  local mode = kiln.memory_mode()
+  if mode == "none" or mode == "cpu" then return "cpu" end
+  return dev or kiln.default_device()
+end
+
+--- A run computes on opts.device alone: for its length the device it computes on
+-- (M.run_device) is the default one, so every tensor the run and its helpers make
+-- (the starting noise, a sampler's noise, masks, temporaries) lands beside the latents
+-- whatever the caller's default; closing the result gives the caller's default back,
+-- on an error too.
+function M.on_device(dev)
+  dev = M.run_device(dev)
+  local old = kiln.default_device()
+  if dev == nil or dev == old then return nil end
+  kiln.set_default_device(dev)
+  return setmetatable({}, { __close = function() kiln.set_default_device(old) end })
+end
+
 --- Model sampling of a checkpoint: SD's discrete schedule with its prediction type
 -- (and zero terminal SNR where the checkpoint was trained so).
-function pipeline.model_sampling(ckpt)
+function M.model_sampling(ckpt)
   ckpt._ms = ckpt._ms or sample.discrete_schedule({ prediction = ckpt.prediction or "eps", zsnr = ckpt.zsnr })
   return ckpt._ms
 end
 
 --- Sigmas for `steps` steps at denoise strength d (< 1 starts part-way, as
 -- ComfyUI: the schedule of steps/d steps, keeping its last steps + 1 values).
-function pipeline.sigmas(ckpt, scheduler, steps, d)
-  local ms = pipeline.model_sampling(ckpt)
+function M.sigmas(ckpt, scheduler, steps, d)
+  local ms = M.model_sampling(ckpt)
   d = d or 1
   if d <= 0 then return kiln.tensor({ 0 }, { device = "cpu" }) end -- host data, as the schedules
   local total = d < 1 and math.floor(steps / d) or steps
@@ -110,7 +177,7 @@ end
 
 --- Conditioning for a prompt and a negative prompt: cond, uncond (and pooled
 -- vectors where the family has them).
-function pipeline.encode_prompts(ckpt, prompt, negative, enc_opts)
+function M.encode_prompts(ckpt, prompt, negative, enc_opts)
   local clip = ckpt.clip
   local cond, pooled = clip:encode(prompt, enc_opts)
   local uncond, upooled = clip:encode(negative or "", enc_opts)
@@ -137,6 +204,7 @@ end
 --- Checks a run's ControlNets (opts.control): a list of {net = kiln.load_controlnet(..),
 -- image = [1, 3|4, H, W] in [0, 1], strength = 1, start = 0, stop = 1}, as ComfyUI's
 -- ControlNetApplyAdvanced takes them (one image serves the whole batch).
+local CONTROL_OPTIONS = { net = true, image = true, strength = true, start = true, stop = true }
 function check_controls(list, ckpt)
   if list == nil then return end
   if type(list) ~= "table" then
@@ -145,6 +213,7 @@ function check_controls(list, ckpt)
   for i, c in ipairs(list) do
     local where = ("kiln.pipeline: control[%d]"):format(i)
     if type(c) ~= "table" then error(where .. " must be a table {net =, image =, ...}, got " .. type(c), 0) end
+    util.check_options(c, CONTROL_OPTIONS, where, 0)
     local net = c.net
     if not ((type(net) == "table" or type(net) == "userdata") and net.forward) then
       error(where .. ": net must be a ControlNet (kiln.load_controlnet), got " .. type(net), 0)
@@ -196,7 +265,7 @@ local function prepare_controls(ckpt, o, shape)
     end
   end })
   if not o.control then return list end
-  local ms, dev = pipeline.model_sampling(ckpt), device_of(o)
+  local ms, dev = M.model_sampling(ckpt), device_of(o)
   local h, w = 8 * shape[3], 8 * shape[4]
   for _, c in ipairs(o.control) do
     local strength = c.strength or 1
@@ -223,9 +292,9 @@ end
 -- peak). o.controls: ControlNets as prepare_controls readies them ({net, hint,
 -- strength, sigma_hi, sigma_lo}), their residuals summed into each UNet call (cond and
 -- uncond alike). Returns function(x, sigma) -> denoised.
-function pipeline.denoiser(ckpt, cond, uncond, cfg, o)
+function M.denoiser(ckpt, cond, uncond, cfg, o)
   local unet = ckpt.unet
-  local ms = pipeline.model_sampling(ckpt)
+  local ms = M.model_sampling(ckpt)
   local v_pred = ms.prediction == "v"
   local batch = o.batch_cfg
   if batch == nil then batch = kiln.memory_mode() ~= "low" end
@@ -329,7 +398,7 @@ end
 --- The number of pixels an image's width and height must be a multiple of: the
 -- VAE's factor (the UNet takes any latent size, as ComfyUI's: its downsamplers
 -- round odd sizes up and its upsamplers meet the skip connection's size).
-function pipeline.size_multiple(ckpt)
+function M.size_multiple(ckpt)
   return math.tointeger(ckpt.vae.factor or 8) or 8
 end
 
@@ -350,18 +419,34 @@ end
 
 --- Latent size of an image size for the checkpoint's VAE.
 local function latent_size(ckpt, w, h)
-  local f = pipeline.size_multiple(ckpt)
+  local f = M.size_multiple(ckpt)
   if w % f ~= 0 or h % f ~= 0 then
     error(("image size %dx%d pixels: width and height must be multiples of %d"):format(w, h, f), 3)
   end
   return w // f, h // f
 end
 
+-- A budget the step callback lowered itself (kiln.mem.set_budget without live) below
+-- what the run needs (the most it reserved so far): it holds at once, and the run's
+-- suspend points adapt only to a live lowering, so the UNet, resident and pinned again
+-- by its next pass, would leave no room for that pass's activations. Between steps no
+-- network runs: what the run needs beyond the budget is evicted now (the UNet, least
+-- recently used and unpinned), and an evicted UNet streams from its next pass. A live
+-- lowering (in its grace) is left to the next suspend point, which streams.
+function lowered_between_steps(dev, before)
+  local s = kiln.mem.stats(dev)
+  if s.budget == 0 or (before ~= 0 and s.budget >= before) then return end
+  local w = kiln.mem.budget_watch(dev)
+  if w.grace then return end
+  local need = math.max(s.reserved, w.peak_before)
+  if need > s.budget then kiln.mem.evict(dev, need - s.budget) end
+end
+
 --- Samples latents: from noise (x0 = nil) or from x0 at denoise < 1.
-function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
+function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   -- o.sigmas: a schedule given whole (ComfyUI's KSamplerAdvanced steps); o.add_noise =
   -- false starts from x0 as it is (zero noise), as its add_noise "disable"
-  local sigmas = o.sigmas or pipeline.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
+  local sigmas = o.sigmas or M.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
   local s = sigmas:table()
   local noise = o.add_noise == false and kiln.zeros(shape) or kiln.randn(shape, { seed = o.seed })
   local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
@@ -381,7 +466,7 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
   end
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
-  local den = pipeline.denoiser(ckpt, cond, uncond, o.cfg, od)
+  local den = M.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4,
       tileable = o.tileable })
@@ -398,7 +483,13 @@ function pipeline.sample_latents(ckpt, cond, uncond, o, x0, shape)
       bar:step(st.i)
       preview(st)
       if kiln.cancelled and kiln.cancelled() then return false end
-      if o.callback then return o.callback(st) end
+      if o.callback then
+        local dev = device_of(o)
+        local budget = kiln.mem.stats(dev).budget
+        local r = o.callback(st)
+        lowered_between_steps(dev, budget)
+        return r
+      end
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
@@ -423,7 +514,7 @@ end
 -- conditioning (SDXL) y = pooled text + the size embeddings of a W x H picture
 -- (uncropped, original = target size, as ComfyUI's default) in o.y_cond / o.y_uncond.
 local function conditioning(ckpt, o, W, H)
-  local cond, uncond, pooled, upooled = pipeline.encode_prompts(ckpt, o.prompt, o.negative,
+  local cond, uncond, pooled, upooled = M.encode_prompts(ckpt, o.prompt, o.negative,
     { clip_skip = o.clip_skip, weighting = o.weighting })
   if ckpt.unet.config.adm_in_channels then
     if not (pooled and upooled) then
@@ -455,7 +546,7 @@ local function unload_on_error(ckpt)
   end })
 end
 
--- The run's LoRAs (opts.loras and the prompt's <lora:NAME:W> tags) applied for the
+-- The run's LoRAs (opts.lora and the prompt's <lora:NAME:W> tags) applied for the
 -- run: o.prompt loses the tags; closing the result removes them.
 local function run_loras(ckpt, o)
   local prompt, list = extra_networks.of_run(o)
@@ -483,11 +574,12 @@ local function decode(ckpt, dev, lat, o)
 end
 
 --- txt2img: text -> images [batch, 3, H, W] in [0, 1] (and the final latents).
-function pipeline.txt2img(ckpt, opts)
+function M.txt2img(ckpt, opts)
+  M.check_options("txt2img", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
-  local W = o.width or pipeline.image_size(ckpt)
-  local H = o.height or pipeline.image_size(ckpt)
+  local W = o.width or M.image_size(ckpt)
+  local H = o.height or M.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
   local vae <close> = run_vae(ckpt, o)
@@ -495,6 +587,7 @@ function pipeline.txt2img(ckpt, opts)
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local cond, uncond = stage("encode", function()
     ckpt.clip:load(dev)
@@ -505,7 +598,7 @@ function pipeline.txt2img(ckpt, opts)
 
   local lat = stage("sample", function()
     ckpt.unet:load(dev)
-    local l = pipeline.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+    local l = M.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
     cond:free(); uncond:free(); free_y(o)
     ckpt.unet:unload()                     -- make room for the decoder
     return l
@@ -516,7 +609,8 @@ end
 
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
 -- (o.batch times, each from its own noise of the one seed).
-function pipeline.img2img(ckpt, image, opts)
+function M.img2img(ckpt, image, opts)
+  M.check_options("img2img", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
   if (opts or {}).denoise == nil then o.denoise = 0.6 end
@@ -528,6 +622,7 @@ function pipeline.img2img(ckpt, image, opts)
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local x0 = stage("vae encode", function()
     ckpt.vae:load(dev)
@@ -550,7 +645,7 @@ function pipeline.img2img(ckpt, image, opts)
 
   local lat = stage("sample", function()
     ckpt.unet:load(dev)
-    local l = pipeline.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
+    local l = M.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
     x0:free(); cond:free(); uncond:free(); free_y(o)
     ckpt.unet:unload()
     return l
@@ -560,7 +655,8 @@ function pipeline.img2img(ckpt, image, opts)
 end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
-function pipeline.inpaint(ckpt, image, mask, opts)
+function M.inpaint(ckpt, image, mask, opts)
+  M.check_options("inpaint", opts)
   local vae <close> = run_vae(ckpt, opts or {})
   return require("kiln.inpaint").run(ckpt, image, mask, opts)
 end
@@ -568,14 +664,15 @@ end
 --- hires fix: sample small, upscale (latent nearest/bilinear, the decoded image, or
 -- the decoded image through an upscale model: opts.upscale = "model:FILE" or an
 -- upscaler of kiln.load_upscaler), then sample again at a partial denoise.
-function pipeline.hires_fix(ckpt, opts)
+function M.hires_fix(ckpt, opts)
+  M.check_options("hires_fix", opts)
   local o = opts_with_defaults(opts, ckpt)
   local n = batch_of(o)
   local scale = o.scale or 2
   local upscale = o.upscale or "latent-bilinear"
   local dev = device_of(o)
-  local W = o.width or pipeline.image_size(ckpt)
-  local H = o.height or pipeline.image_size(ckpt)
+  local W = o.width or M.image_size(ckpt)
+  local H = o.height or M.image_size(ckpt)
   local lw, lh = latent_size(ckpt, W, H)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
@@ -584,6 +681,7 @@ function pipeline.hires_fix(ckpt, opts)
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
+  local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
   local cond, uncond = stage("encode", function()
     ckpt.clip:load(dev)
@@ -597,7 +695,7 @@ function pipeline.hires_fix(ckpt, opts)
     local first = opts_with_defaults(opts, ckpt)
     first.denoise = 1
     first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
-    return pipeline.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+    return M.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
   end)
 
   local up = stage("upscale", function()
@@ -643,7 +741,7 @@ function pipeline.hires_fix(ckpt, opts)
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
   second.y_cond, second.y_uncond = o.y_cond, o.y_uncond
   local lat2 = stage("sample hires", function()
-    local l = pipeline.sample_latents(ckpt, cond, uncond, second, up, up.shape)
+    local l = M.sample_latents(ckpt, cond, uncond, second, up, up.shape)
     up:free(); cond:free(); uncond:free(); free_y(o)
     ckpt.unet:unload()
     return l
@@ -656,11 +754,11 @@ end
 local function label_of(info, name) return info and info.label or tostring(name) end
 
 --- The A1111 "parameters" text for a PNG (other tools read it).
-function pipeline.parameters(opts, ckpt, extra)
+function M.parameters(opts, ckpt, extra)
   local o = setmetatable({}, { __index = function(_, k)
     local v = opts[k]
     if v == nil then v = DEFAULTS[k] end
-    if v == nil and k == "cfg" then v = pipeline.default_cfg(ckpt) end
+    if v == nil and k == "cfg" then v = M.default_cfg(ckpt) end
     return v
   end })
   local lines = { o.prompt or "" }
@@ -673,7 +771,7 @@ function pipeline.parameters(opts, ckpt, extra)
     ("Seed: %d"):format(o.seed),
     ("Size: %dx%d"):format(o.width or 0, o.height or 0),
   }
-  local hash = ckpt and pipeline.model_hash(ckpt)
+  local hash = ckpt and M.model_hash(ckpt)
   if hash then f[#f + 1] = "Model hash: " .. hash end
   if ckpt and ckpt.path then
     f[#f + 1] = "Model: " .. ckpt.path:gsub("^.*/", ""):gsub("%.safetensors$", "")
@@ -693,7 +791,7 @@ end
 
 --- The measured peak of every device that held bytes ("cpu: 80.2 MiB, sim: 459.1 MiB"),
 -- since kiln.mem.reset_peak: the PNG's kiln.peak text. nil when none did.
-function pipeline.peak_text()
+function M.peak_text()
   local parts = {}
   for _, d in ipairs(kiln.devices()) do
     local p = d ~= "meta" and kiln.mem.stats(d).peak or 0
@@ -705,10 +803,10 @@ end
 --- Saves an image with its generation parameters (extra: more "Key: value" fields) and
 -- the peak memory it took (kiln.peak), unless extra.peak == false: a peak varies from
 -- run to run, which a file that must be the same bytes every time cannot carry.
-function pipeline.save(img, path, o, ckpt, extra)
-  local peak = not (extra and extra.peak == false) and pipeline.peak_text() or nil
-  return kiln.save_png(img, path, { text = { parameters = pipeline.parameters(o, ckpt, extra),
+function M.save(img, path, o, ckpt, extra)
+  local peak = not (extra and extra.peak == false) and M.peak_text() or nil
+  return kiln.save_png(img, path, { text = { parameters = M.parameters(o, ckpt, extra),
     Software = "kiln " .. kiln.version, ["kiln.peak"] = peak } })
 end
 
-return pipeline
+return M

@@ -96,7 +96,9 @@ function M.parse_args(args, defaults)
       local known = {}
       for k in pairs(defaults) do known[#known + 1] = "--" .. k:gsub("_", "-") end
       table.sort(known)
-      M.usage_error(("unknown option '--%s' (known: %s)"):format(name, table.concat(known, " ")))
+      local near = M.nearest(key, defaults)
+      M.usage_error(near and ("unknown option '--%s' (did you mean '--%s'?)"):format(name, near:gsub("_", "-"))
+        or ("unknown option '--%s' (known: %s)"):format(name, table.concat(known, " ")))
     end
     if type(defaults[key]) == "boolean" then
       opts[key] = true
@@ -112,6 +114,70 @@ function M.parse_args(args, defaults)
     end
   end
   return opts
+end
+
+--- The edit distance between two strings: insertions, deletions, substitutions and
+-- swaps of two neighbours ("stpes" is one from "steps"), each costing one.
+function M.edit_distance(a, b)
+  local la, lb = #a, #b
+  local d = {}
+  for i = 0, la do d[i] = { [0] = i } end
+  for j = 1, lb do d[0][j] = j end
+  for i = 1, la do
+    for j = 1, lb do
+      local cost = a:byte(i) == b:byte(j) and 0 or 1
+      local v = math.min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+      if i > 1 and j > 1 and a:byte(i) == b:byte(j - 1) and a:byte(i - 1) == b:byte(j) then
+        v = math.min(v, d[i - 2][j - 2] + 1)
+      end
+      d[i][j] = v
+    end
+  end
+  return d[la][lb]
+end
+
+--- The name of `names` (a list, or a set's keys) nearest to name, or nil when none is
+-- near enough to be a likely misspelling (within a third of the longer name, at
+-- least 2). Ties go to the alphabetically first, so the answer never varies.
+function M.nearest(name, names)
+  local list = {}
+  for k, v in pairs(names) do list[#list + 1] = type(k) == "string" and k or v end
+  table.sort(list)
+  local best, bd
+  for _, k in ipairs(list) do
+    local dist = M.edit_distance(name, k)
+    if not bd or dist < bd then best, bd = k, dist end
+  end
+  if bd and bd <= math.max(2, math.max(#name, #best) // 3) then return best end
+  return nil
+end
+
+--- Checks that every key of opts (a table, or nil) is one of known (a set): an
+-- unknown or misspelt option is an error "WHO: unknown option 'stpes' (did you mean
+-- 'steps'?)" raised at level (default: the caller of the caller). Returns opts.
+function M.check_options(opts, known, who, level)
+  if opts == nil then return opts end
+  if type(opts) ~= "table" then
+    error(("%s: options must be a table, got %s"):format(who, type(opts)), level or 3)
+  end
+  local bad = {}
+  for k in pairs(opts) do
+    if not known[k] then bad[#bad + 1] = tostring(k) end
+  end
+  if #bad == 0 then return opts end
+  table.sort(bad)                            -- the same message whatever the table's order
+  local k = bad[1]
+  local near = type(k) == "string" and M.nearest(k, known)
+  local msg = ("%s: unknown option '%s'"):format(who, k)
+  if near then
+    msg = msg .. (" (did you mean '%s'?)"):format(near)
+  else
+    local names = {}
+    for n in pairs(known) do names[#names + 1] = n end
+    table.sort(names)
+    msg = msg .. (" (known: %s)"):format(table.concat(names, ", "))
+  end
+  error(msg, level or 3)
 end
 
 -- Number of distinct indices matched by pattern's capture in a name -> shape table

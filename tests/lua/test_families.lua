@@ -20,7 +20,7 @@ end
 test("kiln.families is the list of family names, in detection order", function()
   local f = kiln.families
   eq(type(f), "table")
-  eq(table.concat(f, ","), "sd1,sd2,sdxl")
+  eq(table.concat(f, ","), "sd1,sd2,sdxl,flux")
   local n = 0
   for _ in pairs(f) do n = n + 1 end
   eq(n, #f, "a plain list")
@@ -34,14 +34,16 @@ test("every family module declares the required fields", function()
     family.check(def) -- raises naming a missing field
     for k, ty in pairs(family.REQUIRED) do eq(type(def[k]), ty, name .. "." .. k) end
     for _, k in ipairs(family.REQUIRED_DEFAULTS) do truthy(def.defaults[k] ~= nil, name .. ".defaults." .. k) end
-    eq(def.latent.channels, 4, name .. " latent channels")
+    eq(def.latent.channels, def.dit and 16 or 4, name .. " latent channels")
     truthy(def.latent.scale_factor > 0, name .. " scale factor")
     local r = def.recognise
     truthy(r.prefixes or r.context_dim or r.unet_names, name .. " says how it is recognised")
-    truthy(type(r.text_encoders) == "function", name .. " tells text encoders given alone")
-    eq(#def.parts.ldm.clip, #def.conditioning.encoders, name .. ": one conditioning entry per text encoder")
-    eq(#def.parts.diffusers.clip, #def.conditioning.encoders, name .. ": diffusers text encoder folders")
-    eq(type(def.parts.diffusers.unet_map), "function", name .. " diffusers UNet map")
+    if not def.dit then -- the UNet families' text encoders and diffusers maps
+      truthy(type(r.text_encoders) == "function", name .. " tells text encoders given alone")
+      eq(#def.parts.ldm.clip, #def.conditioning.encoders, name .. ": one conditioning entry per text encoder")
+      eq(#def.parts.diffusers.clip, #def.conditioning.encoders, name .. ": diffusers text encoder folders")
+      eq(type(def.parts.diffusers.unet_map), "function", name .. " diffusers UNet map")
+    end
     eq(family.get(name), def)
   end
   eq(family.get("sdxl").conditioning.size, true)
@@ -52,7 +54,7 @@ test("every family module declares the required fields", function()
   bad.name, bad.latent = "bad", nil
   raises(function() family.register(bad) end, "family 'bad'", "latent")
   raises(function() family.register(family.get("sd1")) end, "already registered")
-  eq(#kiln.families, 3)
+  eq(#kiln.families, 4)
 end)
 
 test("the bundled demo model is sd1", function()
@@ -126,7 +128,7 @@ test("a family registered at run time is detected and assembled", function()
   raises(function() kiln.load_checkpoint(p) end, "a UNet without a recognizable text encoder")
   family.register(toy)
   local ok, err = pcall(function()
-    eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,toy")
+    eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux,toy")
     local ckpt <close> = kiln.load_checkpoint(p)
     eq(ckpt.family, "toy")
     eq(ckpt.scale_factor, 0.5)
@@ -137,7 +139,7 @@ test("a family registered at run time is detected and assembled", function()
   end)
   family.unregister("toy")
   if not ok then error(err, 0) end
-  eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl")
+  eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux")
   raises(function() kiln.load_checkpoint(p) end, "a UNet without a recognizable text encoder")
 end)
 
@@ -146,8 +148,8 @@ test("families told by the UNet alone, GGUF architectures", function()
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 1024 } }), "sd2")
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 768 } }), "sd1")
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 32 } }), nil)
-  raises(function() family.check_gguf({ ["general.architecture"] = "flux" }, "x.gguf") end,
-    "unknown architecture 'flux'", "SD 1.x, SD 2.x and SDXL", "(sd1, sd2, sdxl)")
+  raises(function() family.check_gguf({ ["general.architecture"] = "sd3" }, "x.gguf") end,
+    "unknown architecture 'sd3'", "SD 1.x, SD 2.x, SDXL and Flux.1", "(sd1, sd2, sdxl, flux)")
   eq(family.label("sdxl"), "SDXL")
 end)
 

@@ -15,7 +15,7 @@ local MODEL = H.demo_model("demo model present")
 local function shape_of(t) return table.concat(t.shape, ",") end
 
 -- few steps: these tests are about shapes, noise and options, not pictures
-local BASE = { prompt = "a red circle on a blue background", steps = 2, seed = 7, quiet = true }
+local BASE = { prompt = "a red circle on a blue background", steps = 2, seed = 7 }
 local function opts(extra)
   local o = {}
   for k, v in pairs(BASE) do o[k] = v end
@@ -148,6 +148,115 @@ test("command line: txt2img --width 72 --height 40 --batch 2 --clip-skip 2", fun
     eq(shape_of(img), "1,3,40,72")
   end
   eq(io.open(out, "rb"), nil)
+end)
+
+-- Unknown and misspelt options: an error naming the option and the nearest known name,
+-- raised at the caller's line before any work, in every pipeline.
+test("options: a misspelt option is an error naming it and the nearest known name", function()
+  local ck <close> = kiln.load_checkpoint(MODEL)
+  local img <close> = kiln.rand({ 1, 3, 32, 32 }, { seed = 3 })
+  local mask <close> = kiln.ones({ 1, 1, 32, 32 })
+  collectgarbage(); collectgarbage()    -- earlier tests' garbage
+  local before = kiln.mem.stats("cpu").allocated
+  local runs = {
+    txt2img = function(o) return pipeline.txt2img(ck, o) end,
+    img2img = function(o) return pipeline.img2img(ck, img, o) end,
+    hires_fix = function(o) return pipeline.hires_fix(ck, o) end,
+    inpaint = function(o) return pipeline.inpaint(ck, img, mask, o) end,
+  }
+  for name, run in pairs(runs) do
+    local e = H.raises(function() run({ stpes = 8, width = 32, height = 32 }) end,
+      "kiln.pipeline." .. name .. ": unknown option 'stpes' (did you mean 'steps'?)")
+    -- the caller's line, not the pipeline's
+    truthy(tostring(e):match("^tests/lua/test_options%.lua:%d+:"), tostring(e))
+    H.raises(function() run({ sampelr = "heun" }) end, "unknown option 'sampelr' (did you mean 'sampler'?)")
+    H.raises(function() run({ seeed = 1 }) end, "unknown option 'seeed' (did you mean 'seed'?)")
+    H.raises(function() run({ negative_prompt = "x" }) end, "unknown option 'negative_prompt' (known: ")
+  end
+  -- the issue's case: two mistakes and a table; the first in order is named
+  H.raises(function() pipeline.txt2img(ck, { stpes = 8, sampelr = "heun", cache = {} }) end,
+    "unknown option 'cache'")
+  -- another pipeline's option is unknown here
+  H.raises(function() pipeline.txt2img(ck, { hires_steps = 4 }) end, "txt2img: unknown option 'hires_steps'")
+  H.raises(function() pipeline.img2img(ck, img, { mask_blur = 4 }) end, "img2img: unknown option 'mask_blur'")
+  -- hires fix and inpaint know their own
+  H.raises(function() pipeline.hires_fix(ck, { hires_stpes = 4 }) end, "(did you mean 'hires_steps'?)")
+  H.raises(function() pipeline.inpaint(ck, img, mask, { mask_blr = 4 }) end, "(did you mean 'mask_blur'?)")
+  -- a ControlNet entry's own options, where they are consumed
+  local fake_net = { forward = function() end }
+  H.raises(function()
+    pipeline.txt2img(ck, { control = { { net = fake_net, image = img, strenght = 0.5 } } })
+  end, "control[1]: unknown option 'strenght' (did you mean 'strength'?)")
+  collectgarbage(); collectgarbage()
+  eq(kiln.mem.stats("cpu").allocated, before, "nothing left by the refused runs")
+  eq(ck.unet:bytes("cpu") + ck.clip:bytes("cpu") + ck.vae:bytes("cpu"), 0, "nothing loaded by the refused runs")
+end)
+
+test("options: the edit distance and the nearest name", function()
+  local util = require "kiln.util"
+  eq(util.edit_distance("steps", "steps"), 0)
+  eq(util.edit_distance("stpes", "steps"), 1)       -- a swap of neighbours
+  eq(util.edit_distance("sampelr", "sampler"), 1)
+  eq(util.edit_distance("", "cfg"), 3)
+  eq(util.edit_distance("kitten", "sitting"), 3)
+  eq(util.nearest("hieght", pipeline.OPTIONS.txt2img), "height")
+  eq(util.nearest("widht", pipeline.OPTIONS.txt2img), "width")
+  eq(util.nearest("zzzzzz", pipeline.OPTIONS.txt2img), nil)
+end)
+
+-- Every option a pipeline or a helper it hands its options to reads is in the
+-- pipeline's table: a new option read without being declared fails here, before a
+-- user's run is refused it. (Reads of the run's own fields set inside are listed.)
+test("options: every option the pipelines read is declared", function()
+  local internal = { y_cond = true, y_uncond = true, controls = true, concat = true, _seconds_per_step = true }
+  local all = {}
+  for _, set in pairs(pipeline.OPTIONS) do for k in pairs(set) do all[k] = true end end
+  local sources = {
+    ["scripts/kiln/pipeline.lua"] = { "o", "opts", "od", "first", "second" },
+    ["scripts/kiln/inpaint.lua"] = { "o", "opts" },
+    ["scripts/kiln/preview.lua"] = { "o" },         -- preview.session(ckpt, o, dev)
+    ["scripts/kiln/planner.lua"] = { "o" },         -- planner.apply(ckpt, o)
+  }
+  local seen = 0
+  for path, names in pairs(sources) do
+    local f = io.open(path, "r")
+    if not f then H.skip(path .. " not found (run from the source tree)") end
+    local src = f:read("a")
+    f:close()
+    for _, v in ipairs(names) do
+      for k in src:gmatch("%f[%w_]" .. v .. "%.([%a_][%w_]*)") do
+        seen = seen + 1
+        truthy(all[k] or internal[k], ("%s reads %s.%s, which no pipeline declares"):format(path, v, k))
+      end
+    end
+  end
+  truthy(seen > 50, "the scan found the reads")
+  -- inpaint's options: img2img's and its own
+  for k in pairs(pipeline.OPTIONS.img2img) do
+    truthy(pipeline.OPTIONS.inpaint[k] or k:match("^concat_") or k == "denoise_mask", k)
+  end
+end)
+
+test("options: options_of keeps the pipeline's options of a larger table", function()
+  local o = pipeline.options_of("txt2img", { steps = 3, out = "x.png", model = "m", quiet = true, scale = 2 })
+  eq(o.steps, 3)
+  eq(o.out, nil); eq(o.model, nil); eq(o.quiet, nil); eq(o.scale, nil)
+  eq(pipeline.options_of("hires_fix", { scale = 2 }).scale, 2)
+end)
+
+test("command line: a misspelt --flag is a usage error naming the nearest", function()
+  local exe = arg and arg[-1]
+  if not exe or not exe:match("kiln$") then H.skip("not run by the kiln program") end
+  local err = T.tmp("flag.err")
+  for _, ex in ipairs({ "txt2img", "img2img", "hires_fix", "inpaint", "outpaint", "controlnet" }) do
+    local cmd = ("'%s' examples/%s.lua --stpes 2 > /dev/null 2> '%s'"):format(exe, ex, err)
+    local ok, how, code = os.execute(cmd)
+    truthy(not ok and how == "exit" and code == 2, ex .. ": exit status 2 expected, got " .. tostring(code))
+    local f = assert(io.open(err, "r"))
+    local msg = f:read("a")
+    f:close()
+    truthy(msg:find("unknown option '--stpes' (did you mean '--steps'?)", 1, true), ex .. ": " .. msg)
+  end
 end)
 
 T.cleanup()

@@ -142,6 +142,40 @@ test("residency: bad values are named", function()
   raises(function() ck.unet.model:load("sim", { resident = 0 }) end, "resident applies to a network")
 end)
 
+test("residency: low mode on the demo model: all of it loads whole, half streams half, 0 streams all", function()
+  if not has_sim then H.skip("no sim device in this build") end
+  local demo <close> = kiln.load_checkpoint(H.demo_model("residency on the demo model"))
+  local unet = demo.unet
+  kiln.memory_mode("low")
+  local total = unet.streamer:total_bytes(unet.model)
+  -- the bytes the second of two forwards copies onto sim (the first fetches the
+  -- resident blocks); the inputs are on the host, so they are copied in too
+  local function second(resident)
+    unet:load("sim", { resident = resident })
+    unet:forward(x, t, ctx):free()
+    kiln.mem.reset_peak("sim")
+    unet:forward(x, t, ctx):free()
+    local c = kiln.mem.stats("sim").copied_in
+    local on = unet:bytes("sim")
+    unet:unload()
+    return c, on
+  end
+  local ok, err = pcall(function()
+    local c0 = second(0)
+    local inputs = c0 - total
+    truthy(inputs >= 0 and inputs < total / 4, ("resident 0 copies every block (%d of %d)"):format(c0, total))
+    local call, on = second(total)
+    eq(call, inputs, ("resident = the model's bytes: a forward copies only its inputs (%d of %d)"):format(call, total))
+    truthy(on >= total, ("resident = the model's bytes stays on sim (%d of %d)"):format(on, total))
+    eq(second(2 * total), inputs, "resident above the model's bytes: nothing streamed")
+    local chalf = second(math.floor(total / 2))
+    truthy(chalf - inputs >= total / 2 - total / 8 and chalf - inputs <= total / 2 + total / 4,
+      ("resident = half copies about the other half (%d of %d)"):format(chalf - inputs, total))
+  end)
+  kiln.memory_mode("normal")
+  assert(ok, err)
+end)
+
 x:free(); t:free(); ctx:free()
 T.cleanup()
 H.done()

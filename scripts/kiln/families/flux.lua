@@ -1,0 +1,79 @@
+-- kiln.families.flux: Black Forest Labs' Flux.1 ([dev], [schnell]; ComfyUI's Flux and
+-- FluxSchnell): a rectified-flow transformer (kiln.flux) conditioned on T5-XXL states
+-- and CLIP-L's pooled vector, the 16-channel autoencoder at scale 0.3611, shift 0.1159.
+-- [dev] is guidance-distilled (its file has guidance_in.*), [schnell] timestep-
+-- distilled (no guidance_in). A diffusion-model file alone (BFL's flux1-dev.safetensors,
+-- or ComfyUI's with the model.diffusion_model. prefix) loads as a checkpoint whose
+-- `dit` works; the parts it lacks say which file to pass.
+local mf = require "kiln.model_files"
+
+local KEY = "double_blocks.0.img_attn.qkv.weight"
+
+-- Where a single file keeps the transformer: BFL's names bare or under ComfyUI's
+-- prefix; any double block's qkv tells (a file missing block 0 is still recognised, so
+-- the loader can say which blocks are missing).
+local function find_dit(shapes)
+  if shapes["model.diffusion_model." .. KEY] then return "model.diffusion_model." end
+  if shapes[KEY] then return "" end
+  for name in pairs(shapes) do
+    local p = name:match("^(.-)double_blocks%.%d+%.img_attn%.qkv%.weight$")
+    if p and (p == "" or p == "model.diffusion_model.") then return p end
+  end
+  return nil
+end
+
+-- "dev" when the file has the guidance embedder, else "schnell".
+local function variant(shapes, prefix)
+  return mf.has_prefix(shapes, (prefix or "") .. "guidance_in.") and "dev" or "schnell"
+end
+
+local M = {
+  name = "flux",
+  label = "Flux.1",
+
+  recognise = {
+    -- names no UNet has (the second still there when block 0 is missing)
+    unet_names = { KEY, "img_in.weight" },
+    gguf_architectures = { "flux" },
+  },
+
+  parts = {
+    ldm = { find_unet = find_dit, vae = nil, clip = {} },
+  },
+  unet = {},
+  dit = "kiln.flux",      -- the module that builds the network (config, expected, new)
+  variant = variant,
+
+  -- CLIP-L gives the pooled vector (y), T5-XXL the context; roles as the loaders name them
+  conditioning = {
+    encoders = {
+      { role = "l", options = { "clip", "clip_l" }, meta = "clip", layer = -1, final_norm = true, pad = nil,
+        pooled = true },
+      { role = "t5", options = { "t5" }, meta = "t5" },
+    },
+    pooled = true, size = false,
+  },
+
+  -- BFL's cli: 50 steps with guidance for [dev], 4 without for [schnell]; DESIGN.md's
+  -- default guidance 3.5 (the cli's is 2.5); no negative pass (cfg 1); prompts padded
+  -- to 512 T5 tokens on [dev], 256 on [schnell]
+  defaults = { sampler = "euler", scheduler = "simple", cfg = 1.0, steps = 50, image_size = 1024,
+    prediction = "flow", guidance = 3.5, t5_length = 512, shift = true },
+  variants = {
+    dev = { steps = 50, guidance = 3.5, t5_length = 512, shift = true },
+    schnell = { steps = 4, guidance = nil, t5_length = 256, shift = false },
+  },
+  latent = { channels = 16, scale_factor = 0.3611, shift_factor = 0.1159 },
+
+  -- what a file without the part says (kiln.checkpoint puts these in the part's place)
+  missing = {
+    vae = "this Flux checkpoint has no autoencoder: pass BFL's ae.safetensors as " ..
+        "kiln.load_checkpoint(path, {vae = PATH})",
+    clip = "this Flux checkpoint has no CLIP-L text encoder: pass clip_l.safetensors as " ..
+        "kiln.load_checkpoint(path, {clip = PATH})",
+    t5 = "this Flux checkpoint has no T5-XXL text encoder: pass t5xxl_fp16.safetensors (or the fp8 one) as " ..
+        "kiln.load_checkpoint(path, {t5 = PATH})",
+  },
+}
+
+return M
