@@ -338,19 +338,24 @@ function Pass:run(key, fn, ...)
   return finish(fn(...))
 end
 
--- Releases what the pass still holds (an unused prefetch, a block that raised).
+-- Releases what the pass still holds (an unused prefetch, a block that raised). The
+-- bookkeeping comes first: a cancel is raised by a Lua hook wherever the script is, this
+-- function included, and a pass left marked open (or its model pinned) would refuse
+-- every later forward on these weights; what a raise here leaves unfreed, the
+-- collector frees.
 function Pass:close()
   if not self.active then return end
   self.active = false
+  local w = self.s.weights
+  if w.pass == self then w.pass = nil end
+  open[self] = nil
+  -- the model may have been closed by the network's caller meanwhile
+  if self.pinned and not self.model.closed then pcall(self.model.unpin, self.model) end
+  self.pinned = false
   for b in pairs(self.held) do self:_drop(b) end
   for b in pairs(self.handles) do free_all(self.handles[b]) end
   free_all(self.loose)
   self.handles = {}
-  local w = self.s.weights
-  if w.pass == self then w.pass = nil end
-  -- the model may have been closed by the network's caller meanwhile
-  if self.pinned and not self.model.closed then pcall(self.model.unpin, self.model) end
-  open[self] = nil
 end
 
 Pass.__close = Pass.close
