@@ -7,6 +7,7 @@
 #include "l_config.h"
 #include "l_parts.h"
 #include "../runtime/events.h"
+#include "../runtime/meta.h"
 #include "../runtime/model.h"
 #include "../runtime/settings.h"
 
@@ -276,7 +277,16 @@ static int gc_pressure(void *unused)
     (void)unused;
     if (kiln_thread_is_worker()) return 0;
     lua_State *L = pressure_target();
-    if (!L || lua_gc(L, LUA_GCISRUNNING) == 0) return 0;
+    if (!L) return 0;
+    if (lua_gc(L, LUA_GCISRUNNING) == 0) {
+#if defined(LUA_VERSION_RELEASE_NUM) && LUA_VERSION_RELEASE_NUM >= 50404
+        /* a dry run holds the collector (kiln.dry_run) and collects under pressure as
+         * the real run does; inside a finalizer this Lua's lua_gc does nothing */
+        if (!kiln_meta_target()) return 0;
+#else
+        return 0;
+#endif
+    }
     lua_gc(L, LUA_GCCOLLECT);
     return 1;
 }

@@ -777,6 +777,9 @@ function M.run(src, opts)
       ctx.used = {}
       local args = collect(values, n, ctx.where, plan.dirs)
       local label = fmt("%s %s", id, n.class_type)
+      -- what the previous node left to the collector goes before this one starts, in a
+      -- real run as in a dry run (which holds the collector between: kiln.dry_run)
+      collectgarbage()
       local before = kiln.mem.stats(dev)
       local t0 = kiln.time()
       local outs = kiln.trace.span(label, n.spec.run, ctx, args)

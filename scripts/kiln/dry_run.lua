@@ -4,6 +4,8 @@
 -- cache limit), the budget asked for, the backend's optional entries and temporaries,
 -- and the device's name, so every load, eviction, streaming window and tiling decision
 -- falls as on the real device. Data read back (item, table, to("cpu")) is zeros.
+-- Tensors left to the garbage collector are held until the scripts' next collection
+-- point, so the prediction is the real run's peak or above it, never below.
 --
 --   kiln.dry_run(fn, {device = "sim" | "cuda:0" | name, budget = bytes | "6G",
 --                     mode = "high" | "normal" | "low" | "none"}) -> report
@@ -103,7 +105,16 @@ function M.run(fn, opts, ...)
 
   -- one outer stage: in the memory picture of a real run (the planner's dry runs) the
   -- dry run's stages nest under it instead of passing for the run's own
+  -- The collector is held for the run: a tensor left to it lives until the next full
+  -- collection that the scripts make themselves (each sampler evaluation, pipeline
+  -- stage and ComfyUI node starts with one, in real runs as here) or that memory
+  -- pressure makes (bindings/l_config.c, here too), the longest it can live in a real
+  -- run, whose collector may free it sooner but never later: what the real run holds is
+  -- never more than the prediction.
+  local gc_was = collectgarbage("isrunning")
+  collectgarbage("stop")
   local ok, err = pcall(span, "dry run on " .. name, fn, ...)
+  if gc_was then collectgarbage("restart") end
   if ok then err = nil end          -- fn's results are not kept: they may hold meta tensors
   fold()
   local where = type(err) == "table" and failed_in[err] or {}

@@ -561,7 +561,13 @@ end
 
 -- A stage of a run: a span in traces, and a named stretch of the memory picture
 -- (kiln.mem.plot) with its own peak.
-local function stage(name, fn) return kiln.trace.span(name, fn) end
+-- a stage starts and ends with a full collection: what the previous one left to the
+-- collector is not held through it (and a dry run, which holds the collector, sees the
+-- same; kiln.dry_run)
+local function stage(name, fn)
+  collectgarbage()
+  return (function(...) collectgarbage() return ... end)(kiln.trace.span(name, fn))
+end
 
 -- The last stage of the pipelines: the latents through the VAE decoder.
 local function decode(ckpt, dev, lat, o)

@@ -705,7 +705,14 @@ function M.run(name, denoise, x, sigmas, opts)
     noise = M.brownian_noise(x.shape, s, opts.seed or 0)
   end
   noise = noise or default_noise(opts)
-  return fn(denoise, x, s, opts, noise, stepper(opts, #s - 1))
+  -- every evaluation starts with a full collection: the previous step's temporaries
+  -- that the samplers leave to the collector are gone before the network's peak, at the
+  -- same point in a real run and in a dry run (kiln.dry_run holds the collector between)
+  local function evaluate(...)
+    collectgarbage()
+    return denoise(...)
+  end
+  return fn(evaluate, x, s, opts, noise, stepper(opts, #s - 1))
 end
 
 ---------------------------------------------------------------------------

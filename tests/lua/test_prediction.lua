@@ -1,0 +1,51 @@
+-- The meta device never under-predicts: each pipeline of the test suite (txt2img, a
+-- tiled decode, img2img, inpaint, hires fix, an upscale model, a ControlNet, ComfyUI
+-- graphs node by node) on sim in modes high, normal and low under a budget, dry-run
+-- (kiln.dry_run) and then run as a user runs it: the collector running, prefetches on
+-- the copy thread. measured <= predicted <= 1.03 x measured, for the whole run and for
+-- each ComfyUI node (tests/lua/prediction.lua; tests/bench/prediction_table.lua prints it).
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local test, truthy = H.test, H.truthy
+
+H.demo_model("prediction table")
+local has_sim, has_meta = false, false
+for _, d in ipairs(kiln.devices()) do
+  has_sim = has_sim or d == "sim"
+  has_meta = has_meta or d == "meta"
+end
+if not (has_sim and has_meta) then
+  test("prediction table", function() H.skip("no sim or no meta device") end)
+  H.done()
+end
+kiln.set_quiet(true)
+local P = require "prediction"
+
+local function check(r)
+  print("# " .. P.format_row(r):gsub("\n", "\n# "))
+  truthy(r.predicted >= r.measured, ("%s (%s, budget %d): predicted %d < measured %d bytes"):format(r.name, r.mode,
+    r.budget, r.predicted, r.measured))
+  truthy(r.predicted <= 1.03 * r.measured, ("%s (%s): predicted %d > 1.03 x measured %d bytes"):format(r.name,
+    r.mode, r.predicted, r.measured))
+  for _, n in ipairs(r.nodes or {}) do
+    truthy(n.predicted >= n.measured and n.predicted <= 1.03 * n.measured,
+      ("%s (%s): node %s %s predicted %d, measured %d bytes"):format(r.name, r.mode, n.id, n.class_type, n.predicted,
+        n.measured))
+  end
+end
+
+test("every pipeline, modes high / normal / low, 32 MiB budget: measured <= predicted <= 1.03 x measured", function()
+  P.table({ budget = 32 * P.MiB, progress = check })
+end)
+
+-- budgets that make the runs evict (normal) and stream inside a few MiB (low)
+test("tight budgets: eviction and streaming decisions predicted as they fall", function()
+  P.table({ budget = 11 * P.MiB, modes = { "normal" }, only = { ["hires fix"] = true, ["comfy hires"] = true },
+    progress = check })
+  P.table({ budget = 9 * P.MiB, modes = { "low" }, only = { ["hires fix"] = true, ["txt2img 128 tiled"] = true,
+    controlnet = true }, progress = check })
+end)
+
+P.cleanup()
+H.done()
