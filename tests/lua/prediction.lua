@@ -103,12 +103,7 @@ function P.cases()
     { name = "txt2img 128 tiled", run = function(ck) pipeline.txt2img(ck, o({ width = 128, height = 128, tile = 8,
       overlap = 2 })) end },
     { name = "img2img", run = function(ck) pipeline.img2img(ck, I.image, o({ denoise = 0.6 })) end },
-    { name = "inpaint", run = function(ck)
-      -- the pipeline takes its inputs where they are (issue 41: not every pipeline honours opts.device)
-      local img, mask = I.image:to("sim"), I.mask:to("sim")
-      pipeline.inpaint(ck, img, mask, o())
-      img:free(); mask:free()
-    end },
+    { name = "inpaint", run = function(ck) pipeline.inpaint(ck, I.image, I.mask, o()) end },
     { name = "hires fix", run = function(ck) pipeline.hires_fix(ck, o({ hires_steps = 2, scale = 2 })) end },
     { name = "upscale model", run = function(ck)
       local up <close> = kiln.load_upscaler(I.upscaler)
@@ -205,10 +200,7 @@ end
 
 function P.table(opt)
   local rows = {}
-  -- as `kiln --device sim`: img2img's noise is made on the default device (issue 41)
   local cases = P.cases() -- its inputs on the CPU, sim left empty
-  local old_default = kiln.default_device()
-  kiln.set_default_device("sim")
   for _, case in ipairs(cases) do
     if not opt.only or opt.only[case.name] then
       for _, mode in ipairs(opt.modes or P.MODES) do
@@ -218,7 +210,6 @@ function P.table(opt)
       end
     end
   end
-  kiln.set_default_device(old_default)
   return rows
 end
 
