@@ -26,6 +26,7 @@ local stream = require "kiln.stream"
 local lora = require "kiln.lora"
 local embedding = require "kiln.embedding"
 local taesd = require "kiln.taesd"
+local t5 = require "kiln.t5"
 
 local M = {}
 local fmt = string.format
@@ -203,8 +204,8 @@ end
 local function check_opts(opts)
   if opts == nil then return {} end
   if type(opts) ~= "table" then error("kiln.load_checkpoint: options must be a table", 3) end
-  local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, prediction = true,
-    family = true, scale_factor = true, zsnr = true, loras = true, embeddings = true }
+  local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, t5 = true,
+    prediction = true, family = true, scale_factor = true, zsnr = true, loras = true, embeddings = true }
   for k in pairs(opts) do
     if not known[k] then
       error(fmt("kiln.load_checkpoint: unknown option '%s' (known: %s)", tostring(k),
@@ -221,6 +222,9 @@ local function check_opts(opts)
     if opts[k] ~= nil and type(opts[k]) ~= "string" then
       error(fmt("kiln.load_checkpoint: %s must be a folder name, got %s", k, type(opts[k])), 3)
     end
+  end
+  if opts.t5 ~= nil and type(opts.t5) ~= "string" then
+    error(fmt("kiln.load_checkpoint: t5 must be a file or folder name, got %s", type(opts.t5)), 3)
   end
   return opts
 end
@@ -265,6 +269,12 @@ local function load_single(path, opts)
   local L = info.layout
   local fam = info.family
   local F = family.get(fam)
+  local uses_t5 = false
+  for _, e in ipairs(F.conditioning.encoders) do uses_t5 = uses_t5 or e.role == "t5" end
+  if opts.t5 and not uses_t5 then
+    error(fmt("kiln.load_checkpoint: %s is a %s checkpoint, which has no T5 encoder (t5 = %s)", path, F.label,
+      opts.t5), 3)
+  end
   local ckpt = { family = fam, path = path, metadata = src.meta, config = info }
   local function at(prefix)
     return { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = prefix }
@@ -309,6 +319,9 @@ local function load_single(path, opts)
   if #encs > 0 then
     attach_clip(ckpt, encs, opts, mf.beside_dirs(path), kiln.tokenizer and "" or NO_TOKENIZER_HINT)
   end
+
+  -- T5: a separate encoder file (kiln.load_t5 reads every layout users have)
+  if opts.t5 then ckpt.t5 = t5.load(opts.t5) end
 
   ckpt.scale_factor = scale
   ckpt.shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor

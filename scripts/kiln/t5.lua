@@ -289,6 +289,34 @@ function Encoder:forward(ids)
   return self:_run(batch)
 end
 
+--- The ids a prompt gives at a fixed length, as the pipelines feed T5 (BFL's and
+-- transformers' tokenizer with truncation and padding="max_length"): SentencePiece's
+-- ids; a longer text is cut to length - 1 ids and closed with </s> (1); a shorter one
+-- padded with <pad> (0). length nil: the ids as they are.
+function M.ids(text, length)
+  if type(text) ~= "string" then error("kiln.t5: the prompt must be a string, got " .. type(text), 3) end
+  local ids = M.tokenize(text)
+  if length == nil then return ids end
+  if math.type(length) ~= "integer" or length < 1 then
+    error(fmt("kiln.t5: length must be a positive integer, got %s", tostring(length)), 3)
+  end
+  if #ids > length then
+    local cut = table.move(ids, 1, length - 1, 1, {})
+    cut[length] = 1
+    return cut
+  end
+  for i = #ids + 1, length do ids[i] = 0 end
+  return ids
+end
+
+--- t5:encode(text [, opts]): the final hidden states [1, n, d_model] f32 of a prompt;
+-- opts.length pads or cuts the ids to that many (see M.ids), unmasked as BFL and
+-- ComfyUI run it.
+function Encoder:encode(text, opts)
+  opts = opts or {}
+  return self:forward({ M.ids(text, opts.length) })
+end
+
 -- ---------------------------------------------------------------- loading
 
 --- kiln.load_t5(path [, opts]): a T5 v1.1 encoder from a .safetensors file (ComfyUI's

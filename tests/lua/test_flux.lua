@@ -87,6 +87,21 @@ for _, case in ipairs({
   end)
 end
 
+test("Flux: {t5 = PATH} gives ckpt.t5; a family without T5 refuses the option by name", function()
+  local ck <close> = kiln.load_checkpoint(dev_file(), { t5 = "tests/golden/t5/comfy.safetensors" })
+  local y = ck.t5:forward({ 5, 17, 1 })
+  eq(H.shape_of(y), "1,3,32")
+  local err = raises(function() kiln.load_checkpoint(dev_file(), { t5 = 3 }) end)
+  truthy(err:find("t5 must be a file", 1, true), err)
+  err = raises(function() kiln.load_checkpoint(dev_file(), { t5 = "/nonexistent/t5.safetensors" }) end)
+  truthy(err:find("/nonexistent/t5.safetensors", 1, true), err)
+  local demo = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+  if io.open(demo, "rb") then
+    err = raises(function() kiln.load_checkpoint(demo, { t5 = "tests/golden/t5/comfy.safetensors" }) end)
+    truthy(err:find("no T5 encoder", 1, true), err)
+  end
+end)
+
 test("Flux: [dev] needs the guidance; wrong shapes are refused by name", function()
   local ck <close> = kiln.load_checkpoint(dev_file())
   local err = raises(function() return ck.dit:forward(IO.x, IO.t, IO.context, IO.y) end)

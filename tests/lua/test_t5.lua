@@ -297,5 +297,37 @@ test("t5: ids outside the vocabulary, or not integers, are errors", function()
   raises_with(function() enc:forward(big) end, "token id 1000000")
 end)
 
+test("t5: prompts at a fixed length: cut to length - 1 ids and closed with </s>, or padded with 0", function()
+  local ids = t5.tokenize("a photograph of an astronaut riding a horse")
+  local n = #ids
+  eq(ids[n], 1)
+  eq(table.concat(t5.ids("a photograph of an astronaut riding a horse"), ","), table.concat(ids, ","))
+  local padded = t5.ids("a photograph of an astronaut riding a horse", n + 3)
+  eq(#padded, n + 3)
+  eq(table.concat(padded, ",", 1, n), table.concat(ids, ","))
+  eq(padded[n + 1], 0); eq(padded[n + 3], 0)
+  local cut = t5.ids("a photograph of an astronaut riding a horse", 4)
+  eq(table.concat(cut, ","), table.concat({ ids[1], ids[2], ids[3], 1 }, ","))
+  eq(#t5.ids("", 5), 5)
+  eq(t5.ids("", 5)[1], 1)
+  raises_with(function() t5.ids("x", 0) end, "length must be a positive integer")
+  raises_with(function() t5.ids(3, 8) end, "prompt must be a string")
+end)
+
+test("t5:encode is forward over the prompt's ids; a tiny vocabulary refuses a real prompt by id", function()
+  local enc <close> = kiln.load_t5(GOLD .. "comfy.safetensors")
+  local ids = { 5, 17, 1, 0, 0, 0 }
+  local want = enc:forward(ids)
+  -- t5.ids is what encode feeds: check the plumbing with ids the tiny vocabulary has
+  local real_ids = t5.ids
+  t5.ids = function() return ids end
+  local ok, got = pcall(enc.encode, enc, "anything", { length = 6 })
+  t5.ids = real_ids
+  truthy(ok, tostring(got))
+  eq(H.shape_of(got), H.shape_of(want))
+  eq((got - want):abs():max(), 0)
+  raises_with(function() enc:encode("a photograph of an astronaut", { length = 16 }) end, "outside the vocabulary")
+end)
+
 os.execute("rm -rf '" .. TMP .. "'")
 H.done()
