@@ -286,7 +286,8 @@ local function load_single(path, opts)
   local scale = opts.scale_factor or meta_num(src.meta, "kiln.scale_factor") or F.latent.scale_factor
   if opts.vae then
     local vsrc, sub = sd.vae_file(opts.vae)
-    local vcfg = vae.config(sub, { scale_factor = scale, shift_factor = meta_num(src.meta, "kiln.shift_factor") })
+    local vcfg = vae.config(sub, { scale_factor = scale,
+      shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor })
     ckpt.vae = build_vae(vsrc, vcfg)
   elseif info.vae then
     info.vae.scale_factor = scale

@@ -37,10 +37,14 @@ end
 --- The denoiser of KSamplerX0Inpaint around den: before the model, the kept region
 -- (1 - m) of x is the input's latent noised to the current sigma with the noise the
 -- sampler started from; after it, the kept region of the prediction is the latent.
-function M.masked_denoiser(den, m, latent, noise)
+-- noised(sigma, noise, latent): the latent noised to sigma when not latent + noise *
+-- sigma (flow matching: kiln.flow.noise_scaling).
+function M.masked_denoiser(den, m, latent, noise, noised)
   local keep = 1 - m
   return function(x, sigma)
-    local xin = x * m + (latent + noise * sigma) * keep
+    local ln = noised and noised(sigma, noise, latent) or (latent + noise * sigma)
+    local xin = x * m + ln * keep
+    if noised then ln:free() end
     local out = den(xin, sigma)
     xin:free()
     local r = out * m + latent * keep
@@ -120,7 +124,7 @@ function M.run(ckpt, image, mask, opts)
   local rgb = image:narrow(2, 1, 3):to(dev):contiguous()
   local m = mask:to(dev):clamp(0, 1)
   local src = rgb
-  if ckpt.unet.config.in_channels == 9 then
+  if not rawget(ckpt, "dit") and ckpt.unet.config.in_channels == 9 then
     -- an inpainting UNet: ComfyUI's VAEEncodeForInpaint (grey fill, grown noise mask)
     -- and the model's concat (the noise mask at latent size, rounded; the latent)
     src = M.grey_fill(rgb, m)

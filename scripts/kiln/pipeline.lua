@@ -12,6 +12,8 @@ local progress = require "kiln.progress"
 local extra_networks = require "kiln.extra_networks"
 local seamless = require "kiln.seamless"
 local util = require "kiln.util"
+local family = require "kiln.family"
+local flow = require "kiln.flow"
 
 local M = {}
 
@@ -38,6 +40,7 @@ local COMMON_OPTIONS = {
   "eta", "s_noise", "sigmas", "add_noise", "callback",
   "preview", "previewer", "preview_every", "preview_precision",
   "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
+  "guidance", "t5_length", -- flow-matching families (Flux): distilled guidance, T5's padded length
 }
 local function option_set(...)
   local set = {}
@@ -78,10 +81,45 @@ end
 local check_controls -- below, with the ControlNet pieces
 local lowered_between_steps -- below, with the sampling
 
+--- The family definition of a checkpoint when it samples by flow matching (Flux), else nil.
+function M.flow_family(ckpt)
+  local F = ckpt and family.get(ckpt.family)
+  if F and F.defaults.prediction == "flow" then return F end
+  return nil
+end
+
+--- The network a run samples with: the transformer of a flow family (ckpt.dit), else the UNet.
+function M.net(ckpt) return rawget(ckpt, "dit") or ckpt.unet end
+
+-- A flow family's defaults (then its variant's: [schnell] 4 steps) under the caller's
+-- options; the family checks its own options (F.run_options: o._flow).
+local FLOW_DEFAULTS = { "sampler", "scheduler", "cfg", "steps" }
+local function flow_defaults(o, opts, ckpt, F)
+  local v = F.variants and F.variants[ckpt.variant] or {}
+  for _, k in ipairs(FLOW_DEFAULTS) do
+    local d = v[k]
+    if d == nil then d = F.defaults[k] end
+    if (opts or {})[k] == nil then o[k] = d end
+  end
+  o._flow = F.run_options(ckpt, opts or {})
+  flow.check_sampler(o.sampler)
+end
+
 local function opts_with_defaults(opts, ckpt)
   local o = {}
   for k, v in pairs(DEFAULTS) do o[k] = v end
   for k, v in pairs(opts or {}) do o[k] = v end
+  local F = M.flow_family(ckpt)
+  if F then
+    flow_defaults(o, opts, ckpt, F)
+  else
+    for _, k in ipairs({ "guidance", "t5_length" }) do
+      if o[k] ~= nil then
+        error(("%s is an option of the flow-matching families (Flux); this is an %s checkpoint"):format(k,
+          family.label(ckpt and ckpt.family)), 0)
+      end
+    end
+  end
   if o.cfg == nil then o.cfg = M.default_cfg(ckpt) end
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
@@ -92,7 +130,7 @@ end
 -- on those axes (kiln.seamless), so the picture tiles; closing the result (the end of
 -- the run, or an error) gives them back their previous mode.
 local function run_tileable(ckpt, o)
-  local nets = { ckpt.unet, ckpt.vae }
+  local nets = { M.net(ckpt), ckpt.vae }
   for _, c in ipairs(type(o.control) == "table" and o.control or {}) do
     if type(c) == "table" and type(c.net) == "table" then nets[#nets + 1] = c.net end
   end
@@ -112,6 +150,8 @@ end
 function M.image_size(ckpt)
   local m = ckpt.metadata and tonumber(ckpt.metadata["kiln.image_size"])
   if m then return m end
+  local F = M.flow_family(ckpt)
+  if F then return F.defaults.image_size end
   if ckpt.family == "sdxl" then return 1024 end
   if ckpt.family == "sd2" and ckpt.prediction == "v" then return 768 end
   return 512
@@ -163,9 +203,20 @@ function M.model_sampling(ckpt)
   return ckpt._ms
 end
 
+--- The model sampling of a flow family's run on latents of `shape` (Flux [dev] shifts
+-- its schedule by the image's token count; kiln.flow).
+function M.flow_sampling(ckpt, shape)
+  return flow.for_checkpoint(M.flow_family(ckpt), ckpt.variant, shape[3], shape[4])
+end
+
 --- Sigmas for `steps` steps at denoise strength d (< 1 starts part-way, as
 -- ComfyUI: the schedule of steps/d steps, keeping its last steps + 1 values).
-function M.sigmas(ckpt, scheduler, steps, d)
+-- shape: the latents' (a flow family's schedule depends on their size).
+function M.sigmas(ckpt, scheduler, steps, d, shape)
+  if M.flow_family(ckpt) then
+    if not shape then error("kiln.pipeline.sigmas: a flow-matching model's schedule needs the latent shape", 2) end
+    return flow.sigmas(M.flow_sampling(ckpt, shape), scheduler, steps, d)
+  end
   local ms = M.model_sampling(ckpt)
   d = d or 1
   if d <= 0 then return kiln.tensor({ 0 }, { device = "cpu" }) end -- host data, as the schedules
@@ -293,6 +344,22 @@ end
 -- strength, sigma_hi, sigma_lo}), their residuals summed into each UNet call (cond and
 -- uncond alike). Returns function(x, sigma) -> denoised.
 function M.denoiser(ckpt, cond, uncond, cfg, o)
+  local batch_f = o.batch_cfg
+  if batch_f == nil then batch_f = kiln.memory_mode() ~= "low" end
+  if M.flow_family(ckpt) then
+    -- a velocity network (kiln.flow): denoised = x - sigma * v, its distilled guidance
+    local dit, g = ckpt.dit, o._flow and o._flow.guidance
+    local fopts = g and { guidance = g } or nil
+    local function forward(x, t, ctx, y, n)
+      local tt = kiln.full({ n }, t)
+      local ok, v = pcall(dit.forward, dit, x, tt, ctx, y, fopts)
+      tt:free()
+      if not ok then error(v, 0) end
+      return v
+    end
+    return flow.denoiser(forward, { ms = o._ms or M.flow_sampling(ckpt, { 1, 1, 2, 2 }), cond = cond,
+      uncond = uncond, y_cond = o.y_cond, y_uncond = o.y_uncond, cfg = cfg, batch = batch_f })
+  end
   local unet = ckpt.unet
   local ms = M.model_sampling(ckpt)
   local v_pred = ms.prediction == "v"
@@ -397,7 +464,8 @@ end
 
 --- The number of pixels an image's width and height must be a multiple of: the
 -- VAE's factor (the UNet takes any latent size, as ComfyUI's: its downsamplers
--- round odd sizes up and its upsamplers meet the skip connection's size).
+-- round odd sizes up and its upsamplers meet the skip connection's size; a flow
+-- transformer packs 2x2 latent patches, which latent_size checks).
 function M.size_multiple(ckpt)
   return math.tointeger(ckpt.vae.factor or 8) or 8
 end
@@ -423,6 +491,10 @@ local function latent_size(ckpt, w, h)
   if w % f ~= 0 or h % f ~= 0 then
     error(("image size %dx%d pixels: width and height must be multiples of %d"):format(w, h, f), 3)
   end
+  if M.flow_family(ckpt) and ((w // f) % 2 ~= 0 or (h // f) % 2 ~= 0) then
+    error(("image size %dx%d pixels: %s packs the latent (%dx%d) in 2x2 patches: width and height / %d must be " ..
+      "even (multiples of %d pixels)"):format(w, h, family.label(ckpt.family), w // f, h // f, f, 2 * f), 3)
+  end
   return w // f, h // f
 end
 
@@ -446,10 +518,16 @@ end
 function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   -- o.sigmas: a schedule given whole (ComfyUI's KSamplerAdvanced steps); o.add_noise =
   -- false starts from x0 as it is (zero noise), as its add_noise "disable"
-  local sigmas = o.sigmas or M.sigmas(ckpt, o.scheduler, o.steps, o.denoise)
+  local F = M.flow_family(ckpt)
+  local sigmas = o.sigmas or M.sigmas(ckpt, o.scheduler, o.steps, o.denoise, shape)
   local s = sigmas:table()
   local noise = o.add_noise == false and kiln.zeros(shape) or kiln.randn(shape, { seed = o.seed })
-  local x = x0 and (x0 + noise * s[1]) or (noise * s[1])
+  local x
+  if F then -- flow matching: (1 - t) x0 + t noise
+    x = flow.noise_scaling(s[1], noise, x0)
+  else
+    x = x0 and (x0 + noise * s[1]) or (noise * s[1])
+  end
   -- a batch: the same conditioning for every image (copies freed after sampling)
   local n, copies = shape[1], {}
   local function rep(t)
@@ -458,7 +536,8 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
     return r
   end
   cond, uncond = rep(cond), rep(uncond)
-  local od = setmetatable({ y_cond = rep(o.y_cond), y_uncond = rep(o.y_uncond) }, { __index = o })
+  local od = setmetatable({ y_cond = rep(o.y_cond), y_uncond = rep(o.y_uncond),
+    _ms = F and M.flow_sampling(ckpt, shape) or nil }, { __index = o })
   if o.concat_mask and x0 then  -- an inpainting UNet (kiln.inpaint): mask and masked latent
     -- o.concat_latent: the masked image's own latent (ComfyUI's InpaintModelConditioning)
     od.concat = kiln.cat({ rep(o.concat_mask), o.concat_latent and rep(o.concat_latent) or x0 }, 2)
@@ -466,13 +545,14 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   end
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
-  local den = M.denoiser(ckpt, cond, uncond, o.cfg, od)
+  local den, den_close = M.denoiser(ckpt, cond, uncond, o.cfg, od)
+  local den_copies <close> = den_close and setmetatable({}, { __close = den_close }) or nil
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4,
       tileable = o.tileable })
   end
   if o.denoise_mask and x0 then -- inpainting: the kept region follows the input (kiln.inpaint)
-    den = require("kiln.inpaint").masked_denoiser(den, o.denoise_mask, x0, noise)
+    den = require("kiln.inpaint").masked_denoiser(den, o.denoise_mask, x0, noise, F and flow.noise_scaling or nil)
   end
   local bar = progress.start("sample", #s - 1)
   local preview <close> = require("kiln.preview").session(ckpt, o, device_of(o)) -- opts.preview, the host's
@@ -502,7 +582,7 @@ end
 -- VAE tiling for this run's size from the device's budget, and prints why.
 local function plan_memory(ckpt, o, W, H)
   if o.mode ~= "auto" then
-    ckpt.unet.resident_plan = nil          -- a plan of an earlier auto run does not carry over
+    M.net(ckpt).resident_plan = nil          -- a plan of an earlier auto run does not carry over
     return
   end
   o.width, o.height = o.width or W, o.height or H
@@ -514,6 +594,14 @@ end
 -- conditioning (SDXL) y = pooled text + the size embeddings of a W x H picture
 -- (uncropped, original = target size, as ComfyUI's default) in o.y_cond / o.y_uncond.
 local function conditioning(ckpt, o, W, H)
+  local F = M.flow_family(ckpt)
+  if F then -- the family's encoders, each loaded and unloaded in turn (F.encode_prompts)
+    local prompts = { o.prompt }
+    if o.cfg ~= 1 then prompts[2] = o.negative or "" end
+    local ctx, pooled = F.encode_prompts(ckpt, prompts, o._flow.t5_length, device_of(o))
+    o.y_cond, o.y_uncond = pooled[1], pooled[2]
+    return ctx[1], ctx[2]
+  end
   local cond, uncond, pooled, upooled = M.encode_prompts(ckpt, o.prompt, o.negative,
     { clip_skip = o.clip_skip, weighting = o.weighting })
   if ckpt.unet.config.adm_in_channels then
@@ -534,9 +622,11 @@ local function unload_on_error(ckpt)
   return setmetatable({}, { __close = function(_, err)
     if err == nil then return end
     local function unload_all()
-      for _, name in ipairs({ "clip", "unet", "vae" }) do
-        local part = ckpt[name]
-        if part and part.unload then part:unload() end
+      for _, name in ipairs({ "clip", "t5", "unet", "dit", "vae" }) do
+        local part = rawget(ckpt, name)
+        -- a part the checkpoint lacks stands in as a table that raises on any use
+        local ok, unload = pcall(function() return part and part.unload end)
+        if ok and unload then part:unload() end
       end
     end
     -- a cancel still requested raises again from the count hook every few thousand
@@ -555,8 +645,32 @@ local function run_loras(ckpt, o)
 end
 
 local function free_y(o)
-  if o.y_cond then o.y_cond:free(); o.y_uncond:free() end
+  if o.y_cond then o.y_cond:free() end
+  if o.y_uncond then o.y_uncond:free() end
   o.y_cond, o.y_uncond = nil, nil
+end
+
+-- cond and uncond after sampling (a flow run without a negative pass has no uncond)
+local function free_cond(cond, uncond)
+  cond:free()
+  if uncond then uncond:free() end
+end
+
+-- A flow family's encoders load and unload themselves (F.encode_prompts); SD's CLIP
+-- is loaded around the conditioning here.
+local function encode_stage(ckpt, o, W, H, dev)
+  if M.flow_family(ckpt) then return conditioning(ckpt, o, W, H) end
+  ckpt.clip:load(dev)
+  local c, u = conditioning(ckpt, o, W, H)
+  ckpt.clip:unload()                     -- the text encoder is not needed again
+  return c, u
+end
+
+-- the channels of the run's latents
+local function latent_channels(ckpt)
+  local F = family.get(ckpt.family)
+  if M.flow_family(ckpt) then return F.latent.channels end
+  return ckpt.vae.latent_channels or 4
 end
 
 -- A stage of a run: a span in traces, and a named stretch of the memory picture
@@ -595,18 +709,13 @@ function M.txt2img(ckpt, opts)
   plan_memory(ckpt, o, W, H)
   local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
-  local cond, uncond = stage("encode", function()
-    ckpt.clip:load(dev)
-    local c, u = conditioning(ckpt, o, W, H)
-    ckpt.clip:unload()                     -- the text encoder is not needed again
-    return c, u
-  end)
+  local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W, H, dev) end)
 
   local lat = stage("sample", function()
-    ckpt.unet:load(dev)
-    local l = M.sample_latents(ckpt, cond, uncond, o, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
-    cond:free(); uncond:free(); free_y(o)
-    ckpt.unet:unload()                     -- make room for the decoder
+    M.net(ckpt):load(dev)
+    local l = M.sample_latents(ckpt, cond, uncond, o, nil, { n, latent_channels(ckpt), lh, lw })
+    free_cond(cond, uncond); free_y(o)
+    M.net(ckpt):unload()                   -- make room for the decoder
     return l
   end)
 
@@ -642,18 +751,13 @@ function M.img2img(ckpt, image, opts)
     return x
   end)
 
-  local cond, uncond = stage("encode", function()
-    ckpt.clip:load(dev)
-    local c, u = conditioning(ckpt, o, W, H)
-    ckpt.clip:unload()
-    return c, u
-  end)
+  local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W, H, dev) end)
 
   local lat = stage("sample", function()
-    ckpt.unet:load(dev)
+    M.net(ckpt):load(dev)
     local l = M.sample_latents(ckpt, cond, uncond, o, x0, x0.shape)
-    x0:free(); cond:free(); uncond:free(); free_y(o)
-    ckpt.unet:unload()
+    x0:free(); free_cond(cond, uncond); free_y(o)
+    M.net(ckpt):unload()
     return l
   end)
 
@@ -689,19 +793,15 @@ function M.hires_fix(ckpt, opts)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
   local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
 
-  local cond, uncond = stage("encode", function()
-    ckpt.clip:load(dev)
-    local c, u = conditioning(ckpt, o, W2, H2) -- SDXL: both passes aim at the final size
-    ckpt.clip:unload()
-    return c, u
-  end)
+  -- SDXL: both passes aim at the final size
+  local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W2, H2, dev) end)
 
   local lat = stage("sample", function()
-    ckpt.unet:load(dev)
+    M.net(ckpt):load(dev)
     local first = opts_with_defaults(opts, ckpt)
     first.denoise = 1
     first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
-    return M.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
+    return M.sample_latents(ckpt, cond, uncond, first, nil, { n, latent_channels(ckpt), lh, lw })
   end)
 
   local up = stage("upscale", function()
@@ -710,7 +810,7 @@ function M.hires_fix(ckpt, opts)
       local mode = upscale == "latent-nearest" and "nearest-exact" or "bilinear"
       up = kiln.nn.interpolate(lat, { size = { lh2, lw2 }, mode = mode })
     elseif upscale == "image" then
-      ckpt.unet:offload()                    -- the decoder/encoder need the room now
+      M.net(ckpt):offload()                  -- the decoder/encoder need the room now
       ckpt.vae:load(dev)
       local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
       local big = kiln.nn.interpolate(img, { size = { H2, W2 }, mode = "bilinear" }):clamp(0, 1)
@@ -718,11 +818,11 @@ function M.hires_fix(ckpt, opts)
       up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
       big:free()
       ckpt.vae:offload()
-      ckpt.unet:load(dev)
+      M.net(ckpt):load(dev)
     elseif type(upscale) ~= "string" or upscale:match("^model:") then
       -- an upscale model (kiln.load_upscaler's, or "model:FILE"): the decoded image through
       -- it, resized to the second pass's size, encoded again
-      ckpt.unet:offload()
+      M.net(ckpt):offload()
       ckpt.vae:load(dev)
       local img = ckpt.vae:decode(lat, { tile = o.tile, overlap = o.overlap })
       ckpt.vae:offload()
@@ -732,7 +832,7 @@ function M.hires_fix(ckpt, opts)
       up = ckpt.vae:encode(big, { tile = o.tile, overlap = o.overlap })
       big:free()
       ckpt.vae:offload()
-      ckpt.unet:load(dev)
+      M.net(ckpt):load(dev)
     else
       error(("unknown upscale '%s' (latent-nearest, latent-bilinear, image, model:FILE or an upscaler)"):format(upscale), 5)
     end
@@ -748,8 +848,8 @@ function M.hires_fix(ckpt, opts)
   second.y_cond, second.y_uncond = o.y_cond, o.y_uncond
   local lat2 = stage("sample hires", function()
     local l = M.sample_latents(ckpt, cond, uncond, second, up, up.shape)
-    up:free(); cond:free(); uncond:free(); free_y(o)
-    ckpt.unet:unload()
+    up:free(); free_cond(cond, uncond); free_y(o)
+    M.net(ckpt):unload()
     return l
   end)
 

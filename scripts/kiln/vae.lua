@@ -1,5 +1,7 @@
 -- kiln.vae: the AutoencoderKL of Stable Diffusion (LDM's Encoder / Decoder with the
--- mid-block attention, quant_conv / post_quant_conv), over kiln.nn.
+-- mid-block attention, quant_conv / post_quant_conv), over kiln.nn; also Black Forest
+-- Labs' 16-channel autoencoder of Flux (the same network without quant_conv /
+-- post_quant_conv: cfg.quant false), latents (z - shift) * scale as its AutoEncoder.
 --   vae:decode(z [, {tile=, overlap=, mid=}])  latents as samplers produce them
 --       (already times the scale factor) -> images [B, 3, f*h, f*w] in [0, 1]; tiled
 --       decodes match the untiled one (image-wide GroupNorm, kiln.lockstep)
@@ -64,7 +66,10 @@ function M.config(shapes, opts)
     for i = 0, cfg.levels - 1 do
       cfg.ch_mult[i + 1] = need(shapes, fmt("decoder.up.%d.block.0.conv1.weight", i), "ch_mult")[1] // ch
     end
-    cfg.embed_dim = need(shapes, "post_quant_conv.weight", "embed_dim")[2]
+    -- no post_quant_conv (BFL's Flux autoencoder): the latent is conv_in's input
+    local pq = shapes["post_quant_conv.weight"]
+    cfg.quant = pq ~= nil
+    cfg.embed_dim = pq and pq[2] or cfg.z_channels
   end
   if has_enc then
     local s = need(shapes, "encoder.conv_in.weight", "ch")
@@ -83,7 +88,12 @@ function M.config(shapes, opts)
       end
     end
     cfg.z_channels = cfg.z_channels or need(shapes, "encoder.conv_out.weight", "z_channels")[1] // 2
-    cfg.embed_dim = cfg.embed_dim or need(shapes, "quant_conv.weight", "embed_dim")[1] // 2
+    local q = shapes["quant_conv.weight"]
+    if cfg.quant ~= nil and cfg.quant ~= (q ~= nil) then
+      error("VAE: quant_conv and post_quant_conv must both be there or both be absent", 0)
+    end
+    cfg.quant = q ~= nil
+    cfg.embed_dim = cfg.embed_dim or (q and q[1] // 2) or cfg.z_channels
   end
   cfg.in_channels = cfg.in_channels or 3
   cfg.out_ch = cfg.out_ch or 3
@@ -122,10 +132,10 @@ function M.expected(cfg)
     end
     res("encoder.mid.block_1", top, top); attn("encoder.mid.attn_1", top); res("encoder.mid.block_2", top, top)
     norm("encoder.norm_out", top); conv("encoder.conv_out", 2 * cfg.z_channels, top, 3)
-    conv("quant_conv", 2 * cfg.embed_dim, 2 * cfg.z_channels, 1)
+    if cfg.quant then conv("quant_conv", 2 * cfg.embed_dim, 2 * cfg.z_channels, 1) end
   end
   if cfg.has_decoder then
-    conv("post_quant_conv", cfg.z_channels, cfg.embed_dim, 1)
+    if cfg.quant then conv("post_quant_conv", cfg.z_channels, cfg.embed_dim, 1) end
     conv("decoder.conv_in", top, cfg.z_channels, 3)
     res("decoder.mid.block_1", top, top); attn("decoder.mid.attn_1", top); res("decoder.mid.block_2", top, top)
     local cin = top
@@ -385,6 +395,7 @@ function VAE:_mid(side, h)
 end
 
 function VAE:_dec_in(z)
+  if not self.config.quant then return conv(self, "decoder.conv_in", z, { padding = 1 }) end
   local h = conv(self, "post_quant_conv", z)
   return step(h, nil, conv(self, "decoder.conv_in", h, { padding = 1 }))
 end
@@ -444,8 +455,11 @@ function VAE:_enc_out(h)
   local cfg = self.config
   h = step(h, nil, self:_gn(h, "encoder.norm_out", true))
   h = step(h, nil, conv(self, "encoder.conv_out", h, { padding = 1 }))
-  local moments = conv(self, "quant_conv", h)
-  h:free()
+  local moments = h
+  if cfg.quant then
+    moments = conv(self, "quant_conv", h)
+    h:free()
+  end
   local mean = moments:narrow(2, 1, cfg.embed_dim):contiguous()
   moments:free()
   return mean
@@ -533,7 +547,7 @@ end
 -- latents as samplers produce them -> unscaled latents on the weights' device (new)
 function VAE:_unscale(z)
   local cfg = self.config
-  local dev = self:_device("post_quant_conv.weight")
+  local dev = self:_device("decoder.conv_in.weight")
   local zd = z.device ~= dev and z:to(dev) or nil
   local zs = (zd or z) / cfg.scale_factor
   if zd then zd:free() end
@@ -733,7 +747,7 @@ end
 -- lockstep, their latent-resolution outputs are blended, and the mid block (its
 -- attention sees every position) and the output convolutions run untiled.
 function VAE:_encode_tiles(img, mo)
-  local dev = self:_device("quant_conv.weight")
+  local dev = self:_device("encoder.conv_out.weight")
   local x2 = img * 2
   local x = x2 - 1
   x2:free()
@@ -841,7 +855,7 @@ function VAE:_record_gn(z, side)
 end
 
 function VAE:_encode_untiled(img)
-  local dev = self:_device("quant_conv.weight")
+  local dev = self:_device("encoder.conv_out.weight")
   local imgd = img.device ~= dev and img:to(dev) or nil
   local x2 = (imgd or img) * 2
   if imgd then imgd:free() end

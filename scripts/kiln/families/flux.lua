@@ -47,8 +47,10 @@ local M = {
   -- CLIP-L gives the pooled vector (y), T5-XXL the context; roles as the loaders name them
   conditioning = {
     encoders = {
+      -- BFL's HFEmbedder takes CLIPTextModel's pooler_output: the final norm at the
+      -- end token, without the text projection
       { role = "l", options = { "clip", "clip_l" }, meta = "clip", layer = -1, final_norm = true, pad = nil,
-        pooled = true },
+        pooled = "unprojected" },
       { role = "t5", options = { "t5" }, meta = "t5" },
     },
     pooled = true, size = false,
@@ -58,7 +60,7 @@ local M = {
   -- default guidance 3.5 (the cli's is 2.5); no negative pass (cfg 1); prompts padded
   -- to 512 T5 tokens on [dev], 256 on [schnell]
   defaults = { sampler = "euler", scheduler = "simple", cfg = 1.0, steps = 50, image_size = 1024,
-    prediction = "flow", guidance = 3.5, t5_length = 512, shift = true },
+    prediction = "flow", guidance = 3.5, t5_length = 512, shift = true, base_shift = 0.5, max_shift = 1.15 },
   variants = {
     dev = { steps = 50, guidance = 3.5, t5_length = 512, shift = true },
     schnell = { steps = 4, guidance = nil, t5_length = 256, shift = false },
@@ -75,5 +77,64 @@ local M = {
         "kiln.load_checkpoint(path, {t5 = PATH})",
   },
 }
+
+-- ---------------------------------------------------------------- pipelines
+
+-- The options only [dev] takes (a [schnell] file has no guidance embedder).
+local DEV_ONLY = { "guidance" }
+
+--- Checks a run's Flux options against the checkpoint (o: the caller's options) and
+-- returns the values the run uses: {guidance, t5_length}.
+function M.run_options(ckpt, o)
+  local v = M.variants[ckpt.variant] or M.variants.dev
+  if ckpt.variant == "schnell" then
+    for _, k in ipairs(DEV_ONLY) do
+      if o[k] ~= nil then
+        error(string.format("%s is a [dev] option: this Flux.1 checkpoint is [schnell] (no guidance_in.* " ..
+          "tensors: timestep-distilled, it takes no distilled guidance)", k), 0)
+      end
+    end
+  end
+  local g = o.guidance
+  if g == nil then g = v.guidance end
+  if g ~= nil and type(g) ~= "number" then error("guidance must be a number, got " .. type(g), 0) end
+  local n = o.t5_length or v.t5_length
+  if math.type(n) ~= "integer" or n < 1 then
+    error(string.format("t5_length must be a positive integer, got %s", tostring(o.t5_length)), 0)
+  end
+  return { guidance = g, t5_length = n }
+end
+
+--- The conditioning of prompts as BFL's prepare builds it: for each, the T5 states of
+-- its ids at t5_length tokens (ckpt.t5:encode) [1, L, d] and CLIP-L's pooled output
+-- over 77 tokens [1, d_clip] (the prompt as typed: no emphasis syntax, as BFL's
+-- tokenizers). T5 (the larger) runs and is unloaded before CLIP loads, and CLIP is
+-- unloaded after: the sampling that follows has the device to itself. Returns two
+-- lists (contexts, pooled vectors) in the prompts' order.
+function M.encode_prompts(ckpt, prompts, t5_length, dev)
+  local _ = ckpt.t5.encode, ckpt.clip.encode -- a missing encoder says which file to pass, before any work
+  local ctx, pooled = {}, {}
+  local ok, err = pcall(function()
+    ckpt.t5:load(dev)
+    for i, p in ipairs(prompts) do ctx[i] = ckpt.t5:encode(p, { length = t5_length }) end
+    ckpt.t5:unload()
+    ckpt.clip:load(dev)
+    for i, p in ipairs(prompts) do
+      local c, pl = ckpt.clip:encode(p, { emphasis = false })
+      c:free()
+      if not pl then error("Flux: the CLIP text encoder gave no pooled vector", 0) end
+      pooled[i] = pl
+    end
+    ckpt.clip:unload()
+  end)
+  if not ok then
+    for _, t in pairs(ctx) do t:free() end
+    for _, t in pairs(pooled) do t:free() end
+    pcall(ckpt.t5.unload, ckpt.t5)
+    pcall(ckpt.clip.unload, ckpt.clip)
+    error(err, 0)
+  end
+  return ctx, pooled
+end
 
 return M
