@@ -120,6 +120,26 @@ test("Flux img2img and true CFG run (denoise < 1 from the encoded picture; a neg
   a:free()
 end)
 
+test("Flux inpaint (noise mask) and hires fix run", function()
+  local ck <close> = load("schnell")
+  local mask = kiln.zeros({ 1, 1, 32, 32 })
+  local half = mask:narrow(4, 17, 16)
+  half:fill(1)
+  half:free()
+  local img = pipeline.inpaint(ck, GOLD.schnell_image, mask, { prompt = "", seed = 5 })
+  eq(H.shape_of(img), "1,3,32,32")
+  -- outside the mask (and its feather) the picture comes back as it went in
+  local keep = img:narrow(4, 1, 8):contiguous()
+  local want = GOLD.schnell_image:narrow(4, 1, 8):contiguous()
+  eq((keep - want):abs():max(), 0)
+  local d = (img - GOLD.schnell_image):abs():max()
+  truthy(d > 0, "the masked half is repainted")
+  img:free(); keep:free(); want:free(); mask:free()
+  local big = pipeline.hires_fix(ck, { prompt = "", seed = 7, width = 32, height = 32, scale = 2, hires_steps = 2 })
+  eq(H.shape_of(big), "1,3,64,64")
+  big:free()
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 
