@@ -521,7 +521,8 @@ function M.load_text_encoders(paths, opts)
   else F = family.detect_text_encoders(cfgs) end
   if not F then fail(paths[1], fmt("cannot tell the family of %d text encoder(s); name it with {family = ...} (%s)",
     #encs, family.known())) end
-  local want = #F.conditioning.encoders
+  local want = 0 -- the CLIP encoders (a T5 comes as its own file: kiln.load_t5)
+  for _, e in ipairs(F.conditioning.encoders) do if e.role ~= "t5" then want = want + 1 end end
   if want ~= #encs then
     fail(paths[1], fmt("%s needs %s text encoder(s), got %d", F.name, COUNT[want] or tostring(want), #encs))
   end

@@ -22,7 +22,7 @@ local registry = require "kiln.comfy.registry"
 local V = require "kiln.comfy.values"
 -- the built-in node types, one file per topic (as ComfyUI's categories group them);
 -- each registers its nodes when loaded
-for _, topic in ipairs({ "loaders", "conditioning", "sampling", "latent", "vae", "image" }) do
+for _, topic in ipairs({ "loaders", "conditioning", "sampling", "latent", "vae", "image", "flux" }) do
   require("kiln.comfy." .. topic)
 end
 
@@ -378,7 +378,7 @@ function Ctx:text_encoders(paths, family)
   return c
 end
 
---- The scale factor of the graph's latents, for a VAE loaded alone (in kiln the VAE
+--- The scale factor (and shift) of the graph's latents, for a VAE loaded alone (in kiln the VAE
 -- scales, in ComfyUI the model's latent format): the first model loader's (by node id),
 -- else the VAE file's own or SD's.
 function Ctx:latent_scale()
@@ -396,10 +396,11 @@ function Ctx:latent_scale()
     local ok, c = pcall(self.checkpoint, self, path)
     if ok and c.scale_factor then
       self.scale = c.scale_factor
+      self.shift = c.shift_factor
       break
     end
   end
-  return self.scale or nil
+  return self.scale or nil, self.shift
 end
 
 --- A model the run closes at its end.

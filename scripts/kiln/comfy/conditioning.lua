@@ -38,6 +38,10 @@ local function with_clip(ctx, clip, fn)
 end
 
 local function encode(ctx, clip, text)
+  if rawget(clip.ckpt, "t5") then -- Flux: T5 and CLIP-L (kiln.comfy.flux)
+    local e = require("kiln.comfy.flux").encode_text(ctx, clip, text)
+    return e.cond, e.pooled
+  end
   return with_clip(ctx, clip, function(part)
     return part:encode(text, { clip_skip = clip.clip_skip, weighting = "comfy" })
   end)

@@ -84,7 +84,7 @@ local WEIGHT_DTYPES = { default = false, fp8_e4m3fn = "f8_e4m3fn", fp8_e4m3fn_fa
 -- scale factor from its shapes and metadata)
 local function unet_value(ctx, path, dtype)
   local ckpt = ctx:checkpoint(path)
-  local unet = rawget(ckpt, "unet")
+  local unet = rawget(ckpt, "unet") or rawget(ckpt, "dit") -- a transformer family's network (Flux)
   if not unet then fail(ctx, path .. ": no UNet in this file") end
   return ctx:value("MODEL", { ckpt = ckpt, part = unet, loras = {}, dtype = dtype or nil }, nil, { unet })
 end
@@ -110,7 +110,7 @@ N.UnetLoaderGGUF = {
 -- CLIPLoader's and DualCLIPLoader's types kiln has models for (ComfyUI lists more): the
 -- family (false: told by the encoder, SD 1.x or 2.x, as ComfyUI's stable_diffusion does)
 local CLIP_TYPES = { stable_diffusion = false }
-local DUAL_CLIP_TYPES = { sdxl = "sdxl" }
+local DUAL_CLIP_TYPES = { sdxl = "sdxl", flux = "flux" }
 local CLIP_DEVICES = { default = false, cpu = "cpu" }
 
 local function clip_value(ctx, paths, family, device)
@@ -131,9 +131,14 @@ N.CLIPLoader = {
 N.DualCLIPLoader = {
   category = "advanced/loaders",
   inputs = { { "clip_name1", "FILE:text_encoders|clip" }, { "clip_name2", "FILE:text_encoders|clip" },
-    { "type", { "sdxl" } }, { "device", { "default", "cpu" }, optional = true } },
+    { "type", { "sdxl", "flux" } }, { "device", { "default", "cpu" }, optional = true } },
   outputs = { "CLIP" },
   run = function(ctx, a)
+    if a.type == "flux" then -- CLIP-L and T5-XXL (kiln.comfy.flux)
+      local ckpt = require("kiln.comfy.flux").text_encoders(ctx, { a.clip_name1, a.clip_name2 })
+      return { ctx:value("CLIP", { ckpt = ckpt, part = ckpt.clip, loras = {}, device = CLIP_DEVICES[a.device] or nil },
+        nil, { ckpt.clip, ckpt.t5 }) }
+    end
     return { clip_value(ctx, { a.clip_name1, a.clip_name2 }, DUAL_CLIP_TYPES[a.type], CLIP_DEVICES[a.device]) }
   end,
 }
@@ -160,7 +165,8 @@ N.VAELoader = {
       local enc = path:gsub("_decoder(%.[^/]*)$", "_encoder%1")
       vae = kiln.load_taesd({ decoder = path, encoder = enc ~= path and lfs.attributes(enc, "mode") == "file" and enc or nil })
     else
-      vae = require("kiln.checkpoint").load_vae(path, { scale_factor = ctx:latent_scale() })
+      local scale, shift = ctx:latent_scale()
+      vae = require("kiln.checkpoint").load_vae(path, { scale_factor = scale, shift_factor = shift })
     end
     ctx:own_model(vae)
     ctx.names[vae] = path:match("([^/]+)$")
