@@ -1412,8 +1412,25 @@ function kiln.pipeline.model_hash(ckpt, force) end
 ---@param scheduler kiln.SchedulerName
 ---@param steps integer
 ---@param denoise? number
+---@param shape? integer[] the latents' shape (needed by a flow-matching family: Flux)
 ---@return kiln.Tensor
-function kiln.pipeline.sigmas(ckpt, scheduler, steps, denoise) end
+function kiln.pipeline.sigmas(ckpt, scheduler, steps, denoise, shape) end
+
+---The family definition of a checkpoint that samples by flow matching (Flux), else nil.
+---@param ckpt kiln.Checkpoint
+---@return table?
+function kiln.pipeline.flow_family(ckpt) end
+
+---The model sampling (kiln.flow) of a flow family's run on latents of that shape.
+---@param ckpt kiln.Checkpoint
+---@param shape integer[]
+---@return table
+function kiln.pipeline.flow_sampling(ckpt, shape) end
+
+---The network a run samples with: ckpt.dit (Flux) or ckpt.unet.
+---@param ckpt kiln.Checkpoint
+---@return kiln.Model
+function kiln.pipeline.net(ckpt) end
 
 ---Conditioning: cond, uncond (and the pooled vectors where the family has them).
 ---@param ckpt kiln.Checkpoint
