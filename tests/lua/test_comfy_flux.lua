@@ -144,6 +144,19 @@ test("ComfyUI Flux graph: ModelSamplingFlux shifts by the size; CFGGuider with t
   truthy((gotc - wantb):abs():max() <= 1 / 255 + 1e-6, "cfg 2 with the same negative")
 end)
 
+test("ComfyUI Flux graph with KSampler (cfg 1) and CLIPTextEncode + FluxGuidance: the custom sampler's picture", function()
+  local g = graph("dev", { guidance = 2.0 })
+  g["3"] = { class_type = "CLIPTextEncode", inputs = { clip = { "2", 0 }, text = "" } }
+  g["13"] = { class_type = "FluxGuidance", inputs = { conditioning = { "3", 0 }, guidance = 2.0 } }
+  g["9"] = { class_type = "KSampler", inputs = { model = { "1", 0 }, seed = 7, steps = 4, cfg = 1.0,
+    sampler_name = "euler", scheduler = "simple", positive = { "13", 0 }, negative = { "3", 0 },
+    latent_image = { "4", 0 }, denoise = 1.0 } }
+  for _, k in ipairs({ "5", "6", "7", "8" }) do g[k] = nil end
+  local got = run(g)
+  local want = expected("dev", 1.15, 2.0)
+  eq((got - want):abs():max(), 0)
+end)
+
 test("ComfyUI Flux: DualCLIPLoader flux without a T5 file is refused by name", function()
   local g = graph("schnell")
   g["2"].inputs.clip_name1 = "clip_l.safetensors"

@@ -31,6 +31,7 @@ local DEFAULT_GUIDANCE = 3.5
 M.T5_MIN_LENGTH = 256
 
 local function is_flux(ckpt) return pipeline.flow_family(ckpt) ~= nil end
+M.is_flux = is_flux
 
 --- The model sampling of a MODEL value: ModelSamplingFlux's, else ComfyUI's default for
 -- the variant (flow families), else nil (SD's discrete schedule).
@@ -157,6 +158,26 @@ N.EmptySD3LatentImage = {
   end,
 }
 
+-- The run options of a Flux model's sampling (kiln.pipeline.sample_latents): the
+-- distilled guidance of the positive conditioning ([dev]; 3.5 when it has none), the
+-- pooled vectors, and the sigmas of the model's sampling (ModelSamplingFlux's or
+-- ComfyUI's default shift) unless o.sigmas is given. For KSampler and SamplerCustomAdvanced.
+function M.ksampler_options(ctx, model, pe, ne, o, made)
+  local ckpt = model.ckpt
+  flow.check_sampler(o.sampler)
+  if not pe.pooled or (o.cfg ~= 1 and not (ne and ne.pooled)) then
+    fail(ctx, "a Flux model needs CLIP-L's pooled output (CLIPTextEncodeFlux or CLIPTextEncode with a flux CLIP)")
+  end
+  local gd = pe.guidance
+  if gd == nil then gd = DEFAULT_GUIDANCE end
+  o._flow = { guidance = ckpt.variant == "dev" and gd or nil }
+  o.y_cond, o.y_uncond = pe.pooled, o.cfg ~= 1 and ne.pooled or nil
+  if not o.sigmas then
+    o.sigmas = flow.sigmas(M.model_sampling(model), o.scheduler, o.steps, o.denoise or 1)
+    made[#made + 1] = o.sigmas
+  end
+end
+
 -- ------------------------------------------------------------------ custom sampling
 
 local SEED_MAX = 18446744073709551615.0
@@ -251,17 +272,12 @@ N.SamplerCustomAdvanced = {
     local x0 = lat.samples
     local o = { seed = a.noise.seed, sampler = a.sampler.name, sigmas = a.sigmas.sigmas, cfg = g.cfg,
       add_noise = not a.noise.disabled, device = ctx.device, denoise = 1 }
+    local made = {}
     if is_flux(ckpt) then
-      flow.check_sampler(o.sampler)
-      local gd = pe.guidance
-      if gd == nil then gd = DEFAULT_GUIDANCE end
-      o._flow = { guidance = ckpt.variant == "dev" and gd or nil }
-      o.y_cond, o.y_uncond = pe.pooled, ne and ne.pooled or nil
-      if not pe.pooled then fail(ctx, "a Flux model needs CLIP-L's pooled output (CLIPTextEncodeFlux or CLIPTextEncode)") end
+      M.ksampler_options(ctx, model, pe, ne, o, made)
     elseif model.part.config.adm_in_channels then
       fail(ctx, "SDXL with SamplerCustomAdvanced is not supported yet (use KSampler)")
     end
-    local made = {}
     if lat.noise_mask then
       o.denoise_mask = require("kiln.inpaint").latent_mask(lat.noise_mask, x0.shape[3], x0.shape[4])
       made[#made + 1] = o.denoise_mask

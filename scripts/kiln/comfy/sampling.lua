@@ -162,7 +162,11 @@ local function ksample(ctx, a, adv)
   if #pe.control > 0 then o.control = pe.control end
   local unet = model.part
   local lh, lw = x0.shape[3], x0.shape[4]
-  if unet.config.adm_in_channels then
+  local flux = require "kiln.comfy.flux"
+  if flux.is_flux(ckpt) then -- guidance, pooled vectors and the model's schedule (kiln.comfy.flux)
+    if not plain then fail(ctx, "combined or area conditioning with a Flux model is not supported yet") end
+    flux.ksampler_options(ctx, model, pe, ne, o, made)
+  elseif unet.config.adm_in_channels then
     if not (pe.pooled and ne.pooled) then fail(ctx, "this UNet needs a pooled text vector (SDXL)") end
     local size = pe.size or { width = lw * 8, height = lh * 8 }
     o.y_cond, o.y_uncond = unet:sdxl_vector(pe.pooled, size), unet:sdxl_vector(ne.pooled, ne.size or size)
@@ -183,7 +187,7 @@ local function ksample(ctx, a, adv)
   if adv then
     -- KSamplerAdvanced: the whole schedule's steps start_at_step..end_at_step; without
     -- leftover noise a schedule cut short ends at sigma 0
-    local full = pipeline.sigmas(ckpt, a.scheduler, a.steps, 1)
+    local full = o.sigmas and o.sigmas:clone() or pipeline.sigmas(ckpt, a.scheduler, a.steps, 1) -- Flux: the model's
     local n = a.steps
     local first, last = math.max(0, a.start_at_step), math.min(n, a.end_at_step)
     if first >= last then
