@@ -99,6 +99,10 @@ test("Flux: odd sizes, [dev]-only options on [schnell], SD options are refused b
   truthy(err:find("euler_ancestral", 1, true), err)
   err = raises(function() return pipeline.txt2img(ck, { width = 32, height = 32, t5_length = 0 }) end)
   truthy(err:find("t5_length", 1, true), err)
+  -- Flux's options on an SD checkpoint
+  local sd <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
+  err = raises(function() return pipeline.txt2img(sd, { width = 32, height = 32, guidance = 3.5 }) end)
+  truthy(err:find("guidance", 1, true) and err:find("SD 1", 1, true), err)
   -- a diffusion-model file alone: the missing encoder names the file to pass
   local alone <close> = kiln.load_checkpoint(dit_file("schnell"), { vae = ae_file() })
   err = raises(function() return pipeline.txt2img(alone, { width = 32, height = 32 }) end)
