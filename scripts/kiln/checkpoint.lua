@@ -416,9 +416,10 @@ local function fill_diffusers_dit(ckpt, dir, opts, F, tdir, cj)
     fail(tdir, fmt("family option %q, but this is a %s transformer (%s)", opts.family, F.label,
       tostring(mf.json_string(cj, "_class_name"))))
   end
+  dit_files.check_composites(#tfiles == 1 and tfiles[1] or tdir, src)
   local cshapes = dit_files.canonical_shapes(src.shapes, lay.map, lay.composite)
   local ok, cfg = pcall(require(F.dit).config, cshapes, meta)
-  if not ok then fail(tfiles[1], tostring(cfg) .. (D.names_hint or "")) end
+  if not ok then fail(#tfiles == 1 and tfiles[1] or tdir, tostring(cfg) .. (D.names_hint or "")) end
   ckpt.family, ckpt.path, ckpt.metadata = F.name, dir, src.meta
   ckpt.config = { family = F.name, dit = cfg }
   ckpt.dit = build_dit(src, cfg, F)

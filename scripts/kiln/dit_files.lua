@@ -135,6 +135,22 @@ function M.canonical_shapes(shapes, map, composite)
   return r
 end
 
+--- Raises naming the stored tensors missing from composites the file has other parts
+-- of (a damaged diffusers folder), before the configuration is read from the shapes.
+function M.check_composites(path, src, who)
+  local problems = {}
+  for _, canon in ipairs(util.sorted_keys(src.composite or {})) do
+    local _, _, missing = M.composite_shape(src.composite[canon], src.shapes)
+    if missing and #missing < #src.composite[canon] then
+      for _, n in ipairs(missing) do problems[#problems + 1] = fmt("missing tensor '%s' (part of %s)", n, canon) end
+    end
+  end
+  if #problems > 0 then
+    util.file_error(who or "kiln.load_checkpoint", path, fmt("the transformer's weights are incomplete (%d " ..
+      "problem%s):\n  %s", #problems, #problems == 1 and "" or "s", table.concat(problems, "\n  ")))
+  end
+end
+
 --- Checks every expected tensor against the file through the layout; raises one
 -- error naming the file and the stored names (missing, or shapes that differ).
 function M.validate(path, what, expected, src, who)

@@ -33,7 +33,8 @@ local M = {
     ldm = { find_unet = files.find_dit, vae = files.VAE_PREFIX, clip = { { prefix = files.CLIP_PREFIX, role = "l" } },
       t5 = files.T5_PREFIX },
     diffusers = { transformer = "transformer", vae = "vae", clip = { { folder = "text_encoder", role = "l" } },
-      t5 = "text_encoder_2", layout = files.diffusers_layout, meta = files.diffusers_meta },
+      t5 = "text_encoder_2", layout = files.diffusers_layout, meta = files.diffusers_meta,
+      names_hint = files.DIFFUSERS_HINT },
   },
   unet = {},
   dit = "kiln.flux",      -- the module that builds the network (config, expected, new)

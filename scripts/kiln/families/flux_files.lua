@@ -188,6 +188,10 @@ function M.check_parts(ckpt, opts)
   end
 end
 
+-- What a message in BFL's names means in a diffusers folder.
+M.DIFFUSERS_HINT = " (in diffusers' names double_blocks.N is transformer_blocks.N, single_blocks.N " ..
+    "single_transformer_blocks.N)"
+
 --- The diffusers transformer class this family reads.
 M.DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
