@@ -22,6 +22,12 @@ this generator's own implementation of each tool's published conversion:
   with model.diffusion_model., no metadata keys; Q8_0 where rows allow, 1-D F32).
   The GGUF writer and block quantizers are tests/golden/gen_gguf.py's (the GGUF
   specification, ggml's block formats).
+And LoRAs for it in kohya's (lora_unet_double_blocks_0_img_attn_qkv.lora_down /
+lora_up / alpha), diffusers / PEFT's (transformer.transformer_blocks.0.attn.to_q.lora_A /
+lora_B: rows of the fused qkv), XLabs' (double_blocks.0.processor.qkv_lora1.down / up)
+and ComfyUI's (diffusion_model.double_blocks... with lora_down / up or lora_A / B)
+names, each with lora_<format>.merged.safetensors: the weights they touch merged by
+the published arithmetic W[rows] + up @ down * alpha / rank (no alpha: 1), in f32.
 The heads and rotary axes of a model this small are not BFL's defaults: the
 safetensors and GGUF files say them as kiln.flux.heads / kiln.flux.axes_dim.
 
@@ -309,6 +315,72 @@ def write_gguf(w, qtype, path, prefix="", arch=True):
     print("   types:", ", ".join("%s %d" % (k, n) for k, n in sorted(used.items())))
 
 
+# ------------------------------------------------------------------ LoRA
+
+def lora_pair(rng, out, inp, rank):
+    down = (rng.standard_normal((rank, inp)) / math.sqrt(inp)).astype(F)
+    up = (rng.standard_normal((out, rank)) * 0.1).astype(F)
+    return down, up
+
+
+def write_loras(w):
+    """Each format's keys for a few modules, and the merged weights the published
+    arithmetic gives: W[rows] + up @ down * alpha / rank (alpha absent: 1), in f32."""
+    H, M = HIDDEN, MLP
+    rng = np.random.default_rng(39)
+    formats = {}
+    # (key module, ending style, BFL tensor, first row, row count, rank, alpha)
+    formats["kohya"] = [
+        ("lora_unet_double_blocks_0_img_attn_qkv", "kohya", "double_blocks.0.img_attn.qkv", 0, 3 * H, 4, 2.0),
+        ("lora_unet_single_blocks_0_linear1", "kohya", "single_blocks.0.linear1", 0, 3 * H + M, 4, 4.0),
+        ("lora_unet_double_blocks_0_txt_mlp_0", "kohya", "double_blocks.0.txt_mlp.0", 0, M, 2, 1.0),
+        ("lora_unet_final_layer_adaLN_modulation_1", "kohya", "final_layer.adaLN_modulation.1", 0, 2 * H, 2, None),
+        ("lora_unet_double_blocks_7_img_attn_qkv", "kohya", None, 0, 3 * H, 2, 1.0),   # no such block
+    ]
+    formats["peft"] = [
+        ("transformer.transformer_blocks.0.attn.to_q", "peft", "double_blocks.0.img_attn.qkv", 0, H, 4, None),
+        ("transformer.transformer_blocks.0.attn.to_k", "peft", "double_blocks.0.img_attn.qkv", H, H, 4, None),
+        ("transformer.transformer_blocks.0.attn.add_v_proj", "peft", "double_blocks.0.txt_attn.qkv", 2 * H, H, 4,
+         None),
+        ("transformer.single_transformer_blocks.0.attn.to_v", "peft", "single_blocks.0.linear1", 2 * H, H, 2, None),
+        ("transformer.single_transformer_blocks.0.proj_mlp", "peft", "single_blocks.0.linear1", 3 * H, M, 2, None),
+        ("transformer.transformer_blocks.0.ff.net.0.proj", "peft", "double_blocks.0.img_mlp.0", 0, M, 2, None),
+        ("transformer.single_transformer_blocks.0.proj_out", "peft", "single_blocks.0.linear2", 0, H, 2, None),
+    ]
+    formats["xlabs"] = [
+        ("double_blocks.0.processor.qkv_lora1", "xlabs", "double_blocks.0.img_attn.qkv", 0, 3 * H, 4, None),
+        ("double_blocks.0.processor.proj_lora2", "xlabs", "double_blocks.0.txt_attn.proj", 0, H, 4, None),
+        ("single_blocks.0.processor.qkv_lora", "xlabs", "single_blocks.0.linear1", 0, 3 * H, 4, None),
+    ]
+    formats["comfy"] = [
+        ("diffusion_model.double_blocks.0.img_mod.lin", "kohya", "double_blocks.0.img_mod.lin", 0, 6 * H, 2, 1.0),
+        ("diffusion_model.single_blocks.0.linear2", "peft", "single_blocks.0.linear2", 0, H, 2, None),
+        ("diffusion_model.double_blocks.0.txt_attn.qkv", "peft", "double_blocks.0.txt_attn.qkv", 0, 3 * H, 2, None),
+    ]
+    ends = {"kohya": (".lora_down.weight", ".lora_up.weight"), "peft": (".lora_A.weight", ".lora_B.weight"),
+            "xlabs": (".down.weight", ".up.weight")}
+    for fmt_name, mods in formats.items():
+        arrays, merged = {}, {}
+        for key, style, target, first, count, rank, alpha in mods:
+            inp = w[target + ".weight"].shape[1] if target else H
+            down, up = lora_pair(rng, count, inp, rank)
+            dn, un = ends[style]
+            arrays[key + dn] = down
+            arrays[key + un] = up
+            if alpha is not None:
+                arrays[key + ".alpha"] = np.array(alpha, dtype=F)
+            if target is None:
+                continue
+            name = target + ".weight"
+            m = merged.get(name, w[name].copy())
+            scale = (alpha / rank) if alpha is not None else 1.0
+            m[first:first + count] = (m[first:first + count].astype(np.float64) +
+                                      (up.astype(np.float64) @ down.astype(np.float64)) * scale).astype(F)
+            merged[name] = m
+        safetensors(os.path.join(OUT, "lora_%s.safetensors" % fmt_name), arrays)
+        safetensors(os.path.join(OUT, "lora_%s.merged.safetensors" % fmt_name), merged)
+
+
 # ------------------------------------------------------------------ main
 
 def main():
@@ -327,6 +399,7 @@ def main():
     for q in ("f16", "q8_0", "q5_k", "q4_k", "q4_0"):
         write_gguf(w, q, os.path.join(OUT, "city96_%s.gguf" % q))
     write_gguf(ws, "q8_0", os.path.join(OUT, "sdcpp_q8_0.gguf"), prefix="model.diffusion_model.", arch=False)
+    write_loras(w)
 
 
 if __name__ == "__main__":

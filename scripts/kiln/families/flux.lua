@@ -40,6 +40,7 @@ local M = {
   dit = "kiln.flux",      -- the module that builds the network (config, expected, new)
   variant = variant,
   check_parts = files.check_parts,   -- the variant asked for, the text encoders' widths
+  lora = "kiln.lora_flux",           -- the names LoRAs give the transformer's weights
 
   -- CLIP-L gives the pooled vector (y), T5-XXL the context; roles as the loaders name them
   conditioning = {
