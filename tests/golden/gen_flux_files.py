@@ -336,6 +336,10 @@ def write_loras(w):
         ("lora_unet_double_blocks_0_txt_mlp_0", "kohya", "double_blocks.0.txt_mlp.0", 0, M, 2, 1.0),
         ("lora_unet_final_layer_adaLN_modulation_1", "kohya", "final_layer.adaLN_modulation.1", 0, 2 * H, 2, None),
         ("lora_unet_double_blocks_7_img_attn_qkv", "kohya", None, 0, 3 * H, 2, 1.0),   # no such block
+        # sd-scripts' split_qkv, as its state_dict saves it: the downs stacked [3r, in],
+        # the ups block-diagonal [3H, 3r], alpha unchanged (consumers scale by alpha
+        # over the stacked rank)
+        ("lora_unet_double_blocks_0_txt_attn_qkv", "kohya-split", "double_blocks.0.txt_attn.qkv", 0, 3 * H, 2, 2.0),
     ]
     formats["peft"] = [
         ("transformer.transformer_blocks.0.attn.to_q", "peft", "double_blocks.0.img_attn.qkv", 0, H, 4, None),
@@ -363,7 +367,15 @@ def write_loras(w):
         arrays, merged = {}, {}
         for key, style, target, first, count, rank, alpha in mods:
             inp = w[target + ".weight"].shape[1] if target else H
-            down, up = lora_pair(rng, count, inp, rank)
+            if style == "kohya-split":
+                parts = [lora_pair(rng, H, inp, rank) for _ in range(3)]
+                down = np.concatenate([p[0] for p in parts], axis=0)
+                up = np.zeros((3 * H, 3 * rank), dtype=F)
+                for j, p in enumerate(parts):
+                    up[j * H:(j + 1) * H, j * rank:(j + 1) * rank] = p[1]
+                rank, style = 3 * rank, "kohya"
+            else:
+                down, up = lora_pair(rng, count, inp, rank)
             dn, un = ends[style]
             arrays[key + dn] = down
             arrays[key + un] = up
