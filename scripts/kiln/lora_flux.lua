@@ -9,7 +9,8 @@
 --                          (the q / k / v rows of linear1) and proj_lora (linear2)
 --   diffusers / PEFT       transformer.transformer_blocks.0.attn.to_q (and add_q_proj,
 --                          single_transformer_blocks.N.attn.to_q / proj_mlp ...): rows of
---                          BFL's fused tensors, as diffusers' converter splits them
+--                          BFL's fused tensors, as diffusers' converter splits them;
+--                          norm_out.linear: the final modulation, halves swapped
 --   OneTrainer             lora_transformer_transformer_blocks_0_attn_to_q
 -- A module whose rows the checkpoint stores as several tensors (a diffusers folder)
 -- targets the stored tensor when the rows are one of them, else each part in turn
@@ -157,6 +158,22 @@ function M.index(index, dit)
     alias(x[1], r)
     alias("diffusion_model." .. x[1], r)
   end
+  -- diffusers' norm_out.linear: BFL's final modulation with its (shift, scale) halves
+  -- swapped to (scale, shift); a folder stores it so, BFL's file gets the halves crossed
+  local fin, H = "final_layer.adaLN_modulation.1", cfg.hidden
+  local no
+  if w.composite and w.composite[fin .. ".weight"] then
+    local segs = w.composite[fin .. ".weight"]
+    no = { part = "unet", store = w.store, module = fin, weight = { name = segs[1].name, shape = shapes[fin .. ".weight"] } }
+  else
+    local real = w:real(fin .. ".weight")
+    no = { part = "unet", store = w.store, module = fin, weight = { name = real, shape = shapes[fin .. ".weight"] },
+      split = { { name = real, rows = { H + 1, H }, from = 1, count = H },
+        { name = real, rows = { 1, H }, from = H + 1, count = H } } }
+  end
+  alias("transformer.norm_out.linear", no)
+  alias("norm_out.linear", no)
+  alias("lora_transformer_norm_out_linear", no)
   for _, d in ipairs(diffusers_modules(cfg)) do
     local r = rec(d[2], d[3])
     local us = d[1]:gsub("%.", "_")

@@ -350,6 +350,8 @@ def write_loras(w):
         ("transformer.single_transformer_blocks.0.proj_mlp", "peft", "single_blocks.0.linear1", 3 * H, M, 2, None),
         ("transformer.transformer_blocks.0.ff.net.0.proj", "peft", "double_blocks.0.img_mlp.0", 0, M, 2, None),
         ("transformer.single_transformer_blocks.0.proj_out", "peft", "single_blocks.0.linear2", 0, H, 2, None),
+        # diffusers' norm_out.linear is BFL's final modulation with its halves swapped
+        ("transformer.norm_out.linear", "peft-swap", "final_layer.adaLN_modulation.1", 0, 2 * H, 2, None),
     ]
     formats["xlabs"] = [
         ("double_blocks.0.processor.qkv_lora1", "xlabs", "double_blocks.0.img_attn.qkv", 0, 3 * H, 4, None),
@@ -376,6 +378,9 @@ def write_loras(w):
                 rank, style = 3 * rank, "kohya"
             else:
                 down, up = lora_pair(rng, count, inp, rank)
+            swap = style == "peft-swap"
+            if swap:
+                style = "peft"
             dn, un = ends[style]
             arrays[key + dn] = down
             arrays[key + un] = up
@@ -386,8 +391,10 @@ def write_loras(w):
             name = target + ".weight"
             m = merged.get(name, w[name].copy())
             scale = (alpha / rank) if alpha is not None else 1.0
-            m[first:first + count] = (m[first:first + count].astype(np.float64) +
-                                      (up.astype(np.float64) @ down.astype(np.float64)) * scale).astype(F)
+            delta = (up.astype(np.float64) @ down.astype(np.float64)) * scale
+            if swap:   # (scale, shift) rows -> BFL's (shift, scale)
+                delta = np.concatenate([delta[count // 2:], delta[:count // 2]], axis=0)
+            m[first:first + count] = (m[first:first + count].astype(np.float64) + delta).astype(F)
             merged[name] = m
         safetensors(os.path.join(OUT, "lora_%s.safetensors" % fmt_name), arrays)
         safetensors(os.path.join(OUT, "lora_%s.merged.safetensors" % fmt_name), merged)

@@ -31,7 +31,7 @@ local CASES = {
   -- format, file, patched weights (canonical tensors), the keys left unmatched, h.format
   { "kohya", 5, { "lora_unet_double_blocks_7_img_attn_qkv.alpha", "lora_unet_double_blocks_7_img_attn_qkv.lora_down.weight",
     "lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight" }, "kohya" },
-  { "peft", 5, {}, "peft" },
+  { "peft", 6, {}, "peft" },
   { "xlabs", 3, {}, "xlabs" },
   { "comfy", 3, {}, nil },
 }
