@@ -10,6 +10,7 @@
 -- root) either to one stored name (`map`, or the source's prefix) or to a list of
 -- segments (`composite`): {{name = stored name, rows = {first, count} | nil}, ...},
 -- concatenated along the first dimension in order.
+local kiln = require "kiln"
 local util = require "kiln.util"
 local mf = require "kiln.model_files"
 local stream = require "kiln.stream"
@@ -69,15 +70,16 @@ function Weights:tensor(name)
       end
       parts[i] = p
     end
-    t = #parts == 1 and parts[1]:contiguous() or require("kiln").cat(parts, 1)
+    t = #parts == 1 and parts[1]:contiguous() or kiln.cat(parts, 1)
     for _, p in ipairs(parts) do p:free() end
   else
     t = self.store:tensor(self:real(name))
   end
   if s then
-    -- ComfyUI's scaled fp8: the weight is the stored value times scale_weight,
-    -- computed in f32 (its dequantization: stored.to(dtype) * scale)
-    local f = t:to("f32")
+    -- ComfyUI's scaled fp8: the weight is the stored value times scale_weight, in the
+    -- dtype the network computes in (its dequantization: stored.to(dtype) * scale)
+    local dt = kiln.activation_dtype and kiln.activation_dtype(t.device) or "f32"
+    local f = t:to(dt)
     local r = f * s
     f:free(); t:free()
     t = r
