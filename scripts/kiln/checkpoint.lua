@@ -67,9 +67,18 @@ function M.inspect(shapes, meta, path, forced)
   local F = family.get(L.family)
   local info = { family = L.family, layout = L }
   if F.dit then -- a transformer family: its module reads the configuration (F.dit names it)
-    local ok, cfg = pcall(require(F.dit).config, mf.sub(shapes, L.unet), meta)
+    -- in the reference's names; a file in another naming (diffusers') through its layout
+    local sub = mf.sub(shapes, L.unet)
+    local lay = F.parts.ldm.layout and F.parts.ldm.layout(shapes, L.unet)
+    if lay then
+      dit_files.check_composites(path, { composite = lay.composite, shapes = shapes })
+      sub = dit_files.canonical_shapes(shapes, lay.map, lay.composite)
+      info.dit_layout = lay
+    end
+    local ok, cfg = pcall(require(F.dit).config, sub, meta)
     if not ok then fail(path, tostring(cfg)) end
     info.dit = cfg
+    info.dit_shapes = sub
   else
     local heads, head_dim = family.unet_heads(F, meta)
     local ok, cfg = pcall(unet.config, mf.sub(shapes, L.unet), { heads = heads, head_dim = head_dim })
@@ -283,7 +292,15 @@ local function fill_single(ckpt, path, opts)
     return { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = prefix }
   end
 
-  if F.dit then ckpt.dit = build_dit(at(L.unet), info.dit, F) else ckpt.unet = build_unet(at(L.unet), info.unet, fam) end
+  if F.dit then
+    local dsrc = at(L.unet)
+    if info.dit_layout then
+      dsrc.map, dsrc.composite = info.dit_layout.map, info.dit_layout.composite
+    end
+    ckpt.dit = build_dit(dsrc, info.dit, F)
+  else
+    ckpt.unet = build_unet(at(L.unet), info.unet, fam)
+  end
 
   -- VAE: override file, else the checkpoint's
   local scale = opts.scale_factor or meta_num(src.meta, "kiln.scale_factor") or F.latent.scale_factor
@@ -333,7 +350,9 @@ local function fill_single(ckpt, path, opts)
 
   ckpt.scale_factor = scale
   ckpt.shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor
-  if F.variant then ckpt.variant = F.variant(src.shapes, L.unet) end
+  if F.variant then
+    ckpt.variant = info.dit_layout and F.variant(info.dit_shapes, "") or F.variant(src.shapes, L.unet)
+  end
   -- the family's checks once the parts are built (the variant asked for, the text
   -- encoders' widths)
   if F.check_parts then F.check_parts(ckpt, opts) end

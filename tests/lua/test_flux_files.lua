@@ -137,6 +137,18 @@ for _, case in ipairs({
   end)
 end
 
+test("Flux file layouts: a diffusers transformer saved as one file (as ComfyUI's UNETLoader reads it)", function()
+  local src = kiln.load_safetensors(DIR .. "diffusers/transformer/diffusion_pytorch_model.safetensors")
+  local p = T.tmp("flux-diffusers-single.safetensors")
+  kiln.save_safetensors(p, src, META)   -- config.json's heads and axes as the file's metadata
+  for _, v in pairs(src) do v:free() end
+  local ck <close> = kiln.load_checkpoint(p)
+  eq(ck.family, "flux")
+  eq(ck.variant, "schnell")
+  eq(compare_weights(ck, "f16"), 0)
+  truthy(rel(forward(ck), REF.schnell) <= 2e-3, "forward")
+end)
+
 test("Flux file layouts: the composed tensors stream with their block in mode low", function()
   local has_sim = false
   for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end

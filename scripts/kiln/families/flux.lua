@@ -21,8 +21,9 @@ local M = {
   label = "Flux.1",
 
   recognise = {
-    -- names no UNet has (the second still there when block 0 is missing)
-    unet_names = { KEY, "img_in.weight" },
+    -- names no UNet has (the second still there when block 0 is missing; the third a
+    -- transformer saved in diffusers' names)
+    unet_names = { KEY, "img_in.weight", "single_transformer_blocks.0.proj_mlp.weight" },
     gguf_architectures = { "flux" },
     diffusers_class = files.DIFFUSERS_CLASS,   -- transformer/config.json's _class_name
   },
@@ -31,7 +32,7 @@ local M = {
   -- kiln.families.flux_files'); the text encoders and VAE are taken when present
   parts = {
     ldm = { find_unet = files.find_dit, vae = files.VAE_PREFIX, clip = { { prefix = files.CLIP_PREFIX, role = "l" } },
-      t5 = files.T5_PREFIX },
+      t5 = files.T5_PREFIX, layout = files.single_layout },
     diffusers = { transformer = "transformer", vae = "vae", clip = { { folder = "text_encoder", role = "l" } },
       t5 = "text_encoder_2", layout = files.diffusers_layout, meta = files.diffusers_meta,
       names_hint = files.DIFFUSERS_HINT },

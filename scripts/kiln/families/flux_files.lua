@@ -26,6 +26,7 @@ M.VAE_PREFIX = "vae."
 function M.find_dit(shapes)
   if shapes[M.UNET_PREFIX .. M.KEY] then return M.UNET_PREFIX end
   if shapes[M.KEY] then return "" end
+  if M.is_diffusers(shapes) then return "" end
   for name in pairs(shapes) do
     local p = name:match("^(.-)double_blocks%.%d+%.img_attn%.qkv%.weight$") or
         name:match("^(.-)single_blocks%.%d+%.linear1%.weight$")
@@ -127,6 +128,15 @@ function M.diffusers_layout(shapes, p)
     }
   end
   return { map = map, composite = composite, blocks = nd, single_blocks = ns }
+end
+
+--- The layout of a single file's transformer under `prefix` when it is in diffusers'
+-- names (a FluxTransformer2DModel saved as one file, which ComfyUI's UNETLoader also
+-- reads), else nil: BFL's names need no map.
+function M.single_layout(shapes, prefix)
+  local sub = mf.sub(shapes, prefix or "")
+  if not M.is_diffusers(sub) then return nil end
+  return M.diffusers_layout(sub, prefix)
 end
 
 --- What a diffusers transformer's config.json says that the shapes do not, as the
