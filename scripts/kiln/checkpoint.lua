@@ -271,6 +271,8 @@ local function encoder_option(spec, opts)
   return nil, spec.options[1]
 end
 
+-- (errors raised here at level 5 point at the caller of kiln.load_checkpoint: this
+-- function runs under load_single's pcall)
 local function fill_single(ckpt, path, opts)
   local src = file_source(path)
   local info = M.inspect(src.shapes, src.meta, path, opts.family)
@@ -279,13 +281,13 @@ local function fill_single(ckpt, path, opts)
   local F = family.get(fam)
   if opts.variant ~= nil and not F.variants then
     error(fmt("kiln.load_checkpoint: %s is a %s checkpoint, which has no variants (variant = %s)", path, F.label,
-      tostring(opts.variant)), 3)
+      tostring(opts.variant)), 5)
   end
   local uses_t5 = false
   for _, e in ipairs(F.conditioning.encoders) do uses_t5 = uses_t5 or e.role == "t5" end
   if opts.t5 and not uses_t5 then
     error(fmt("kiln.load_checkpoint: %s is a %s checkpoint, which has no T5 encoder (t5 = %s)", path, F.label,
-      opts.t5), 3)
+      opts.t5), 5)
   end
   ckpt.family, ckpt.path, ckpt.metadata, ckpt.config = fam, path, src.meta, info
   local function at(prefix)
