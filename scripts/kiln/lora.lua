@@ -602,7 +602,9 @@ function K.plan(modules, others, index, src, strengths, fail)
             for _, s in ipairs(t.split) do
               local part = {}
               for k, v in pairs(spec) do part[k] = v end
-              part.up = spec.up:narrow(1, s.from, s.count):contiguous()
+              local rows = spec.up:narrow(1, s.from, s.count)
+              part.up = rows:contiguous()
+              rows:free()
               part.rows = s.rows
               add({ name = s.name }, part, key)
             end
