@@ -27,6 +27,7 @@ local lora = require "kiln.lora"
 local embedding = require "kiln.embedding"
 local taesd = require "kiln.taesd"
 local t5 = require "kiln.t5"
+local dit_files = require "kiln.dit_files"
 
 local M = {}
 local fmt = string.format
@@ -66,9 +67,18 @@ function M.inspect(shapes, meta, path, forced)
   local F = family.get(L.family)
   local info = { family = L.family, layout = L }
   if F.dit then -- a transformer family: its module reads the configuration (F.dit names it)
-    local ok, cfg = pcall(require(F.dit).config, mf.sub(shapes, L.unet), meta)
+    -- in the reference's names; a file in another naming (diffusers') through its layout
+    local sub = mf.sub(shapes, L.unet)
+    local lay = F.parts.ldm.layout and F.parts.ldm.layout(shapes, L.unet)
+    if lay then
+      dit_files.check_composites(path, { composite = lay.composite, shapes = shapes })
+      sub = dit_files.canonical_shapes(shapes, lay.map, lay.composite)
+      info.dit_layout = lay
+    end
+    local ok, cfg = pcall(require(F.dit).config, sub, meta)
     if not ok then fail(path, tostring(cfg)) end
     info.dit = cfg
+    info.dit_shapes = sub
   else
     local heads, head_dim = family.unet_heads(F, meta)
     local ok, cfg = pcall(unet.config, mf.sub(shapes, L.unet), { heads = heads, head_dim = head_dim })
@@ -122,14 +132,11 @@ local function build_unet(src, cfg, fam)
   return part.as_model(unet.new(new_weights(store, src.prefix, src.map), cfg), store, "UNet")
 end
 
--- A transformer (F.dit: its module's config / expected / new), as build_unet.
+-- A transformer (F.dit: its module's config / expected / new), as build_unet; the
+-- source may compose tensors from several (diffusers) and carry scaled fp8 weights
+-- (kiln.dit_files).
 local function build_dit(src, cfg, F)
-  local net = require(F.dit)
-  local resolve = resolver(src)
-  local exp = net.expected(cfg)
-  mf.validate(src.path, F.label .. " transformer", exp, resolve, src.shapes)
-  local store = mf.open_store(src.paths, mf.names_of(exp, resolve), "dit")
-  return part.as_model(net.new(new_weights(store, src.prefix, src.map), cfg), store, "DiT")
+  return dit_files.build(require(F.dit), src, cfg, F.label .. " transformer")
 end
 
 -- What stands in for a part a file lacks (F.missing[name]): any use raises the
@@ -205,7 +212,8 @@ local function check_opts(opts)
   if opts == nil then return {} end
   if type(opts) ~= "table" then error("kiln.load_checkpoint: options must be a table", 3) end
   local known = { tokenizer = true, vae = true, clip = true, clip_l = true, clip_g = true, t5 = true,
-    prediction = true, family = true, scale_factor = true, zsnr = true, loras = true, embeddings = true }
+    prediction = true, family = true, scale_factor = true, zsnr = true, loras = true, embeddings = true,
+    variant = true }
   for k in pairs(opts) do
     if not known[k] then
       error(fmt("kiln.load_checkpoint: unknown option '%s' (known: %s)", tostring(k),
@@ -263,24 +271,38 @@ local function encoder_option(spec, opts)
   return nil, spec.options[1]
 end
 
-local function load_single(path, opts)
+-- (errors raised here at level 5 point at the caller of kiln.load_checkpoint: this
+-- function runs under load_single's pcall)
+local function fill_single(ckpt, path, opts)
   local src = file_source(path)
   local info = M.inspect(src.shapes, src.meta, path, opts.family)
   local L = info.layout
   local fam = info.family
   local F = family.get(fam)
+  if opts.variant ~= nil and not F.variants then
+    error(fmt("kiln.load_checkpoint: %s is a %s checkpoint, which has no variants (variant = %s)", path, F.label,
+      tostring(opts.variant)), 5)
+  end
   local uses_t5 = false
   for _, e in ipairs(F.conditioning.encoders) do uses_t5 = uses_t5 or e.role == "t5" end
   if opts.t5 and not uses_t5 then
     error(fmt("kiln.load_checkpoint: %s is a %s checkpoint, which has no T5 encoder (t5 = %s)", path, F.label,
-      opts.t5), 3)
+      opts.t5), 5)
   end
-  local ckpt = { family = fam, path = path, metadata = src.meta, config = info }
+  ckpt.family, ckpt.path, ckpt.metadata, ckpt.config = fam, path, src.meta, info
   local function at(prefix)
     return { path = path, paths = src.paths, tensors = src.tensors, shapes = src.shapes, prefix = prefix }
   end
 
-  if F.dit then ckpt.dit = build_dit(at(L.unet), info.dit, F) else ckpt.unet = build_unet(at(L.unet), info.unet, fam) end
+  if F.dit then
+    local dsrc = at(L.unet)
+    if info.dit_layout then
+      dsrc.map, dsrc.composite = info.dit_layout.map, info.dit_layout.composite
+    end
+    ckpt.dit = build_dit(dsrc, info.dit, F)
+  else
+    ckpt.unet = build_unet(at(L.unet), info.unet, fam)
+  end
 
   -- VAE: override file, else the checkpoint's
   local scale = opts.scale_factor or meta_num(src.meta, "kiln.scale_factor") or F.latent.scale_factor
@@ -321,12 +343,22 @@ local function load_single(path, opts)
     attach_clip(ckpt, encs, opts, mf.beside_dirs(path), kiln.tokenizer and "" or NO_TOKENIZER_HINT)
   end
 
-  -- T5: a separate encoder file (kiln.load_t5 reads every layout users have)
-  if opts.t5 then ckpt.t5 = t5.load(opts.t5) end
+  -- T5: a separate encoder file (kiln.load_t5 reads every layout users have), else
+  -- the checkpoint's own (a whole ComfyUI Flux file)
+  if opts.t5 then
+    ckpt.t5 = t5.load(opts.t5)
+  elseif uses_t5 and F.parts.ldm.t5 and mf.has_prefix(src.shapes, F.parts.ldm.t5) then
+    ckpt.t5 = t5.load(path, { prefix = F.parts.ldm.t5 })
+  end
 
   ckpt.scale_factor = scale
   ckpt.shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor
-  if F.variant then ckpt.variant = F.variant(src.shapes, L.unet) end
+  if F.variant then
+    ckpt.variant = info.dit_layout and F.variant(info.dit_shapes, "") or F.variant(src.shapes, L.unet)
+  end
+  -- the family's checks once the parts are built (the variant asked for, the text
+  -- encoders' widths)
+  if F.check_parts then F.check_parts(ckpt, opts) end
   for name, msg in pairs(F.missing or {}) do
     if rawget(ckpt, name) == nil then ckpt[name] = missing_part(name, msg) end
   end
@@ -334,6 +366,24 @@ local function load_single(path, opts)
       (F.guess_prediction and F.guess_prediction(src, L.unet)) or F.defaults.prediction
   if opts.zsnr ~= nil then ckpt.zsnr = opts.zsnr else ckpt.zsnr = src.meta["kiln.zsnr"] == "true" end
   return finish(ckpt)
+end
+
+-- Closes the parts a failed load had built (nothing stays loaded after an error).
+local function close_parts(ckpt)
+  for _, k in ipairs({ "clip", "unet", "dit", "t5", "vae" }) do
+    local p = rawget(ckpt, k)
+    if p and type(p.close) == "function" then pcall(p.close, p) end
+  end
+end
+
+local function load_single(path, opts)
+  local ckpt = {}
+  local ok, r = pcall(fill_single, ckpt, path, opts)
+  if not ok then
+    close_parts(ckpt)
+    error(r, 0)
+  end
+  return r
 end
 
 -- A diffusers component folder as a source in the original names (its map applied).
@@ -345,7 +395,126 @@ local function mapped_source(files, map_of)
   return s, orig
 end
 
+-- The transformer family of a diffusers folder (the pipeline's folder with its
+-- transformer/, or that folder alone): the family whose recognise.diffusers_class is
+-- the transformer's config.json _class_name. Returns F, the transformer's folder, its
+-- config; nil when the folder has no transformer.
+local function diffusers_dit(dir)
+  local tdir = join(dir, "transformer")
+  if not mf.is_dir(tdir) then
+    if not mf.file_exists(join(dir, "config.json")) or mf.is_dir(join(dir, "unet")) then return nil end
+    tdir = dir
+  end
+  local cj = mf.read_json(join(tdir, "config.json"))
+  local cls = mf.json_string(cj, "_class_name")
+  if tdir == dir and not (cls and cls:match("Transformer")) then return nil end
+  for _, F in ipairs(family.all()) do
+    if F.dit and F.recognise.diffusers_class == cls then return F, tdir, cj end
+  end
+  local known = {}
+  for _, F in ipairs(family.all()) do
+    if F.recognise.diffusers_class then known[#known + 1] = F.recognise.diffusers_class end
+  end
+  fail(tdir, fmt("a diffusers transformer of class %s (config.json _class_name); kiln reads %s", tostring(cls),
+    table.concat(known, ", ")))
+end
+
+-- A transformer family's diffusers folder: transformer/ (its names composed back into
+-- the reference's by the family's parts.diffusers.layout), text_encoder/ (CLIP),
+-- the T5 folder and the VAE when present; options override the parts as for single
+-- files.
+local function fill_diffusers_dit(ckpt, dir, opts, F, tdir, cj)
+  local D = F.parts.diffusers
+  local tfiles = mf.diffusers_files(tdir, "diffusion_pytorch_model")
+  if not tfiles then
+    fail(tdir, "no diffusion_pytorch_model.safetensors (or its index and shards) in this transformer folder")
+  end
+  local src = mf.multi_source(tfiles)
+  local lay = D.layout(src.shapes, "")
+  src.map, src.composite, src.prefix = lay.map, lay.composite, ""
+  local meta = D.meta(cj)
+  for k, v in pairs(src.meta) do if meta[k] == nil then meta[k] = v end end
+  if opts.family and opts.family ~= F.name then
+    fail(tdir, fmt("family option %q, but this is a %s transformer (%s)", opts.family, F.label,
+      tostring(mf.json_string(cj, "_class_name"))))
+  end
+  dit_files.check_composites(#tfiles == 1 and tfiles[1] or tdir, src)
+  local cshapes = dit_files.canonical_shapes(src.shapes, lay.map, lay.composite)
+  local ok, cfg = pcall(require(F.dit).config, cshapes, meta)
+  if not ok then fail(#tfiles == 1 and tfiles[1] or tdir, tostring(cfg) .. (D.names_hint or "")) end
+  ckpt.family, ckpt.path, ckpt.metadata = F.name, dir, src.meta
+  ckpt.config = { family = F.name, dit = cfg }
+  ckpt.dit = build_dit(src, cfg, F)
+  local base = tdir ~= dir and dir or nil   -- the pipeline folder, when there is one
+
+  -- text encoders (CLIP): an option, else the folder's
+  local encs = {}
+  for _, e in ipairs(D.clip or {}) do
+    local spec = family.encoder_spec(F, e.role)
+    local override, key = encoder_option(spec, opts)
+    local files = not override and base and mf.diffusers_files(join(base, e.folder), "model")
+    local esrc, sub, act, nheads
+    if override then
+      esrc, sub = sd.clip_file(override, key)
+    elseif files then
+      esrc = mf.multi_source(files)
+      sub = esrc.shapes
+      local config = mf.read_json(join(join(base, e.folder), "config.json"))
+      act = mf.json_string(config, "hidden_act")
+      nheads = math.tointeger(mf.json_number(config, "num_attention_heads"))
+    end
+    if esrc then
+      local ccfg = clip.config(sub, { heads = nheads or meta_num(esrc.meta, "kiln.heads.clip"), activation = act })
+      ccfg.role = e.role
+      encs[#encs + 1] = { src = esrc, cfg = ccfg, use = family.encoder_use(F, e.role, ccfg, {}) }
+    end
+  end
+  if #encs > 0 then
+    attach_clip(ckpt, encs, opts, base and { join(base, "tokenizer"), base } or { dir }, "")
+  end
+  -- T5
+  if opts.t5 then
+    ckpt.t5 = t5.load(opts.t5)
+  elseif base and D.t5 and mf.diffusers_files(join(base, D.t5), "model") then
+    ckpt.t5 = t5.load(join(base, D.t5))
+  end
+  -- VAE
+  local scale = opts.scale_factor or F.latent.scale_factor
+  local vsrc, vsub
+  if opts.vae then
+    vsrc, vsub = sd.vae_file(opts.vae)
+  elseif base and D.vae then
+    local vfiles = mf.diffusers_files(join(base, D.vae), "diffusion_pytorch_model")
+    if vfiles then vsrc, vsub = mapped_source(vfiles, sd.diffusers_vae_map) end
+  end
+  if vsrc then
+    local okv, vcfg = pcall(vae.config, vsub, { scale_factor = scale, shift_factor = F.latent.shift_factor })
+    if not okv then fail(vsrc.path, tostring(vcfg)) end
+    ckpt.vae = build_vae(vsrc, vcfg)
+  end
+  ckpt.scale_factor = scale
+  ckpt.shift_factor = F.latent.shift_factor
+  if F.variant then ckpt.variant = F.variant(cshapes, "") end
+  if F.check_parts then F.check_parts(ckpt, opts) end
+  for name, msg in pairs(F.missing or {}) do
+    if rawget(ckpt, name) == nil then ckpt[name] = missing_part(name, msg) end
+  end
+  ckpt.prediction = opts.prediction or F.defaults.prediction
+  ckpt.zsnr = opts.zsnr or false
+  return finish(ckpt)
+end
+
 local function load_diffusers(dir, opts)
+  local F, tdir, cj = diffusers_dit(dir)
+  if F then
+    local ckpt = {}
+    local ok, r = pcall(fill_diffusers_dit, ckpt, dir, opts, F, tdir, cj)
+    if not ok then
+      close_parts(ckpt)
+      error(r, 0)
+    end
+    return r
+  end
   local ufiles = mf.diffusers_files(join(dir, "unet"), "diffusion_pytorch_model")
   if not ufiles then
     fail(dir, "a folder, but not a diffusers model: no unet/diffusion_pytorch_model.safetensors (or sharded " ..

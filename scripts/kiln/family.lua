@@ -261,6 +261,13 @@ function M.layout(shapes, meta, path, forced)
       "cond_stage_model.* or conditioner.embedders.* (text encoders); found %d tensors: %s",
       what, mf.count(shapes), mf.summarize(shapes, 2)))
   end
+  if #L.clip == 0 and not name then
+    -- told by its network's names: the text encoders the family's files may carry
+    -- beside it (a whole ComfyUI Flux checkpoint) that this file has
+    for _, e in ipairs(family.parts.ldm.clip or {}) do
+      if family.dit and mf.has_prefix(shapes, e.prefix) then L.clip[#L.clip + 1] = e end
+    end
+  end
   L.family = family.name
   L.unet = unet_prefix
   L.vae = family.parts.ldm.vae

@@ -66,6 +66,10 @@ local ENDINGS = {
 
 -- key -> module, role, naming (nil when the ending is not an adapter's).
 function K.split_key(key)
+  -- XLabs' Flux LoRAs: double_blocks.0.processor.qkv_lora1.down.weight (the module is
+  -- the processor's layer; "qkv_lora.down" must not read as diffusers' "_lora.down")
+  local xmod, which = key:match("^(.*%.processor%.%a+_lora%d*)%.(%a+)%.weight$")
+  if xmod and (which == "down" or which == "up") then return xmod, which, "xlabs" end
   for _, e in ipairs(ENDINGS) do
     local suf = e[1]
     if #key > #suf and key:sub(-#suf) == suf then return key:sub(1, -#suf - 1), e[2], e[3] end
@@ -105,7 +109,8 @@ function K.group(names)
   end
   for _, m in pairs(modules) do
     m.kind = kind_of(m.roles)
-    local n = m.kind == "lora" and (m.namings.kohya and "kohya" or m.namings.peft and "peft" or "diffusers")
+    local n = m.kind == "lora" and (m.namings.kohya and "kohya" or m.namings.peft and "peft" or
+          m.namings.xlabs and "xlabs" or "diffusers")
         or m.kind == "loha" and "lycoris-loha" or m.kind == "lokr" and "lycoris-lokr" or "lycoris-full"
     m.naming = n
   end
@@ -204,6 +209,10 @@ function K.family_of(modules, shape_of)
       if part == "unet" and (lower:match("label_emb") or lower:match("add_embedding")) then
         note("sdxl", "the size-conditioning embedding (label_emb)")
       end
+      for _, d in ipairs(families.all()) do
+        local why = d.lora and require(d.lora).evidence(mod)
+        if why then note(d.name, why) end
+      end
       local ok, _, in_w = pcall(delta_dims, m, shape_of)
       if ok and in_w then
         if part == "clip" and (lower:match("q_proj") or lower:match("k_proj") or lower:match("fc1") or lower:match("to_q")) then
@@ -221,7 +230,11 @@ function K.family_of(modules, shape_of)
       end
     end
   end
-  for _, f in ipairs({ "sdxl", "sd2", "sd1" }) do
+  -- the transformer families' names say more than the UNets' widths
+  local order = {}
+  for _, d in ipairs(families.all()) do if d.lora then order[#order + 1] = d.name end end
+  for _, f in ipairs({ "sdxl", "sd2", "sd1" }) do order[#order + 1] = f end
+  for _, f in ipairs(order) do
     if ev[f] then return f, table.concat(sorted_keys(ev[f]), ", ") end
   end
   return nil
@@ -472,6 +485,9 @@ local function ckpt_index(ckpt)
     K.index_unet(idx, { names = names, resolve = function(n) return w:real(n) end, store = w.store,
       nrb = cfg.num_res_blocks })
   end
+  local dit = rawget(ckpt, "dit")
+  local F = families.get(rawget(ckpt, "family"))
+  if dit and F and F.lora then require(F.lora).index(idx, dit) end
   local text = rawget(ckpt, "clip")
   local encs = text and rawget(text, "encoders") or {}
   for i, entry in ipairs(encs) do
@@ -576,7 +592,25 @@ function K.plan(modules, others, index, src, strengths, fail)
             spec.dora_scale = src.tensor(r.dora_scale)
             spec.strength = strength
           end
-          if strength ~= 0 then add(t.weight, spec, key) end
+          if strength ~= 0 and t.split then
+            -- a weight the checkpoint stores as several tensors (a diffusers folder's
+            -- to_q / to_k / to_v): each gets the rows of the delta it holds
+            if m.kind ~= "lora" or r.dora_scale or r.mid then
+              fail(fmt("key '%s': a %s on '%s', which this checkpoint stores as %d tensors; kiln splits plain " ..
+                "LoRAs only: load the transformer as one file (BFL's or ComfyUI's)", key, m.kind, t.module, #t.split))
+            end
+            for _, s in ipairs(t.split) do
+              local part = {}
+              for k, v in pairs(spec) do part[k] = v end
+              local rows = spec.up:narrow(1, s.from, s.count)
+              part.up = rows:contiguous()
+              rows:free()
+              part.rows = s.rows
+              add({ name = s.name }, part, key)
+            end
+          elseif strength ~= 0 then
+            add(t.weight, spec, key)
+          end
         end
       else
         for role, what in pairs({ diff = "weight", set_weight = "weight", diff_b = "bias" }) do

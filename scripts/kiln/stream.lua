@@ -127,11 +127,17 @@ M.Streamer = Streamer
 -- resolved here, once.
 function M.new(weights, blocks, label)
   local self = setmetatable({ weights = weights, blocks = {}, index = {}, label = label or "net" }, Streamer)
-  local resolve = type(weights) == "table" and weights.real and function(n) return weights:real(n) end
-      or function(n) return n end
+  -- every stored tensor behind a name: weights assembled from several (kiln.dit_files)
+  -- answer :reals(name) with all of them
+  local resolve = type(weights) == "table" and (weights.reals and function(n) return weights:reals(n) end or
+      weights.real and function(n) return { weights:real(n) } end) or function(n) return { n } end
   for i, b in ipairs(blocks) do
-    local real = {}
-    for j, n in ipairs(b.names) do real[j] = resolve(n) end
+    local real, seen = {}, {}
+    for _, n in ipairs(b.names) do
+      for _, r in ipairs(resolve(n)) do
+        if not seen[r] then seen[r] = true; real[#real + 1] = r end
+      end
+    end
     self.blocks[i] = { key = b.key, names = b.names, real = real }
     self.index[b.key] = i
   end

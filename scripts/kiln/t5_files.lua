@@ -57,9 +57,10 @@ local function escape(s) return (s:gsub("[%^%$%(%)%%%.%[%]%*%+%-%?]", "%%%0")) e
 
 -- The file's naming: {kind = "hf" | "gguf", real = canonical -> file name, block_pattern}.
 -- transformers' names under any prefix ("encoder.", none, "text_encoders.t5xxl.
--- transformer.encoder.", ...; a whole T5's "decoder." is not the encoder); the
+-- transformer.encoder.", ...; a whole T5's "decoder." is not the encoder; `within`:
+-- only under that prefix, for a T5 inside a whole checkpoint); the
 -- embedding is the root's shared.weight or the stack's embed_tokens.weight.
-function M.layout(shapes, path)
+function M.layout(shapes, path, within)
   if shapes["enc.blk.0.attn_q.weight"] or shapes["token_embd.weight"] and mf.has_prefix(shapes, "enc.blk.") then
     return {
       kind = "gguf", block_pattern = "^enc%.blk%.(%d+)%.",
@@ -74,7 +75,8 @@ function M.layout(shapes, path)
   local best
   for name in pairs(shapes) do
     local p = name:match("^(.-)block%.0%.layer%.0%.SelfAttention%.q%.weight$")
-    if p and not p:match("decoder%.$") and (not best or #p < #best or (#p == #best and p < best)) then best = p end
+    if p and not p:match("decoder%.$") and (not within or p:sub(1, #within) == within) and
+        (not best or #p < #best or (#p == #best and p < best)) then best = p end
   end
   if not best then
     local what = mf.count(shapes) == 0 and "it holds no tensors" or ("it holds " .. mf.summarize(shapes, 2))
@@ -233,7 +235,7 @@ function M.open(path, opts)
   if arch and arch ~= "t5" and arch ~= "t5encoder" then
     fail(where, fmt("a GGUF file of architecture '%s', not a T5 encoder (t5 / t5encoder)", tostring(arch)))
   end
-  local lay = M.layout(src.shapes, where)
+  local lay = M.layout(src.shapes, where, opts.prefix)
   local cfg = M.config(src.shapes, lay, where, src.meta, opts, config_json)
   local exp = M.expected(cfg)
   mf.validate(where, "T5 encoder", exp, lay.real, src.shapes, WHO)

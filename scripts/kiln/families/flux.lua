@@ -4,23 +4,12 @@
 -- [dev] is guidance-distilled (its file has guidance_in.*), [schnell] timestep-
 -- distilled (no guidance_in). A diffusion-model file alone (BFL's flux1-dev.safetensors,
 -- or ComfyUI's with the model.diffusion_model. prefix) loads as a checkpoint whose
--- `dit` works; the parts it lacks say which file to pass.
+-- `dit` works; the parts it lacks say which file to pass. The file layouts (ComfyUI's
+-- whole checkpoints, fp8, GGUF, diffusers folders) are kiln.families.flux_files'.
 local mf = require "kiln.model_files"
+local files = require "kiln.families.flux_files"
 
-local KEY = "double_blocks.0.img_attn.qkv.weight"
-
--- Where a single file keeps the transformer: BFL's names bare or under ComfyUI's
--- prefix; any double block's qkv tells (a file missing block 0 is still recognised, so
--- the loader can say which blocks are missing).
-local function find_dit(shapes)
-  if shapes["model.diffusion_model." .. KEY] then return "model.diffusion_model." end
-  if shapes[KEY] then return "" end
-  for name in pairs(shapes) do
-    local p = name:match("^(.-)double_blocks%.%d+%.img_attn%.qkv%.weight$")
-    if p and (p == "" or p == "model.diffusion_model.") then return p end
-  end
-  return nil
-end
+local KEY = files.KEY
 
 -- "dev" when the file has the guidance embedder, else "schnell".
 local function variant(shapes, prefix)
@@ -32,17 +21,27 @@ local M = {
   label = "Flux.1",
 
   recognise = {
-    -- names no UNet has (the second still there when block 0 is missing)
-    unet_names = { KEY, "img_in.weight" },
+    -- names no UNet has (the second still there when block 0 is missing; the third a
+    -- transformer saved in diffusers' names)
+    unet_names = { KEY, "img_in.weight", "single_transformer_blocks.0.proj_mlp.weight" },
     gguf_architectures = { "flux" },
+    diffusers_class = files.DIFFUSERS_CLASS,   -- transformer/config.json's _class_name
   },
 
+  -- a whole ComfyUI checkpoint's parts (the names, maps and file handling are
+  -- kiln.families.flux_files'); the text encoders and VAE are taken when present
   parts = {
-    ldm = { find_unet = find_dit, vae = nil, clip = {} },
+    ldm = { find_unet = files.find_dit, vae = files.VAE_PREFIX, clip = { { prefix = files.CLIP_PREFIX, role = "l" } },
+      t5 = files.T5_PREFIX, layout = files.single_layout },
+    diffusers = { transformer = "transformer", vae = "vae", clip = { { folder = "text_encoder", role = "l" } },
+      t5 = "text_encoder_2", layout = files.diffusers_layout, meta = files.diffusers_meta,
+      names_hint = files.DIFFUSERS_HINT },
   },
   unet = {},
   dit = "kiln.flux",      -- the module that builds the network (config, expected, new)
   variant = variant,
+  check_parts = files.check_parts,   -- the variant asked for, the text encoders' widths
+  lora = "kiln.lora_flux",           -- the names LoRAs give the transformer's weights
 
   -- CLIP-L gives the pooled vector (y), T5-XXL the context; roles as the loaders name them
   conditioning = {
