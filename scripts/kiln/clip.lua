@@ -863,7 +863,16 @@ function Text:encode_pieces(pieces, opts)
       end
       local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1,
         vectors = vectors })
-      if p then pooled = p end
+      if p then
+        -- several pooled encoders (SD 3.5: CLIP-L and bigG): their vectors side by side
+        if pooled then
+          local both = kiln.cat({ pooled, p }, 2)
+          pooled:free(); p:free()
+          pooled = both
+        else
+          pooled = p
+        end
+      end
       local zw = z
       if weighting == "a1111" then
         zw = M.apply_weights(z, c.weights)
