@@ -306,7 +306,8 @@ local function load_single(path, opts)
       local file, key = encoder_option(spec, opts)
       if file and spec.role ~= "t5" then
         local esrc, sub = sd.clip_file(file, key)
-        local cfg = clip.config(sub, { heads = meta_num(esrc.meta, "kiln.heads." .. spec.meta) })
+        local cfg = clip.config(sub, { heads = meta_num(esrc.meta, "kiln.heads." .. spec.meta),
+          activation = esrc.meta["kiln." .. spec.meta .. ".activation"] })
         cfg.role = spec.role
         encs[#encs + 1] = { src = esrc, cfg = cfg, use = family.encoder_use(F, spec.role, cfg, src.meta) }
       end

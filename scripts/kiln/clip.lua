@@ -288,7 +288,8 @@ end
 --           -1 the last layer, -2 the penultimate), default -1
 --   final_norm = true|false (apply the final layer norm to that state), default true
 --   pooled = true: also return the pooled vector (final norm of the last layer at the
---           first end-of-text token, the highest id as CLIP's argmax, times the projection)
+--           first end-of-text token, the highest id as CLIP's argmax, times the projection);
+--           "unprojected": that vector without the projection (SD 3's CLIP-L)
 --   vectors = {{pos = p, vectors = [n, W]}, ...}: textual-inversion vectors that replace
 --           the token embeddings at positions p..p+n-1 (see Encoder:embed)
 -- Returns hidden [B, L, W] (f32) [, pooled [B, P]].
@@ -338,24 +339,25 @@ function Encoder:forward(ids, opts)
   end
   if layer == last then hidden = x end
   if not (final_norm or want_pooled) then return f32(hidden) end
-  local out, pooled = pass:run("final", self._finish, self, hidden, x, final_norm, want_pooled and batch)
+  local out, pooled = pass:run("final", self._finish, self, hidden, x, final_norm, want_pooled and batch,
+    want_pooled == "unprojected")
   return f32(out), f32(pooled)
 end
 
 -- The final norm of the chosen hidden state and (pooled_batch given) the pooled vector
 -- from the last layer's state x; frees what the caller does not get back.
-function Encoder:_finish(hidden, x, final_norm, pooled_batch)
+function Encoder:_finish(hidden, x, final_norm, pooled_batch, unprojected)
   local out = final_norm and self:final_norm(hidden) or hidden
   local pooled
-  if pooled_batch then pooled = self:_pooled(x, pooled_batch) end
+  if pooled_batch then pooled = self:_pooled(x, pooled_batch, unprojected) end
   if final_norm and hidden ~= out then hidden:free() end
   if x ~= hidden and x ~= out then x:free() end
   return out, pooled
 end
 
-function Encoder:_pooled(last, batch)
+function Encoder:_pooled(last, batch, unprojected)
   local cfg = self.config
-  if not cfg.projection then error("CLIP: this encoder has no text projection (no pooled output)", 3) end
+  if not cfg.projection and not unprojected then error("CLIP: this encoder has no text projection (no pooled output)", 3) end
   local n = self:final_norm(last)
   local rows = {}
   for b, seq in ipairs(batch) do
@@ -364,6 +366,13 @@ function Encoder:_pooled(last, batch)
     rows[b] = n:narrow(1, b, 1):narrow(2, at, 1):reshape({ 1, cfg.width })
   end
   local e = #rows == 1 and rows[1] or kiln.cat(rows, 1)
+  if unprojected then
+    local r = e:contiguous()
+    if #rows > 1 then e:free() end
+    for _, v in ipairs(rows) do v:free() end
+    n:free()
+    return r
+  end
   local r
   if cfg.layout == "hf" then
     r = nn.linear(e, self:w("text_projection.weight"))
@@ -861,7 +870,7 @@ function Text:encode_pieces(pieces, opts)
         vectors[#vectors + 1] = { pos = f.pos,
           vectors = embedding.vectors_for(found[f.name], cfg.role or "l", cfg.width, #self.encoders, "clip:encode") }
       end
-      local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = e.pooled and ci == 1,
+      local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = ci == 1 and e.pooled,
         vectors = vectors })
       if p then
         -- several pooled encoders (SD 3.5: CLIP-L and bigG): their vectors side by side

@@ -327,7 +327,9 @@ function M.encoder_use(def, role, cfg, meta)
   local e = M.encoder_spec(def, role)
   local layer = e.layer
   if e.layer_from_metadata then layer = meta_num(meta, "kiln.clip.layer") or layer end
-  return { layer = layer, final_norm = e.final_norm, pad = e.pad, pooled = e.pooled and cfg.projection ~= nil or false }
+  -- pooled = "unprojected": the final-normed end token without the projection (SD 3's CLIP-L)
+  local pooled = e.pooled == "unprojected" and "unprojected" or (e.pooled and cfg.projection ~= nil) or false
+  return { layer = layer, final_norm = e.final_norm, pad = e.pad, pooled = pooled }
 end
 
 --- The UNet's heads / head_dim: the metadata's (kiln.heads.unet, kiln.head_dim.unet),

@@ -94,8 +94,10 @@ def install_stand_ins():
     sys.modules["tqdm"] = tq
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False):
-        assert attn_mask is None and not is_causal
+        assert not is_causal
         s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            s = s + attn_mask
         return torch.softmax(s, dim=-1) @ v
 
     torch.nn.functional.scaled_dot_product_attention = sdpa
@@ -243,7 +245,84 @@ def main():
     io["sigmas_shift3"] = ms.sigmas.float()
     for steps in (28, 4):
         io["sched_%d" % steps] = sd3_infer.SD3Inferencer.get_sigmas(None, ms, steps).float()
+    conditioning(sd3_infer, io)
     safetensors_io.save(os.path.join(OUT, "io.safetensors"), {k: v.contiguous() for k, v in io.items()})
+
+
+# ------------------------------------------------------------------ conditioning
+
+# Tiny text encoders in the reference's CLIPTextModel (transformers' names): CLIP-L
+# style (quick_gelu) and bigG style (gelu), each with a text_projection.
+CLIPS = {
+    "clip_l": dict(hidden_act="quick_gelu", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                   num_hidden_layers=3),
+    "clip_g": dict(hidden_act="gelu", hidden_size=48, intermediate_size=96, num_attention_heads=2,
+                   num_hidden_layers=3),
+}
+# "a photo of a cat" in CLIP's vocabulary (what the reference's SD3Tokenizer gives):
+# start, the words, end, then CLIP-L pads with the end token and bigG with 0
+WORDS = [320, 1125, 539, 320, 2368]
+
+
+def conditioning(sd3_infer, io):
+    """sd3_infer.SD3Inferencer.get_cond (the reference's assembly of the context and the
+    pooled vector) over the reference's ClipL / ClipG models with tiny random weights;
+    the T5 stands in as ComfyUI's empty T5 (77 tokens of zeros), which get_cond takes
+    like any T5 output."""
+    from other_impls import SDClipModel, SDXLClipG   # noqa: E402  (the reference)
+    torch.set_grad_enabled(False)     # as sd3_infer.main (@torch.no_grad) builds them
+    models = {
+        "clip_l": SDClipModel(layer="hidden", layer_idx=-2, device="cpu", dtype=torch.float32,
+                              layer_norm_hidden_state=False, return_projected_pooled=False,
+                              textmodel_json_config=CLIPS["clip_l"]),
+        "clip_g": SDXLClipG(CLIPS["clip_g"], device="cpu", dtype=torch.float32),
+    }
+    for k, (name, m) in enumerate(models.items()):
+        recipe, sd = [], {}
+        for i, (n, t) in enumerate(sorted(m.transformer.state_dict().items())):
+            seed = 9000 + 500 * k + i
+            if n.endswith("layer_norm1.weight") or n.endswith("layer_norm2.weight") or \
+                    n.endswith("final_layer_norm.weight"):
+                std, mean = 0.2, 1.0
+            elif t.dim() == 1:
+                std, mean = 0.1, 0.0
+            elif "embedding" in n:
+                std, mean = 0.5, 0.0
+            else:
+                std, mean = 1.0 / math.sqrt(t.shape[1]), 0.0
+            std = float("%.9g" % std)
+            torch.manual_seed(seed)
+            sd[n] = torch.randn(list(t.shape)) * std + mean
+            recipe.append((n, "f32", list(t.shape), seed, std, mean))
+        m.transformer.load_state_dict(sd, strict=True)
+        write_recipe(name, recipe)
+
+    def pairs(pad):
+        ids = [49406] + WORDS + [49407]
+        ids += [pad] * (77 - len(ids))
+        return [[(i, 1.0) for i in ids]]
+
+    class EmptyT5:
+        def encode_token_weights(self, _tokens):
+            return torch.zeros(1, 77, 4096), None
+
+    stub = types.SimpleNamespace(
+        print=lambda *a: None,
+        tokenizer=types.SimpleNamespace(tokenize_with_weights=lambda text: {
+            "l": pairs(49407), "g": pairs(0), "t5xxl": None}),
+        clip_l=types.SimpleNamespace(model=models["clip_l"]),
+        clip_g=types.SimpleNamespace(model=models["clip_g"]),
+        t5xxl=types.SimpleNamespace(model=EmptyT5()),
+    )
+    with torch.no_grad():
+        cond, pooled = sd3_infer.SD3Inferencer.get_cond(stub, "a photo of a cat")
+    w = CLIPS["clip_l"]["hidden_size"] + CLIPS["clip_g"]["hidden_size"]
+    assert list(cond.shape) == [1, 154, 4096], cond.shape
+    # only the CLIP block's first features are not zero: those are kept (the file stays small)
+    assert cond[:, :77, w:].abs().max() == 0 and cond[:, 77:].abs().max() == 0
+    io["cond.lg"] = cond[:, :77, :w]
+    io["cond.pooled"] = pooled
+    print("conditioning: cond %s, pooled %s" % (list(cond.shape), list(pooled.shape)))
 
 
 if __name__ == "__main__":

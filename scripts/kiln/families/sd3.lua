@@ -1,11 +1,12 @@
 -- kiln.families.sd3: Stability AI's Stable Diffusion 3.5 (Large, Large Turbo, Medium;
 -- SD 3 Medium's layout too): an MMDiT (kiln.mmdit) conditioned on CLIP-L and OpenCLIP
 -- bigG (penultimate states side by side, zero-padded to T5's 4096 features, then T5-XXL's
--- states after them along the tokens; the two projected pooled vectors concatenated to
--- 2048), trained as a discrete flow with shift 3.0, the 16-channel autoencoder at scale
--- 1.5305, shift 0.0609. Besides the family's data this file holds the SD3 arithmetic the
--- pipelines call (the flow schedule, the conditioning's assembly, CFG with skip-layer
--- guidance as one denoise function, LoRA names), as plain functions over tensors.
+-- states after them along the tokens; y the two pooled vectors side by side, 2048 wide,
+-- CLIP-L's unprojected as in the reference), trained as a discrete flow with shift 3.0;
+-- the 16-channel autoencoder at scale 1.5305, shift 0.0609. Besides the family's data
+-- this file holds the SD 3 arithmetic the pipelines call (the flow schedule, the
+-- conditioning's assembly, CFG with skip-layer guidance as one denoise function, LoRA
+-- names), as plain functions over tensors.
 local kiln = require "kiln"
 local mf = require "kiln.model_files"
 local util = require "kiln.util"
@@ -73,12 +74,14 @@ local M = {
   dit = "kiln.mmdit",     -- the module that builds the network (config, expected, new)
   variant = variant,
 
-  -- both CLIPs at their penultimate layer without the final norm, both projected pooled
-  -- vectors (CLIP-L's pads with its end token, bigG's with 0, as ComfyUI's sd3_clip);
-  -- T5-XXL's last states
+  -- both CLIPs at their penultimate layer without the final norm; the pooled vectors:
+  -- CLIP-L's final-normed end token WITHOUT its projection, bigG's projected (the
+  -- reference's ClipL has return_projected_pooled=False, as ComfyUI's sd3_clip); CLIP-L
+  -- pads with its end token, bigG with 0; T5-XXL's last states
   conditioning = {
     encoders = {
-      { role = "l", options = { "clip_l" }, meta = "clip", layer = -2, final_norm = false, pad = nil, pooled = true },
+      { role = "l", options = { "clip_l" }, meta = "clip", layer = -2, final_norm = false, pad = nil,
+        pooled = "unprojected" },
       { role = "g", options = { "clip_g" }, meta = "clip_g", layer = -2, final_norm = false, pad = 0, pooled = true },
       { role = "t5", options = { "t5" }, meta = "t5" },
     },
@@ -224,7 +227,8 @@ function M.context(lg, t5, opts)
   return r
 end
 
---- The pooled vector y: CLIP-L's projected pooled output then bigG's ([B, 768 + 1280]).
+--- The pooled vector y: CLIP-L's pooled output (unprojected) then bigG's projected one
+-- ([B, 768 + 1280]).
 function M.pooled(l_pooled, g_pooled)
   if not is_tensor(l_pooled) or not is_tensor(g_pooled) then
     error("sd3.pooled: needs CLIP-L's and bigG's pooled vectors (tensors)", 2)
@@ -248,10 +252,9 @@ end
 function M.encode(ckpt, text, opts)
   opts = opts or {}
   local lg, pooled = ckpt.clip:encode(text, opts)
-  if not pooled or pooled.shape[2] ~= 2048 and opts.width == nil then
-    local got = pooled and util.shape_str(pooled) or "none"
-    if lg then lg:free() end
-    error(fmt("sd3.encode: the text encoders gave a pooled vector %s, SD 3.5 needs CLIP-L's and bigG's (2048)", got), 2)
+  if not pooled then
+    lg:free()
+    error("sd3.encode: the text encoders gave no pooled vector; SD 3.5 needs CLIP-L's and bigG's", 2)
   end
   local t5states
   local t5 = rawget(ckpt, "t5")
