@@ -303,6 +303,53 @@ test("SD3: bf16 arithmetic stays near the f32 reference", function()
   report[#report + 1] = ("medium in bf16: max |diff| / max |ref| = %.2e"):format(r)
 end)
 
+test("SD3 names: diffusers' modules cover every weight once; LoRA names in kohya, ComfyUI and PEFT forms", function()
+  local shapes = {}
+  for k, v in pairs(recipe("medium")) do shapes[k] = v.shape end
+  local cfg = mmdit.config(shapes, {})
+  local H = cfg.hidden
+  -- every SAI module is covered by diffusers' names, fused rows tiled without a gap
+  local covered = {}
+  for _, e in ipairs(F.diffusers_modules(cfg)) do
+    local sai, rows = e[2], e[3]
+    local w = shapes[sai .. ".weight"]
+    truthy(w, "no SAI weight for " .. e[1] .. " -> " .. sai)
+    covered[sai] = (covered[sai] or 0) + (rows and rows[2] or w[1])
+    if rows then truthy(rows[1] + rows[2] - 1 <= w[1], e[1] .. " rows inside " .. sai) end
+  end
+  for name, shape in pairs(shapes) do
+    local mod = name:match("^(.*)%.weight$")
+    if mod then eq(covered[mod], shape[1], "rows of " .. mod .. " covered once") end
+  end
+  local pos = false
+  for _, e in ipairs(F.diffusers_modules(cfg)) do pos = pos or e[2] == "x_embedder.proj" end
+  truthy(pos)
+  local map = F.lora_names(cfg)
+  local function is(alias, module, first)
+    local m = map[alias]
+    truthy(m, "no target for " .. alias)
+    eq(m.module, module, alias)
+    if first then eq(m.rows[1], first, alias .. " rows"); eq(m.rows[2], H, alias .. " row count")
+    else eq(m.rows, nil, alias .. " rows") end
+  end
+  is("lora_unet_joint_blocks_0_x_block_attn_qkv", "joint_blocks.0.x_block.attn.qkv")
+  is("lora_unet_joint_blocks_1_context_block_mlp_fc2", "joint_blocks.1.context_block.mlp.fc2")
+  is("diffusion_model.joint_blocks.0.x_block.attn2.proj", "joint_blocks.0.x_block.attn2.proj")
+  is("model.diffusion_model.final_layer.linear", "final_layer.linear")
+  is("transformer.transformer_blocks.0.attn.to_q", "joint_blocks.0.x_block.attn.qkv", 1)
+  is("transformer.transformer_blocks.0.attn.to_v", "joint_blocks.0.x_block.attn.qkv", 2 * H + 1)
+  is("transformer.transformer_blocks.2.attn.add_k_proj", "joint_blocks.2.context_block.attn.qkv", H + 1)
+  is("transformer_blocks.1.attn2.to_k", "joint_blocks.1.x_block.attn2.qkv", H + 1)
+  is("transformer.transformer_blocks.1.ff_context.net.0.proj", "joint_blocks.1.context_block.mlp.fc1")
+  is("lora_transformer_transformer_blocks_0_attn_to_out_0", "joint_blocks.0.x_block.attn.proj")
+  -- the last block's context stream is pre_only: no proj, no MLP to map to
+  eq(map["transformer.transformer_blocks.2.attn.to_add_out"], nil)
+  eq(map["lora_unet_joint_blocks_2_context_block_mlp_fc1"], nil)
+  -- halves diffusers swaps are not offered as LoRA targets
+  eq(map["transformer.norm_out.linear"], nil)
+  eq(map["transformer.transformer_blocks.2.norm1_context.linear"], nil)
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 

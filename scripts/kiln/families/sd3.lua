@@ -349,4 +349,102 @@ function M.denoiser(dit, cond, uncond, opts)
   end
 end
 
+-- ---------------------------------------------------------------- names
+
+-- diffusers' SD3Transformer2DModel module -> Stability AI's, per joint block N (x the
+-- image stream, c the context stream); q / k / v go to rows of the fused qkv.
+local function block_modules(b, cfg)
+  local H = cfg.hidden
+  local j = fmt("joint_blocks.%d.", b)
+  local t = fmt("transformer_blocks.%d.", b)
+  local list = {}
+  local function add(d, sai, rows, swap) list[#list + 1] = { d, sai, rows, swap } end
+  local last_pre = b == cfg.depth - 1 and cfg.pre_only_last
+  add(t .. "norm1.linear", j .. "x_block.adaLN_modulation.1")
+  -- the pre_only block's context norm is diffusers' AdaLayerNormContinuous: (scale,
+  -- shift) where the reference has (shift, scale)
+  add(t .. "norm1_context.linear", j .. "context_block.adaLN_modulation.1", nil, last_pre or nil)
+  for i, q in ipairs({ "q", "k", "v" }) do
+    add(t .. "attn.to_" .. q, j .. "x_block.attn.qkv", { (i - 1) * H + 1, H })
+    add(t .. "attn.add_" .. q .. "_proj", j .. "context_block.attn.qkv", { (i - 1) * H + 1, H })
+  end
+  add(t .. "attn.to_out.0", j .. "x_block.attn.proj")
+  if not last_pre then
+    add(t .. "attn.to_add_out", j .. "context_block.attn.proj")
+    add(t .. "ff_context.net.0.proj", j .. "context_block.mlp.fc1")
+    add(t .. "ff_context.net.2", j .. "context_block.mlp.fc2")
+  end
+  add(t .. "ff.net.0.proj", j .. "x_block.mlp.fc1")
+  add(t .. "ff.net.2", j .. "x_block.mlp.fc2")
+  if cfg.qk_norm then
+    add(t .. "attn.norm_q", j .. "x_block.attn.ln_q"); add(t .. "attn.norm_k", j .. "x_block.attn.ln_k")
+    add(t .. "attn.norm_added_q", j .. "context_block.attn.ln_q")
+    add(t .. "attn.norm_added_k", j .. "context_block.attn.ln_k")
+  end
+  if cfg.x_self_attn[b] then
+    for i, q in ipairs({ "q", "k", "v" }) do
+      add(t .. "attn2.to_" .. q, j .. "x_block.attn2.qkv", { (i - 1) * H + 1, H })
+    end
+    add(t .. "attn2.to_out.0", j .. "x_block.attn2.proj")
+    if cfg.qk_norm then
+      add(t .. "attn2.norm_q", j .. "x_block.attn2.ln_q"); add(t .. "attn2.norm_k", j .. "x_block.attn2.ln_k")
+    end
+  end
+  return list
+end
+
+--- The module names of diffusers' SD3Transformer2DModel against Stability AI's, for an
+-- MMDiT configuration (kiln.mmdit.config): a list of {diffusers module, SAI module,
+-- rows = {first, count} of the SAI weight (q / k / v of a fused qkv) or nil, swap = true
+-- where diffusers keeps the two halves (scale, shift) the other way round}.
+function M.diffusers_modules(cfg)
+  local list = {
+    { "pos_embed.proj", "x_embedder.proj" },
+    { "time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0" },
+    { "time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2" },
+    { "time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0" },
+    { "time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2" },
+    { "context_embedder", "context_embedder" },
+  }
+  for b = 0, cfg.depth - 1 do
+    for _, e in ipairs(block_modules(b, cfg)) do list[#list + 1] = e end
+  end
+  list[#list + 1] = { "norm_out.linear", "final_layer.adaLN_modulation.1", nil, true }
+  list[#list + 1] = { "proj_out", "final_layer.linear" }
+  return list
+end
+
+--- LoRA module names -> {module = SAI module (relative to the MMDiT's root), rows =
+-- {first, count} or nil}: kohya's (lora_unet_joint_blocks_0_x_block_attn_qkv), ComfyUI's
+-- (diffusion_model.* / model.diffusion_model.*, the SAI names) and diffusers / PEFT's
+-- (transformer.transformer_blocks.0.attn.to_q, also bare, and kohya-style
+-- lora_transformer_* names of them), q / k / v to rows of the fused weights. Modules
+-- whose halves diffusers swaps (the final norm, the pre_only context norm) are left
+-- out of the diffusers names: a LoRA's delta on them would land on the wrong halves.
+function M.lora_names(cfg)
+  local mmdit = require "kiln.mmdit"
+  local map = {}
+  local function put(alias, module, rows)
+    if not map[alias] then map[alias] = { module = module, rows = rows } end
+  end
+  for _, e in ipairs(mmdit.expected(cfg)) do
+    local mod = e[1]:match("^(.*)%.weight$")
+    if mod and #e[2] >= 2 then
+      put("lora_unet_" .. mod:gsub("%.", "_"), mod)
+      put("diffusion_model." .. mod, mod)
+      put("model.diffusion_model." .. mod, mod)
+      put(mod, mod)
+    end
+  end
+  for _, e in ipairs(M.diffusers_modules(cfg)) do
+    local d, sai, rows, swap = e[1], e[2], e[3], e[4]
+    if not swap and not sai:match("%.ln_[qk]$") then
+      put("transformer." .. d, sai, rows)
+      put(d, sai, rows)
+      put("lora_transformer_" .. d:gsub("%.", "_"), sai, rows)
+    end
+  end
+  return map
+end
+
 return M
