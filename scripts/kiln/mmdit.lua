@@ -281,7 +281,10 @@ function MMDiT:_pos(hp, wp)
   local k = S.k
   local m = self.config.pos_embed_max_size
   local top, left = (m - hp) // 2, (m - wp) // 2
-  local g = k(self:w("pos_embed"):reshape({ 1, m, m, self.config.hidden }))
+  local w = self:w("pos_embed")
+  -- a block-quantized table (GGUF) is decoded first: only plain floats narrow
+  if w.dtype ~= "f32" and w.dtype ~= "f16" and w.dtype ~= "bf16" then w = k(w:to("f32")) end
+  local g = k(w:reshape({ 1, m, m, self.config.hidden }))
   local c = k(k(k(g:narrow(2, top + 1, hp)):narrow(3, left + 1, wp)):contiguous())
   return S.done(c:reshape({ 1, hp * wp, self.config.hidden }))
 end

@@ -350,6 +350,42 @@ test("SD3 names: diffusers' modules cover every weight once; LoRA names in kohya
   eq(map["transformer.transformer_blocks.2.norm1_context.linear"], nil)
 end)
 
+-- f32 copies of a file's tensors as kiln decodes them, saved as safetensors.
+local function decoded_copy(tensors, key)
+  local t = {}
+  for k, v in pairs(tensors) do t[k] = v:to("f32") end
+  local p = T.tmp(key .. ".safetensors")
+  kiln.save_safetensors(p, t)
+  return p
+end
+
+test("SD3: GGUF (q8_0, architecture sd3) and fp8 files compute as their decoded weights", function()
+  local base = recipe("large")
+  -- GGUF in city96's bare names, its architecture the family's
+  local g = T.tmp("sd3-large.gguf")
+  kiln.save_gguf(g, base, { type = "q8_0", metadata = { ["general.architecture"] = "sd3" } })
+  local ck <close> = kiln.load_checkpoint(g)
+  eq(ck.family, "sd3"); eq(ck.variant, "large")
+  local out = ck.dit:forward(IO.x, IO.t, IO.context, IO.y)
+  local ref_ck <close> = kiln.load_checkpoint(decoded_copy(kiln.load_gguf(g), "sd3-large-q8dec"))
+  local r = rel(out, ref_ck.dit:forward(IO.x, IO.t, IO.context, IO.y))
+  truthy(r <= TOL, "q8_0 vs its decoded weights: " .. r)
+  r = rel(out, IO["large.out"])
+  truthy(r <= 5e-2, "q8_0 near the f32 reference: " .. r)
+  -- fp8 (e4m3fn) matrices, ComfyUI's prefix
+  local t = {}
+  for k, v in pairs(base) do t["model.diffusion_model." .. k] = #v.shape >= 2 and v:to("f8_e4m3fn") or v end
+  local f = T.tmp("sd3-large-fp8.safetensors")
+  kiln.save_safetensors(f, t)
+  local ck8 <close> = kiln.load_checkpoint(f)
+  eq(ck8.family, "sd3")
+  local o8 = ck8.dit:forward(IO.x, IO.t, IO.context, IO.y)
+  local dec <close> = kiln.load_checkpoint(decoded_copy(kiln.load_safetensors(f), "sd3-large-fp8dec"))
+  r = rel(o8, dec.dit:forward(IO.x, IO.t, IO.context, IO.y))
+  truthy(r <= TOL, "fp8 vs its decoded weights: " .. r)
+  report[#report + 1] = ("large q8_0 vs f32 reference: %.2e"):format(rel(out, IO["large.out"]))
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 
