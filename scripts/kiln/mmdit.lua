@@ -19,6 +19,12 @@
 --
 -- __metadata__ keys read: kiln.mmdit.heads (default hidden / 64, the reference's
 -- "head size of 64").
+--
+-- diffusers' SD3Transformer2DModel keeps q, k and v apart and the two halves of its
+-- last adaLN norms (the final layer's, the pre_only context block's) as (scale, shift):
+-- kiln.families.sd3 names its tensors in this module's names with ".q" / ".k" / ".v"
+-- in place of ".qkv" (cfg.split_qkv: three products instead of one, no fused copy) and
+-- loads it with config(shapes, meta, {diffusers = true}) (cfg.swapped_halves).
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
@@ -58,8 +64,11 @@ end
 -- out_channels, pos_embed_max_size, context_dim, adm_dim, mlp_hidden, qk_norm,
 -- qkv_bias, x_self_attn = {[i] = true, ...} (0-based), x_self_attn_layers (a sorted
 -- list), pre_only_last}.
-function M.config(shapes, meta)
+function M.config(shapes, meta, opts)
   local cfg = {}
+  cfg.split_qkv = shapes["joint_blocks.0.x_block.attn.q.weight"] ~= nil
+  cfg.swapped_halves = opts and opts.diffusers or false
+  local QKV = cfg.split_qkv and ".q" or ".qkv"
   local pe = need(shapes, "x_embedder.proj.weight", "the hidden size, in_channels and patch size")
   if #pe ~= 4 or pe[3] ~= pe[4] then
     error(fmt("MMDiT: x_embedder.proj.weight is %s, expected [hidden, channels, p, p]", util.shape_str(pe)), 0)
@@ -84,7 +93,7 @@ function M.config(shapes, meta)
   if cfg.depth < 1 then error("MMDiT: no joint_blocks.N.* tensors", 0) end
   -- a hole in the numbering: a partial or damaged file, said by block
   for b = 0, cfg.depth - 1 do
-    local n = fmt("joint_blocks.%d.x_block.attn.qkv.weight", b)
+    local n = fmt("joint_blocks.%d.x_block.attn%s.weight", b, QKV)
     if not shapes[n] then
       error(fmt("MMDiT: block joint_blocks.%d is missing (no %s; the file has joint_blocks up to %d): a partial " ..
         "or damaged file?", b, n, cfg.depth - 1), 0)
@@ -92,13 +101,13 @@ function M.config(shapes, meta)
   end
   cfg.mlp_hidden = need(shapes, "joint_blocks.0.x_block.mlp.fc1.weight", "the MLP width")[1]
   cfg.mlp_ratio = cfg.mlp_hidden / cfg.hidden
-  cfg.qkv_bias = shapes["joint_blocks.0.x_block.attn.qkv.bias"] ~= nil
+  cfg.qkv_bias = shapes["joint_blocks.0.x_block.attn" .. QKV .. ".bias"] ~= nil
   -- as the reference: RMS q/k norms when block 0 has them (SD 3.5), MMDiT-X's second
   -- attention in the blocks whose x stream has attn2
   cfg.qk_norm = shapes["joint_blocks.0.context_block.attn.ln_k.weight"] ~= nil
   cfg.x_self_attn, cfg.x_self_attn_layers = {}, {}
   for b = 0, cfg.depth - 1 do
-    if shapes[fmt("joint_blocks.%d.x_block.attn2.qkv.weight", b)] then
+    if shapes[fmt("joint_blocks.%d.x_block.attn2%s.weight", b, QKV)] then
       cfg.x_self_attn[b] = true
       cfg.x_self_attn_layers[#cfg.x_self_attn_layers + 1] = b
     end
@@ -134,7 +143,11 @@ function M.expected(cfg)
   lin("y_embedder.mlp.0", H, cfg.adm_dim); lin("y_embedder.mlp.2", H, H)
   lin("context_embedder", H, cfg.context_dim)
   local function attn(n)
-    lin(n .. ".qkv", 3 * H, H, cfg.qkv_bias)
+    if cfg.split_qkv then
+      for _, q in ipairs({ ".q", ".k", ".v" }) do lin(n .. q, H, H, cfg.qkv_bias) end
+    else
+      lin(n .. ".qkv", 3 * H, H, cfg.qkv_bias)
+    end
     if cfg.qk_norm then add(n .. ".ln_q.weight", { D }); add(n .. ".ln_k.weight", { D }) end
   end
   for b = 0, cfg.depth - 1 do
@@ -239,10 +252,22 @@ function MMDiT:_qkv(n, h)
   local S = scope()
   local k = S.k
   local B, L = h.shape[1], h.shape[2]
-  local qkv = k(nn.linear(h, self:w(n .. ".qkv.weight"), cfg.qkv_bias and self:w(n .. ".qkv.bias") or nil))
-  local r5 = k(qkv:reshape({ B, L, 3, cfg.heads, cfg.head_dim }))
-  local pm = k(k(r5:permute({ 3, 1, 4, 2, 5 })):contiguous())   -- [3, B, heads, L, D]
-  local q, kk, v = k(pm:select(1, 1)), k(pm:select(1, 2)), pm:select(1, 3)
+  local q, kk, v
+  if cfg.split_qkv then
+    local function one(s, keep)
+      local o = k(nn.linear(h, self:w(n .. s .. ".weight"), cfg.qkv_bias and self:w(n .. s .. ".bias") or nil))
+      local r = k(o:reshape({ B, L, cfg.heads, cfg.head_dim }))
+      local c = k(r:transpose(2, 3)):contiguous()                  -- [B, heads, L, D]
+      if not keep then k(c) end
+      return c
+    end
+    q, kk, v = one(".q"), one(".k"), one(".v", true)
+  else
+    local qkv = k(nn.linear(h, self:w(n .. ".qkv.weight"), cfg.qkv_bias and self:w(n .. ".qkv.bias") or nil))
+    local r5 = k(qkv:reshape({ B, L, 3, cfg.heads, cfg.head_dim }))
+    local pm = k(k(r5:permute({ 3, 1, 4, 2, 5 })):contiguous())   -- [3, B, heads, L, D]
+    q, kk, v = k(pm:select(1, 1)), k(pm:select(1, 2)), pm:select(1, 3)
+  end
   if cfg.qk_norm then
     q = rms_norm(q, self:w(n .. ".ln_q.weight"))
     kk = rms_norm(kk, self:w(n .. ".ln_k.weight"))
@@ -320,6 +345,7 @@ function MMDiT:_joint(b, context, x, cs)
   local pre_only = b == cfg.depth - 1 and cfg.pre_only_last
   local x2 = cfg.x_self_attn[b]
   local cm = self:_mod(cn .. "adaLN_modulation.1", cs, pre_only and 2 or 6)
+  if pre_only and cfg.swapped_halves then cm[1], cm[2] = cm[2], cm[1] end
   local xm = self:_mod(xn .. "adaLN_modulation.1", cs, x2 and 9 or 6)
   for _, v in ipairs(cm) do k(v) end
   for _, v in ipairs(xm) do k(v) end
@@ -361,6 +387,7 @@ function MMDiT:_final(x, cs)
   local k = S.k
   local m = self:_mod("final_layer.adaLN_modulation.1", cs, 2)
   k(m[1]); k(m[2])
+  if self.config.swapped_halves then m[1], m[2] = m[2], m[1] end
   local h = k(modulate(k(layer_norm(x)), m[1], m[2]))
   return S.done(nn.linear(h, self:w("final_layer.linear.weight"), self:w("final_layer.linear.bias")))
 end

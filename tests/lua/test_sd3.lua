@@ -386,6 +386,60 @@ test("SD3: GGUF (q8_0, architecture sd3) and fp8 files compute as their decoded 
   report[#report + 1] = ("large q8_0 vs f32 reference: %.2e"):format(rel(out, IO["large.out"]))
 end)
 
+test("SD3: a diffusers transformer (split q / k / v, swapped halves) computes as the reference", function()
+  -- names as diffusers' SD3Transformer2DModel has them (ComfyUI's mmdit_to_diffusers)
+  eq(F.to_diffusers("joint_blocks.0.x_block.attn.q.weight"), "transformer_blocks.0.attn.to_q.weight")
+  eq(F.to_diffusers("joint_blocks.3.context_block.attn.v.bias"), "transformer_blocks.3.attn.add_v_proj.bias")
+  eq(F.to_diffusers("joint_blocks.1.x_block.attn2.proj.weight"), "transformer_blocks.1.attn2.to_out.0.weight")
+  eq(F.to_diffusers("joint_blocks.1.context_block.adaLN_modulation.1.weight"),
+    "transformer_blocks.1.norm1_context.linear.weight")
+  eq(F.to_diffusers("final_layer.adaLN_modulation.1.bias"), "norm_out.linear.bias")
+  eq(F.to_diffusers("pos_embed"), "pos_embed.pos_embed")
+  eq(F.from_diffusers("time_text_embed.text_embedder.linear_2.weight"), "y_embedder.mlp.2.weight")
+  eq(F.from_diffusers("transformer_blocks.2.ff_context.net.0.proj.weight"), "joint_blocks.2.context_block.mlp.fc1.weight")
+  -- the medium recipe written as diffusers stores it: q / k / v apart, the final and the
+  -- pre_only context adaLN halves as (scale, shift)
+  local base = recipe("medium")
+  local t = {}
+  local function swap(v)
+    local n = v.shape[1] // 2
+    return kiln.cat({ v:narrow(1, n + 1, n), v:narrow(1, 1, n) }, 1)
+  end
+  for k, v in pairs(base) do
+    local pre, what = k:match("^(.*)%.qkv%.(%a+)$")
+    if pre then
+      local n = v.shape[1] // 3
+      for i, q in ipairs({ "q", "k", "v" }) do
+        t[F.to_diffusers(pre .. "." .. q .. "." .. what)] = v:narrow(1, (i - 1) * n + 1, n):contiguous()
+      end
+    else
+      local d = F.to_diffusers(k)
+      truthy(d, "a diffusers name for " .. k)
+      if k:match("^final_layer%.adaLN") or k:match("^joint_blocks%.2%.context_block%.adaLN") then v = swap(v) end
+      t[d] = v
+    end
+  end
+  local dir = T.tmp("sd3-diffusers-transformer")
+  os.execute("mkdir -p '" .. dir .. "'")
+  local p = dir .. "/diffusion_pytorch_model.safetensors"
+  kiln.save_safetensors(p, t)
+  local dit, cfg = F.load_diffusers_transformer(dir)
+  eq(cfg.split_qkv, true); eq(cfg.swapped_halves, true); eq(cfg.depth, 3)
+  eq(table.concat(cfg.x_self_attn_layers, ","), "0,1")
+  local out = dit:forward(IO.x, IO.t, IO.context, IO.y)
+  local r = rel(out, IO["medium.out"])
+  truthy(r <= TOL, "diffusers transformer: " .. r)
+  dit:close()
+  -- a tensor missing from the folder is named as diffusers names it, with the file
+  t["transformer_blocks.1.attn.add_k_proj.weight"] = nil
+  kiln.save_safetensors(p, t)
+  local err = raises(function() return F.load_diffusers_transformer(dir) end)
+  truthy(err:find("transformer_blocks.1.attn.add_k_proj.weight", 1, true), err)
+  truthy(err:find(p, 1, true), err)
+  os.remove(p)
+  os.remove(dir)
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 

@@ -447,4 +447,102 @@ function M.lora_names(cfg)
   return map
 end
 
+-- ---------------------------------------------------------------- diffusers transformer
+
+-- diffusers module (below transformer_blocks.N.) -> kiln.mmdit's; q / k / v stay apart
+-- (kiln.mmdit's split form)
+local DIFFUSERS_BLOCK = {
+  ["norm1.linear"] = "x_block.adaLN_modulation.1", ["norm1_context.linear"] = "context_block.adaLN_modulation.1",
+  ["attn.to_q"] = "x_block.attn.q", ["attn.to_k"] = "x_block.attn.k", ["attn.to_v"] = "x_block.attn.v",
+  ["attn.add_q_proj"] = "context_block.attn.q", ["attn.add_k_proj"] = "context_block.attn.k",
+  ["attn.add_v_proj"] = "context_block.attn.v",
+  ["attn.to_out.0"] = "x_block.attn.proj", ["attn.to_add_out"] = "context_block.attn.proj",
+  ["attn.norm_q"] = "x_block.attn.ln_q", ["attn.norm_k"] = "x_block.attn.ln_k",
+  ["attn.norm_added_q"] = "context_block.attn.ln_q", ["attn.norm_added_k"] = "context_block.attn.ln_k",
+  ["attn2.to_q"] = "x_block.attn2.q", ["attn2.to_k"] = "x_block.attn2.k", ["attn2.to_v"] = "x_block.attn2.v",
+  ["attn2.to_out.0"] = "x_block.attn2.proj", ["attn2.norm_q"] = "x_block.attn2.ln_q",
+  ["attn2.norm_k"] = "x_block.attn2.ln_k",
+  ["ff.net.0.proj"] = "x_block.mlp.fc1", ["ff.net.2"] = "x_block.mlp.fc2",
+  ["ff_context.net.0.proj"] = "context_block.mlp.fc1", ["ff_context.net.2"] = "context_block.mlp.fc2",
+}
+local DIFFUSERS_TOP = {
+  ["pos_embed.proj"] = "x_embedder.proj",
+  ["time_text_embed.timestep_embedder.linear_1"] = "t_embedder.mlp.0",
+  ["time_text_embed.timestep_embedder.linear_2"] = "t_embedder.mlp.2",
+  ["time_text_embed.text_embedder.linear_1"] = "y_embedder.mlp.0",
+  ["time_text_embed.text_embedder.linear_2"] = "y_embedder.mlp.2",
+  ["context_embedder"] = "context_embedder",
+  ["norm_out.linear"] = "final_layer.adaLN_modulation.1", ["proj_out"] = "final_layer.linear",
+}
+
+--- A diffusers SD3Transformer2DModel's tensor name -> kiln.mmdit's (split q / k / v),
+-- or nil for a name it does not read.
+function M.from_diffusers(name)
+  if name == "pos_embed.pos_embed" then return "pos_embed" end
+  local n, rest = name:match("^transformer_blocks%.(%d+)%.(.*)$")
+  local mod, what
+  if n then
+    mod, what = rest:match("^(.*)%.(%a+)$")
+    local to = mod and DIFFUSERS_BLOCK[mod]
+    return to and fmt("joint_blocks.%s.%s.%s", n, to, what) or nil
+  end
+  mod, what = name:match("^(.*)%.(%a+)$")
+  local to = mod and DIFFUSERS_TOP[mod]
+  return to and (to .. "." .. what) or nil
+end
+
+local TO_BLOCK, TO_TOP = {}, {}
+for d, k in pairs(DIFFUSERS_BLOCK) do TO_BLOCK[k] = d end
+for d, k in pairs(DIFFUSERS_TOP) do TO_TOP[k] = d end
+
+--- The inverse: kiln.mmdit's name (split q / k / v) -> diffusers', or nil.
+function M.to_diffusers(name)
+  if name == "pos_embed" then return "pos_embed.pos_embed" end
+  local n, rest = name:match("^joint_blocks%.(%d+)%.(.*)$")
+  local mod, what
+  if n then
+    mod, what = rest:match("^(.*)%.(%a+)$")
+    local to = mod and TO_BLOCK[mod]
+    return to and fmt("transformer_blocks.%s.%s.%s", n, to, what) or nil
+  end
+  mod, what = name:match("^(.*)%.(%a+)$")
+  local to = mod and TO_TOP[mod]
+  return to and (to .. "." .. what) or nil
+end
+
+--- A diffusers transformer (the transformer/ folder of an SD 3.5 pipeline folder, or its
+-- diffusion_pytorch_model.safetensors) as the checkpoint's `dit` part: the same network
+-- over diffusers' tensors, read in place (q / k / v as three products, the swapped
+-- halves taken as they are).
+function M.load_diffusers_transformer(path)
+  local mmdit = require "kiln.mmdit"
+  local part = require "kiln.part"
+  local stream = require "kiln.stream"
+  local who = "kiln.load_checkpoint"
+  local files
+  if mf.is_dir(path) then
+    files = mf.diffusers_files(path, "diffusion_pytorch_model", who)
+    if not files then
+      util.file_error(who, path, "not a diffusers transformer folder: no diffusion_pytorch_model.safetensors " ..
+        "(or sharded index) inside")
+    end
+  else
+    files = { path }
+  end
+  local src = mf.multi_source(files, nil, who)
+  local map, shapes = {}, {}
+  for real, shape in pairs(src.shapes) do
+    local n = M.from_diffusers(real)
+    if n then map[n], shapes[n] = real, shape end
+  end
+  local ok, cfg = pcall(mmdit.config, shapes, src.meta, { diffusers = true })
+  if not ok then util.file_error(who, files[1], tostring(cfg)) end
+  local exp = mmdit.expected(cfg)
+  -- a tensor the folder lacks is named as diffusers names it
+  local resolve = function(n) return map[n] or M.to_diffusers(n) or n end
+  mf.validate(files[1], "SD 3.5 transformer (diffusers)", exp, resolve, src.shapes)
+  local store = mf.open_store(files, mf.names_of(exp, resolve), "dit")
+  return part.as_model(mmdit.new(stream.weights(store, "", map), cfg), store, "DiT"), cfg
+end
+
 return M
