@@ -357,7 +357,9 @@ end
 
 function Encoder:_pooled(last, batch, unprojected)
   local cfg = self.config
-  if not cfg.projection and not unprojected then error("CLIP: this encoder has no text projection (no pooled output)", 3) end
+  if not cfg.projection and not unprojected then
+    error("CLIP: this encoder has no text projection (no pooled output)", 3)
+  end
   local n = self:final_norm(last)
   local rows = {}
   for b, seq in ipairs(batch) do

@@ -443,7 +443,8 @@ function MMDiT:forward(x, t, context, y, opts)
   end
   local B, h, w = x.shape[1], x.shape[3], x.shape[4]
   if h % p ~= 0 or w % p ~= 0 then
-    error(fmt("dit:forward: the latent's height and width must be multiples of the patch size %d, got %dx%d", p, h, w), 2)
+    error(fmt("dit:forward: the latent's height and width must be multiples of the patch size %d, got %dx%d", p, h,
+      w), 2)
   end
   if h // p > cfg.pos_embed_max_size or w // p > cfg.pos_embed_max_size then
     error(fmt("dit:forward: a %dx%d latent is %dx%d patches, more than the position table's %dx%d", h, w, h // p,

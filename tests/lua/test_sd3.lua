@@ -396,7 +396,8 @@ test("SD3: a diffusers transformer (split q / k / v, swapped halves) computes as
   eq(F.to_diffusers("final_layer.adaLN_modulation.1.bias"), "norm_out.linear.bias")
   eq(F.to_diffusers("pos_embed"), "pos_embed.pos_embed")
   eq(F.from_diffusers("time_text_embed.text_embedder.linear_2.weight"), "y_embedder.mlp.2.weight")
-  eq(F.from_diffusers("transformer_blocks.2.ff_context.net.0.proj.weight"), "joint_blocks.2.context_block.mlp.fc1.weight")
+  eq(F.from_diffusers("transformer_blocks.2.ff_context.net.0.proj.weight"),
+    "joint_blocks.2.context_block.mlp.fc1.weight")
   -- the medium recipe written as diffusers stores it: q / k / v apart, the final and the
   -- pre_only context adaLN halves as (scale, shift)
   local base = recipe("medium")
