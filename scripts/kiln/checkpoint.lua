@@ -332,6 +332,20 @@ local function fill_single(ckpt, path, opts)
     end
     encs[i] = { src = esrc, cfg = cfg, use = family.encoder_use(F, e.role, cfg, src.meta) }
   end
+  if #encs == 0 and F.dit and opts.clip_g then
+    -- a transformer alone with several CLIP files beside it (SD 3.5: clip_l, clip_g),
+    -- in the family's order
+    for _, spec in ipairs(F.conditioning.encoders) do
+      local file, key = encoder_option(spec, opts)
+      if file and spec.role ~= "t5" then
+        local esrc, sub = sd.clip_file(file, key)
+        local cfg = clip.config(sub, { heads = meta_num(esrc.meta, "kiln.heads." .. spec.meta),
+          activation = esrc.meta["kiln." .. spec.meta .. ".activation"] })
+        cfg.role = spec.role
+        encs[#encs + 1] = { src = esrc, cfg = cfg, use = family.encoder_use(F, spec.role, cfg, src.meta) }
+      end
+    end
+  end
   if #encs == 0 and (opts.clip or opts.clip_l) then
     -- a UNet alone: one text encoder file beside it
     local esrc, sub = sd.clip_file(opts.clip or opts.clip_l, "clip")
@@ -354,7 +368,8 @@ local function fill_single(ckpt, path, opts)
   ckpt.scale_factor = scale
   ckpt.shift_factor = meta_num(src.meta, "kiln.shift_factor") or F.latent.shift_factor
   if F.variant then
-    ckpt.variant = info.dit_layout and F.variant(info.dit_shapes, "") or F.variant(src.shapes, L.unet)
+    ckpt.variant = info.dit_layout and F.variant(info.dit_shapes, "", src.meta, path) or
+        F.variant(src.shapes, L.unet, src.meta, path)
   end
   -- the family's checks once the parts are built (the variant asked for, the text
   -- encoders' widths)

@@ -289,7 +289,8 @@ end
 --   final_norm = true|false (apply the final layer norm to that state), default true
 --   pooled = true: also return the pooled vector (final norm of the last layer at the
 --           first end-of-text token, the highest id as CLIP's argmax, times the projection;
---           "unprojected": without the projection, CLIPTextModel's pooler_output)
+--           "unprojected": without the projection, CLIPTextModel's pooler_output, as
+--           Flux and SD 3 take CLIP-L's)
 --   vectors = {{pos = p, vectors = [n, W]}, ...}: textual-inversion vectors that replace
 --           the token embeddings at positions p..p+n-1 (see Encoder:embed)
 -- Returns hidden [B, L, W] (f32) [, pooled [B, P]].
@@ -869,7 +870,16 @@ function Text:encode_pieces(pieces, opts)
       end
       local z, p = e.enc:forward(c.ids, { layer = layer, final_norm = e.final_norm, pooled = ci == 1 and e.pooled or nil,
         vectors = vectors })
-      if p then pooled = p end
+      if p then
+        -- several pooled encoders (SD 3.5: CLIP-L and bigG): their vectors side by side
+        if pooled then
+          local both = kiln.cat({ pooled, p }, 2)
+          pooled:free(); p:free()
+          pooled = both
+        else
+          pooled = p
+        end
+      end
       local zw = z
       if weighting == "a1111" then
         zw = M.apply_weights(z, c.weights)

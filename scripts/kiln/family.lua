@@ -30,7 +30,7 @@ local M = {}
 local fmt = string.format
 
 -- ORDER: detection order; `kiln.families` lists them so.
-local ORDER = { "sd1", "sd2", "sdxl", "flux" }
+local ORDER = { "sd1", "sd2", "sdxl", "flux", "sd3" }
 
 -- The fields every family declares (a family is checked when registered).
 M.REQUIRED = {

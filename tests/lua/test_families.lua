@@ -20,7 +20,7 @@ end
 test("kiln.families is the list of family names, in detection order", function()
   local f = kiln.families
   eq(type(f), "table")
-  eq(table.concat(f, ","), "sd1,sd2,sdxl,flux")
+  eq(table.concat(f, ","), "sd1,sd2,sdxl,flux,sd3")
   local n = 0
   for _ in pairs(f) do n = n + 1 end
   eq(n, #f, "a plain list")
@@ -54,7 +54,7 @@ test("every family module declares the required fields", function()
   bad.name, bad.latent = "bad", nil
   raises(function() family.register(bad) end, "family 'bad'", "latent")
   raises(function() family.register(family.get("sd1")) end, "already registered")
-  eq(#kiln.families, 4)
+  eq(#kiln.families, 5)
 end)
 
 test("the bundled demo model is sd1", function()
@@ -128,7 +128,7 @@ test("a family registered at run time is detected and assembled", function()
   raises(function() kiln.load_checkpoint(p) end, "a UNet without a recognizable text encoder")
   family.register(toy)
   local ok, err = pcall(function()
-    eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux,toy")
+    eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux,sd3,toy")
     local ckpt <close> = kiln.load_checkpoint(p)
     eq(ckpt.family, "toy")
     eq(ckpt.scale_factor, 0.5)
@@ -139,7 +139,7 @@ test("a family registered at run time is detected and assembled", function()
   end)
   family.unregister("toy")
   if not ok then error(err, 0) end
-  eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux")
+  eq(table.concat(kiln.families, ","), "sd1,sd2,sdxl,flux,sd3")
   raises(function() kiln.load_checkpoint(p) end, "a UNet without a recognizable text encoder")
 end)
 
@@ -148,8 +148,9 @@ test("families told by the UNet alone, GGUF architectures", function()
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 1024 } }), "sd2")
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 768 } }), "sd1")
   eq(family.detect_unet({ ["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = { 320, 32 } }), nil)
-  raises(function() family.check_gguf({ ["general.architecture"] = "sd3" }, "x.gguf") end,
-    "unknown architecture 'sd3'", "SD 1.x, SD 2.x, SDXL and Flux.1", "(sd1, sd2, sdxl, flux)")
+  raises(function() family.check_gguf({ ["general.architecture"] = "hidream" }, "x.gguf") end,
+    "unknown architecture 'hidream'", "SD 1.x, SD 2.x, SDXL, Flux.1 and SD 3.5", "(sd1, sd2, sdxl, flux, sd3)")
+  family.check_gguf({ ["general.architecture"] = "sd3" }, "x.gguf")
   eq(family.label("sdxl"), "SDXL")
 end)
 

@@ -211,10 +211,10 @@ H.test("txt2img with a GGUF or fp8 UNet stays close to f16", function()
 end)
 
 H.test("a GGUF of another architecture is refused by name", function()
-  local p = tmp("sd3.gguf")
-  kiln.save_gguf(p, { ["img_in.weight"] = kiln.randn({ 32, 64 }, { seed = 1 }) }, { metadata = { ["general.architecture"] = "sd3" } })
+  local p = tmp("hidream.gguf")
+  kiln.save_gguf(p, { ["img_in.weight"] = kiln.randn({ 32, 64 }, { seed = 1 }) }, { metadata = { ["general.architecture"] = "hidream" } })
   local ok, err = pcall(kiln.load_checkpoint, p)
-  H.truthy(not ok and tostring(err):match("unknown architecture 'sd3'") and tostring(err):match(p, 1, true), tostring(err))
+  H.truthy(not ok and tostring(err):match("unknown architecture 'hidream'") and tostring(err):match(p, 1, true), tostring(err))
   os.remove(p)
 end)
 

@@ -535,7 +535,9 @@ test("bad input: pickle, truncated, LoRA, unknown layout, missing and mismatched
   end
   kiln.save_safetensors(vae_only, v, {})
   raises(function() kiln.load_checkpoint(vae_only) end, "standalone VAE", "{vae = PATH}")
-  raises(function() kiln.load_checkpoint(good, { family = "sd3" }) end, "sd3")
+  raises(function() kiln.load_checkpoint(good, { family = "hidream" }) end, "hidream")
+  -- a known family forced on a file that is not one: the missing tensor named
+  raises(function() kiln.load_checkpoint(good, { family = "sd3" }) end, "x_embedder.proj.weight")
   raises(function() kiln.load_checkpoint(good, { bogus = 1 }) end, "unknown option 'bogus'")
   raises(function() kiln.load_checkpoint(good, { vae = other }) end, "not a VAE")
 
