@@ -12,6 +12,7 @@ local progress = require "kiln.progress"
 local extra_networks = require "kiln.extra_networks"
 local seamless = require "kiln.seamless"
 local util = require "kiln.util"
+local step_cache = require "kiln.step_cache"
 
 local M = {}
 
@@ -38,6 +39,7 @@ local COMMON_OPTIONS = {
   "eta", "s_noise", "sigmas", "add_noise", "callback",
   "preview", "previewer", "preview_every", "preview_precision",
   "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
+  "cache", -- kiln.step_cache: {mode = "fbcache" | "teacache" | "deepcache", threshold = ...}
 }
 local function option_set(...)
   local set = {}
@@ -85,6 +87,7 @@ local function opts_with_defaults(opts, ckpt)
   if o.cfg == nil then o.cfg = M.default_cfg(ckpt) end
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
+  M.cache_spec(o, ckpt)
   return o
 end
 
@@ -154,6 +157,17 @@ function M.on_device(dev)
   if dev == nil or dev == old then return nil end
   kiln.set_default_device(dev)
   return setmetatable({}, { __close = function() kiln.set_default_device(old) end })
+end
+
+--- The run's step cache spec (opts.cache checked, defaults filled; nil without one)
+-- and its record o.info: the network calls the run made (`calls`), how many of them
+-- were full evaluations (`evals`: fewer than calls where a step cache replaced part
+-- of the network) and the sampler steps (`steps`). The pipelines return o.info as
+-- their third value.
+function M.cache_spec(o, ckpt)
+  o.info = o.info or { evals = 0, calls = 0, steps = 0 }
+  o._cache_spec = step_cache.spec(o.cache, ckpt and ckpt.dit and "flux" or "unet", "kiln.pipeline: cache")
+  return o._cache_spec
 end
 
 --- Model sampling of a checkpoint: SD's discrete schedule with its prediction type
@@ -343,7 +357,13 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
       xs = xc
     end
     -- the UNet frees each residual at its last use
-    local out = unet:forward(xs, t, ctx, y, control and { control = control, free_control = true } or nil)
+    local fo = control and { control = control, free_control = true } or nil
+    if o.cache_state then
+      fo = fo or {}
+      fo.cache_state = o.cache_state
+    end
+    if o.info then o.info.calls = o.info.calls + 1 end
+    local out = unet:forward(xs, t, ctx, y, fo)
     if out ~= xs then xs:free() end
     t:free()
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
@@ -466,6 +486,10 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   end
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
+  -- opts.cache: one step cache for this sampling, its tensors freed when it ends
+  local cache <close> = step_cache.new(o._cache_spec)
+  od.cache_state = cache
+  local calls0 = o.info and o.info.calls
   local den = M.denoiser(ckpt, cond, uncond, o.cfg, od)
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
     den = require("kiln.tiling").multidiffusion(den, { tile = o.unet_tile, overlap = o.unet_overlap or o.unet_tile // 4,
@@ -493,6 +517,10 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
+  if o.info then
+    o.info.steps = o.info.steps + #s - 1
+    o.info.evals = o.info.evals + (cache and cache.evals or o.info.calls - calls0)
+  end
   noise:free()
   for _, c in ipairs(copies) do c:free() end
   return out
@@ -610,7 +638,7 @@ function M.txt2img(ckpt, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat, o), lat
+  return decode(ckpt, dev, lat, o), lat, o.info
 end
 
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
@@ -657,7 +685,7 @@ function M.img2img(ckpt, image, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat, o), lat
+  return decode(ckpt, dev, lat, o), lat, o.info
 end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
@@ -700,6 +728,7 @@ function M.hires_fix(ckpt, opts)
     ckpt.unet:load(dev)
     local first = opts_with_defaults(opts, ckpt)
     first.denoise = 1
+    first.info = o.info                    -- one record for both passes
     first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
     return M.sample_latents(ckpt, cond, uncond, first, nil, { n, ckpt.vae.latent_channels or 4, lh, lw })
   end)
@@ -742,6 +771,7 @@ function M.hires_fix(ckpt, opts)
 
   local second = opts_with_defaults(opts, ckpt)
   second.denoise = o.hires_denoise or 0.5
+  second.info = o.info
   second.steps = o.hires_steps or o.steps
   second.seed = o.seed + 1
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
@@ -753,7 +783,7 @@ function M.hires_fix(ckpt, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat2, o), lat2
+  return decode(ckpt, dev, lat2, o), lat2, o.info
 end
 
 -- The A1111 label of a registry entry (kiln.sample), else the name as given.
