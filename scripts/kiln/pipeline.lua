@@ -503,6 +503,7 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local t0 = kiln.time()
   local out = sample.run(o.sampler, den, x, sigmas, {
     seed = o.seed, eta = o.eta, s_noise = o.s_noise, progress = false, -- the bar reports
+    model_sampling = M.model_sampling(ckpt), -- tcd's timesteps
     callback = function(st)
       bar:step(st.i)
       preview(st)
