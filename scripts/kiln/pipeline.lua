@@ -487,7 +487,7 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
   -- opts.cache: one step cache for this sampling, its tensors freed when it ends
-  local cache <close> = step_cache.new(o._cache_spec)
+  local cache <close> = step_cache.new(o._cache_spec or (o.cache and M.cache_spec(o, ckpt)) or nil)
   od.cache_state = cache
   local calls0 = o.info and o.info.calls
   local den = M.denoiser(ckpt, cond, uncond, o.cfg, od)
