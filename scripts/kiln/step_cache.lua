@@ -55,7 +55,7 @@ M.COEFFICIENTS = {
 -- numbers are in tests/bench/JOURNAL.md).
 M.DEFAULTS = {
   fbcache = { unet = 0.12, flux = 0.12 },
-  teacache = { unet = 0.3, flux = 0.4 },
+  teacache = { unet = 0.8, flux = 0.4 },
   deepcache = { interval = 3, branch = 0 },
 }
 
