@@ -1646,6 +1646,12 @@ function kiln.cli.usage(defaults, help) end
 ---@return integer
 function kiln.cli.parse_size(s) end
 
+-----cache MODE[:N] as a pipeline's opts.cache (nil for ""); N is fbcache's / teacache's
+---threshold, deepcache's interval; a usage error names a mistake.
+---@param s string
+---@return kiln.StepCache?
+function kiln.cli.cache_option(s) end
+
 ---@return string
 function kiln.cli.script_dir() end
 
