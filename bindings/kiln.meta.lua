@@ -1169,8 +1169,8 @@ function kiln.trace.counters() end
 
 -- The names of kiln.sample's registry; tests/lua/test_meta.lua keeps them equal to
 -- kiln.sample.names() and kiln.sample.scheduler_names().
----@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2m_sde"|"dpmpp_2s_ancestral"|"dpmpp_3m_sde"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"|"uni_pc"|"uni_pc_bh2"
----@alias kiln.SchedulerName "beta"|"ddim_uniform"|"exponential"|"karras"|"normal"|"sgm_uniform"|"simple"
+---@alias kiln.SamplerName "ddim"|"dpm_2"|"dpm_2_ancestral"|"dpmpp_2m"|"dpmpp_2m_sde"|"dpmpp_2s_ancestral"|"dpmpp_3m_sde"|"dpmpp_sde"|"euler"|"euler_ancestral"|"heun"|"lcm"|"lms"|"tcd"|"uni_pc"|"uni_pc_bh2"
+---@alias kiln.SchedulerName "beta"|"ddim_uniform"|"exponential"|"karras"|"normal"|"sgm_uniform"|"simple"|"trailing"
 
 ---A sampler's registry entry.
 ---@class kiln.SamplerInfo
@@ -1328,9 +1328,25 @@ function kiln.sample.ancestral_step(sigma_from, sigma_to, eta) end
 ---@field preview_every? integer previews after steps N, 2N, ... and the last (1)
 ---@field previewer? "latent2rgb"|"taesd"|kiln.TAESD|false how previews are made (latent2rgb: latent size; taesd: full size; false: none, the host's either)
 ---@field vae? "taesd"|string|kiln.TAESD decode (and encode) this run with TAESD in place of the checkpoint's VAE
+---@field cache? kiln.StepCache|"fbcache"|"teacache"|"deepcache" reuse network work between sampler steps (kiln.step_cache)
 ---Every pipeline refuses a key it does not know: "kiln.pipeline.txt2img: unknown option
 ---'stpes' (did you mean 'steps'?)". kiln.pipeline.OPTIONS lists each pipeline's. A run
 ---computes on `device` alone (the default device is that one for the run's length).
+
+---A step cache (kiln.step_cache): First-Block Cache, TeaCache or DeepCache.
+---@class kiln.StepCache
+---@field mode "fbcache"|"teacache"|"deepcache"
+---@field threshold? number fbcache / teacache: reuse while the (accumulated) relative change is below it (the mode's default for the network)
+---@field interval? integer deepcache: a full step every N steps (3)
+---@field branch? integer deepcache: the skip branch kept (0, the shallowest)
+---@field max_hits? integer consecutive reused steps at most (-1: any)
+---@field coefficients? number[] teacache: the rescale polynomial, highest power first (the family's published one)
+
+---What a pipeline run did (its third result).
+---@class kiln.RunInfo
+---@field evals integer full network evaluations
+---@field calls integer network calls (a step cache makes some of them partial)
+---@field steps integer sampler steps
 
 ---A ControlNet of a pipeline run (ComfyUI's ControlNetApplyAdvanced).
 ---@class kiln.ControlEntry
@@ -1349,6 +1365,7 @@ kiln.pipeline = {}
 ---@param opts kiln.PipelineOptions
 ---@return kiln.Tensor image
 ---@return kiln.Tensor latents
+---@return kiln.RunInfo info
 function kiln.pipeline.txt2img(ckpt, opts) end
 
 ---An input image [1, 3, H, W] in [0, 1] re-generated at opts.denoise.
@@ -1357,6 +1374,7 @@ function kiln.pipeline.txt2img(ckpt, opts) end
 ---@param opts kiln.PipelineOptions
 ---@return kiln.Tensor image
 ---@return kiln.Tensor latents
+---@return kiln.RunInfo info
 function kiln.pipeline.img2img(ckpt, image, opts) end
 
 ---Inpainting: image [1, 3, H, W] in [0, 1] re-drawn where mask [1, 1, H, W] (1 = repaint) is
@@ -1378,11 +1396,18 @@ function kiln.pipeline.inpaint(ckpt, image, mask, opts) end
 ---@param opts kiln.PipelineOptions
 ---@return kiln.Tensor image
 ---@return kiln.Tensor latents
+---@return kiln.RunInfo info
 function kiln.pipeline.hires_fix(ckpt, opts) end
 
 ---@param ckpt kiln.Checkpoint
 ---@return table
 function kiln.pipeline.model_sampling(ckpt) end
+
+---Checks opts.cache (filling its defaults) into the run's options and starts its RunInfo.
+---@param opts kiln.PipelineOptions
+---@param ckpt? kiln.Checkpoint
+---@return table? spec
+function kiln.pipeline.cache_spec(opts, ckpt) end
 
 ---The checkpoint's native image size: its metadata's kiln.image_size, else the
 ---family's (512 for SD 1.x, 768 for SD 2.x v-prediction, 1024 for SDXL).
@@ -1637,6 +1662,12 @@ function kiln.cli.usage(defaults, help) end
 ---@param s string
 ---@return integer
 function kiln.cli.parse_size(s) end
+
+-----cache MODE[:N] as a pipeline's opts.cache (nil for ""); N is fbcache's / teacache's
+---threshold, deepcache's interval; a usage error names a mistake.
+---@param s string
+---@return kiln.StepCache?
+function kiln.cli.cache_option(s) end
 
 ---@return string
 function kiln.cli.script_dir() end

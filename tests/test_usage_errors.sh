@@ -29,7 +29,9 @@ usage() {
 }
 
 T="examples/txt2img.lua --quiet --steps 1 --out $tmp/out.png"
-usage "unknown option lists the known ones" "unknown option '--bogus' (known: --batch --cfg" $T --bogus 1
+usage "unknown option lists the known ones" "unknown option '--bogus' (known: --batch --cache --cfg" $T --bogus 1
+usage "unknown step cache lists the modes" "--cache fastcache: unknown mode 'fastcache' (known: fbcache, teacache, deepcache)" $T --cache fastcache
+usage "a step cache's number" "--cache deepcache:x: 'x' is not a number" $T --cache deepcache:x
 usage "option without its value" "option '--seed' needs a value" $T --seed
 usage "a number option given a word" "--steps many: not a number" $T --steps many
 usage "a whole number" "--seed 1.5: must be a whole number" $T --seed 1.5

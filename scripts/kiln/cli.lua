@@ -16,7 +16,7 @@ local COMMON = {
   lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
   tileable = "",
   preview = "", preview_every = 0, previewer = "latent2rgb", vae = "", precision = "",
-  preview_precision = "",
+  preview_precision = "", cache = "",
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -82,6 +82,7 @@ local function help_of(k)
     preview_precision = "arithmetic of the taesd previews: f32, bf16, f16 or run (the run's; default: bf16 on a CPU"
       .. " with native bf16 products, else run)",
     vae = "a VAE file, or taesd: TAESD (beside the model, in its vae_approx/ or ../vae_approx/, or a file) as the VAE",
+    cache = "step cache: fbcache[:THRESHOLD], teacache[:THRESHOLD] or deepcache[:INTERVAL] (fewer full evaluations)",
   })[k]
 end
 
@@ -203,6 +204,7 @@ function M.parse(args, extra, help)
   if o.tile == nil then o.overlap = nil
   elseif o.overlap == nil then o.overlap = o.tile // 4 end
   if o.tileable == "" then o.tileable = nil end
+  o.cache = M.cache_option(o.cache)
   if o.preview == "" then o.preview = nil end
   if o.preview_every == 0 then o.preview_every = nil end
   if o.preview_precision == "" then o.preview_precision = nil end
@@ -211,6 +213,22 @@ function M.parse(args, extra, help)
   o.vae = nil
   o.device = kiln.default_device()
   return o
+end
+
+--- --cache MODE[:N] as opts.cache (nil for ""): N is the threshold of fbcache and
+-- teacache, the interval of deepcache; a usage error names what is wrong.
+function M.cache_option(s)
+  if s == nil or s == "" then return nil end
+  local mode, n = tostring(s):match("^(%a+):?(.*)$")
+  local c = { mode = mode }
+  if n and n ~= "" then
+    local v = tonumber(n)
+    if not v then util.usage_error(("--cache %s: '%s' is not a number"):format(s, n)) end
+    if mode == "deepcache" then c.interval = v else c.threshold = v end
+  end
+  local ok, err = pcall(require("kiln.step_cache").spec, c, "unet", "--cache " .. tostring(s))
+  if not ok then util.usage_error((tostring(err):gsub("^[^:]*:%d+: ", ""))) end
+  return c
 end
 
 --- The options of kiln.load_checkpoint that the command line sets (--loras,

@@ -453,6 +453,29 @@ local function as_batch(v, B, name, device)
   return v
 end
 
+-- Double block 0 under a step cache (kiln.step_cache): TeaCache decides from the block's
+-- modulated image input (img_norm1 with img_mod's first shift and scale, as
+-- ComfyUI-TeaCache), FBCache from the block's image output. A reuse returns the image
+-- stream the last block would give and no text stream.
+function Flux:_first_double(p, img, txt, vs, cos, sin, cs)
+  if cs:wants_modulated_input() then
+    local im = self:_mod(p .. "img_mod.lin", vs, 6)
+    local m = modulate(img, im[1], im[2])
+    for _, v in ipairs(im) do v:free() end
+    local r = cs:residual_or_anchor(cs:tea_input(m), img)
+    if r then return r, nil end
+  end
+  local i2, t2 = self:_double(p, img, txt, vs, cos, sin)
+  if cs.mode == "fbcache" then
+    local r = cs:residual_or_anchor(cs:fb_first(i2:clone()), i2)
+    if r then
+      i2:free(); t2:free()
+      return r, nil
+    end
+  end
+  return i2, t2
+end
+
 local function shape_of(t) return t and util.shape_str(t) or "nil" end
 
 -- x [B, C, h, w] (h, w even), t [B] flow time, context [B, L, context_dim], y [B,
@@ -513,24 +536,39 @@ function Flux:forward(x, t, context, y, opts)
   local cos, sin = M.rope_tables(M.position_ids(nt, h // 2, w // 2), cfg.axes_dim, cfg.theta, dev, dt)
   own(cos); own(sin)
   local packed = own(M.pack(x))
+  -- opts.cache_state (kiln.step_cache): the first double block may decide that the rest
+  -- of the network is replaced by an earlier step's residual; a streamed pass copies no
+  -- block ahead until then
+  local cs = cfg.depth > 0 and opts.cache_state or nil
+  if cs then cs:begin(t:table()[1], x.shape) end
+  local _cs <close> = cs and setmetatable({}, { __close = function() cs:finish(); pass:hold_prefetch(false) end }) or nil
+  if cs and cs:pending() then pass:hold_prefetch(true) end
   local img, txt, vs = pass:run("in.", self._in, self, packed, context, t, y, g, dev, dt)
+  local ic
   for b = 0, cfg.depth - 1 do
-    local i2, t2 = pass:run(fmt("double_blocks.%d.", b), self._double, self, fmt("double_blocks.%d.", b),
-      img, txt, vs, cos, sin)
+    local p = fmt("double_blocks.%d.", b)
+    local i2, t2 = pass:run(p, b == 0 and cs and self._first_double or self._double, self, p, img, txt, vs, cos, sin, cs)
+    if cs then pass:hold_prefetch(false) end
     img:free(); txt:free()
     img, txt = i2, t2
+    if not txt then break end   -- the cache replaced the rest: img is the last block's
   end
-  local xs = kiln.cat({ txt, img }, 2)
-  local ni = img.shape[2]
-  img:free(); txt:free()
-  for b = 0, cfg.depth_single - 1 do
-    local x2 = pass:run(fmt("single_blocks.%d.", b), self._single, self, fmt("single_blocks.%d.", b), xs, vs, cos, sin)
-    xs:free()
-    xs = x2
+  if txt then
+    local xs = kiln.cat({ txt, img }, 2)
+    local ni = img.shape[2]
+    img:free(); txt:free()
+    for b = 0, cfg.depth_single - 1 do
+      local x2 = pass:run(fmt("single_blocks.%d.", b), self._single, self, fmt("single_blocks.%d.", b), xs, vs, cos, sin)
+      xs:free()
+      xs = x2
+    end
+    local iv = xs:narrow(2, nt + 1, ni)
+    ic = iv:contiguous()
+    iv:free(); xs:free()
+    if cs then cs:store_residual(ic) end
+  else
+    ic = img
   end
-  local iv = xs:narrow(2, nt + 1, ni)
-  local ic = iv:contiguous()
-  iv:free(); xs:free()
   local o = pass:run("final_layer.", self._final, self, ic, vs)
   ic:free(); vs:free()
   local out = M.unpack(o, h, w)

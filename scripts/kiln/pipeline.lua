@@ -14,6 +14,7 @@ local seamless = require "kiln.seamless"
 local util = require "kiln.util"
 local family = require "kiln.family"
 local flow = require "kiln.flow"
+local step_cache = require "kiln.step_cache"
 
 local M = {}
 
@@ -41,6 +42,7 @@ local COMMON_OPTIONS = {
   "preview", "previewer", "preview_every", "preview_precision",
   "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
   "guidance", "t5_length", -- flow-matching families (Flux): distilled guidance, T5's padded length
+  "cache", -- kiln.step_cache: {mode = "fbcache" | "teacache" | "deepcache", threshold = ...}
 }
 local function option_set(...)
   local set = {}
@@ -123,6 +125,7 @@ local function opts_with_defaults(opts, ckpt)
   if o.cfg == nil then o.cfg = M.default_cfg(ckpt) end
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
+  M.cache_spec(o, ckpt)
   return o
 end
 
@@ -194,6 +197,17 @@ function M.on_device(dev)
   if dev == nil or dev == old then return nil end
   kiln.set_default_device(dev)
   return setmetatable({}, { __close = function() kiln.set_default_device(old) end })
+end
+
+--- The run's step cache spec (opts.cache checked, defaults filled; nil without one)
+-- and its record o.info: the network calls the run made (`calls`), how many of them
+-- were full evaluations (`evals`: fewer than calls where a step cache replaced part
+-- of the network) and the sampler steps (`steps`). The pipelines return o.info as
+-- their third value.
+function M.cache_spec(o, ckpt)
+  o.info = o.info or { evals = 0, calls = 0, steps = 0 }
+  o._cache_spec = step_cache.spec(o.cache, ckpt and ckpt.dit and "flux" or "unet", "kiln.pipeline: cache")
+  return o._cache_spec
 end
 
 --- Model sampling of a checkpoint: SD's discrete schedule with its prediction type
@@ -349,10 +363,12 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
   if M.flow_family(ckpt) then
     -- a velocity network (kiln.flow): denoised = x - sigma * v, its distilled guidance
     local dit, g = ckpt.dit, o._flow and o._flow.guidance
-    local fopts = g and { guidance = g } or nil
+    local fopts = (g or o.cache_state) and { guidance = g, cache_state = o.cache_state } or nil
+    local info = o.info
     local function forward(x, t, ctx, y, n)
       local tt = kiln.full({ n }, t)
       local ok, v = pcall(dit.forward, dit, x, tt, ctx, y, fopts)
+      if info then info.calls = info.calls + 1 end
       tt:free()
       if not ok then error(v, 0) end
       return v
@@ -410,7 +426,13 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
       xs = xc
     end
     -- the UNet frees each residual at its last use
-    local out = unet:forward(xs, t, ctx, y, control and { control = control, free_control = true } or nil)
+    local fo = control and { control = control, free_control = true } or nil
+    if o.cache_state then
+      fo = fo or {}
+      fo.cache_state = o.cache_state
+    end
+    if o.info then o.info.calls = o.info.calls + 1 end
+    local out = unet:forward(xs, t, ctx, y, fo)
     if out ~= xs then xs:free() end
     t:free()
     if out.device ~= xin.device then -- the UNet runs where its weights are (streamed or not)
@@ -545,6 +567,10 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   end
   local controls <close> = prepare_controls(ckpt, o, shape)
   od.controls = controls
+  -- opts.cache: one step cache for this sampling, its tensors freed when it ends
+  local cache <close> = step_cache.new(o._cache_spec or (o.cache and M.cache_spec(o, ckpt)) or nil)
+  od.cache_state = cache
+  local calls0 = o.info and o.info.calls
   local den, den_close = M.denoiser(ckpt, cond, uncond, o.cfg, od)
   local den_copies <close> = den_close and setmetatable({}, { __close = den_close }) or nil
   if o.unet_tile then    -- MultiDiffusion: each step denoises overlapping latent tiles
@@ -559,6 +585,7 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
   local t0 = kiln.time()
   local out = sample.run(o.sampler, den, x, sigmas, {
     seed = o.seed, eta = o.eta, s_noise = o.s_noise, progress = false, -- the bar reports
+    model_sampling = M.model_sampling(ckpt), -- tcd's timesteps
     callback = function(st)
       bar:step(st.i)
       preview(st)
@@ -573,6 +600,10 @@ function M.sample_latents(ckpt, cond, uncond, o, x0, shape)
     end,
   })
   o._seconds_per_step = (kiln.time() - t0) / math.max(#s - 1, 1)
+  if o.info then
+    o.info.steps = o.info.steps + #s - 1
+    o.info.evals = o.info.evals + (cache and cache.evals or o.info.calls - calls0)
+  end
   noise:free()
   for _, c in ipairs(copies) do c:free() end
   return out
@@ -719,7 +750,7 @@ function M.txt2img(ckpt, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat, o), lat
+  return decode(ckpt, dev, lat, o), lat, o.info
 end
 
 --- img2img: an input image [1, 3, H, W] in [0, 1] re-generated at o.denoise
@@ -761,7 +792,7 @@ function M.img2img(ckpt, image, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat, o), lat
+  return decode(ckpt, dev, lat, o), lat, o.info
 end
 
 --- inpainting: image [1, 3, H, W], mask [1, 1, H, W] (1 = repaint); see kiln.inpaint.
@@ -800,6 +831,7 @@ function M.hires_fix(ckpt, opts)
     M.net(ckpt):load(dev)
     local first = opts_with_defaults(opts, ckpt)
     first.denoise = 1
+    first.info = o.info                    -- one record for both passes
     first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
     return M.sample_latents(ckpt, cond, uncond, first, nil, { n, latent_channels(ckpt), lh, lw })
   end)
@@ -842,6 +874,7 @@ function M.hires_fix(ckpt, opts)
 
   local second = opts_with_defaults(opts, ckpt)
   second.denoise = o.hires_denoise or 0.5
+  second.info = o.info
   second.steps = o.hires_steps or o.steps
   second.seed = o.seed + 1
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
@@ -853,7 +886,7 @@ function M.hires_fix(ckpt, opts)
     return l
   end)
 
-  return decode(ckpt, dev, lat2, o), lat2
+  return decode(ckpt, dev, lat2, o), lat2, o.info
 end
 
 -- The A1111 label of a registry entry (kiln.sample), else the name as given.

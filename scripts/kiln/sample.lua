@@ -968,4 +968,7 @@ function M.sigmas(name, steps, opts)
   return fn(steps, opts)
 end
 
+-- the few-step models' sampler (tcd) and schedule (trailing), kept in their own module
+require("kiln.few_step").register(M, need_model)
+
 return M

@@ -207,7 +207,8 @@ Pass.__index = Pass
 local open = setmetatable({}, { __mode = "k" })
 
 local function inactive_run(_, _, fn, ...) return fn(...) end
-local INACTIVE = setmetatable({ run = inactive_run, streaming = false }, { __close = function() end })
+local INACTIVE = setmetatable({ run = inactive_run, streaming = false, hold_prefetch = function() end },
+  { __close = function() end })
 
 -- A forward pass over the blocks named in order (default: every block). Returns an
 -- object to close when the forward ends (a to-be-closed variable). The model is pinned
@@ -293,7 +294,12 @@ end
 -- more while the blocks held stay within the window (small blocks are fetched ahead,
 -- so the copy thread keeps working while a large block computes; the device never
 -- holds more weights than the two largest adjacent blocks).
+--- While held (a step cache has yet to decide which blocks run), no block is copied
+-- ahead of its use: a block the cache then skips is never copied.
+function Pass:hold_prefetch(on) self.held_prefetch = on or nil end
+
 function Pass:_prefetch_after(pos)
+  if self.held_prefetch then return end
   local sizes, window = self.s:_sizes(self.model)
   local held = 0
   for b in pairs(self.held) do held = held + sizes[b] end

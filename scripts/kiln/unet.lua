@@ -462,14 +462,37 @@ function UNet:forward(x, t, context, y, opts)
   t = as_timesteps(t, B, dev)
   if t ~= t0 then own(t) end
 
+  -- opts.cache_state (kiln.step_cache): may replace the deeper blocks by what an earlier
+  -- step computed; a streamed pass holds its prefetch until the cache has decided, so
+  -- the blocks it skips are never copied
+  local cs = opts and opts.cache_state
+  if cs then cs:begin(t:table()[1], x.shape) end
+  local _cs <close> = cs and setmetatable({}, { __close = function() cs:finish(); pass:hold_prefetch(false) end }) or nil
+  if cs and cs:pending() then pass:hold_prefetch(true) end
+  local n_out = #self.plan.output
+  local resume = 1
+
   local emb_silu = pass:run("time_embed.", self._embed, self, t, y, dev, dt)
   local hs = {}
   local h = x
-  for _, blk in ipairs(self.plan.input) do
+  for i, blk in ipairs(self.plan.input) do
     h = pass:run(blk.prefix, self._block, self, blk, h, emb_silu, context)
     hs[#hs + 1] = h
+    if cs then
+      local hc, j = cs:unet_after_input(i, hs, emb_silu, n_out)
+      if not cs:pending() then pass:hold_prefetch(false) end
+      if hc then
+        h, resume = hc, j
+        break
+      end
+    end
   end
-  h = pass:run(self.plan.middle.prefix, self._block, self, self.plan.middle, h, emb_silu, context)
+  if resume > 1 then
+    -- the skips the resumed output blocks take stay; the rest go
+    for k = #hs, n_out - resume + 2, -1 do hs[k]:free(); hs[k] = nil end
+  else
+    h = pass:run(self.plan.middle.prefix, self._block, self, self.plan.middle, h, emb_silu, context)
+  end
   local function add_control(v, i)
     local r0 = control[i]
     local r = r0
@@ -484,8 +507,10 @@ function UNet:forward(x, t, context, y, opts)
     end
     return o
   end
-  if control then h = add_control(h, #control) end
-  for _, blk in ipairs(self.plan.output) do
+  if control and resume == 1 then h = add_control(h, #control) end
+  for j = resume, n_out do
+    local blk = self.plan.output[j]
+    if cs then cs:unet_before_output(j, h, n_out) end
     local skip = table.remove(hs)
     if control then skip = add_control(skip, #hs + 1) end
     local cat = kiln.cat({ h, skip }, 2)
@@ -496,6 +521,7 @@ function UNet:forward(x, t, context, y, opts)
     cat:free()
   end
   emb_silu:free()
+  if cs then cs:store_residual(h) end
   local out = pass:run("out.", self._out, self, h)
   if out.dtype ~= xdt then
     local o = out:to(xdt)

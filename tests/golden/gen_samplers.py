@@ -6,7 +6,8 @@ algorithms (k_diffusion/sampling.py: sample_euler, sample_euler_ancestral,
 sample_heun, sample_dpm_2, sample_dpm_2_ancestral, sample_lms (coefficients by
 scipy.integrate.quad as k-diffusion computes them), sample_dpmpp_2s_ancestral,
 sample_dpmpp_2m, sample_dpmpp_sde, sample_dpmpp_2m_sde, sample_dpmpp_3m_sde (noise
-from the injected source instead of a Brownian tree), sample_lcm), of ComfyUI's
+from the injected source instead of a Brownian tree), sample_lcm), of TCD's sampler
+(its authors' ComfyUI node, sample_tcd), of diffusers' "trailing" timesteps, of ComfyUI's
 UniPC (comfy/extra_samplers/uni_pc.py: sample_unipc, variants bh1 / bh2, on
 VP-scaled x as there) and of ComfyUI's schedules, run on a toy nonlinear
 denoiser with injected noise. And the Brownian noise of the SDE samplers as
@@ -18,7 +19,8 @@ bt_pairs) and a DPM++ 2M SDE trajectory drawing it (out_dpmpp_2m_sde_bt, seed 42
 
     /usr/bin/python3 tests/golden/gen_samplers.py [--only NAME,...]
 
---only recomputes just the named sampler outputs (out_NAME) and merges them into
+--only recomputes just the named sampler outputs (out_NAME; "bt" the Brownian noise,
+"few_step" TCD's outputs and the trailing schedules) and merges them into
 the existing file, leaving every other entry's bytes as they are (for a Python
 without SciPy, which the LMS coefficients and the beta schedule need).
 
@@ -359,6 +361,32 @@ def lcm(x, s, noise):
     return x
 
 
+def tcd(x, s, noise, gamma=0.3):
+    """TCD's sampler as its authors' ComfyUI node (ComfyUI-TCD, sample_tcd) computes it:
+    alphas_cumprod as its ModelSamplingDiscreteDistilledTCD builds them (float64 betas,
+    float32 cumprod), timesteps s = floor((1 - gamma) t) of the next sigma, the last 0;
+    the arithmetic in float64, each step's x rounded to float32."""
+    import torch
+    b = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float64) ** 2
+    ac = torch.cumprod(1.0 - b, dim=0, dtype=torch.float32).numpy().astype(np.float64)
+    ts = [math.floor((1 - gamma) * timestep(v)) if v > 0 else 0 for v in s]
+    ts[-1] = 0
+    a = [float(ac[t]) for t in ts]
+    for i in range(len(s) - 1):
+        den = denoise(x, s[i]).astype(np.float64)
+        eps = (x - den) / s[i]
+        den = math.sqrt(a[i + 1]) * den + math.sqrt(1 - a[i + 1]) * eps
+        x = den
+        if gamma > 0 and s[i + 1] > 0:
+            # clamped at 0: where the next sigma is the schedule's smallest (t = 0) the
+            # published term is a rounding error's square root (NaN when negative)
+            x = x / math.sqrt(a[i + 1]) + noise() * math.sqrt(max(0.0, s[i + 1] ** 2 + 1 - 1 / a[i + 1]))
+        else:
+            x = x * math.sqrt(s[i + 1] ** 2 + 1)
+        x = x.astype(np.float32)
+    return x
+
+
 # --- schedules (ComfyUI's, over SD's discrete model schedule) ---
 betas = np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=np.float64) ** 2
 abar = np.cumprod(1.0 - betas)
@@ -410,6 +438,25 @@ def beta_sched(n, alpha=0.6, beta=0.6):
             out.append(float(SIGMAS[int(t)]))
         last = t
     return out + [0.0]
+
+
+def trailing(n):
+    # diffusers' EulerDiscreteScheduler, timestep_spacing="trailing"
+    ts = np.round(np.arange(len(SIGMAS), 0, -len(SIGMAS) / n))[:n] - 1
+    return [float(SIGMAS[int(t)]) for t in ts] + [0.0]
+
+
+def few_step_goldens(s):
+    """tcd at three gammas on the Karras schedule and on a 4-step sgm_uniform one, the
+    trailing schedule at 4, 6, 16 steps (16: a half-way timestep that rounds to even)."""
+    out = {"out_tcd": tcd(x0.astype(np.float32), s, Noise()),
+           "out_tcd_g0": tcd(x0.astype(np.float32), s, Noise(), 0.0),
+           "out_tcd_g7": tcd(x0.astype(np.float32), s, Noise(), 0.7)}
+    s4 = [float(v) for v in np.array(normal(4, True), dtype=np.float32)]
+    out["out_tcd_sgm4"] = tcd(x0.astype(np.float32), s4, Noise(), 0.3)
+    for k, n in (("trailing", 4), ("trailing_6", 6), ("trailing_16", 16)):
+        out["sched_" + k] = np.array(trailing(n), dtype=np.float32)
+    return out
 
 
 def load(path):
@@ -464,6 +511,7 @@ if "--only" in sys.argv:
     for name, fn in SAMPLERS:
         if name in only: out["out_" + name] = fn(x0.astype(np.float32), s, Noise())
     if "bt" in only: out.update(brownian_goldens(s))
+    if "few_step" in only: out.update(few_step_goldens(s))
     save(PATH, out)
     print("updated", PATH + ":", ", ".join(only))
     sys.exit(0)
@@ -488,5 +536,6 @@ s = [float(v) for v in np.array(sched["karras"], dtype=np.float32)]
 for name, fn in SAMPLERS:
     out["out_" + name] = fn(x0.astype(np.float32), s, Noise())
 out.update(brownian_goldens(s))
+out.update(few_step_goldens(s))
 save(PATH, out)
 print("wrote", PATH + ":", ", ".join(sorted(out)))

@@ -174,8 +174,8 @@ test("options: a misspelt option is an error naming it and the nearest known nam
     H.raises(function() run({ negative_prompt = "x" }) end, "unknown option 'negative_prompt' (known: ")
   end
   -- the issue's case: two mistakes and a table; the first in order is named
-  H.raises(function() pipeline.txt2img(ck, { stpes = 8, sampelr = "heun", cache = {} }) end,
-    "unknown option 'cache'")
+  H.raises(function() pipeline.txt2img(ck, { stpes = 8, sampelr = "heun", cachee = {} }) end,
+    "unknown option 'cachee' (did you mean 'cache'?)")
   -- another pipeline's option is unknown here
   H.raises(function() pipeline.txt2img(ck, { hires_steps = 4 }) end, "txt2img: unknown option 'hires_steps'")
   H.raises(function() pipeline.img2img(ck, img, { mask_blur = 4 }) end, "img2img: unknown option 'mask_blur'")
@@ -209,7 +209,8 @@ end)
 -- user's run is refused it. (Reads of the run's own fields set inside are listed.)
 test("options: every option the pipelines read is declared", function()
   local internal = { y_cond = true, y_uncond = true, controls = true, concat = true, _seconds_per_step = true,
-    _flow = true, _ms = true } -- a flow family's checked options and model sampling (kiln.flow)
+    _flow = true, _ms = true,  -- a flow family's checked options and model sampling (kiln.flow)
+    info = true, cache_state = true, _cache_spec = true }  -- the run's record and step cache (kiln.step_cache)
   local all = {}
   for _, set in pairs(pipeline.OPTIONS) do for k in pairs(set) do all[k] = true end end
   local sources = {

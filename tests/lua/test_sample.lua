@@ -64,6 +64,7 @@ local cases = {
   { "exponential", { sigma_min = ms.sigma_min, sigma_max = ms.sigma_max }, 10 },
   { "normal", {}, 10 }, { "sgm_uniform", {}, 10 }, { "simple", {}, 10 }, { "ddim_uniform", {}, 10 },
   { "beta", {}, 10 }, { "beta", {}, 40, "beta_40" }, { "beta", { alpha = 0.5, beta = 0.7 }, 25, "beta_custom" },
+  { "trailing", {}, 4 }, { "trailing", {}, 6, "trailing_6" }, { "trailing", {}, 16, "trailing_16" },
 }
 H.test("every scheduler of the registry is checked here", function()
   local listed = {}
@@ -85,6 +86,27 @@ for _, c in ipairs(cases) do
     H.eq(s:table()[s:numel()], 0, "ends in 0")
   end)
 end
+
+-- TCD against its authors' sample_tcd (NumPy port in the generator): gamma 0.3 (the
+-- default), 0 (deterministic) and 0.7, and a 4-step sgm_uniform schedule as it is used.
+for _, c in ipairs({ { "out_tcd", nil, "sched_karras" }, { "out_tcd_g0", 0, "sched_karras" },
+  { "out_tcd_g7", 0.7, "sched_karras" }, { "out_tcd_sgm4", 0.3, "sched_sgm4" } }) do
+  H.test(("sampler tcd (gamma %s, %s) matches TCD's within 1e-6 (relative)"):format(tostring(c[2] or 0.3), c[3]), function()
+    local sig = c[3] == "sched_sgm4" and sample.sigmas("sgm_uniform", 4, { model_sampling = ms }) or G[c[3]]
+    local x = sample.run("tcd", denoise, G.x0, sig, { noise = injected(), gamma = c[2] })
+    -- 1e-6 of the output's scale: its early steps divide by sqrt(alphas_cumprod) ~ 0.07,
+    -- where one f32 rounding of an intermediate is already ~1e-6 of the final values
+    local want = G[c[1]]
+    local d = maxdiff(x, want) / math.max(1, want:abs():max())
+    if d > 1e-6 then error(("max difference %g > 1e-6 (relative to the largest value)"):format(d)) end
+  end)
+end
+H.test("tcd takes gamma from opts.eta (the ComfyUI node's name), gamma first", function()
+  local a = sample.run("tcd", denoise, G.x0, G.sched_karras, { noise = injected(), eta = 0.7 })
+  H.truthy(maxdiff(a, G.out_tcd_g7) < 2e-6)
+  local b = sample.run("tcd", denoise, G.x0, G.sched_karras, { noise = injected(), eta = 0.7, gamma = 0 })
+  H.truthy(maxdiff(b, G.out_tcd_g0) < 1e-6)
+end)
 
 H.test("zero-terminal-SNR schedule matches Lin et al. (NumPy)", function()
   local z = sample.discrete_schedule({ zsnr = true })

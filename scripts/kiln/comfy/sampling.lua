@@ -155,7 +155,8 @@ local function ksample(ctx, a, adv)
   local x0 = lat.samples
   local made = {}
   local o = { seed = a.noise_seed or a.seed, steps = a.steps, cfg = a.cfg, sampler = a.sampler_name,
-    scheduler = a.scheduler, denoise = a.denoise or 1, device = ctx.device }
+    scheduler = a.scheduler, denoise = a.denoise or 1, device = ctx.device,
+    cache = model.cache }  -- a step cache node's (kiln.comfy.step_cache)
   local cond, uncond = same_length(pe.cond, ne.cond, made)
   -- ControlNets: the positive side's (ControlNetApplyAdvanced puts the same on both;
   -- kiln's denoiser adds them to cond and uncond alike)
