@@ -18,7 +18,7 @@
  * Threads: civetweb's threads read requests, check the token and the body size, queue
  * an event and wait for the Lua thread's answer (srv:respond) under the server's
  * mutex. The Lua thread takes events with srv:next, and writes WebSocket messages
- * with srv:ws_send. A signal thread turns SIGTERM / SIGINT into a "stop" event. */
+ * with srv:ws_send. A signal handler and thread turn SIGTERM / SIGINT into a "stop" event. */
 #define _GNU_SOURCE
 
 #include "serve_http.h"
@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define SERVER_MT "kiln.serve.Server"
 
@@ -162,7 +163,7 @@ typedef struct server {
     /* SIGTERM / SIGINT */
     pthread_t sigthread;
     int have_sigthread;
-    sigset_t oldmask;
+    struct sigaction old_term, old_int;
 } server;
 
 static char *dupn(const char *s, size_t n)
@@ -444,23 +445,29 @@ static void on_preview(void *user, int step, int total, const kiln_image *im)
 
 /* ---------------------------------------------------------------- signals */
 
-/* SIGTERM and SIGINT are blocked in every thread while the server runs and taken here:
- * a stop event for the Lua thread, which cancels the run and answers what waits. */
+/* SIGTERM and SIGINT while the server runs: the handler (on whatever thread the kernel
+ * picks: OpenBLAS's and the CPU pool's threads exist before the server, so a blocked
+ * mask cannot route it) writes the signal to a pipe, and this thread turns it into a
+ * stop event for the Lua thread, which cancels the run and answers what waits. */
+static int sig_pipe[2] = {-1, -1};
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (sig_pipe[1] >= 0 && write(sig_pipe[1], &b, 1) < 0) { /* full: a stop is already on its way */ }
+    errno = saved;
+}
+
 static void *signal_thread(void *arg)
 {
     server *s = arg;
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    struct timespec wait = {0, 200 * 1000 * 1000};
+    unsigned char b;
     for (;;) {
-        pthread_mutex_lock(&s->mu);
-        int closed = s->closed;
-        pthread_mutex_unlock(&s->mu);
-        if (closed) break;
-        int sig = sigtimedwait(&set, NULL, &wait);
-        if (sig == SIGTERM || sig == SIGINT) push_simple(s, EV_STOP, NULL);
+        ssize_t r = read(sig_pipe[0], &b, 1);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0 || b == 0) break; /* 0: the server closes */
+        push_simple(s, EV_STOP, NULL);
     }
     return NULL;
 }
@@ -493,8 +500,14 @@ static void server_close(server *s)
     if (s->kctx) kiln_set_preview(s->kctx, NULL, NULL, 0);
     if (s->mg) mg_stop(s->mg); /* waits for the request threads, which see `stopping` */
     if (s->have_sigthread) {
-        pthread_join(s->sigthread, NULL);
-        pthread_sigmask(SIG_SETMASK, &s->oldmask, NULL);
+        sigaction(SIGTERM, &s->old_term, NULL);
+        sigaction(SIGINT, &s->old_int, NULL);
+        unsigned char zero = 0;
+        if (write(sig_pipe[1], &zero, 1) == 1) pthread_join(s->sigthread, NULL);
+        else pthread_detach(s->sigthread);
+        close(sig_pipe[0]);
+        close(sig_pipe[1]);
+        sig_pipe[0] = sig_pipe[1] = -1;
     }
     while (s->head) { event *e = s->head; s->head = e->next; event_free(e); }
     while (s->ws) { wsconn *w = s->ws; s->ws = w->next; free(w); }
@@ -556,14 +569,21 @@ static int l_start(lua_State *L)
     if (token) snprintf(s->token, sizeof s->token, "%s", token);
     s->kctx = preload_ctx;
     *ps = s;
-    if (signals) { /* before civetweb's threads exist: they inherit the mask */
-        sigset_t set;
-        sigemptyset(&set);
-        sigaddset(&set, SIGTERM);
-        sigaddset(&set, SIGINT);
-        pthread_sigmask(SIG_BLOCK, &set, &s->oldmask);
-        if (pthread_create(&s->sigthread, NULL, signal_thread, s) == 0) s->have_sigthread = 1;
-        else pthread_sigmask(SIG_SETMASK, &s->oldmask, NULL);
+    if (signals && sig_pipe[0] < 0 && pipe(sig_pipe) == 0) {
+        if (pthread_create(&s->sigthread, NULL, signal_thread, s) == 0) {
+            s->have_sigthread = 1;
+            struct sigaction sa;
+            memset(&sa, 0, sizeof sa);
+            sa.sa_handler = on_signal;
+            sigemptyset(&sa.sa_mask);
+            sa.sa_flags = SA_RESTART;
+            sigaction(SIGTERM, &sa, &s->old_term);
+            sigaction(SIGINT, &sa, &s->old_int);
+        } else {
+            close(sig_pipe[0]);
+            close(sig_pipe[1]);
+            sig_pipe[0] = sig_pipe[1] = -1;
+        }
     }
     char ports[256], nthreads[16];
     snprintf(ports, sizeof ports, "%s:%d", host, port);
