@@ -242,8 +242,13 @@ $(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(wildcard t
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DFUZZ_NAME='"$*"' -Iruntime -Ibindings -o $@ tests/fuzz/replay.c $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
+# the HTTP + WebSocket client of tests/lua/test_serve.lua (no kiln code in it)
+$(BUILD)/tests/serve_client: tests/serve_client.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $<
+
 # T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
-test: all $(C_TESTS) $(FUZZ_REPLAY)
+test: all $(C_TESTS) $(FUZZ_REPLAY) $(BUILD)/tests/serve_client
 	@BUILD=$(BUILD) SAN=$(SAN) TSAN=$(TSAN) T='$(T)' bash tests/run.sh
 
 # ---- fuzzing (libFuzzer; not part of `make test`) ----------------------------------

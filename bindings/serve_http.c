@@ -1,27 +1,30 @@
-/* serve_http.c - the sockets of `kiln serve`: HTTP and WebSocket on civetweb's threads,
- * handed to the Lua state's thread as events (require "kiln.serve_http"). The API logic
- * lives in Lua (kiln.serve and kiln.serve.*); this file owns what must not wait for it:
- * accepting, the token, the body limit, the WebSocket list, previews and SIGTERM.
+/* serve_http.c - the sockets of `kiln serve`: HTTP on civetweb's threads, handed to
+ * the Lua state's thread as events (require "kiln.serve_http"). The API logic lives in
+ * Lua (kiln.serve and kiln.serve.*); this file owns what must not wait for it:
+ * accepting, the token, the body limit, WebSocket connections, previews and SIGTERM.
  *
- * Why civetweb (Debian's libcivetweb-dev 1.15): of the three servers Debian packages it
- * is the one that has both HTTP and RFC 6455 WebSockets in one small library (240 KB,
- * no TLS or event-loop dependencies pulled in) with a thread per connection, so a
- * request can simply block until the generation thread answers it. libmicrohttpd is
- * the most careful HTTP parser of the three, but its Debian build has no WebSocket
- * framing (only the raw "upgrade" socket, leaving the framing, SHA-1 handshake and
- * masking to us); libwebsockets has everything but is a 1.7 MB event-loop framework
- * that pulls libuv, libev, OpenSSL and glib development packages into `make deps`,
- * and its single service thread would have to multiplex the waiting requests itself.
- * civetweb is maintained upstream (releases through 2023) and we use none of the
- * parts with its past advisories (no document root, no CGI, no form-to-file storage).
+ * Why civetweb (Debian's libcivetweb-dev 1.15): of the three servers Debian packages,
+ * it is a small library (240 KB, nothing else pulled into `make deps`) with a thread
+ * per connection, so a request simply blocks until the generation thread answers it,
+ * and a WebSocket's own thread writes its frames. libmicrohttpd parses HTTP at least
+ * as carefully, but its callbacks must not block (suspend/resume instead) and it brings
+ * GnuTLS's development packages; libwebsockets has everything but is a 1.7 MB
+ * event-loop framework that pulls libuv, libev, OpenSSL and glib development packages
+ * in, with one service thread that would have to multiplex the waiting requests. We use
+ * none of civetweb's parts with past advisories (no document root, no CGI, no
+ * form-to-file storage), and not its WebSocket handlers either: writing to one of
+ * them from another thread (the generation thread) races with its read loop, which
+ * crashed the server in our tests, so the WebSocket is ours (serve_ws.c: the
+ * handshake and server frames) on the connection's own request thread.
  *
  * Threads: civetweb's threads read requests, check the token and the body size, queue
  * an event and wait for the Lua thread's answer (srv:respond) under the server's
- * mutex. The Lua thread takes events with srv:next, and writes WebSocket messages
- * with srv:ws_send. A signal handler and thread turn SIGTERM / SIGINT into a "stop" event. */
+ * mutex; a WebSocket's thread writes the frames the Lua thread queues (srv:ws_send).
+ * A signal handler and thread turn SIGTERM / SIGINT into a "stop" event. */
 #define _GNU_SOURCE
 
 #include "serve_http.h"
+#include "serve_ws.h"
 
 #include "lauxlib.h"
 
@@ -34,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -134,11 +138,27 @@ typedef struct event {
     char client[72];
 } event;
 
+/* A frame waiting for its connection's thread to write it. */
+typedef struct frame {
+    struct frame *next;
+    size_t len;
+    unsigned char data[];
+} frame;
+
+/* A WebSocket connection: its own request thread writes what the Lua thread queues
+ * (a socket is written by one thread only; a client that stops reading is dropped
+ * once WS_MAX_QUEUED bytes wait for it, so it costs the run nothing). */
 typedef struct wsconn {
     struct wsconn *next;
-    struct mg_connection *conn;
+    pthread_cond_t cv;
+    frame *head, *tail;
+    size_t queued;
+    int dead;
     char client[72];
 } wsconn;
+
+#define WS_MAX_QUEUED (16u << 20)
+#define WS_PING_SECONDS 20
 
 typedef struct server {
     struct mg_context *mg;
@@ -243,6 +263,25 @@ static int authorized(server *s, struct mg_connection *conn)
     return diff == 0 && a > 0;
 }
 
+static int ws_serve(server *s, struct mg_connection *conn);
+
+/* civetweb's "handle everything" callback, before its own WebSocket and file handling
+ * (neither is used): GET /ws with "Upgrade: websocket" is ours; everything else goes on
+ * to on_request. */
+static int on_begin_request(struct mg_connection *conn)
+{
+    server *s = mg_get_user_data(mg_get_context(conn));
+    const struct mg_request_info *ri = mg_get_request_info(conn);
+    const char *up = mg_get_header(conn, "Upgrade");
+    if (!s || !ri->local_uri || strcmp(ri->local_uri, "/ws") != 0 || !up || strcasecmp(up, "websocket") != 0) return 0;
+    if (!authorized(s, conn)) {
+        send_json_error(conn, 401, "unauthorized",
+                        "this server needs 'Authorization: Bearer TOKEN' or ?token=TOKEN (kiln serve --token)");
+        return 401;
+    }
+    return ws_serve(s, conn);
+}
+
 static int on_request(struct mg_connection *conn, void *cbdata)
 {
     server *s = cbdata;
@@ -326,12 +365,6 @@ static int on_request(struct mg_connection *conn, void *cbdata)
 
 /* ---------------------------------------------------------------- WebSocket */
 
-static int on_ws_connect(const struct mg_connection *conn, void *cbdata)
-{
-    server *s = cbdata;
-    return authorized(s, (struct mg_connection *)conn) ? 0 : 1;
-}
-
 static void new_client_id(char *out, size_t n)
 {
     static unsigned long counter;
@@ -341,66 +374,113 @@ static void new_client_id(char *out, size_t n)
              __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
 }
 
-static void on_ws_ready(struct mg_connection *conn, void *cbdata)
-{
-    server *s = cbdata;
-    const struct mg_request_info *ri = mg_get_request_info(conn);
-    wsconn *w = calloc(1, sizeof *w);
-    if (!w) return;
-    w->conn = conn;
-    if (ri->query_string)
-        mg_get_var(ri->query_string, strlen(ri->query_string), "clientId", w->client, sizeof w->client);
-    if (!w->client[0]) new_client_id(w->client, sizeof w->client);
-    pthread_mutex_lock(&s->mu);
-    w->next = s->ws;
-    s->ws = w;
-    event *e = calloc(1, sizeof *e);
-    if (e) {
-        e->kind = EV_WS_OPEN;
-        snprintf(e->client, sizeof e->client, "%s", w->client);
-        push_event(s, e);
-    }
-    pthread_mutex_unlock(&s->mu);
-}
-
-/* Client frames carry nothing kiln acts on; a close frame ends the connection. */
-static int on_ws_data(struct mg_connection *conn, int bits, char *data, size_t len, void *cbdata)
-{
-    (void)conn; (void)data; (void)len; (void)cbdata;
-    return (bits & 0x0f) != MG_WEBSOCKET_OPCODE_CONNECTION_CLOSE;
-}
-
-static void on_ws_close(const struct mg_connection *conn, void *cbdata)
-{
-    server *s = cbdata;
-    pthread_mutex_lock(&s->mu);
-    for (wsconn **pw = &s->ws; *pw; pw = &(*pw)->next) {
-        if ((*pw)->conn == conn) {
-            wsconn *w = *pw;
-            *pw = w->next;
-            event *e = calloc(1, sizeof *e);
-            if (e) {
-                e->kind = EV_WS_CLOSE;
-                snprintf(e->client, sizeof e->client, "%s", w->client);
-                push_event(s, e);
-            }
-            free(w);
-            break;
-        }
-    }
-    pthread_mutex_unlock(&s->mu);
-}
-
-/* Sends a frame to client (NULL: every client); the caller holds mu, so that a closing
- * connection is not freed under the write. Returns the clients reached. */
+/* Queues a frame for client (NULL: every client); the caller holds mu. Returns the
+ * clients it was queued for. */
 static int ws_send_locked(server *s, const char *client, int opcode, const char *data, size_t len)
 {
     int n = 0;
+    unsigned char h[10];
+    size_t hl = serve_ws_frame_header(h, opcode, len);
     for (wsconn *w = s->ws; w; w = w->next) {
-        if (client && strcmp(client, w->client) != 0) continue;
-        if (mg_websocket_write(w->conn, opcode, data, len) > 0) n++;
+        if (w->dead || (client && strcmp(client, w->client) != 0)) continue;
+        if (w->queued + len > WS_MAX_QUEUED) { /* not reading: dropped */
+            w->dead = 1;
+            pthread_cond_signal(&w->cv);
+            continue;
+        }
+        frame *f = malloc(sizeof *f + hl + len);
+        if (!f) continue;
+        f->next = NULL;
+        f->len = hl + len;
+        memcpy(f->data, h, hl);
+        if (len) memcpy(f->data + hl, data, len);
+        if (w->tail) w->tail->next = f;
+        else w->head = f;
+        w->tail = f;
+        w->queued += f->len;
+        pthread_cond_signal(&w->cv);
+        n++;
     }
     return n;
+}
+
+/* GET /ws with "Upgrade: websocket": the handshake, then this request thread writes
+ * the connection's frames until the client is gone or the server stops. */
+static int ws_serve(server *s, struct mg_connection *conn)
+{
+    const char *key = mg_get_header(conn, "Sec-WebSocket-Key");
+    const char *version = mg_get_header(conn, "Sec-WebSocket-Version");
+    char accept[29];
+    if (!version || strcmp(version, "13") != 0 || !serve_ws_accept_key(key, accept)) {
+        send_json_error(conn, 400, "bad_websocket", "a WebSocket handshake needs Sec-WebSocket-Version 13 and a key");
+        return 400;
+    }
+    wsconn *w = calloc(1, sizeof *w);
+    event *e = calloc(1, sizeof *e);
+    if (!w || !e) {
+        free(w); free(e);
+        send_json_error(conn, 503, "no_memory", "out of memory");
+        return 503;
+    }
+    pthread_cond_init(&w->cv, NULL);
+    const struct mg_request_info *ri = mg_get_request_info(conn);
+    if (ri->query_string)
+        mg_get_var(ri->query_string, strlen(ri->query_string), "clientId", w->client, sizeof w->client);
+    if (!w->client[0]) new_client_id(w->client, sizeof w->client);
+    mg_printf(conn, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    "Sec-WebSocket-Accept: %s\r\n\r\n", accept);
+    pthread_mutex_lock(&s->mu);
+    if (s->stopping) w->dead = 1;
+    s->in_flight++;
+    w->next = s->ws;
+    s->ws = w;
+    e->kind = EV_WS_OPEN;
+    snprintf(e->client, sizeof e->client, "%s", w->client);
+    push_event(s, e);
+    while (!w->dead && !s->stopping) {
+        if (!w->head) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += WS_PING_SECONDS;
+            int rc = 0;
+            while (!w->head && !w->dead && !s->stopping && rc != ETIMEDOUT)
+                rc = pthread_cond_timedwait(&w->cv, &s->mu, &ts);
+            /* idle: a ping finds a peer that is gone (its write fails) */
+            if (!w->head && rc == ETIMEDOUT) ws_send_locked(s, w->client, SERVE_WS_PING, "", 0);
+            continue;
+        }
+        frame *f = w->head;
+        w->head = NULL;
+        w->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        int ok = 1;
+        while (f) {
+            frame *nx = f->next;
+            if (ok && mg_write(conn, f->data, f->len) != (int)f->len) ok = 0;
+            pthread_mutex_lock(&s->mu);
+            w->queued -= f->len;
+            pthread_mutex_unlock(&s->mu);
+            free(f);
+            f = nx;
+        }
+        pthread_mutex_lock(&s->mu);
+        if (!ok) w->dead = 1;
+    }
+    for (wsconn **pw = &s->ws; *pw; pw = &(*pw)->next)
+        if (*pw == w) { *pw = w->next; break; }
+    while (w->head) { frame *f = w->head; w->head = f->next; free(f); }
+    event *c = calloc(1, sizeof *c);
+    if (c) {
+        c->kind = EV_WS_CLOSE;
+        snprintf(c->client, sizeof c->client, "%s", w->client);
+        push_event(s, c);
+    }
+    s->in_flight--;
+    pthread_cond_broadcast(&s->done_cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+    return 101;
 }
 
 /* ---------------------------------------------------------------- previews */
@@ -438,7 +518,7 @@ static void on_preview(void *user, int step, int total, const kiln_image *im)
     s->preview_step = step;
     s->preview_total = total;
     s->preview_seq++;
-    ws_send_locked(s, s->run_client[0] ? s->run_client : NULL, MG_WEBSOCKET_OPCODE_BINARY, (const char *)buf,
+    ws_send_locked(s, s->run_client[0] ? s->run_client : NULL, SERVE_WS_BINARY, (const char *)buf,
                    8 + size);
     pthread_mutex_unlock(&s->mu);
 }
@@ -489,6 +569,7 @@ static void server_close(server *s)
     s->stopping = 1;
     s->closed = 1;
     pthread_cond_broadcast(&s->done_cv);
+    for (wsconn *w = s->ws; w; w = w->next) pthread_cond_signal(&w->cv);
     /* the answers given go out before civetweb stops (its writes give up once it is
      * stopping); a client that does not read is given a few seconds */
     struct timespec ts;
@@ -510,7 +591,6 @@ static void server_close(server *s)
         sig_pipe[0] = sig_pipe[1] = -1;
     }
     while (s->head) { event *e = s->head; s->head = e->next; event_free(e); }
-    while (s->ws) { wsconn *w = s->ws; s->ws = w->next; free(w); }
     free(s->preview);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->ev_cv);
@@ -592,6 +672,7 @@ static int l_start(lua_State *L)
                              "enable_keep_alive", "no", NULL};
     struct mg_callbacks cb;
     memset(&cb, 0, sizeof cb);
+    cb.begin_request = on_begin_request;
     struct mg_init_data init = {&cb, s, options};
     struct mg_error_data err;
     char errbuf[256] = "";
@@ -607,11 +688,11 @@ static int l_start(lua_State *L)
         return luaL_error(L, "kiln serve: cannot listen on %s: %s", ports, errbuf[0] ? errbuf : "unknown error");
     }
     mg_set_request_handler(s->mg, "/", on_request, s);
-    mg_set_websocket_handler(s->mg, "/ws", on_ws_connect, on_ws_ready, on_ws_data, on_ws_close, s);
     struct mg_server_port sp[4];
     int np = mg_get_server_ports(s->mg, 4, sp);
     s->port = np > 0 ? sp[0].port : port;
     if (s->kctx) kiln_set_preview(s->kctx, on_preview, s, 1);
+    signal(SIGPIPE, SIG_IGN); /* a client gone mid-answer is a failed write, not the end of the server */
     return 1;
 }
 
@@ -709,7 +790,7 @@ static int l_ws_send(lua_State *L)
     const char *client = luaL_optstring(L, 2, NULL);
     size_t len;
     const char *data = luaL_checklstring(L, 3, &len);
-    int op = lua_toboolean(L, 4) ? MG_WEBSOCKET_OPCODE_BINARY : MG_WEBSOCKET_OPCODE_TEXT;
+    int op = lua_toboolean(L, 4) ? SERVE_WS_BINARY : SERVE_WS_TEXT;
     pthread_mutex_lock(&s->mu);
     int n = ws_send_locked(s, client, op, data, len);
     pthread_mutex_unlock(&s->mu);
@@ -725,6 +806,7 @@ static int l_ws_clients(lua_State *L)
     pthread_mutex_lock(&s->mu);
     int i = 0;
     for (wsconn *w = s->ws; w; w = w->next) {
+        if (w->dead) continue;
         lua_pushstring(L, w->client);
         lua_rawseti(L, -2, ++i);
     }
@@ -808,12 +890,8 @@ static int luaopen_serve_http(lua_State *L)
 #endif
     luaL_newlib(L, module_funcs);
 #ifdef KILN_CIVETWEB
-    lua_pushboolean(L, mg_check_feature(16) != 0); /* 16: WebSocket support */
+    lua_pushboolean(L, 1);
     lua_setfield(L, -2, "available");
-    if (!mg_check_feature(16)) {
-        lua_pushliteral(L, "the civetweb library found has no WebSocket support");
-        lua_setfield(L, -2, "why");
-    }
 #else
     lua_pushboolean(L, 0);
     lua_setfield(L, -2, "available");

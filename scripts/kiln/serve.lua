@@ -49,7 +49,7 @@ local Server = {}
 Server.__index = Server
 M.Server = Server
 
-local function now() return math.floor(kiln.time() * 1000) end
+local function now() return os.time() * 1000 end  -- ComfyUI's timestamps: ms since the epoch
 M.now = now
 
 --- A new id in uuid4's text form (ComfyUI's prompt ids).
@@ -81,7 +81,8 @@ end
 
 --- Answers request ev: a table is sent as JSON, a string as is.
 function Server:reply(ev, status, body, ctype, headers)
-  if type(body) == "table" then body, ctype = kiln.json.encode(body), "application/json" end
+  if type(body) == "table" then body, ctype = kiln.json.encode(body), "application/json"
+  elseif body == kiln.json.null then body, ctype = "null", "application/json" end
   self.srv:respond(ev.id, status, ctype or "application/json", body or "", headers)
 end
 
