@@ -251,6 +251,13 @@ $(BUILD)/tests/serve_client: tests/serve_client.c
 test: all $(C_TESTS) $(FUZZ_REPLAY) $(BUILD)/tests/serve_client
 	@BUILD=$(BUILD) SAN=$(SAN) TSAN=$(TSAN) T='$(T)' bash tests/run.sh
 
+# ---- ComfyUI's own API examples against kiln serve (not part of `make test`: they need
+# Python's websocket-client, Debian's python3-websocket, and a ComfyUI source tree):
+# make comfy-examples COMFYUI=/path/to/ComfyUI
+.PHONY: comfy-examples
+comfy-examples: all
+	@COMFYUI='$(COMFYUI)' PYTHON=$(PYTHON) bash tests/comfy_examples.sh $(BUILD)/kiln
+
 # ---- fuzzing (libFuzzer; not part of `make test`) ----------------------------------
 # `make fuzz FUZZ_SECONDS=N` builds the library and every tests/fuzz/fuzz_*.c harness
 # with clang (-fsanitize=fuzzer,address,undefined) in FUZZ_BUILD, runs each N seconds
