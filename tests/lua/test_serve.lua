@@ -282,6 +282,19 @@ test("serve: /queue, /prompt, /object_info from the node registry, /system_stats
   truthy(j.kiln.live.models and j.kiln.live.tensors > 0, "the checkpoint's tensors")
 end)
 
+test("serve: the status page at / is HTML from the binary that polls the server's own endpoints", function()
+  local st, page = request("GET", "/")
+  eq(st, 200)
+  truthy(page:find("<!doctype html>", 1, true) and page:find("<canvas", 1, true), "an HTML page with the memory curve")
+  for _, ep in ipairs({ "/queue", "/sdapi/v1/progress", "/system_stats", "/history" }) do
+    truthy(page:find(ep, 1, true), "the page reads " .. ep)
+  end
+  st = request("GET", "/", nil, { headers = {} })
+  eq(st, 401)
+  st = request("GET", "/?token=" .. TOKEN, nil, { headers = {} })
+  eq(st, 200)
+end)
+
 test("serve: malformed JSON, unknown nodes, wrong types, bad links are 400 in ComfyUI's error shape", function()
   local st, _, j = request("POST", "/prompt", '{"prompt": {bad json')
   eq(st, 400)
