@@ -193,6 +193,10 @@ function Server:run_next()
   end
   local fok, ferr = pcall(job.finish, self, job, ok, err, cancelled)
   if not fok then io.stderr:write("kiln serve: finishing ", tostring(job.id), ": ", tostring(ferr), "\n") end
+  -- the memory timeline and event log grow by each run's stages and events (they are
+  -- for one run's picture and trace): a server keeps neither across requests
+  if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
+  if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
   -- what the run left to the collector (views, copies, strings) goes now, not later
   collectgarbage("collect")
   self:status()

@@ -438,6 +438,10 @@ test("serve: A1111 txt2img gives a decodable base64 PNG with parameters and info
   truthy(j.error.message:find("DPM++ 2M", 1, true), j.error.message)
   st, _, j = request("POST", "/sdapi/v1/txt2img", "{not json")
   eq(st, 400)
+  -- the pipeline's own argument check is the request's mistake, not the server's
+  st, text = request("POST", "/sdapi/v1/txt2img", { prompt = "x", steps = 1, width = 66, height = 64 })
+  eq(st, 400, text)
+  truthy(text:find("multiple", 1, true), text)
 end)
 
 test("serve: A1111 img2img (base64 init image, mask, denoising_strength), hires fields, sd-models, options", function()

@@ -271,7 +271,9 @@ local function finish(s, job, ok, err, cancelled)
     s:reply(job.ev, err.status, H.refusal_body(err))
   else
     local msg = tostring(err):match("^[^\n]*")
-    local status = (type(err) == "table" and err.kind == "oom") and 507 or 500
+    -- the pipelines' argument checks ("... must be multiples of 8") are the request's
+    -- mistake; an out-of-memory the server's state; anything else the server's fault
+    local status = (type(err) == "table" and err.kind == "oom") and 507 or msg:match("must be") and 400 or 500
     s:reply(job.ev, status, { error = "RuntimeError", detail = msg, body = msg, errors = msg })
   end
   job.body, job.result = nil, nil
