@@ -44,7 +44,7 @@ OPT     := -O2 -g
 endif
 
 # Flags that depend on the Debian packages (LUA_CFLAGS, LUA_LIBS, PNG_CFLAGS, PNG_LIBS,
-# READLINE, HIREDIS_FOUND, HIREDIS_CFLAGS, HIREDIS_PC_LIBS) come from $(BUILD)/flags.mk,
+# READLINE, HIREDIS_FOUND, HIREDIS_CFLAGS, HIREDIS_PC_LIBS, CIVETWEB_FOUND) come from $(BUILD)/flags.mk,
 # which the rule under "dependencies" writes after the deps check has installed them:
 # on a fresh machine there is no lua5.4.pc yet when make first reads this file. GNU make
 # remakes an included makefile before anything else and then reads everything again, so
@@ -73,6 +73,14 @@ ifeq ($(READLINE),1)
 CLI_DEFS := -DKILN_READLINE
 CLI_LIBS := -lreadline
 endif
+# civetweb, the HTTP + WebSocket server of `kiln serve` (bindings/serve_http.c, in the
+# kiln program only: the library takes on no web server): used when its header is
+# found; CIVETWEB=0 builds without it (kiln serve then says what to install)
+CIVETWEB ?= $(CIVETWEB_FOUND)
+ifeq ($(CIVETWEB),1)
+CLI_DEFS += -DKILN_CIVETWEB
+CLI_LIBS += -lcivetweb
+endif
 
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_none.c
@@ -87,7 +95,7 @@ CORE_LIBS    += $(CUDA_LIBS)
 LIBS         += $(CUDA_LIBS)
 endif
 # the kiln program's own files (kiln_main.c, repl_*.c) are not in the library
-CLI_SRC      := bindings/kiln_main.c $(wildcard bindings/repl_*.c)
+CLI_SRC      := bindings/kiln_main.c $(wildcard bindings/repl_*.c bindings/serve_*.c)
 BINDING_SRC  := $(filter-out $(CLI_SRC),$(wildcard bindings/*.c))
 SCRIPTS      := $(shell find scripts -name '*.lua' | sort)
 GEN_SCRIPTS  := $(BUILD)/gen/scripts_data.c
@@ -113,8 +121,8 @@ all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $
 # ---- dependencies -------------------------------------------------------------
 # Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline,
 # LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
-# and its tests).
-DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server
+# and its tests), civetweb (the HTTP and WebSocket server of `kiln serve`).
+DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server libcivetweb-dev
 # The check, for `make deps` and for a missing $(DEPS_OK); run in this make, not in a
 # sub-make, which would warn about -j when started while make remakes build/flags.mk.
 define deps_check
@@ -146,6 +154,7 @@ $(FLAGS_MK): $(firstword $(MAKEFILE_LIST)) $(DEPS_OK)
 	  echo "HIREDIS_FOUND := $$(pc --exists hiredis || test -f /usr/include/hiredis/hiredis.h && echo 1 || echo 0)"; \
 	  echo "HIREDIS_CFLAGS := $${hiredis_cflags:--I/usr/include/hiredis}"; \
 	  echo "HIREDIS_PC_LIBS := $${hiredis_libs:--lhiredis}"; \
+	  echo "CIVETWEB_FOUND := $$(test -f /usr/include/civetweb.h && echo 1 || echo 0)"; \
 	} > $@.tmp && mv $@.tmp $@
 
 # ---- library, CLI, Lua module ----------------------------------------------------
@@ -211,7 +220,7 @@ $(BUILD)/libkiln.so: $(BUILD)/$(KILN_SONAME)
 	ln -sf $(KILN_SONAME) $@
 
 # the kiln program is a host of kiln.h alone (bindings/kiln.h and runtime/kiln_status.h)
-$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h) bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
+$(BUILD)/kiln: $(CLI_SRC) $(wildcard bindings/repl_*.h bindings/serve_*.h) bindings/kiln.h runtime/kiln_status.h $(BUILD)/libkiln.a
 	$(CC) $(CFLAGS) -iquote runtime $(CLI_DEFS) -o $@ $(CLI_SRC) $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS) $(CLI_LIBS)
 
 $(BUILD)/lua/kiln.so: $(LIB_OBJ)
@@ -233,9 +242,21 @@ $(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(wildcard t
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DFUZZ_NAME='"$*"' -Iruntime -Ibindings -o $@ tests/fuzz/replay.c $< $(BUILD)/libkiln.a $(LDFLAGS) $(LIBS)
 
+# the HTTP + WebSocket client of tests/lua/test_serve.lua (no kiln code in it)
+$(BUILD)/tests/serve_client: tests/serve_client.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $<
+
 # T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
-test: all $(C_TESTS) $(FUZZ_REPLAY)
+test: all $(C_TESTS) $(FUZZ_REPLAY) $(BUILD)/tests/serve_client
 	@BUILD=$(BUILD) SAN=$(SAN) TSAN=$(TSAN) T='$(T)' bash tests/run.sh
+
+# ---- ComfyUI's own API examples against kiln serve (not part of `make test`: they need
+# Python's websocket-client, Debian's python3-websocket, and a ComfyUI source tree):
+# make comfy-examples COMFYUI=/path/to/ComfyUI
+.PHONY: comfy-examples
+comfy-examples: all
+	@COMFYUI='$(COMFYUI)' PYTHON=$(PYTHON) bash tests/comfy_examples.sh $(BUILD)/kiln
 
 # ---- fuzzing (libFuzzer; not part of `make test`) ----------------------------------
 # `make fuzz FUZZ_SECONDS=N` builds the library and every tests/fuzz/fuzz_*.c harness

@@ -14,6 +14,7 @@
 
 #include "kiln.h"
 #include "repl_input.h"
+#include "serve_http.h"
 
 #define PROGNAME "kiln" /* prefix of error messages, whatever argv[0] is */
 #define PROMPT "kiln> "
@@ -79,6 +80,7 @@ static void print_usage(FILE *f)
             "  -              stop handling options and execute stdin\n"
             "Subcommands (in place of the script):\n"
             "  batch enqueue|worker|status ...   batch generation on Redis (kiln batch --help)\n"
+            "  serve --models DIR --output DIR   ComfyUI's and AUTOMATIC1111's HTTP APIs (kiln serve --help)\n"
             "Environment:\n"
             "  KILN_PATH      directories (';'-separated) holding kiln/*.lua, searched\n"
             "                 before the embedded scripts; empty: embedded only. Unset, and\n"
@@ -361,7 +363,7 @@ static int pushargs(lua_State *L)
 
 /* Subcommands: `kiln NAME args...` runs main(args...) of the shipped script module
  * kiln.NAME, unless a file of that name is in the current folder (a script wins). */
-static const char *const subcommands[] = {"batch", "comfy", NULL};
+static const char *const subcommands[] = {"batch", "comfy", "serve", NULL};
 
 static int load_subcommand(lua_State *L, const char *name)
 {
@@ -747,6 +749,7 @@ int main(int argc, char **argv)
     kiln_ctx *ctx = open_context(&opt);
     if (ctx == NULL) return usage_failed ? EXIT_USAGE : EXIT_FAILURE;
     lua_State *L = kiln_lua_state(ctx);
+    serve_http_preload(L, ctx); /* require "kiln.serve_http": kiln serve's sockets */
     int checking = getenv("KILN_CHECK_LEAKS") != NULL;
     long base_tensors = checking ? check_alive(L, -1) : 0;
     lua_pushcfunction(L, pmain);

@@ -68,7 +68,8 @@ fi
 core=$(grep -ln '#include "[^"]*bindings/' runtime/*.[ch] kernels/*.[ch] kernels/*/*.[ch] kernels/cuda/*.cu 2>/dev/null)
 if [ -z "$core" ]; then pass "runtime/ and kernels/ include nothing from bindings/"
 else fail "core includes bindings" "$core"; fi
-private=$(grep -h '#include "' bindings/kiln_main.c bindings/repl_input.c | grep -v '"kiln.h"\|"repl_input.h"\|"lua.h"\|"lauxlib.h"')
+private=$(grep -h '#include "' bindings/kiln_main.c bindings/repl_input.c bindings/serve_*.c |
+         grep -v '"kiln.h"\|"repl_input.h"\|"serve_http.h"\|"serve_ws.h"\|"lua.h"\|"lauxlib.h"')
 if [ -z "$private" ]; then pass "the kiln program includes kiln.h and Lua's headers only"
 else fail "CLI includes" "$private"; fi
 

@@ -340,6 +340,12 @@ function Ctx:note_use(part) self.used[part] = true end
 function Ctx:checkpoint(path)
   local c = self.ckpts[path]
   if c then return c end
+  if self.shared_checkpoint then
+    -- the host's (kiln serve keeps checkpoints open between runs): not closed here
+    c = self.shared_checkpoint(path, self:adapter_dirs())
+    self.ckpts[path] = c
+    return c
+  end
   c = kiln.load_checkpoint(path, self:adapter_dirs())
   self:opened(path, c)
   return c
@@ -747,7 +753,10 @@ end
 -- controlnet/, upscale_models/, embeddings/, vae/, vae_approx/, input/), output (where
 -- SaveImage writes; "output"),
 -- input (LoadImage's folder; models/input), device, keep_all (free nothing until the
--- end), quiet, dry_run (only the plan, with each node's peak predicted on the meta
+-- end), quiet, on_node (a function (event, id, class_type, files) called with "start"
+-- before each node runs and "done" after it, with the files it wrote), checkpoint (a
+-- function (path, load_options) -> checkpoint the caller keeps open and closes itself,
+-- for checkpoints that outlive the run), dry_run (only the plan, with each node's peak predicted on the meta
 -- device; estimate_only: the estimate alone). Returns the list of files written and a report
 -- {nodes = {{id, class_type, peak, seconds}...}, peak, previews}.
 function M.run(src, opts)
@@ -762,7 +771,7 @@ function M.run(src, opts)
     device = dev, models = plan.dirs.models, output = opts.output or "output",
     quiet = opts.quiet, prompt_text = plan.text, files = {}, previews = {},
     tcount = {}, rcount = {}, names = {}, ckpts = {}, closers = {}, counters = {}, used = {},
-    graph = plan.graph, dry = opts._on_meta,
+    graph = plan.graph, dry = opts._on_meta, shared_checkpoint = not opts._on_meta and opts.checkpoint or nil,
   }, Ctx)
   if not ctx.dry and mode_of(ctx.output) == nil then lfs.mkdir(ctx.output) end
   local graph, order, last = plan.graph, plan.order, plan.last
@@ -778,6 +787,8 @@ function M.run(src, opts)
       ctx.used = {}
       local args = collect(values, n, ctx.where, plan.dirs)
       local label = fmt("%s %s", id, n.class_type)
+      local nfiles = #ctx.files
+      if opts.on_node then opts.on_node("start", id, n.class_type) end
       -- what the previous node left to the collector goes before this one starts, in a
       -- real run as in a dry run (which holds the collector between: kiln.dry_run)
       collectgarbage()
@@ -813,6 +824,7 @@ function M.run(src, opts)
       run_peak = math.max(run_peak, peak)
       report.nodes[#report.nodes + 1] = { id = id, class_type = n.class_type, peak = peak, seconds = kiln.time() - t0 }
       ctx:log(fmt("%3d. node %-4s %-26s peak %s", pos, id, n.class_type, human(peak)))
+      if opts.on_node then opts.on_node("done", id, n.class_type, { table.unpack(ctx.files, nfiles + 1) }) end
     end
   end)
   -- the end (or an error): everything still alive is freed, every model closed

@@ -1,0 +1,363 @@
+-- kiln.serve: `kiln serve --models DIR --output DIR [--listen 127.0.0.1] [--port 8188]
+-- [--token T]`, ComfyUI's and AUTOMATIC1111's HTTP + WebSocket APIs over the kiln
+-- context of this process. The sockets are kiln.serve_http's (civetweb's threads, in
+-- C); everything here runs on the context's one thread: a loop takes the requests as
+-- events, answers what needs no generation at once, and queues the rest. One
+-- generation runs at a time; while it runs, every progress report (each sampler step,
+-- each node of a graph) answers the requests that came in meanwhile, so /queue,
+-- /history, /sdapi/v1/progress and /interrupt are served during a run, and an
+-- interrupt or SIGTERM cancels it through kiln.cancel at that point.
+--
+-- Nothing of a request outlives it: its tensors are freed by the runner that made
+-- them (kiln.comfy's lifetimes, the pipelines' stages), the answer's strings are
+-- handed to C and dropped, and the history keeps the last --history entries. What
+-- stays between requests is the checkpoints opened (the A1111 one, and the files the
+-- graphs name, up to --keep-checkpoints of them), whose weights the budget governs.
+local kiln = require "kiln"
+local util = require "kiln.util"
+local lfs = require "lfs"
+local H = require "kiln.serve.http"
+
+local M = {}
+local fmt = string.format
+
+local USAGE = [[
+usage: kiln serve --models DIR --output DIR [--listen 127.0.0.1] [--port 8188] [--token T]
+  --models DIR        ComfyUI's models folder (checkpoints/, vae/, loras/, ...)
+  --output DIR        where pictures are written (ComfyUI's output/)
+  --input DIR         uploads and LoadImage's folder (default: DIR of --models /input)
+  --temp DIR          ComfyUI's temp/ folder for /view (default: --output/../temp)
+  --listen ADDR       address to bind (default 127.0.0.1: this machine only)
+  --port N            port (default 8188; 0: any free port, printed)
+  --token T           require 'Authorization: Bearer T' on every request
+  --history N         finished prompts kept for /history (default 100)
+  --max-body SIZE     largest request body (default 64M)
+  --max-size N        largest width or height in pixels (default 4096)
+  --max-batch N       largest batch (default 16)
+  --max-steps N       most sampling steps (default 200)
+  --max-tokens N      most CLIP tokens in one prompt (default 1024)
+  --max-queue N       most prompts waiting (default 256)
+  --keep-checkpoints N  checkpoints kept open between requests (default 2)
+  --device D --mode M --vram SIZE --quiet   as for every kiln command
+Prints "kiln serve: listening on http://HOST:PORT" once it accepts connections.]]
+
+M.USAGE = USAGE
+
+-- ------------------------------------------------------------------ the server state
+
+local Server = {}
+Server.__index = Server
+M.Server = Server
+
+local function now() return os.time() * 1000 end  -- ComfyUI's timestamps: ms since the epoch
+M.now = now
+
+--- A new id in uuid4's text form (ComfyUI's prompt ids).
+local seeded = false
+function M.uuid()
+  if not seeded then math.randomseed(os.time(), math.floor(kiln.time() * 1e6) % 1000003); seeded = true end
+  local function hex(n)
+    local t = {}
+    for i = 1, n do t[i] = fmt("%x", math.random(0, 15)) end
+    return table.concat(t)
+  end
+  return fmt("%s-%s-4%s-%x%s-%s", hex(8), hex(4), hex(3), math.random(8, 11), hex(3), hex(12))
+end
+
+--- Sends a ComfyUI message {type, data} to client (nil: to every client).
+function Server:ws(client, type_, data)
+  if client == "" then client = nil end
+  self.srv:ws_send(client, kiln.json.encode({ type = type_, data = data }))
+end
+
+function Server:queue_remaining() return #self.queue + (self.running and 1 or 0) end
+
+--- The status message (to one client with its sid, or to all).
+function Server:status(client)
+  local data = { status = { exec_info = { queue_remaining = self:queue_remaining() } } }
+  if client then data.sid = client end
+  self:ws(client, "status", data)
+end
+
+--- Answers request ev: a table is sent as JSON, a string as is.
+function Server:reply(ev, status, body, ctype, headers)
+  if type(body) == "table" then body, ctype = kiln.json.encode(body), "application/json"
+  elseif body == kiln.json.null then body, ctype = "null", "application/json" end
+  self.srv:respond(ev.id, status, ctype or "application/json", body or "", headers)
+end
+
+--- Queues a job {kind, run = fn(server, job), finish = fn(server, job, ok, err,
+-- cancelled), ...}; 503 when the queue is full.
+function Server:enqueue(job)
+  if #self.queue >= self.o.max_queue then
+    H.refuse(503, "queue_full", fmt("the queue is full (%d waiting; --max-queue)", #self.queue))
+  end
+  self.number = self.number + 1
+  job.number = job.number or self.number
+  self.queue[#self.queue + 1] = job
+  return job
+end
+
+-- the routes: "METHOD /path" -> handler(server, ev, rest) (rest: what follows a
+-- route ending in "/*")
+local routes = {}
+M.routes = routes
+function M.route(method, path, fn) routes[method .. " " .. path] = fn end
+
+local function find_route(method, path)
+  local r = routes[method .. " " .. path]
+  if r then return r end
+  local best, rest
+  for k, fn in pairs(routes) do
+    local m, p = k:match("^(%S+) (.*)/%*$")
+    if m == method and path:sub(1, #p + 1) == p .. "/" and (not best or #p > best.len) then
+      best, rest = { fn = fn, len = #p }, path:sub(#p + 2)
+    end
+  end
+  if best then return best.fn, H.unescape(rest) end
+end
+
+--- Handles one event (a request, a WebSocket opening or closing, a stop); never
+-- starts a generation (the loop does that), so it may run inside one.
+function Server:handle(ev)
+  if ev.kind == "stop" then
+    self.stopping = true
+    if self.running then self.interrupt = true; kiln.cancel() end
+    return
+  elseif ev.kind == "ws_open" then
+    self:status(ev.client)
+    return
+  elseif ev.kind == "ws_close" then
+    return
+  end
+  local fn, rest = find_route(ev.method, ev.path)
+  if not fn then
+    if ev.method == "GET" and (ev.path == "/" or ev.path == "/index.html") then
+      return self:reply(ev, 200, M.status_page(), "text/html; charset=utf-8")
+    end
+    return self:reply(ev, 404, H.refusal_body({ type = "not_found", message = fmt("no such endpoint: %s %s", ev.method, ev.path) }))
+  end
+  local ok, err = xpcall(fn, function(e)
+    if H.is_refusal(e) then return e end
+    return debug.traceback(tostring(e), 2)
+  end, self, ev, rest)
+  if not ok then
+    if H.is_refusal(err) then
+      self:reply(ev, err.status, H.refusal_body(err))
+    else
+      io.stderr:write("kiln serve: ", ev.method, " ", ev.path, ": ", tostring(err), "\n")
+      self:reply(ev, 500, H.refusal_body({ type = "server_error", message = tostring(err):match("^[^\n]*") }))
+    end
+  end
+end
+
+--- Handles every event waiting (a progress report's turn; no waiting).
+function Server:pump()
+  while true do
+    local ev = self.srv:next(0)
+    if not ev then break end
+    self:handle(ev)
+  end
+  if (self.interrupt or self.stopping) and self.running then kiln.cancel() end
+end
+
+local function is_cancel(err)
+  if type(err) == "table" and (err.kind == "cancelled" or err.status == "cancelled") then return true end
+  return tostring(err):match("cancel") ~= nil
+end
+M.is_cancel = is_cancel
+
+--- Runs the next job of the queue to its end (its finish says how it went).
+function Server:run_next()
+  local job = table.remove(self.queue, 1)
+  self.running = job
+  self.interrupt = false
+  kiln.cancel(false)
+  self.srv:running(true, job.client or "")
+  local prev = kiln.on_progress(function(step, total, what)
+    if job.progress then job.progress(self, job, step, total, what) end
+    self:pump()
+  end)
+  local ok, err = xpcall(job.run, function(e)
+    if is_cancel(e) or H.is_refusal(e) then return e end
+    return debug.traceback(tostring(e), 2)
+  end, self, job)
+  kiln.on_progress(prev)
+  self.srv:running(false)
+  local cancelled = not ok and (self.interrupt or is_cancel(err))
+  kiln.cancel(false)
+  self.interrupt = false
+  self.running = nil
+  if not ok and not cancelled and not H.is_refusal(err) then
+    io.stderr:write("kiln serve: ", job.kind, " ", tostring(job.id), " failed: ", tostring(err), "\n")
+  end
+  local fok, ferr = pcall(job.finish, self, job, ok, err, cancelled)
+  if not fok then io.stderr:write("kiln serve: finishing ", tostring(job.id), ": ", tostring(ferr), "\n") end
+  -- the memory timeline and event log grow by each run's stages and events (they are
+  -- for one run's picture and trace): a server keeps neither across requests
+  if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
+  if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
+  -- what the run left to the collector (views, copies, strings) goes now, not later
+  collectgarbage("collect")
+  self:status()
+end
+
+-- ------------------------------------------------------------------ limits
+
+--- Refuses a request over a limit, naming it ("steps 500 is over the limit of 200 (--max-steps)").
+function Server:check_limit(what, value, limit, flag, node_id, class_type)
+  if type(value) ~= "number" or value <= limit then return end
+  local msg = fmt("%s %s is over the limit of %d (%s)", what, tostring(value), limit, flag)
+  local node_errors
+  if node_id then
+    node_errors = { [node_id] = { errors = { { type = "value_bigger_than_max", message = msg, details = what,
+      extra_info = { limit = limit } } }, dependent_outputs = H.array(), class_type = class_type } }
+  end
+  H.refuse(400, "limit_exceeded", msg, what, node_errors)
+end
+
+--- Refuses a prompt of more CLIP tokens than --max-tokens.
+function Server:check_tokens(text, node_id, class_type)
+  if type(text) ~= "string" then return end
+  if #text > self.o.max_tokens * 16 then   -- no tokenizing a megabyte to count it
+    self:check_limit("prompt tokens", #text, self.o.max_tokens, "--max-tokens", node_id, class_type)
+  end
+  self.tok = self.tok or kiln.tokenizer()
+  self:check_limit("prompt tokens", #self.tok:encode(text), self.o.max_tokens, "--max-tokens", node_id, class_type)
+end
+
+-- ------------------------------------------------------------------ checkpoints kept
+
+--- A checkpoint file opened once and kept between requests (the oldest closed past
+-- --keep-checkpoints); the runners do not close it.
+function Server:checkpoint(path, opts)
+  local c = self.ckpts[path]
+  if c then
+    for i, p in ipairs(self.ckpt_order) do if p == path then table.remove(self.ckpt_order, i) break end end
+    self.ckpt_order[#self.ckpt_order + 1] = path
+    return c
+  end
+  while #self.ckpt_order >= self.o.keep_checkpoints and #self.ckpt_order > 0 do
+    local old = table.remove(self.ckpt_order, 1)
+    local oc = self.ckpts[old]
+    self.ckpts[old] = nil
+    if oc then pcall(oc.close, oc) end
+  end
+  c = kiln.load_checkpoint(path, opts)
+  self.ckpts[path] = c
+  self.ckpt_order[#self.ckpt_order + 1] = path
+  return c
+end
+
+function Server:close_checkpoints()
+  for p, c in pairs(self.ckpts) do pcall(c.close, c); self.ckpts[p] = nil end
+  self.ckpt_order = {}
+end
+
+-- ------------------------------------------------------------------ status page
+
+function M.status_page()
+  local ok, page = pcall(require, "kiln.serve.page")
+  if ok and type(page) == "table" and page.html then return page.html end
+  return "<!doctype html><title>kiln serve</title><h1>kiln serve</h1><p>ComfyUI API at /prompt, A1111 API at /sdapi/v1/.</p>"
+end
+
+-- ------------------------------------------------------------------ main
+
+local function mode_of(p) return lfs.attributes(p, "mode") end
+
+local function mkdirs(p)
+  local path = ""
+  for part in p:gmatch("[^/]+") do
+    path = path == "" and ((p:sub(1, 1) == "/") and "/" .. part or part) or path .. "/" .. part
+    if mode_of(path) == nil then lfs.mkdir(path) end
+  end
+  if mode_of(p) ~= "directory" then util.usage_error(fmt("cannot make the folder %s", p)) end
+end
+
+local function abs(p)
+  local r = require("kiln.serve_http").realpath(p)
+  return r or p
+end
+
+--- Parses the command line (a usage error names the mistake); returns the options.
+function M.options(args)
+  for _, a in ipairs(args) do
+    if a == "--help" or a == "-h" then print(USAGE); os.exit(0) end
+  end
+  local o = util.parse_args(args, { models = "", output = "", input = "", temp = "", listen = "127.0.0.1", port = 8188,
+    token = "", history = 100, max_body = "64M", max_size = 4096, max_batch = 16, max_steps = 200, max_tokens = 1024,
+    max_queue = 256, keep_checkpoints = 2, device = "", mode = "", vram = "", quiet = false, threads = 32 })
+  if o.models == "" then util.usage_error("kiln serve: --models DIR is needed\n" .. USAGE) end
+  if o.output == "" then util.usage_error("kiln serve: --output DIR is needed\n" .. USAGE) end
+  if mode_of(o.models) ~= "directory" then util.usage_error(fmt("--models %s: no such folder", o.models)) end
+  for _, k in ipairs({ "port", "history", "max_size", "max_batch", "max_steps", "max_tokens", "max_queue",
+    "keep_checkpoints", "threads" }) do
+    local v = math.tointeger(o[k])
+    if not v or v < 0 then util.usage_error(fmt("--%s %s: must be a whole number >= 0", k:gsub("_", "-"), tostring(o[k]))) end
+    o[k] = v
+  end
+  if o.port > 65535 then util.usage_error(fmt("--port %d: must be 0..65535", o.port)) end
+  local okb, mb = pcall(kiln.parse_size, o.max_body)
+  if not okb or type(mb) ~= "number" or mb <= 0 then util.usage_error(fmt("--max-body %s: not a size (64M, 1G)", o.max_body)) end
+  o.max_body = math.tointeger(mb) or math.floor(mb)
+  o.token = o.token ~= "" and o.token or nil
+  local cfg = { device = o.device ~= "" and o.device or nil, mode = o.mode ~= "" and o.mode or nil,
+    budget = o.vram ~= "" and o.vram or nil, quiet = o.quiet or nil }
+  local okc, e = pcall(kiln.configure, cfg)
+  if not okc then util.usage_error(type(e) == "table" and (e.message or tostring(e)) or tostring(e)) end
+  mkdirs(o.output)
+  o.input = o.input ~= "" and o.input or (o.models:gsub("/+$", "") .. "/input")
+  o.temp = o.temp ~= "" and o.temp or (o.output:gsub("/+$", "") .. "/../temp")
+  mkdirs(o.input)
+  mkdirs(o.temp)
+  o.models, o.output, o.input, o.temp = abs(o.models), abs(o.output), abs(o.input), abs(o.temp)
+  return o
+end
+
+--- Makes the server state over an open kiln.serve_http server.
+function M.new(srv, o)
+  local s = setmetatable({ srv = srv, o = o, queue = {}, history = { ids = {}, by = {} }, number = 0,
+    ckpts = {}, ckpt_order = {}, a1111 = {} }, Server)
+  return s
+end
+
+--- `kiln serve ...` (the arguments as the CLI gives them).
+function M.main(...)
+  local args = type((...)) == "table" and (...) or { ... }
+  local o = M.options(args)
+  local http = require "kiln.serve_http"
+  if not http.available then util.usage_error("kiln serve: " .. tostring(http.why)) end
+  require "kiln.serve.comfy_api"
+  require "kiln.serve.a1111_api"
+  local okh, srv = pcall(http.start, { listen = o.listen, port = o.port, token = o.token, max_body = o.max_body,
+    threads = math.max(o.threads, 4) })
+  if not okh then util.usage_error(tostring(srv)) end
+  local s = M.new(srv, o)
+  io.stdout:write(fmt("kiln serve: listening on http://%s:%d\n", o.listen, srv:port()))
+  io.stdout:flush()
+  local ok, err = pcall(function()
+    while not s.stopping do
+      local ev = srv:next(#s.queue > 0 and 0 or 0.25)
+      if ev then
+        -- a cancel requested just as a run ended would raise here: harmless, cleared
+        local hok, herr = pcall(s.handle, s, ev)
+        if not hok and not is_cancel(herr) then error(herr, 0) end
+        kiln.cancel(false)
+      end
+      if not s.stopping and #s.queue > 0 and not s.running then s:run_next() end
+    end
+  end)
+  -- stopping: what waits in the queue is answered (A1111 requests) or dropped
+  for _, job in ipairs(s.queue) do
+    if job.abandon then pcall(job.abandon, s, job) end
+  end
+  s.queue = {}
+  s:close_checkpoints()
+  srv:close()
+  collectgarbage("collect")
+  if not o.quiet then io.stderr:write("kiln serve: stopped\n") end
+  if not ok then error(err, 0) end
+end
+
+return M
