@@ -86,12 +86,15 @@ const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n)
     return buf;
 }
 
+/* A dimension of 0 makes a tensor empty whatever the others are, so their product may
+ * pass int64 (a file's header can say so): the strides saturate, never used to address
+ * anything in an empty tensor. */
 static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
 {
     int64_t s = 1;
     for (int i = ndim - 1; i >= 0; i--) {
         stride[i] = s;
-        s *= shape[i] > 0 ? shape[i] : 1;
+        if (__builtin_mul_overflow(s, shape[i] > 0 ? shape[i] : 1, &s)) s = INT64_MAX;
     }
 }
 
