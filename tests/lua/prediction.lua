@@ -127,7 +127,7 @@ end
 -- fn's result)
 local function measured(case, mode, budget)
   local ck = not case.comfy and kiln.load_checkpoint(case.ckpt or P.MODEL) or nil
-  if ck and case.ckpt then ck.clip.tokenizer = T.word_tokenizer end
+  if ck and case.ckpt and not case.own_tokenizer then ck.clip.tokenizer = T.word_tokenizer end
   settle()
   local old_budget, old_mode = kiln.mem.stats("sim").budget, kiln.memory_mode()
   kiln.memory_mode(mode)
@@ -165,7 +165,7 @@ local function predicted(case, mode, budget)
     return r.plan.meta.peak, r.plan, r.plan.meta.scratch
   end
   local ck = kiln.load_checkpoint(case.ckpt or P.MODEL)
-  if case.ckpt then ck.clip.tokenizer = T.word_tokenizer end
+  if case.ckpt and not case.own_tokenizer then ck.clip.tokenizer = T.word_tokenizer end
   settle()
   local r = kiln.dry_run(function() case.run(ck) end, { device = "sim", budget = budget, mode = mode })
   ck:close()
@@ -174,6 +174,16 @@ local function predicted(case, mode, budget)
 end
 
 P.MODES = { "high", "normal", "low" }
+
+-- The SD 1.5 piece on an SD 1.5-shaped checkpoint (tests/bench: random f16 weights,
+-- real key list and CLIP tokenizer): two prompts encoded, one sampler step with CFG, a
+-- tiled VAE decode, at size x size pixels; P.row(case, mode, budget, reps) runs it.
+function P.sd15_case(path, size)
+  return { name = ("SD 1.5 piece %d"):format(size), ckpt = path, own_tokenizer = true, run = function(ck)
+    pipeline.txt2img(ck, { prompt = "a photograph of an astronaut riding a horse", negative = "blurry", steps = 1,
+      seed = 1, width = size, height = size, device = "sim", cfg = 7.5, tile = math.min(size // 8, 32), overlap = 8 })
+  end }
+end
 
 function P.row(case, mode, budget, reps)
   local pred, info, pred_scratch = predicted(case, mode, budget)
