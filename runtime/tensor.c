@@ -62,10 +62,14 @@ int kiln_tensor_coalesce(int nops, const kiln_tensor *const *ops, int64_t *shape
     int m = 0;
     for (int d = 1; d < n; d++) {
         int mergeable = 1;
-        for (int k = 0; k < nops; k++)
-            if (stride[k][m] != stride[k][d] * shape[d]) { mergeable = 0; break; }
+        for (int k = 0; k < nops; k++) {
+            int64_t span; /* an empty tensor's strides may pass int64 (contiguous_strides) */
+            if (__builtin_mul_overflow(stride[k][d], shape[d], &span) || stride[k][m] != span) { mergeable = 0; break; }
+        }
+        int64_t merged;
+        if (mergeable && __builtin_mul_overflow(shape[m], shape[d], &merged)) mergeable = 0;
         if (mergeable) {
-            shape[m] *= shape[d];
+            shape[m] = merged;
             for (int k = 0; k < nops; k++) stride[k][m] = stride[k][d];
         } else {
             m++;
