@@ -839,6 +839,8 @@ function kiln.nn.pad(x, pads, mode, value) end
 ---@field ooms integer
 ---@field segments integer
 ---@field largest_free integer
+---@field workspace integer kernel scratch held outside the allocator now (cpu: the host scratch of cpu and sim)
+---@field workspace_peak integer the most of it in use at once since kiln.mem.reset_peak
 ---@field bytes_to_device integer
 ---@field bytes_to_host integer
 ---@field copied_in integer host -> device bytes since kiln.mem.reset_peak
@@ -922,6 +924,11 @@ function kiln.mem.meta_target() end
 ---@return integer peak_reserved
 function kiln.mem.meta_mark() end
 
+---The kernel scratch outside the modelled device's allocator (the CPU's host scratch)
+---predicted at its peak since meta_begin, bytes.
+---@return integer
+function kiln.mem.meta_scratch() end
+
 ---@class kiln.DryRunStage
 ---@field name string "encode", or nested "hires > decode"
 ---@field peak integer bytes allocated at the stage's peak
@@ -938,6 +945,7 @@ function kiln.mem.meta_mark() end
 ---@field stages kiln.DryRunStage[]
 ---@field seconds number
 ---@field leaked integer bytes left on meta after the run
+---@field scratch integer the kernels' host scratch at its peak (cpu / sim; kiln.mem.stats("cpu").workspace_peak)
 
 ---@class kiln.DryRunOptions
 ---@field device? kiln.DeviceName the device to model (default: the default device)

@@ -14,8 +14,8 @@
 static int mem_stats(lua_State *L)
 {
     kiln_device *d = l_opt_device(L, 1);
-    kiln_mem_stats s = kiln_allocator_stats(d->alloc);
-    lua_createtable(L, 0, 16);
+    kiln_mem_stats s = kiln_device_stats(d);
+    lua_createtable(L, 0, 18);
     lua_pushstring(L, d->name);
     lua_setfield(L, -2, "device");
     SET_INT(L, "allocated", s.allocated);
@@ -29,6 +29,10 @@ static int mem_stats(lua_State *L)
     SET_INT(L, "ooms", s.n_ooms);
     SET_INT(L, "segments", s.n_segments);
     SET_INT(L, "largest_free", s.largest_free);
+    /* kernel scratch outside the allocator (cpu: the host scratch of cpu and sim): held
+     * now (cache included), and the most in use at once since reset_peak */
+    SET_INT(L, "workspace", s.workspace);
+    SET_INT(L, "workspace_peak", s.workspace_peak);
     kiln_transfer_stats x = kiln_device_transfers(d);
     SET_INT(L, "bytes_to_device", x.bytes_to_device);
     /* host -> device bytes since kiln.mem.reset_peak (weights streamed in, inputs) */

@@ -52,8 +52,18 @@ static int meta_mark(lua_State *L)
     return 2;
 }
 
+/* kiln.mem.meta_scratch() -> the kernel scratch outside the modelled device's
+ * allocator (the CPU's host scratch) that the dry run predicts at its peak, bytes:
+ * the real run's kiln.mem.stats("cpu").workspace_peak is never above it.  [-0, +1, -] */
+static int meta_scratch(lua_State *L)
+{
+    lua_pushinteger(L, (lua_Integer)kiln_meta_scratch_peak());
+    return 1;
+}
+
 static const luaL_Reg meta_funcs[] = {
     {"meta_begin", meta_begin}, {"meta_end", meta_end}, {"meta_target", meta_target}, {"meta_mark", meta_mark},
+    {"meta_scratch", meta_scratch},
     {NULL, NULL},
 };
 

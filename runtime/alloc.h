@@ -29,6 +29,8 @@ typedef struct {
     uint64_t budget;          /* 0 = unlimited */
     uint64_t workspace;       /* scratch the device's backend keeps between ops (0 from
                                * the allocator; kiln_device_stats fills it) */
+    uint64_t workspace_peak;  /* the most kernel scratch outside the allocator in use at
+                               * once since the last peak reset (kiln_device_stats) */
 } kiln_mem_stats;
 
 /* How the allocator obtains and returns device memory. raw_alloc returns NULL when

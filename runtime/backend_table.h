@@ -115,6 +115,10 @@ struct kiln_backend {
      * backend keeps nothing between calls). */
     uint64_t (*workspace_bytes)(kiln_device *dev);
     void (*workspace_release)(kiln_device *dev);
+    /* Optional: the most scratch the kernels had in use at once since the last call
+     * with reset (kiln_device_reset_peak resets it) -> kiln_mem_stats.workspace_peak;
+     * for scratch kept outside the device's allocator (the CPU's host scratch). */
+    uint64_t (*workspace_peak)(kiln_device *dev, int reset);
     /* Transfers between this device and host memory (NULL for host-memory devices). */
     kiln_status (*to_device)(void *dst_dev, const void *src_host, size_t n);
     kiln_status (*to_host)(void *dst_host, const void *src_dev, size_t n);

@@ -217,6 +217,7 @@ kiln_transfer_stats kiln_device_transfers(kiln_device *dev)
 void kiln_device_reset_peak(kiln_device *dev)
 {
     kiln_allocator_reset_peak(dev->alloc);
+    if (dev->backend && dev->backend->workspace_peak) dev->backend->workspace_peak(dev, 1);
     pthread_mutex_lock(&xfer_mu);
     dev->bytes_to_device_at_reset = dev->bytes_to_device;
     pthread_mutex_unlock(&xfer_mu);
@@ -226,6 +227,7 @@ kiln_mem_stats kiln_device_stats(kiln_device *dev)
 {
     kiln_mem_stats s = kiln_allocator_stats(dev ? dev->alloc : NULL);
     if (dev && dev->backend && dev->backend->workspace_bytes) s.workspace = dev->backend->workspace_bytes(dev);
+    if (dev && dev->backend && dev->backend->workspace_peak) s.workspace_peak = dev->backend->workspace_peak(dev, 0);
     return s;
 }
 

@@ -10,6 +10,7 @@
 #include "backend.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -20,6 +21,7 @@ static const kiln_backend *base;          /* meta's own table, as registered */
 static const kiln_backend *modelled_be;   /* the backend whose decisions meta takes */
 static kiln_backend composed;             /* base's entries with modelled_be's options */
 static kiln_meta_end_fn end_hook;         /* kiln_meta_set_end_hook's, under meta_mu */
+static _Atomic uint64_t scratch_peak;     /* kiln_meta_note_scratch's, since kiln_meta_begin */
 
 static void *reserve(size_t n)
 {
@@ -119,6 +121,7 @@ kiln_status kiln_meta_begin(kiln_device *dev, uint64_t budget)
     kiln_device_reset_peak(meta);
     uint64_t a, r;
     kiln_meta_mark(&a, &r);
+    atomic_store(&scratch_peak, 0);
     meta->total_memory = dev->total_memory;
     snprintf(meta->name, sizeof meta->name, "%s", dev->name);
     target = dev;
@@ -143,6 +146,8 @@ uint64_t kiln_meta_end(void)
     pthread_mutex_unlock(&meta_mu);
     if (!meta) return 0;
     if (was && hook) hook(meta);
+    /* the workspace the modelled backend's kernels would keep (cuBLAS's) goes too */
+    if (meta->backend && meta->backend->workspace_release) meta->backend->workspace_release(meta);
     snprintf(meta->name, sizeof meta->name, "meta");
     /* back to modelling sim's allocator and the CPU backend, without a budget */
     kiln_device *sim = kiln_device_get("sim");
@@ -181,6 +186,15 @@ void kiln_meta_mark(uint64_t *peak_allocated, uint64_t *peak_reserved)
     mark_reserved = st.reserved;
     pthread_mutex_unlock(&mark_mu);
 }
+
+void kiln_meta_note_scratch(uint64_t bytes)
+{
+    uint64_t cur = atomic_load(&scratch_peak);
+    while (bytes > cur && !atomic_compare_exchange_weak(&scratch_peak, &cur, bytes)) {
+    }
+}
+
+uint64_t kiln_meta_scratch_peak(void) { return atomic_load(&scratch_peak); }
 
 /* ---- zero host memory for a dry run's model host copies ---- */
 

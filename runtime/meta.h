@@ -49,6 +49,13 @@ const kiln_backend *kiln_meta_modelled_backend(void);
 void kiln_meta_note(kiln_device *meta);
 void kiln_meta_mark(uint64_t *peak_allocated, uint64_t *peak_reserved);
 
+/* Kernel scratch the modelled backend takes outside its device's allocator (the CPU's
+ * host scratch): meta's kernels note what one op would hold at most; the peak over
+ * the dry run (since kiln_meta_begin) is the prediction for the real run's
+ * kiln_mem_stats.workspace_peak. */
+void kiln_meta_note_scratch(uint64_t bytes);
+uint64_t kiln_meta_scratch_peak(void);
+
 /* Host memory that reads as zeros and costs nothing until written (a model's host
  * copy made during a dry run, which must not read the weight file): a cpu storage
  * of nbytes released with munmap. NULL when the address space is exhausted. */

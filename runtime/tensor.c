@@ -62,10 +62,14 @@ int kiln_tensor_coalesce(int nops, const kiln_tensor *const *ops, int64_t *shape
     int m = 0;
     for (int d = 1; d < n; d++) {
         int mergeable = 1;
-        for (int k = 0; k < nops; k++)
-            if (stride[k][m] != stride[k][d] * shape[d]) { mergeable = 0; break; }
+        for (int k = 0; k < nops; k++) {
+            int64_t span; /* an empty tensor's strides may pass int64 (contiguous_strides) */
+            if (__builtin_mul_overflow(stride[k][d], shape[d], &span) || stride[k][m] != span) { mergeable = 0; break; }
+        }
+        int64_t merged;
+        if (mergeable && __builtin_mul_overflow(shape[m], shape[d], &merged)) mergeable = 0;
         if (mergeable) {
-            shape[m] *= shape[d];
+            shape[m] = merged;
             for (int k = 0; k < nops; k++) stride[k][m] = stride[k][d];
         } else {
             m++;
@@ -86,12 +90,15 @@ const char *kiln_shape_str(const kiln_tensor *t, char *buf, size_t n)
     return buf;
 }
 
+/* A dimension of 0 makes a tensor empty whatever the others are, so their product may
+ * pass int64 (a file's header can say so): the strides saturate, never used to address
+ * anything in an empty tensor. */
 static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
 {
     int64_t s = 1;
     for (int i = ndim - 1; i >= 0; i--) {
         stride[i] = s;
-        s *= shape[i] > 0 ? shape[i] : 1;
+        if (__builtin_mul_overflow(s, shape[i] > 0 ? shape[i] : 1, &s)) s = INT64_MAX;
     }
 }
 

@@ -4,7 +4,10 @@
  * moments of a run (each call ends OK or CANCELLED, every byte comes back, the next
  * call gives the same picture as a fresh context); two contexts in two threads
  * generating at once with the pictures of a single-threaded run. make test runs short
- * versions; `make soak` (KILN_SOAK=full) the long ones, printing the RSS figures. */
+ * versions; `make soak` (KILN_SOAK=full) the long ones, printing the RSS figures.
+ * KILN_SOAK=runs runs the many-runs soak alone, with KILN_SOAK_MODEL (a checkpoint;
+ * the SD 1.5-shaped one of tests/bench), KILN_SOAK_DEVICE (default cpu), KILN_SOAK_SIZE
+ * (pixels, default 64) and KILN_SOAK_RUNS (default 1000), printing RSS every 50 runs. */
 #define _POSIX_C_SOURCE 200809L
 #include "../bindings/kiln.h"
 #include "test.h"
@@ -32,17 +35,19 @@ const char *__asan_default_options(void) { return "quarantine_size_mb=16"; }
 #endif
 
 static const char *MODEL = "examples/models/kiln-shapes.safetensors";
-static int full;
+static const char *DEVICE = "cpu";
+static int full, only_runs, soak_runs = 1000, soak_size = 64;
 
-static const char *GENERATE =
+static const char *GENERATE_FMT =
     "local pipeline = require 'kiln.pipeline'\n"
-    "ckpt = kiln.load_checkpoint('examples/models/kiln-shapes.safetensors')\n"
+    "ckpt = kiln.load_checkpoint('%s')\n"
     "function generate(seed)\n"
     "  local img = pipeline.txt2img(ckpt, {prompt = 'a red circle on a blue background', seed = tonumber(seed),\n"
-    "    steps = 4, width = 64, height = 64})\n"
+    "    steps = 4, width = %d, height = %d, device = '%s'})\n"
     "  ckpt.clip:unload(); ckpt.unet:unload(); ckpt.vae:unload()\n"
     "  return img\n"
     "end\n";
+static char GENERATE[2048];
 
 static double now(void)
 {
@@ -111,7 +116,8 @@ static int have_model(void)
 static void t_many_runs_flat_memory(void)
 {
     if (!have_model()) return;
-    int runs = full ? 1000 : 160;
+    int runs = only_runs ? soak_runs : full ? 1000 : 160;
+    if (runs < 200) runs = only_runs ? 200 : runs;
     kiln_ctx *ctx = open_generator();
     if (!ctx) { CHECK(0, "no context"); return; }
     double *r = calloc((size_t)runs, sizeof *r);
@@ -123,10 +129,14 @@ static void t_many_runs_flat_memory(void)
         if (st != KILN_OK) { CHECK(0, "run %d: %s", i, kiln_last_message(ctx)); break; }
         kiln_image_free(&img);
         r[i] = rss();
-        if (i == 0) base = allocated("cpu");
-        else if (allocated("cpu") != base) {
-            CHECK(0, "run %d: %llu bytes allocated, %llu after the first", i, (unsigned long long)allocated("cpu"),
-                  (unsigned long long)base);
+        if (only_runs && (i + 1) % 50 == 0) {
+            printf("# run %d: RSS %.2f MiB, %.0f s\n", i + 1, r[i] / 1048576, now() - t0);
+            fflush(stdout);
+        }
+        if (i == 0) base = allocated(DEVICE);
+        else if (allocated(DEVICE) != base) {
+            CHECK(0, "run %d: %llu bytes allocated on %s, %llu after the first", i,
+                  (unsigned long long)allocated(DEVICE), DEVICE, (unsigned long long)base);
             break;
         }
     }
@@ -292,6 +302,18 @@ int main(void)
 {
     const char *e = getenv("KILN_SOAK");
     full = e && strcmp(e, "full") == 0;
+    only_runs = e && strcmp(e, "runs") == 0;
+    if (only_runs) {
+        if (getenv("KILN_SOAK_MODEL")) MODEL = getenv("KILN_SOAK_MODEL");
+        if (getenv("KILN_SOAK_DEVICE")) DEVICE = getenv("KILN_SOAK_DEVICE");
+        if (getenv("KILN_SOAK_SIZE")) soak_size = atoi(getenv("KILN_SOAK_SIZE"));
+        if (getenv("KILN_SOAK_RUNS")) soak_runs = atoi(getenv("KILN_SOAK_RUNS"));
+    }
+    snprintf(GENERATE, sizeof GENERATE, GENERATE_FMT, MODEL, soak_size, soak_size, DEVICE);
+    if (only_runs) {
+        RUN(t_many_runs_flat_memory);
+        return test_summary();
+    }
     RUN(t_two_contexts_two_threads);
     RUN(t_cancel_at_random_moments);
     RUN(t_open_close_no_growth);

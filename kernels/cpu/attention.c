@@ -963,12 +963,12 @@ static void att_tasks(void *p, int64_t b, int64_t e)
     float *ws = NULL, *own = NULL;
     if (idx >= 0 && idx < c->nslots) ws = c->scratch + (size_t)idx * c->slot;
     else { /* not one of the pool's threads: use a private slot */
-        own = aligned_alloc(64, c->slot * sizeof(float));
+        own = kiln_cpu_scratch_get(c->slot * sizeof(float));
         if (!own) { atomic_store(&c->oom, 1); return; }
         ws = own;
     }
     for (int64_t t = b; t < e; t++) att_block(c, ws, t);
-    free(own);
+    kiln_cpu_scratch_put(own);
 }
 
 /* Bytes of scratch one kiln_cpu_attention call allocates (all pool threads), for
@@ -978,6 +978,21 @@ size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv);
 size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv)
 {
     return (size_t)kiln_cpu_threads() * slot_floats(D, Dv) * sizeof(float);
+}
+
+/* The slots of every thread, a private slot for a caller outside the pool, and the
+ * shared key preparation (sized for bf16, the larger), as kiln_cpu_attention takes them. */
+size_t kiln_cpu_attention_scratch_bound(int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv)
+{
+    if (B <= 0 || Lq <= 0 || Lk <= 0 || D <= 0 || Dv <= 0) return 0;
+    size_t n = kiln_cpu_scratch_block_bound(kiln_cpu_attention_scratch_bytes(D, Dv)) +
+               kiln_cpu_scratch_block_bound(slot_floats(D, Dv) * sizeof(float));
+    int64_t nqb = (Lq + QT - 1) / QT, nkb = (Lk + KB - 1) / KB;
+    size_t keys = (size_t)(B * nkb) * (size_t)round16(D * KB) * sizeof(float);
+    size_t pairs = keys + (size_t)(B * nkb) * (size_t)(KB / 2) * (size_t)round16(Dv) * sizeof(float);
+    if (nqb > 1) /* the bf16 buffer where it is under the limit, else the f32 one where that is */
+        n += kiln_cpu_scratch_block_bound(pairs <= PREP_MAX_BYTES ? pairs : keys <= PREP_MAX_BYTES ? keys : 0);
+    return n;
 }
 
 kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const float *v,

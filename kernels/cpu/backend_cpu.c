@@ -300,11 +300,20 @@ static int cpu_supports(kiln_op op, kiln_dtype dt)
     return op >= 0 && op < KILN_OP_COUNT;
 }
 
-/* The scratch cache is host memory shared by cpu and sim, reported once, on cpu;
- * emptying either device's cache trims it. */
+/* The kernels' scratch is host memory shared by cpu and sim, reported once, on cpu
+ * (what it holds now, cache included, and the most in use at once); emptying either
+ * device's cache trims it. It stays outside the cpu allocator: the kernels serve both
+ * devices and know neither, and the cached blocks, kept between ops for speed, would
+ * otherwise hold budget the tensors need; a dry run models it from the kernels' own
+ * sizing (kiln_cpu_*_scratch_bound). */
 static uint64_t cpu_workspace_bytes(kiln_device *dev)
 {
-    return dev->type == KILN_DEV_CPU ? (uint64_t)kiln_cpu_scratch_cached() : 0;
+    return dev->type == KILN_DEV_CPU ? (uint64_t)kiln_cpu_scratch_stats(0).held : 0;
+}
+
+static uint64_t cpu_workspace_peak(kiln_device *dev, int reset)
+{
+    return dev->type == KILN_DEV_CPU ? (uint64_t)kiln_cpu_scratch_stats(reset).peak_in_use : 0;
 }
 
 static void cpu_workspace_release(kiln_device *dev)
@@ -348,6 +357,7 @@ static const kiln_backend cpu_backend = {
     .gemm_f32 = cpu_gemm_f32,
     .workspace_bytes = cpu_workspace_bytes,
     .workspace_release = cpu_workspace_release,
+    .workspace_peak = cpu_workspace_peak,
     .threads = kiln_cpu_threads,
     .set_threads = kiln_cpu_set_threads,
     .native_bf16 = kiln_cpu_has_bf16,

@@ -306,8 +306,9 @@ static int conv_smallk(float *y, const float *x, const void *w, kiln_dtype w_dt,
     int64_t cg = p->c / p->groups, kg = p->k / p->groups, crs = cg * p->r * p->s;
     if (!kiln_cpu_gemm_have_simd() || kg > SMALLK || p->stride_w != 1) return -1;
     size_t n = (size_t)(p->groups * SMALLK * crs);
-    float *wp = calloc(n, sizeof *wp);
+    float *wp = kiln_cpu_scratch_get(n * sizeof *wp);
     if (!wp) return -1;
+    memset(wp, 0, n * sizeof *wp);
     size_t esz = kiln_dtype_size(w_dt);
     for (int64_t g = 0; g < p->groups; g++)
         for (int64_t k = 0; k < kg; k++)
@@ -315,7 +316,7 @@ static int conv_smallk(float *y, const float *x, const void *w, kiln_dtype w_dt,
                         (size_t)crs);
     smallk_job j = {y, x, wp, bias, p};
     kiln_parallel_for(p->n * p->groups * p->oh, 1, smallk_fn, &j);
-    free(wp);
+    kiln_cpu_scratch_put(wp);
     return 0;
 }
 
@@ -395,11 +396,11 @@ static kiln_status conv_im2col_blas(float *y, const float *x, const void *w, kil
     if (rows < 1) rows = 1;
     if (rows > p->oh) rows = p->oh;
     int64_t kb = w_dt == KILN_F32 ? kg : (kg < WBLOCK_ROWS ? kg : WBLOCK_ROWS);
-    float *col = plain ? NULL : malloc((size_t)(crs * rows * p->ow) * sizeof *col);
-    float *wbuf = w_dt == KILN_F32 ? NULL : malloc((size_t)(kb * crs) * sizeof *wbuf);
+    float *col = plain ? NULL : kiln_cpu_scratch_get((size_t)(crs * rows * p->ow) * sizeof *col);
+    float *wbuf = w_dt == KILN_F32 ? NULL : kiln_cpu_scratch_get((size_t)(kb * crs) * sizeof *wbuf);
     if ((!plain && !col) || (w_dt != KILN_F32 && !wbuf)) {
-        free(col);
-        free(wbuf);
+        kiln_cpu_scratch_put(col);
+        kiln_cpu_scratch_put(wbuf);
         return kiln_error_oom("cpu", (uint64_t)(crs * rows * p->ow + kb * crs) * 4, 0, 0,
                               "conv2d: no memory for the column buffer (%lld floats)", (long long)(crs * rows * p->ow));
     }
@@ -433,8 +434,8 @@ static kiln_status conv_im2col_blas(float *y, const float *x, const void *w, kil
                     for (int64_t i = 0; i < ohw; i++) yk[i] += b;
                 }
         }
-    free(col);
-    free(wbuf);
+    kiln_cpu_scratch_put(col);
+    kiln_cpu_scratch_put(wbuf);
     return KILN_OK;
 }
 
@@ -535,10 +536,10 @@ static kiln_status conv_paths(float *y, const float *x, const void *w, kiln_dtyp
     if ((path == PATH_AUTO && cg == 1) || path == PATH_DIRECT) {
         if (cg == 1) {
             size_t bytes = (size_t)kiln_cpu_threads() * (size_t)(p->r * p->s) * sizeof(float);
-            conv_job j = {y, x, w, w_dtype, bias, p, malloc(bytes)};
+            conv_job j = {y, x, w, w_dtype, bias, p, kiln_cpu_scratch_get(bytes)};
             if (!j.wscratch) return kiln_error_oom("cpu", bytes, 0, 0, "conv2d: no memory for %zu bytes of kernel", bytes);
             kiln_parallel_for(p->n * p->k, 1, depthwise_fn, &j);
-            free(j.wscratch);
+            kiln_cpu_scratch_put(j.wscratch);
             return KILN_OK;
         }
     }
@@ -590,4 +591,68 @@ kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dt
     kiln_status st = kiln_cpu_conv2d(y, u, w, w_dtype, bias, &p);
     kiln_cpu_scratch_put(u);
     return st;
+}
+
+/* ---- the scratch of one call, bounded from above for a dry run's model ----
+ * The paths in kiln_cpu_conv2d's order, each with the conditions under which it takes
+ * the shape: a path that runs ends the walk; one that may decline counts and the walk
+ * goes on (each gives its scratch back before the next is tried), so the result is the
+ * largest block set any path the call can reach holds at once. */
+static size_t im2col_bound(const kiln_conv2d_params *q, kiln_dtype w_dt)
+{
+    int64_t cg = q->c / q->groups, kg = q->k / q->groups, crs = cg * q->r * q->s, ohw = q->oh * q->ow;
+    int plain = q->r == 1 && q->s == 1 && q->stride_h == 1 && q->stride_w == 1 && q->pad_h == 0 && q->pad_w == 0;
+    int64_t rows = plain ? q->oh : COL_MAX_FLOATS / (crs * q->ow > 0 ? crs * q->ow : 1);
+    if (rows < 1) rows = 1;
+    if (rows > q->oh) rows = q->oh;
+    int64_t kb = w_dt == KILN_F32 ? kg : (kg < WBLOCK_ROWS ? kg : WBLOCK_ROWS);
+    return (plain ? 0 : kiln_cpu_scratch_block_bound((size_t)(crs * rows * q->ow) * sizeof(float))) +
+           (w_dt == KILN_F32 ? 0 : kiln_cpu_scratch_block_bound((size_t)(kb * crs) * sizeof(float))) +
+           kiln_cpu_gemm_scratch_bound(kb, plain ? ohw : rows * q->ow, crs, KILN_F32, 0);
+}
+
+size_t kiln_cpu_conv2d_scratch_bound(const kiln_conv2d_params *p, kiln_dtype w_dt)
+{
+    if (!p || p->groups < 1 || p->c % p->groups || p->k % p->groups) return 0;
+    kiln_conv2d_params q = *p;
+    if (kiln_conv2d_out_size(&q)) return 0;
+    int64_t cg = q.c / q.groups, kg = q.k / q.groups, crs = cg * q.r * q.s;
+    conv_path path = forced_path();
+    size_t best = 0, n;
+    if (((path == PATH_AUTO && cg == 1) || path == PATH_DIRECT) && cg == 1)
+        return kiln_cpu_scratch_block_bound((size_t)kiln_cpu_threads() * (size_t)(q.r * q.s) * sizeof(float));
+    if ((path == PATH_AUTO || path == PATH_DIRECT) && kiln_cpu_gemm_have_simd() && kg <= SMALLK && q.stride_w == 1)
+        return kiln_cpu_scratch_block_bound((size_t)(q.groups * SMALLK * crs) * sizeof(float));
+    if ((path == PATH_AUTO && q.c >= 64 && q.k >= 64) || path == PATH_WINOGRAD_FEW) {
+        n = kiln_cpu_scratch_block_bound(kiln_cpu_conv2d_winograd_few_scratch(&q, w_dt, path == PATH_WINOGRAD_FEW));
+        if (n > best) best = n;
+    }
+    if (path == PATH_AUTO || path == PATH_WINOGRAD) {
+        size_t wb = kiln_cpu_conv2d_winograd_scratch(&q, 0, path == PATH_WINOGRAD);
+        if (wb) { /* it runs (unless the host is out of memory) */
+            n = kiln_cpu_scratch_block_bound(wb);
+            return n > best ? n : best;
+        }
+    }
+    if (path != PATH_IM2COL && kiln_cpu_gemm_have_simd()) { /* the implicit GEMM runs */
+        n = kiln_cpu_gemm_scratch_bound(kg, q.oh * q.ow, crs, w_dt, 0);
+        return n > best ? n : best;
+    }
+    n = im2col_bound(&q, w_dt);
+    return n > best ? n : best;
+}
+
+/* The fused path's buffer where it takes the shape, else the upsampled image in scratch
+ * and the 3x3 convolution of it (both live together). */
+size_t kiln_cpu_conv2d_up2_scratch_bound(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, kiln_dtype w_dt)
+{
+    if (N < 1 || C < 1 || H < 1 || W < 1 || K < 1) return 0;
+    kiln_conv2d_params p = {N, C, H, W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, H, W, 0, 0.0f, NULL};
+    if (forced_path() == PATH_AUTO) {
+        size_t fused = kiln_cpu_conv2d_winograd_scratch(&p, 1, 0);
+        if (fused) return kiln_cpu_scratch_block_bound(fused);
+    }
+    kiln_conv2d_params q = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL};
+    return kiln_cpu_scratch_block_bound((size_t)N * (size_t)C * (size_t)(4 * H * W) * sizeof(float)) +
+           kiln_cpu_conv2d_scratch_bound(&q, w_dt);
 }

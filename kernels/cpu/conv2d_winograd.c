@@ -733,13 +733,19 @@ typedef struct {
     int64_t yw, yhw;
 } wino_map;
 
-static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
-                    const kiln_conv2d_params *p, const wino_map *mp)
+/* The blocking of one run and the parts of its scratch buffer (floats); the run and
+ * kiln_cpu_conv2d_winograd_scratch_bound size it with the same code. */
+typedef struct {
+    int64_t kb, ts, nkb, nstrip, n_img;
+    int blocks_mode;
+    size_t v_img, nU, nM, nW, nB, bsz, tot_U, tot_V, tot_B, total;
+} wino_sizes;
+
+static void wino_size(const kiln_conv2d_params *p, int m, int r, int threads, wino_sizes *z)
 {
-    const int m = mp->m, A = m + mp->r - 1, P = A * A;
+    const int A = m + r - 1, P = A * A;
     int64_t C = p->c, K = p->k;
     int64_t TH = (p->oh + m - 1) / m, TW = (p->ow + m - 1) / m, T = TH * TW;
-    int threads = kiln_cpu_threads();
     int64_t kb, ts;
     plan(C, K, T, P, &kb, &ts);
     int64_t nkb = (K + kb - 1) / kb, nstrip = (T + ts - 1) / ts;
@@ -759,13 +765,32 @@ static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype,
     }
     /* The P matrices of U, V and M sit one 64-byte line further apart than their size:
      * sizes are multiples of 4 KB, and P streams 4 KB apart would share one L1 set. */
-    size_t nU = (size_t)P * (size_t)((kb + 11) / 12 * 12 * C + 16), nM = (size_t)P * (size_t)(kb * ts + 16);
-    size_t nW = (size_t)threads * 12 * 144;
-    size_t nB = (size_t)(ts / 16), bsz = (sizeof(blk_setup) + 63) / 64 * 16; /* floats per entry, whole lines */
-    size_t tot_U = blocks_mode ? (size_t)threads * nU : nU;
-    size_t tot_V = blocks_mode ? (size_t)n_img * v_img : (size_t)threads * v_img;
-    size_t tot_B = (blocks_mode ? 1 : (size_t)threads) * nB * bsz;
-    float *buf = kiln_cpu_scratch_get((tot_U + tot_V + (size_t)threads * nM + nW + tot_B) * sizeof(float));
+    z->nU = (size_t)P * (size_t)((kb + 11) / 12 * 12 * C + 16);
+    z->nM = (size_t)P * (size_t)(kb * ts + 16);
+    z->nW = (size_t)threads * 12 * 144;
+    z->nB = (size_t)(ts / 16);
+    z->bsz = (sizeof(blk_setup) + 63) / 64 * 16; /* floats per entry, whole lines */
+    z->tot_U = blocks_mode ? (size_t)threads * z->nU : z->nU;
+    z->tot_V = blocks_mode ? (size_t)n_img * v_img : (size_t)threads * v_img;
+    z->tot_B = (blocks_mode ? 1 : (size_t)threads) * z->nB * z->bsz;
+    z->total = z->tot_U + z->tot_V + (size_t)threads * z->nM + z->nW + z->tot_B;
+    z->kb = kb; z->ts = ts; z->nkb = nkb; z->nstrip = nstrip; z->n_img = n_img;
+    z->blocks_mode = blocks_mode; z->v_img = v_img;
+}
+
+static int wino_run(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
+                    const kiln_conv2d_params *p, const wino_map *mp)
+{
+    const int m = mp->m, A = m + mp->r - 1, P = A * A;
+    int64_t C = p->c, K = p->k;
+    int64_t TH = (p->oh + m - 1) / m, TW = (p->ow + m - 1) / m;
+    int threads = kiln_cpu_threads();
+    wino_sizes z;
+    wino_size(p, m, mp->r, threads, &z);
+    int64_t kb = z.kb, ts = z.ts, nkb = z.nkb, nstrip = z.nstrip, n_img = z.n_img;
+    int blocks_mode = z.blocks_mode;
+    size_t v_img = z.v_img, nU = z.nU, nM = z.nM, nW = z.nW, nB = z.nB, bsz = z.bsz, tot_U = z.tot_U, tot_V = z.tot_V;
+    float *buf = kiln_cpu_scratch_get(z.total * sizeof(float));
     if (!buf) return -1;
     job_ctx j;
     memset(&j, 0, sizeof j);
@@ -863,6 +888,30 @@ int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_d
     return rc;
 }
 
+/* The buffer this path asks for p (3x3, its tile pick) or for up2's parity runs (one
+ * at a time); 0 where it declines the shape (forced: KILN_CONV_PATH names it). */
+size_t kiln_cpu_conv2d_winograd_scratch(const kiln_conv2d_params *p, int up2, int forced)
+{
+    int threads = kiln_cpu_threads();
+    wino_sizes z;
+    if (!kiln_cpu_gemm_have_simd()) return 0;
+    if (up2) {
+        if (!kiln_cpu_conv2d_up2_fuses(p->c, p->h, p->w, p->k)) return 0;
+        kiln_conv2d_params q = {p->n, p->c, p->h, p->w, p->k, 2, 2, 1, 1, 1, 1, 1, 1, 1, p->h, p->w, 0, 0.0f, NULL};
+        wino_size(&q, 4, 2, threads, &z);
+        return z.total * sizeof(float);
+    }
+    if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
+        p->groups != 1)
+        return 0;
+    if (p->h * p->w >= ((int64_t)1 << 30) || p->oh * p->ow >= ((int64_t)1 << 30) || p->pad_h > 4 || p->pad_w > 4)
+        return 0;
+    int64_t T4 = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
+    if (!forced && (p->c < 32 || p->k < 32 || T4 < 16)) return 0;
+    wino_size(p, pick_tile(p), 3, threads, &z);
+    return z.total * sizeof(float);
+}
+
 #else
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p, int forced)
@@ -882,5 +931,11 @@ int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_d
 {
     (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)N; (void)C; (void)H; (void)W; (void)K;
     return 1;
+}
+
+size_t kiln_cpu_conv2d_winograd_scratch(const kiln_conv2d_params *p, int up2, int forced)
+{
+    (void)p; (void)up2; (void)forced;
+    return 0;
 }
 #endif

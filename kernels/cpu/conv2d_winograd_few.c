@@ -447,11 +447,46 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     return 0;
 }
 
+/* The buffer this path asks for p (its tile pick, bf16's pairs where bf16 products
+ * run), for a batch split into groups of images as above (the first, largest group);
+ * 0 where it declines the shape (forced: KILN_CONV_PATH names it). */
+size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced)
+{
+    if (!kiln_cpu_gemm_have_simd()) return 0;
+    if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
+        p->groups != 1 || p->pad_h > 2 || p->pad_w > 2)
+        return 0;
+    kiln_conv2d_params q = *p;
+    int64_t t_img = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
+    if (p->n > 1 && p->n * t_img > MAX_TILES && t_img <= MAX_TILES) {
+        q.n = MAX_TILES / t_img;
+        forced = 1; /* as the first group decides */
+    }
+    int64_t t4 = ((q.oh + 3) / 4) * ((q.ow + 3) / 4), t2 = ((q.oh + 1) / 2) * ((q.ow + 1) / 2);
+    int m = t4 <= TINY_TILES && q.n * t2 <= MAX_TILES ? 2 : 4;
+    const char *tile = kiln_tunable_str("KILN_WINOGRAD_FEW_TILE");
+    if (tile && (!strcmp(tile, "2") || !strcmp(tile, "4"))) m = tile[0] - '0';
+    int a = m + 2, P = a * a;
+    int64_t NT = q.n * ((q.oh + m - 1) / m) * ((q.ow + m - 1) / m);
+    int64_t Cp = (q.c + 15) / 16 * 16, cc = CC < Cp ? CC : Cp;
+    if (NT > MAX_TILES || (!forced && q.n * t4 > FEW_TILES && q.c * q.k < LARGE_WEIGHTS)) return 0;
+    if (!forced && m == 2 && w_dtype == KILN_F32) return 0;
+    int64_t su = (KB / 32) * cc * 32 + 16, sm = NT * KB + 16;
+    size_t n_xt = (size_t)(q.n * q.h * q.w) * (size_t)Cp, n_v = (size_t)P * (size_t)NT * (size_t)Cp;
+    size_t n_vp = kiln_cpu_bf16_active() ? (size_t)P * (size_t)((NT + 11) / 12 * Cp * 6) : 0;
+    return (n_xt + n_v + n_vp + (size_t)kiln_cpu_threads() * slot_floats(P, su, sm, cc) + 48) * sizeof(float);
+}
+
 #else
 int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                  const kiln_conv2d_params *p, int forced)
 {
     (void)y; (void)x; (void)w; (void)w_dtype; (void)bias; (void)p; (void)forced;
     return 1;
+}
+size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced)
+{
+    (void)p; (void)w_dtype; (void)forced;
+    return 0;
 }
 #endif

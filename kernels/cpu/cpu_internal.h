@@ -72,6 +72,10 @@ size_t kiln_cpu_scratch_cached(void);
 /* Winograd F(4,3) / F(6,3), tiles in vector lanes (conv2d_winograd.c): images of many tiles. */
 int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                              const kiln_conv2d_params *p, int forced);
+/* The scratch buffer these paths ask for, bytes, following their own choices (0 where
+ * they decline the shape; up2: the fused upsampling's), for kiln_cpu_conv2d_scratch_bound. */
+size_t kiln_cpu_conv2d_winograd_scratch(const kiln_conv2d_params *p, int up2, int forced);
+size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced);
 /* The same path for kiln_cpu_conv2d_up2: F(4,2) on the four parity kernels. */
 int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                  int64_t N, int64_t C, int64_t H, int64_t W, int64_t K);

@@ -68,6 +68,23 @@ kiln_status kiln_cpu_attention(float *out, const float *q, const float *k, const
 /* Scratch bytes attention allocates (all threads), for the memory planner. */
 size_t kiln_cpu_attention_scratch_bytes(int64_t D, int64_t Dv);
 
+/* ---- scratch: host memory the kernels take for themselves, outside any device's
+ * allocator (gemm_scratch.c): counted here, reported in the CPU device's statistics
+ * (kiln_mem_stats.workspace / workspace_peak), and bounded from above per call for a
+ * dry run's model of the kernels (the *_scratch_bound functions, each beside the
+ * kernel whose path choices it follows). ---- */
+typedef struct {
+    size_t in_use, peak_in_use; /* bytes handed to kernels (what the calls need) */
+    size_t held, peak_held;     /* host bytes the scratch occupies (cache included) */
+} kiln_cpu_scratch_count;
+kiln_cpu_scratch_count kiln_cpu_scratch_stats(int reset_peak);
+/* What one block of `bytes` counts in use at most (rounding, huge-page grains). */
+size_t kiln_cpu_scratch_block_bound(size_t bytes);
+size_t kiln_cpu_gemm_scratch_bound(int64_t M, int64_t N, int64_t K, kiln_dtype b_dt, int batched);
+size_t kiln_cpu_attention_scratch_bound(int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv);
+size_t kiln_cpu_conv2d_scratch_bound(const kiln_conv2d_params *p, kiln_dtype w_dt);
+size_t kiln_cpu_conv2d_up2_scratch_bound(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, kiln_dtype w_dt);
+
 void kiln_cpu_group_norm(float *y, const float *x, const float *gamma, const float *beta,
                          int64_t N, int64_t C, int64_t HW, int64_t G, float eps, int fuse_silu);
 /* y = layer_norm over the last dim D of rows x D; gamma/beta [D] may be NULL. */

@@ -59,7 +59,7 @@ static int blas_gemm(const gemm_args *g)
                     g->beta, g->C, (int)g->ldc);
     } else {
         const int64_t rows = 256;
-        float *panel = malloc((size_t)rows * (size_t)g->K * sizeof *panel);
+        float *panel = kiln_cpu_scratch_get((size_t)rows * (size_t)g->K * sizeof *panel);
         if (!panel) return -1;
         size_t esz = kiln_dtype_size(g->b_dt);
         for (int64_t n0 = 0; n0 < g->N; n0 += rows) {
@@ -70,7 +70,7 @@ static int blas_gemm(const gemm_args *g)
             cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans, CblasTrans, (int)g->M, (int)nb,
                         (int)g->K, g->alpha, g->A, (int)g->lda, panel, (int)g->K, g->beta, g->C + n0, (int)g->ldc);
         }
-        free(panel);
+        kiln_cpu_scratch_put(panel);
     }
     if (g->bias_row || g->bias_col) add_bias(g);
     return 0;
@@ -405,15 +405,21 @@ static void decode_rows(void *p, int64_t r0, int64_t r1)
         kiln_to_f32(c->panel + r * c->K, c->w + kiln_dtype_nbytes(c->dt, (c->n0 + r) * c->K), c->dt, (size_t)c->K);
 }
 
+/* Rows of the decoded weight panel of linear_lowbit: about 1 Mi floats. */
+static int64_t lowbit_panel_rows(int64_t N, int64_t K)
+{
+    int64_t nb = ((int64_t)1 << 20) / (K ? K : 1);
+    nb = nb < 32 ? 32 : nb / 32 * 32;
+    return nb > N ? N : nb;
+}
+
 static kiln_status linear_lowbit(float *y, const float *x, const void *w, kiln_dtype dt, const float *bias,
                                  int64_t M, int64_t N, int64_t K)
 {
     if (K % kiln_dtype_block(dt))
         return kiln_error(KILN_ERR_ARG, "linear: %s weight rows of %lld are not whole blocks of %d", kiln_dtype_name(dt),
                           (long long)K, kiln_dtype_block(dt));
-    int64_t nb = ((int64_t)1 << 20) / (K ? K : 1);
-    nb = nb < 32 ? 32 : nb / 32 * 32;
-    if (nb > N) nb = N;
+    int64_t nb = lowbit_panel_rows(N, K);
     float *panel = kiln_cpu_scratch_get((size_t)(nb * K) * sizeof(float));
     if (!panel) return kiln_error(KILN_ERR_OOM, "linear: no memory for a %lld x %lld weight panel", (long long)nb, (long long)K);
     for (int64_t n0 = 0; n0 < N; n0 += nb) {
@@ -458,4 +464,23 @@ kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype 
                    .bf16 = kiln_cpu_bf16_mode(M)};
     gemm_dispatch(&g);
     return KILN_OK;
+}
+
+/* ---- the scratch a call takes, bounded from above for a dry run's model ----
+ * Every block a path of these products can take (the rounded A, the per-thread
+ * packing, the BLAS path's converted panel, the low-bit path's decoded panel) counted
+ * as if all were taken together: only one path runs, so the sum is never below what a
+ * call holds at once. */
+size_t kiln_cpu_gemm_scratch_bound(int64_t M, int64_t N, int64_t K, kiln_dtype b_dt, int batched)
+{
+    if (M <= 0 || N <= 0 || K <= 0) return 0;
+    int threads = kiln_cpu_threads();
+    size_t pack = (size_t)threads * per_thread_floats(NB_MAX) * sizeof(float);
+    size_t n = kiln_cpu_scratch_block_bound(((size_t)(M + MR - 1) / MR * MR) * (size_t)((K + 1) / 2) * sizeof(uint32_t));
+    n += kiln_cpu_scratch_block_bound(pack);
+    if (batched) n += kiln_cpu_scratch_block_bound(pack);
+    if (b_dt != KILN_F32) n += kiln_cpu_scratch_block_bound((size_t)256 * (size_t)K * sizeof(float));
+    if (b_dt != KILN_F32 && b_dt != KILN_F16 && b_dt != KILN_BF16)
+        n += kiln_cpu_scratch_block_bound((size_t)lowbit_panel_rows(N, K) * (size_t)K * sizeof(float));
+    return n;
 }

@@ -1,10 +1,13 @@
-/* gemm_scratch.c - the CPU kernels' cached scratch blocks (GEMM panels, Winograd
- * buffers, low-bit weight panels): a few blocks kept between calls of the same shapes,
- * huge pages for the large ones, handed back on kiln_cpu_scratch_trim. */
+/* gemm_scratch.c - the CPU kernels' scratch (GEMM panels, Winograd buffers, low-bit
+ * weight panels, attention slots, column buffers): a few blocks kept between calls of
+ * the same shapes, huge pages for the large ones, handed back on kiln_cpu_scratch_trim;
+ * and its accounting (bytes in use, held, their peaks), which the device statistics
+ * report and a dry run's model of the kernels' scratch is checked against. */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 
 #include <pthread.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
@@ -16,7 +19,23 @@
 enum { SCRATCH_SLOTS = 4 };
 static const size_t SCRATCH_CACHE_MAX = (size_t)64 << 20;
 static pthread_mutex_t scratch_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct { void *p; size_t cap; int busy; } scratch_slots[SCRATCH_SLOTS];
+static struct { void *p; size_t cap, used; int busy; } scratch_slots[SCRATCH_SLOTS];
+
+/* in_use: bytes handed out (a cached block counts the bytes asked of it, a loose one
+ * its usable size) and not yet put back (what the kernels need now); held:
+ * host bytes the scratch occupies (cached blocks, busy or idle, and loose blocks). */
+static size_t in_use, peak_in_use, held, peak_held;
+
+static void count_locked(size_t in, size_t hold)
+{
+    in_use += in;
+    held += hold;
+    if (in_use > peak_in_use) peak_in_use = in_use;
+    if (held > peak_held) peak_held = held;
+}
+
+/* A loose block: taken and counted, or NULL. */
+static void *loose_get(size_t bytes);
 
 /* Blocks of 2 MB and more are backed by transparent huge pages where the kernel offers
  * them on request (enabled = madvise, Debian's default): the Winograd transforms write
@@ -37,7 +56,7 @@ static void *scratch_alloc(size_t bytes)
 void *kiln_cpu_scratch_get(size_t bytes)
 {
     bytes = bytes ? (bytes + 63) / 64 * 64 : 64;
-    if (bytes > SCRATCH_CACHE_MAX) return scratch_alloc(bytes);
+    if (bytes > SCRATCH_CACHE_MAX) return loose_get(bytes);
     pthread_mutex_lock(&scratch_lock);
     int best = -1, victim = -1;
     for (int i = 0; i < SCRATCH_SLOTS; i++) {
@@ -50,15 +69,33 @@ void *kiln_cpu_scratch_get(size_t bytes)
     void *r = NULL;
     if (best >= 0) {
         scratch_slots[best].busy = 1;
+        scratch_slots[best].used = bytes;
         r = scratch_slots[best].p;
+        count_locked(bytes, 0);
     } else if (victim >= 0) { /* replace the smallest free block by a bigger one */
         free(scratch_slots[victim].p);
+        held -= scratch_slots[victim].cap;
         scratch_slots[victim].p = r = scratch_alloc(bytes);
         scratch_slots[victim].cap = r ? bytes : 0;
         scratch_slots[victim].busy = r != NULL;
+        scratch_slots[victim].used = r ? bytes : 0;
+        if (r) count_locked(bytes, bytes);
     }
     pthread_mutex_unlock(&scratch_lock);
-    return best >= 0 || victim >= 0 ? r : scratch_alloc(bytes);
+    return best >= 0 || victim >= 0 ? r : loose_get(bytes);
+}
+
+/* Blocks outside the slots (too large to cache, or every slot busy) are counted at
+ * their usable size, which _put reads again from the block itself. */
+static void *loose_get(size_t bytes)
+{
+    void *p = scratch_alloc(bytes);
+    if (!p) return NULL;
+    size_t n = malloc_usable_size(p);
+    pthread_mutex_lock(&scratch_lock);
+    count_locked(n, n);
+    pthread_mutex_unlock(&scratch_lock);
+    return p;
 }
 
 void kiln_cpu_scratch_put(void *p)
@@ -68,9 +105,13 @@ void kiln_cpu_scratch_put(void *p)
     for (int i = 0; i < SCRATCH_SLOTS; i++)
         if (scratch_slots[i].p == p) {
             scratch_slots[i].busy = 0;
+            in_use -= scratch_slots[i].used;
             pthread_mutex_unlock(&scratch_lock);
             return;
         }
+    size_t n = malloc_usable_size(p);
+    in_use -= n;
+    held -= n;
     pthread_mutex_unlock(&scratch_lock);
     free(p);
 }
@@ -84,11 +125,33 @@ size_t kiln_cpu_scratch_cached(void)
     return n;
 }
 
+size_t kiln_cpu_scratch_block_bound(size_t bytes)
+{
+    const size_t huge = (size_t)2 << 20;
+    if (!bytes) return 0;
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes >= huge) bytes = (bytes + huge - 1) / huge * huge;
+    return bytes + 4096; /* malloc's usable size may pass the request by a little */
+}
+
+kiln_cpu_scratch_count kiln_cpu_scratch_stats(int reset_peak)
+{
+    pthread_mutex_lock(&scratch_lock);
+    kiln_cpu_scratch_count c = {in_use, peak_in_use, held, peak_held};
+    if (reset_peak) {
+        peak_in_use = in_use;
+        peak_held = held;
+    }
+    pthread_mutex_unlock(&scratch_lock);
+    return c;
+}
+
 void kiln_cpu_scratch_trim(void)
 {
     pthread_mutex_lock(&scratch_lock);
     for (int i = 0; i < SCRATCH_SLOTS; i++)
         if (!scratch_slots[i].busy) {
+            held -= scratch_slots[i].cap;
             free(scratch_slots[i].p);
             scratch_slots[i].p = NULL;
             scratch_slots[i].cap = 0;

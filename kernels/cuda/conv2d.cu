@@ -9,6 +9,7 @@
  * smaller workspace is used, down to IMPLICIT_GEMM which needs none. The bias is
  * written into the output first and the convolution added with beta = 1. */
 #include "cuda_dev.h"
+#include "cuda_workspace.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -161,11 +162,12 @@ static kiln_status cache_get(kiln_cuda_ctx *c, const conv_key *k, conv_entry **o
 }
 
 /* cudnnFind once per shape, with as much workspace as fits the budget. */
-static kiln_status benchmark(kiln_cuda_ctx *c, conv_entry *e, const void *x, const void *w, void *y)
+static kiln_status benchmark(kiln_cuda_ctx *c, conv_entry *e, const void *x, const void *w, void *y, size_t cap)
 {
     size_t want = 0;
     for (int i = 0; i < e->n_perf; i++)
         if (e->perf[i].status == CUDNN_STATUS_SUCCESS && e->perf[i].memory > want) want = e->perf[i].memory;
+    if (want > cap) want = cap;
     void *ws = NULL;
     while (want > 0 && !kiln_cuda_try_scratch(c, want, &ws)) want /= 2;
     cudnnConvolutionFwdAlgoPerf_t perf[N_ALGO];
@@ -244,7 +246,9 @@ extern "C" kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, 
 
     pthread_mutex_lock(&c->conv_mu);
     conv_entry *e = NULL;
-    if (!(st = cache_get(c, &key, &e)) && c->conv_benchmark && !e->benchmarked) st = benchmark(c, e, X, W, Y);
+    /* the workspace is capped where a dry run can bound it (cuda_workspace.h) */
+    size_t cap = kiln_cuda_conv_workspace_cap((size_t)xe * kiln_dtype_size(ct), (size_t)ye * kiln_dtype_size(ct));
+    if (!(st = cache_get(c, &key, &e)) && c->conv_benchmark && !e->benchmarked) st = benchmark(c, e, X, W, Y, cap);
     const float one = 1.0f;
     size_t smallest = (size_t)-1;
     int done = 0;
@@ -252,7 +256,7 @@ extern "C" kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, 
         const cudnnConvolutionFwdAlgoPerf_t *p = &e->perf[i];
         if (p->status != CUDNN_STATUS_SUCCESS) continue;
         size_t wsize = p->memory;
-        if (wsize > 0 && !kiln_cuda_try_scratch(c, wsize, &ws)) {
+        if (wsize > cap || (wsize > 0 && !kiln_cuda_try_scratch(c, wsize, &ws))) {
             if (wsize < smallest) smallest = wsize;
             continue;
         }

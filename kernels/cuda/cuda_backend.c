@@ -5,6 +5,7 @@
  * and the operation table. The ops themselves live in one .cu file each. */
 #define _GNU_SOURCE
 #include "cuda_backend.h"
+#include "cuda_workspace.h"
 #include "../../runtime/precision.h"
 #include "../../runtime/tunables.h"
 
@@ -92,7 +93,7 @@ static kiln_status init_fail(kiln_cuda_ctx *c, kiln_status st)
  * in the budget cuBLAS runs without a workspace. */
 static kiln_status blas_workspace_take(kiln_cuda_ctx *c, const char *op)
 {
-    size_t ws = c->cc_major >= 9 ? (32u << 20) : (4u << 20);
+    size_t ws = kiln_cuda_blas_workspace_bytes(c->cc_major);
     c->blas_ws = NULL;
     c->blas_ws_size = 0;
     c->blas_ws_released = 0;

@@ -7,6 +7,7 @@
  * max/sum per row (a warp per row up to 1024, else a block), or a thread per
  * column when the reduced dim is not the last. Storage f32/f16/bf16, math f32. */
 #include "cuda_dev.h"
+#include "cuda_workspace.h"
 
 /* ---- Welford states ---- */
 struct WState { float n, mean, m2; };
@@ -100,14 +101,10 @@ __global__ void stats_final_k(const float *part, int64_t nparts, int64_t rows, f
 template <typename T>
 static kiln_status row_stats(kiln_cuda_ctx *c, const char *op, const T *x, int64_t rows, int64_t L, float eps, float *stats)
 {
-    int64_t want = (int64_t)(c->sm_count > 0 ? c->sm_count : 16) * 4;
-    int64_t nchunks = rows >= want ? 1 : (want + rows - 1) / rows;
-    int64_t maxc = (L + 2047) / 2048;
-    if (nchunks > maxc) nchunks = maxc;
-    if (nchunks < 1) nchunks = 1;
+    int64_t nchunks = kiln_cuda_row_chunks(rows, L, c->sm_count, KILN_CUDA_STATS_CHUNK);
     int64_t chunk = (L + nchunks - 1) / nchunks;
     float *part;
-    kiln_status st = kiln_cuda_scratch(c, (size_t)(rows * nchunks * 3) * sizeof(float), (void **)&part);
+    kiln_status st = kiln_cuda_scratch(c, kiln_cuda_stats_part_bytes(rows, L, c->sm_count), (void **)&part);
     if (st) return st;
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) { /* gridDim.y limit */
         int64_t nr = rows - r0 < 65535 ? rows - r0 : 65535;
@@ -179,7 +176,7 @@ extern "C" kiln_status kiln_cuda_group_norm(kiln_tensor *out, const kiln_tensor 
     void *Y;
     float *stats = NULL;
     if ((st = kiln_cuda_as(c, x, dt, &tx, &X)) || (st = affine_f32(c, w, &tw, &G)) || (st = affine_f32(c, b, &tb, &Bt)) ||
-        (st = out_begin(c, out, &to, &Y)) || (st = kiln_cuda_scratch(c, (size_t)(N * groups) * 2 * sizeof(float), (void **)&stats)))
+        (st = out_begin(c, out, &to, &Y)) || (st = kiln_cuda_scratch(c, kiln_cuda_stats_bytes(N * groups), (void **)&stats)))
         goto done;
     KILN_CUDA_FLOAT_SWITCH(dt, T, {
         st = row_stats<T>(c, name, (const T *)X, N * groups, cpg * HW, (float)eps, stats);
@@ -229,7 +226,7 @@ extern "C" kiln_status kiln_cuda_layer_norm(kiln_tensor *out, const kiln_tensor 
     void *Y;
     float *stats = NULL;
     if ((st = kiln_cuda_as(c, x, dt, &tx, &X)) || (st = affine_f32(c, w, &tw, &G)) || (st = affine_f32(c, b, &tb, &Bt)) ||
-        (st = out_begin(c, out, &to, &Y)) || (st = kiln_cuda_scratch(c, (size_t)rows * 2 * sizeof(float), (void **)&stats)))
+        (st = out_begin(c, out, &to, &Y)) || (st = kiln_cuda_scratch(c, kiln_cuda_stats_bytes(rows), (void **)&stats)))
         goto done;
     KILN_CUDA_FLOAT_SWITCH(dt, T, {
         st = row_stats<T>(c, name, (const T *)X, rows, D, (float)eps, stats);

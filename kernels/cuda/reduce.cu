@@ -4,9 +4,11 @@
  * for long rows, combined by a second kernel) per row; inner > 1: a thread per
  * output walking the dimension, coalesced along inner. */
 #include "cuda_dev.h"
+#include "cuda_workspace.h"
 
 /* sum/mean: a = sum. max/min: a = value. var: a = count, b = mean, c = m2. */
 struct RState { double a, b, c; };
+static_assert(sizeof(RState) == KILN_CUDA_REDUCE_STATE_BYTES, "cuda_workspace.h sizes RState");
 
 __device__ __forceinline__ RState r_identity(int op)
 {
@@ -154,14 +156,10 @@ extern "C" kiln_status kiln_cuda_reduce(kiln_redop op, kiln_tensor *out, const k
             op, (const char *)X, a->dtype, outer, len, inner, Y, out->dtype, unbiased);
     } else {
         /* enough blocks to fill the GPU, chunks of at least 4096 elements */
-        int64_t want = (int64_t)(c->sm_count > 0 ? c->sm_count : 16) * 4;
-        int64_t nchunks = rows >= want ? 1 : (want + rows - 1) / rows;
-        int64_t maxc = (len + 4095) / 4096;
-        if (nchunks > maxc) nchunks = maxc;
-        if (nchunks < 1) nchunks = 1;
+        int64_t nchunks = kiln_cuda_row_chunks(rows, len, c->sm_count, KILN_CUDA_REDUCE_CHUNK);
         if (rows > 65535) nchunks = 1;
         int64_t chunk = (len + nchunks - 1) / nchunks;
-        if (nchunks > 1 && (st = kiln_cuda_scratch(c, (size_t)(rows * nchunks) * sizeof(RState), (void **)&part))) {
+        if (nchunks > 1 && (st = kiln_cuda_scratch(c, kiln_cuda_reduce_part_bytes(rows, len, c->sm_count), (void **)&part))) {
             kiln_tensor_free(tx);
             kiln_tensor_free(to);
             return st;

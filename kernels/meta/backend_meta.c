@@ -2,21 +2,123 @@
  * at once (runtime/ops.c has checked the arguments and allocated the output), after
  * allocating and freeing, on the meta device, the temporaries the modelled device's
  * backend would (the CPU backend's f32 copies of strided or half-precision operands and
- * its f32 staging outputs), so a dry run's peak is the real one. Transfers move
- * nothing; a read back gives zeros. */
+ * its f32 staging outputs), so a dry run's peak is the real one. The kernels' own
+ * scratch is modelled too: the CPU's host scratch, outside any allocator, is noted at
+ * its bound for each op (kiln_meta_note_scratch, from the kernels' own sizing); the
+ * CUDA kernels' scratch, taken from the device's allocator, is taken and given back on
+ * meta as the kernels do (cuda_workspace.h). Transfers move nothing; a read back gives
+ * zeros. */
 #include "meta_backend.h"
 #include "../../runtime/backend.h"
 #include "../../runtime/meta.h"
 #include "../cpu/cpu_kernels.h"
+#include "../cuda/cuda_workspace.h"
 
 #include <string.h>
 
-/* Whether the modelled backend is the CPU's (sim, cpu): its temporaries are mirrored.
- * Other backends' kernels keep their scratch out of view here (not modelled). */
+/* Whether the modelled backend is the CPU's (sim, cpu): its temporaries are mirrored
+ * and its host scratch noted. */
 static int models_cpu(void)
 {
     const kiln_backend *b = kiln_meta_modelled_backend();
     return b && strcmp(b->name, "cpu") == 0;
+}
+
+/* Whether it is CUDA's: its kernels' scratch and cuBLAS's workspace are taken on meta.
+ * (The casts CUDA's kernels make of operands in another dtype are not modelled.) */
+static int models_cuda(void)
+{
+    const kiln_backend *b = kiln_meta_modelled_backend();
+    return b && strcmp(b->name, "cuda") == 0;
+}
+
+/* ---- CUDA: scratch from the device's allocator, on meta ---- */
+
+static kiln_device *meta_dev(void) { return kiln_device_meta(); }
+
+/* Blocks taken in order and given back in reverse, as the kernel does. */
+static kiln_status cuda_scratch_pair(size_t a, size_t b)
+{
+    kiln_device *m = meta_dev();
+    void *pa = NULL, *pb = NULL;
+    kiln_status st = a ? kiln_device_scratch_alloc(m, a, 0, &pa) : KILN_OK;
+    if (!st && b) st = kiln_device_scratch_alloc(m, b, 0, &pb);
+    if (pb) kiln_device_scratch_free(m, pb);
+    if (pa) kiln_device_scratch_free(m, pa);
+    return st;
+}
+
+/* cuBLAS's workspace: held from the first op of a context (and again after a release)
+ * where it fits without evicting; the Hopper size first, then the older one. */
+static void *blas_ws;
+static size_t blas_ws_size;
+
+static void cuda_blas_workspace(void)
+{
+    if (blas_ws) return;
+    kiln_device *m = meta_dev();
+    if (kiln_device_scratch_alloc(m, KILN_CUDA_BLAS_WORKSPACE_MAX, KILN_SCRATCH_NO_EVICT, &blas_ws) == KILN_OK)
+        blas_ws_size = KILN_CUDA_BLAS_WORKSPACE_MAX;
+    else if (kiln_device_scratch_alloc(m, KILN_CUDA_BLAS_WORKSPACE_MIN, KILN_SCRATCH_NO_EVICT, &blas_ws) == KILN_OK)
+        blas_ws_size = KILN_CUDA_BLAS_WORKSPACE_MIN;
+    else blas_ws = NULL;
+}
+
+static uint64_t meta_workspace_bytes(kiln_device *dev)
+{
+    (void)dev;
+    return blas_ws ? blas_ws_size : 0;
+}
+
+static void meta_workspace_release(kiln_device *dev)
+{
+    (void)dev;
+    if (blas_ws) kiln_device_scratch_free(meta_dev(), blas_ws);
+    blas_ws = NULL;
+    blas_ws_size = 0;
+}
+
+/* Every op of a CUDA context starts it (and so its cuBLAS workspace). */
+static void cuda_op(void)
+{
+    if (models_cuda()) cuda_blas_workspace();
+}
+
+/* The most a convolution's cuDNN workspace can take: the cap, or what fits without
+ * evicting where that is less (the kernel takes nothing that does not fit). Taken and
+ * given back. */
+static kiln_status cuda_conv_workspace(const kiln_tensor *x, const kiln_tensor *out)
+{
+    kiln_device *m = meta_dev();
+    size_t cap = kiln_cuda_conv_workspace_cap((size_t)kiln_tensor_numel(x) * 4, (size_t)kiln_tensor_numel(out) * 4);
+    kiln_mem_stats s = kiln_device_stats(m);
+    size_t n = cap;
+    if (s.budget) {
+        const uint64_t grain = 2u << 20;
+        uint64_t room = s.budget > s.reserved ? (s.budget - s.reserved) / grain * grain : 0;
+        if (s.largest_free > room) room = s.largest_free;
+        if (room < n) n = (size_t)room;
+    }
+    void *p = NULL;
+    if (n && kiln_device_scratch_alloc(m, n, KILN_SCRATCH_NO_EVICT, &p) == KILN_OK) kiln_device_scratch_free(m, p);
+    return KILN_OK;
+}
+
+/* ---- CPU: the host scratch of an op at its bound ---- */
+
+/* The weight dtype the CPU's kernels receive (wop_get): fp8 as f16, block types as
+ * they are for linear, other non-float types as f32. */
+static kiln_dtype cpu_weight_dtype(kiln_dtype dt, int lowbit_ok)
+{
+    if (dt == KILN_F32 || dt == KILN_F16 || dt == KILN_BF16) return dt;
+    if (dt == KILN_F8_E4M3FN || dt == KILN_F8_E5M2) return KILN_F16;
+    if (lowbit_ok && kiln_dtype_is_blocked(dt)) return dt;
+    return KILN_F32;
+}
+
+static void note_scratch(size_t n)
+{
+    if (models_cpu()) kiln_meta_note_scratch(n);
 }
 
 static int is_lowbit(kiln_dtype dt)
@@ -81,19 +183,33 @@ static kiln_status meta_binary(kiln_binop op, kiln_tensor *out, const kiln_tenso
                                double s, int swap)
 {
     (void)op; (void)out; (void)a; (void)b; (void)s; (void)swap;
+    cuda_op();
     return KILN_OK;
 }
 
 static kiln_status meta_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1)
 {
     (void)op; (void)out; (void)a; (void)p0; (void)p1;
+    cuda_op();
     return KILN_OK;
 }
 
 /* The CPU reduction copies a strided or non-f32 input, and stages a non-f32 output. */
 static kiln_status meta_reduce(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased)
 {
-    (void)op; (void)dim; (void)unbiased;
+    (void)op; (void)unbiased;
+    if (models_cuda()) {
+        cuda_op();
+        int64_t outer = 1, len = 1, inner = 1;
+        if (dim < 0) len = kiln_tensor_numel(a);
+        else {
+            for (int i = 0; i < dim; i++) outer *= a->shape[i];
+            len = a->shape[dim];
+            for (int i = dim + 1; i < a->ndim; i++) inner *= a->shape[i];
+        }
+        if (inner > 1 || outer * inner == 0) return KILN_OK;
+        return cuda_scratch_pair(kiln_cuda_reduce_part_bytes(outer, len, KILN_CUDA_SM_MODEL_MAX), 0);
+    }
     if (!models_cpu()) return KILN_OK;
     kiln_tensor *x = NULL, *y = NULL;
     kiln_status st = tmp_f32(a, &x);
@@ -105,12 +221,18 @@ static kiln_status meta_reduce(kiln_redop op, kiln_tensor *out, const kiln_tenso
 
 static kiln_status meta_matmul(kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b)
 {
+    cuda_op();
+    int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
+    note_scratch(kiln_cpu_gemm_scratch_bound(M, N, K, KILN_F32, 1));
     const kiln_tensor *in[] = {a, b};
     return mirror(out, in, 2, -1, 0);
 }
 
 static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
 {
+    cuda_op();
+    int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
+    note_scratch(kiln_cpu_gemm_scratch_bound(M, N, K, cpu_weight_dtype(w->dtype, 1), 0));
     const kiln_tensor *in[] = {x, w, bias};
     return mirror(out, in, 3, 1, 1);
 }
@@ -120,6 +242,17 @@ static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kil
 static kiln_status meta_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                                const kiln_tensor *bias, const kiln_conv_opts *o)
 {
+    cuda_op();
+    if (models_cuda()) return cuda_conv_workspace(x, out);
+    if (models_cpu()) {
+        kiln_conv2d_params p = {
+            .n = x->shape[0], .c = x->shape[1], .h = x->shape[2], .w = x->shape[3],
+            .k = w->shape[0], .r = w->shape[2], .s = w->shape[3],
+            .stride_h = o->stride[0], .stride_w = o->stride[1], .pad_h = o->padding[0], .pad_w = o->padding[1],
+            .dil_h = o->dilation[0], .dil_w = o->dilation[1], .groups = o->groups,
+        };
+        note_scratch(kiln_cpu_conv2d_scratch_bound(&p, cpu_weight_dtype(w->dtype, 0)));
+    }
     const kiln_tensor *in[] = {x, w, bias, o->residual};
     return mirror(out, in, 4, 1, 0);
 }
@@ -131,6 +264,8 @@ static kiln_status meta_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const
 {
     if (models_cpu() && !kiln_cpu_conv2d_up2_fuses(x->shape[1], x->shape[2], x->shape[3], w->shape[0]))
         return KILN_ERR_UNSUPPORTED;
+    note_scratch(kiln_cpu_conv2d_up2_scratch_bound(x->shape[0], x->shape[1], x->shape[2], x->shape[3], w->shape[0],
+                                                   cpu_weight_dtype(w->dtype, 0)));
     const kiln_tensor *in[] = {x, w, bias};
     return mirror(out, in, 3, 1, 0);
 }
@@ -138,7 +273,14 @@ static kiln_status meta_conv2d_up2(kiln_tensor *out, const kiln_tensor *x, const
 static kiln_status meta_group_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w,
                                    const kiln_tensor *b, int64_t groups, double eps, int silu)
 {
-    (void)groups; (void)eps; (void)silu;
+    (void)eps; (void)silu;
+    if (models_cuda()) {
+        cuda_op();
+        int64_t total = kiln_tensor_numel(x), N = x->shape[0], C = x->shape[1];
+        if (total == 0 || groups <= 0 || C % groups) return KILN_OK;
+        int64_t rows = N * groups, len = total / rows;
+        return cuda_scratch_pair(kiln_cuda_stats_bytes(rows), kiln_cuda_stats_part_bytes(rows, len, KILN_CUDA_SM_MODEL_MAX));
+    }
     const kiln_tensor *in[] = {x, w, b};
     return mirror(out, in, 3, -1, 0);
 }
@@ -147,6 +289,13 @@ static kiln_status meta_layer_norm(kiln_tensor *out, const kiln_tensor *x, const
                                    const kiln_tensor *b, double eps)
 {
     (void)eps;
+    if (models_cuda()) {
+        cuda_op();
+        int64_t total = kiln_tensor_numel(x), D = x->shape[x->ndim - 1];
+        if (total == 0 || D == 0) return KILN_OK;
+        int64_t rows = total / D;
+        return cuda_scratch_pair(kiln_cuda_stats_bytes(rows), kiln_cuda_stats_part_bytes(rows, D, KILN_CUDA_SM_MODEL_MAX));
+    }
     const kiln_tensor *in[] = {x, w, b};
     return mirror(out, in, 3, -1, 0);
 }
@@ -162,6 +311,10 @@ static kiln_status meta_attention(kiln_tensor *out, const kiln_tensor *q, const 
                                   const kiln_tensor *v, double scale, int causal)
 {
     (void)scale; (void)causal;
+    cuda_op();
+    if (q->ndim == 4 && k->ndim == 4 && v->ndim == 4)
+        note_scratch(kiln_cpu_attention_scratch_bound(q->shape[0] * q->shape[1], q->shape[2], k->shape[2], q->shape[3],
+                                                      v->shape[3]));
     const kiln_tensor *in[] = {q, k, v};
     return mirror(out, in, 3, -1, 0);
 }
@@ -224,6 +377,8 @@ static const kiln_backend meta_backend = {
     .geglu = meta_geglu,
     .resample = meta_resample,
     .pad2d = meta_pad2d,
+    .workspace_bytes = meta_workspace_bytes,
+    .workspace_release = meta_workspace_release,
     .to_device = meta_to_device,
     .to_host = meta_to_host,
     .register_devices = meta_register_devices,

@@ -73,7 +73,12 @@ end
 -- A workflow from a path (.json or .png), JSON text or a table: the graph and the
 -- JSON text it came as (SaveImage's `prompt` chunk).
 local function read_workflow(src)
-  if type(src) == "table" then return src, kiln.json.encode(src) end
+  if type(src) == "table" then
+    -- a value JSON cannot write (inf, NaN, a function) is the workflow's fault
+    local ok, text = pcall(kiln.json.encode, src)
+    if not ok then fail("the workflow table has no JSON form: " .. tostring(text):gsub("^.-kiln%.json%.encode: ", "")) end
+    return src, text
+  end
   if type(src) ~= "string" then fail("a workflow is a path, JSON text or a table, got " .. type(src)) end
   local text = src
   if not src:match("^%s*{") then

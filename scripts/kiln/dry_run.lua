@@ -13,7 +13,9 @@
 --               peak (= peak_allocated), peak_allocated, peak_reserved,
 --               stages = {{name, peak, peak_reserved}, ...} (kiln.trace.span's, in
 --               the order they started; nested names joined by " > "),
---               seconds, leaked}
+--               seconds, leaked, scratch (the kernels' scratch outside the
+--               device's allocator at its peak: the CPU backend's host scratch,
+--               which kiln.mem.stats("cpu").workspace_peak measures; 0 elsewhere)}
 --   dry_run.format(report) -> text (what `kiln --device meta` prints)
 --   dry_run.peak_of(fn, args, dev) -> bytes | nil, why: what fn(args...) adds at its
 --     peak on dev, exact, at the real size (kiln.mem.estimate's first way)
@@ -121,6 +123,7 @@ function M.run(fn, opts, ...)
   kiln.trace.span = span
   collectgarbage()
   collectgarbage()
+  local scratch = kiln.mem.meta_scratch and kiln.mem.meta_scratch() or 0
   local leaked = kiln.mem.meta_end()
   if old_default == name then kiln.set_default_device(old_default) end
   kiln.memory_mode(old_mode)
@@ -134,7 +137,7 @@ function M.run(fn, opts, ...)
   return {
     device = name, budget = budget, fits = ok, oom = oom,
     peak = peak_a, peak_allocated = peak_a, peak_reserved = peak_r,
-    stages = stages, seconds = kiln.time() - t0, leaked = leaked,
+    stages = stages, seconds = kiln.time() - t0, leaked = leaked, scratch = scratch,
   }
 end
 

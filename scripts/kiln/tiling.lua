@@ -38,9 +38,13 @@
 -- Every OOM retry is logged to stderr (unless kiln.quiet()) and as a "mark" event
 -- with owner "tiling" in kiln.mem.events (and the trace when one runs).
 --
--- Measuring. tile = "auto" and kiln.mem.estimate run the network on small crops of
--- the real input (probes, default 8, 16 and 24 pixels of the input's grid) on the
--- target device, read the peak of kiln.mem.stats around each run and fit
+-- Measuring. tile = "auto" first dry-runs the whole map on the meta device at the
+-- real size (kiln.dry_run.peak_of: the candidate tiles by bisection, each run exactly
+-- as it would run, the VAE's lockstep tiles included) and takes the largest tile whose
+-- predicted peak fits; only where no dry run can answer (inside a dry run, a build
+-- without meta) does it measure. Measuring (and kiln.mem.estimate's fallback) runs the
+-- network on small crops of the real input (probes, default 8, 16 and 24 pixels of the
+-- input's grid) on the target device, read the peak of kiln.mem.stats around each run and fit
 -- peak(px) = a + b*px (+ c*px^2 with opts.quadratic) over the probes' pixel counts;
 -- the prediction for the full size is that fit, never below the largest probe.
 -- This is measured-and-extrapolated, not computed from shapes: it sees what the
@@ -273,6 +277,14 @@ kiln._register_hook("mem_estimate", M.estimate) -- kiln.mem.estimate calls it
 
 -- ---------------------------------------------------------------- auto tile
 
+-- The kiln.tile.map options for a tile of t units.
+local function map_opts(t, overlap, unit, scale, blend)
+  local o = overlap
+  if 2 * o >= t then o = t // 4 end
+  return { tile = t * unit, overlap = o * unit, scale = scale, multiple = unit, blend = blend }
+end
+M.map_opts = map_opts
+
 local cache = setmetatable({}, { __mode = "k" })
 
 -- Bytes of the result of a map over x with scale s and a probe's output.
@@ -293,12 +305,14 @@ M.free_bytes = free_bytes
 
 -- The largest tile (units) whose whole map over x peaks within plan bytes, each
 -- candidate's peak from a dry run of the map at the real size (exact: the result, the
--- tile copies, the blend); nil where a dry run cannot answer (fn uses weights resident
--- on the device), and the probes decide.
+-- tile copies, the blend, what the network allocates, its weights' residency as it
+-- is); nil where a dry run cannot answer (inside a dry run, no meta device), and the
+-- probes decide. A tiled run of the caller's own (the VAE's lockstep tiles, with
+-- image-wide GroupNorm statistics) is replayed on meta through opts.tiled_x(x, mo).
+-- m.need is the predicted peak of the chosen tile's run (bytes above what was
+-- allocated before it).
 local function meta_tile(fn, x, opts, dev, plan, size, mult)
-  -- a tiled run of the caller's own (the VAE's, with image-wide GroupNorm statistics
-  -- from the real input) cannot be replayed on meta: the probes decide
-  if opts.tiled then return nil end
+  if opts.tiled and not opts.tiled_x then return nil end
   local dry = require "kiln.dry_run"
   local unit, scale = opts.unit or 1, opts.scale or 1
   local function need(t)
@@ -306,27 +320,30 @@ local function meta_tile(fn, x, opts, dev, plan, size, mult)
       local r
       if t >= size then r = fn(xx) -- one tile: apply runs it untiled
       else
-        local o = opts.overlap or 8 -- as map_opts
-        if 2 * o >= t then o = t // 4 end
-        local mo = { tile = t * unit, overlap = o * unit, scale = scale, multiple = unit, blend = opts.blend }
-        r = kiln.tile.map(xx, fn, mo)
+        local mo = map_opts(t, opts.overlap or 8, unit, scale, opts.blend)
+        if opts.tiled_x then r = opts.tiled_x(xx, mo) else r = kiln.tile.map(xx, fn, mo) end
       end
       if r and r.free then r:free() end
     end, { x, n = 1 }, dev)
   end
   local full = need(size)
   if not full then return nil end
-  local m = { method = "meta", device = dev, full = full }
+  local m = { method = "meta", device = dev, full = full, need = full }
   if full <= plan then return size, m end
   local min_tile = opts.min_tile or 8
   local lo, hi = 0, (size - 1) // mult -- in multiples of mult: lo fits (or is the floor), hi not known to
+  local needs = {}
   while lo < hi do
     local mid = (lo + hi + 1) // 2
-    local b = need(math.max(mid * mult, min_tile))
+    local t = math.max(mid * mult, min_tile)
+    local b = need(t)
     if not b then return nil end
+    needs[t] = b
     if b <= plan then lo = mid else hi = mid - 1 end
   end
-  return math.max(lo * mult, min_tile), m
+  local t = math.max(lo * mult, min_tile)
+  m.need = needs[t] or need(t)
+  return t, m
 end
 
 -- tiling.auto_tile(fn, x, opts) -> tile (units), model
@@ -432,13 +449,6 @@ end
 
 -- ---------------------------------------------------------------- tiled runs
 
--- The kiln.tile.map options for a tile of t units.
-local function map_opts(t, overlap, unit, scale, blend)
-  local o = overlap
-  if 2 * o >= t then o = t // 4 end
-  return { tile = t * unit, overlap = o * unit, scale = scale, multiple = unit, blend = blend }
-end
-M.map_opts = map_opts
 
 -- tiling.apply(fn, x, opts) -> y, info
 -- info = {tile = the tile used (units; nil: untiled), attempts = failed tries}.
@@ -447,7 +457,9 @@ M.map_opts = map_opts
 -- units), tile (units, nil or "auto"), overlap (units, default 8), blend, min_tile,
 -- retry (default true), what (label for logs), cache / key (auto's fit cache),
 -- tiled (a function(map_opts) -> y doing a tiled run its own way; default
--- kiln.tile.map(x, fn, map_opts)).
+-- kiln.tile.map(x, fn, map_opts)), tiled_x (the same over a given input,
+-- function(x, map_opts) -> y: tile = "auto" dry-runs it on meta; without it a `tiled`
+-- run's tile is chosen by the probes).
 function M.apply(fn, x, opts)
   opts = opts or {}
   local unit, scale = opts.unit or 1, opts.scale or 1
@@ -466,7 +478,7 @@ function M.apply(fn, x, opts)
   local size = math.max(x.shape[3], x.shape[4]) // unit
   if tile == "auto" then
     tile = M.auto_tile(fn, x, { scale = scale, unit = unit, min_tile = opts.min_tile, cache = opts.cache,
-      key = opts.key or what, overlap = overlap, blend = opts.blend, tiled = opts.tiled })
+      key = opts.key or what, overlap = overlap, blend = opts.blend, tiled = opts.tiled, tiled_x = opts.tiled_x })
   end
   if tile and tile >= size then tile = nil end -- one tile: run it untiled
   local function run(t)
@@ -485,26 +497,30 @@ end
 -- M.apply's options for a VAE stage: the caller's, with the stage's scale and tile
 -- unit, the VAE as the owner of the measured fit, cosine blending by default, and
 -- the VAE's own tiled run when it has one (tiled(map_opts)).
-local function vae_opts(vae, opts, key, scale, unit, tiled)
+local function vae_opts(vae, opts, key, scale, unit, tiled_x, x)
   local o = {}
   for k, v in pairs(opts or {}) do o[k] = v end
   o.scale, o.unit, o.cache, o.key = scale, unit, vae, key
   o.what = o.what or ("vae:" .. key)
   o.blend = o.blend or "cosine"
-  o.tiled = tiled
+  -- the tiled run over x, and over any input (tile = "auto" replays it on meta)
+  o.tiled_x = tiled_x
+  o.tiled = tiled_x and function(mo) return tiled_x(x, mo) end
   return o
 end
 
 function M.decode(vae, z, opts)
   local f = factor_of(vae)
-  local tiled = vae._decode_tiles and function(mo) return vae:_decode_tiles(z, mo, (opts or {}).mid) end
-  return M.apply(function(t) return vae:_decode_untiled(t) end, z, vae_opts(vae, opts, "decode", f, 1, tiled))
+  local mid = (opts or {}).mid
+  local tiled_x = vae._decode_tiles and function(zz, mo) return vae:_decode_tiles(zz, mo, mid) end
+  return M.apply(function(t) return vae:_decode_untiled(t) end, z, vae_opts(vae, opts, "decode", f, 1, tiled_x, z))
 end
 
 function M.encode(vae, img, opts)
   local f = factor_of(vae)
-  local tiled = vae._encode_tiles and function(mo) return vae:_encode_tiles(img, mo) end
-  return M.apply(function(t) return vae:_encode_untiled(t) end, img, vae_opts(vae, opts, "encode", 1 / f, f, tiled))
+  local tiled_x = vae._encode_tiles and function(xx, mo) return vae:_encode_tiles(xx, mo) end
+  return M.apply(function(t) return vae:_encode_untiled(t) end, img,
+    vae_opts(vae, opts, "encode", 1 / f, f, tiled_x, img))
 end
 
 -- ---------------------------------------------------------------- MultiDiffusion

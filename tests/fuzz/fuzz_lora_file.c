@@ -11,7 +11,9 @@ static const char driver[] =
     "local lora = require('kiln.lora')\n"
     "local function internal(e)\n"
     "  if type(e) ~= 'string' then broken('a non-string error: ' .. tostring(e)) end\n"
-    "  if e:find('attempt to ', 1, true) or e:find('stack overflow', 1, true) then broken(e) end\n"
+    /* a runtime error carries its script's position; a refusal may quote the file's
+     * own names, which can hold any text ("...lorattempt to " in a tensor name) */
+    "  if e:find('%.lua:%d+: attempt to ') or e:find('%.lua:%d+: stack overflow') or e:find('C stack overflow', 1, true) then broken(e) end\n"
     "end\n"
     "return function(path)\n"
     "  local ok, info = pcall(lora.inspect, path)\n"

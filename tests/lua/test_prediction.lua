@@ -28,6 +28,10 @@ local function check(r)
     r.budget, r.predicted, r.measured))
   truthy(r.predicted <= 1.03 * r.measured, ("%s (%s): predicted %d > 1.03 x measured %d bytes"):format(r.name,
     r.mode, r.predicted, r.measured))
+  -- the kernels' host scratch, outside sim's allocator: the dry run's bound holds
+  truthy(r.scratch_measured > 0 and r.scratch_predicted >= r.scratch_measured,
+    ("%s (%s): kernel scratch predicted %d < measured %d bytes"):format(r.name, r.mode, r.scratch_predicted,
+      r.scratch_measured))
   for _, n in ipairs(r.nodes or {}) do
     truthy(n.predicted >= n.measured and n.predicted <= 1.03 * n.measured,
       ("%s (%s): node %s %s predicted %d, measured %d bytes"):format(r.name, r.mode, n.id, n.class_type, n.predicted,
