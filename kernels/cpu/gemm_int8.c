@@ -46,7 +46,7 @@ void kiln_cpu_int8_set_disabled(int off) { atomic_store(&vnni_off, off != 0); }
 #define INT8_X86 1
 #include <immintrin.h>
 #include "cpu_isa.h"
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 int kiln_cpu_has_vnni(void)
 {
@@ -100,48 +100,84 @@ VNNI static void quant_rows(void *vctx, int64_t begin, int64_t end)
         }
 }
 
-/* Row n's block b as 32 int8 q and its d: q8_0 as stored, other dtypes quantized. */
-VNNI static float weight_block(const int8_ctx *c, int64_t n, int64_t b, int8_t *q)
+/* Row n's block b (32 values) as f32. */
+VNNI static inline void weight_values(const int8_ctx *c, int64_t n, int64_t b, __m512 *v0, __m512 *v1)
 {
+    const size_t at = (size_t)(n * c->K + b * QBLK);
+    switch (c->w_dt) {
+    case KILN_F32:
+        *v0 = _mm512_loadu_ps((const float *)c->w + at);
+        *v1 = _mm512_loadu_ps((const float *)c->w + at + 16);
+        return;
+    case KILN_F16:
+        *v0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)c->w + at)));
+        *v1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)c->w + at + 16)));
+        return;
+    case KILN_BF16:
+        *v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)c->w + at))), 16));
+        *v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)c->w + at + 16))), 16));
+        return;
+    default: { /* fp8 */
+        float t[QBLK];
+        kiln_to_f32(t, (const uint8_t *)c->w + at, c->w_dt, QBLK);
+        *v0 = _mm512_loadu_ps(t);
+        *v1 = _mm512_loadu_ps(t + 16);
+    }
+    }
+}
+
+/* Row n's block b as 32 int8 q (8 dwords of 4 depths) and its d and sum of q: q8_0 as
+ * stored, other dtypes quantized (the header's rule). */
+VNNI static float weight_block(const int8_ctx *c, int64_t n, int64_t b, int32_t *q4, int32_t *sum)
+{
+    __m512i q0, q1;
+    float d;
     if (c->w_dt == KILN_Q8_0) {
         const uint8_t *blk = (const uint8_t *)c->w + (n * c->nb + b) * 34;
         uint16_t h;
         memcpy(&h, blk, 2);
-        memcpy(q, blk + 2, QBLK);
-        float d;
-        kiln_to_f32(&d, &h, KILN_F16, 1);
-        return d;
+        d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(const void *)(blk + 2));
+        _mm256_storeu_si256((__m256i *)(void *)q4, raw);
+        q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw));
+        q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1));
+    } else {
+        __m512 v0, v1;
+        weight_values(c, n, b, &v0, &v1);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+        q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), lo), hi);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), lo), hi);
+        _mm_storeu_si128((__m128i *)(void *)q4, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(void *)(q4 + 4), _mm512_cvtepi32_epi8(q1));
+        d = amax / 127.0f;
     }
-    float v[QBLK];
-    kiln_to_f32(v, (const char *)c->w + (size_t)(n * c->K + b * QBLK) * kiln_dtype_size(c->w_dt), c->w_dt, QBLK);
-    __m512i q0, q1;
-    float d = quant_block(v, &q0, &q1);
-    _mm_storeu_si128((__m128i *)(void *)q, _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(void *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     return d;
 }
 
-static void pack_panels(void *vctx, int64_t begin, int64_t end)
+/* Panel p: for each block, column j's 8 dwords (4 depths each) go to lane j % 16 of
+ * vector j / 16 of groups 0..7. */
+VNNI static void pack_panels(void *vctx, int64_t begin, int64_t end)
 {
     const int8_ctx *c = vctx;
     for (int64_t p = begin; p < end; p++) {
         uint8_t *pp = c->bp + (size_t)p * (size_t)c->nb * BLK_BYTES;
-        memset(pp, 0, (size_t)c->nb * BLK_BYTES); /* columns past N: zero weights, scales, sums */
-        for (int64_t j = 0; j < PANEL && p * PANEL + j < c->N; j++) {
-            int64_t n = p * PANEL + j, v = j / 16, lane = j % 16;
-            for (int64_t b = 0; b < c->nb; b++) {
-                uint8_t *blk = pp + (size_t)b * BLK_BYTES;
-                int8_t q[QBLK];
-                float d = weight_block(c, n, b, q);
-                int32_t sum = 0;
-                for (int k = 0; k < QBLK; k++) {
-                    /* group k/4, vector v, lane, byte k%4 */
-                    blk[(k / 4) * 128 + v * 64 + lane * 4 + k % 4] = (uint8_t)q[k];
-                    sum += q[k];
-                }
-                memcpy(blk + 8 * 128 + j * 4, &d, 4);
-                int32_t start = -128 * sum;
-                memcpy(blk + 8 * 128 + PANEL * 4 + j * 4, &start, 4);
+        int64_t nj = c->N - p * PANEL < PANEL ? c->N - p * PANEL : PANEL;
+        if (nj < PANEL) memset(pp, 0, (size_t)c->nb * BLK_BYTES); /* columns past N: zero weights, scales, sums */
+        for (int64_t b = 0; b < c->nb; b++) {
+            uint8_t *blk = pp + (size_t)b * BLK_BYTES;
+            int32_t *qd = (int32_t *)(void *)blk;
+            float *dw = (float *)(void *)(blk + 8 * 128);
+            int32_t *st = (int32_t *)(void *)(blk + 8 * 128 + PANEL * 4);
+            for (int64_t j = 0; j < nj; j++) {
+                int32_t q4[8], sum;
+                dw[j] = weight_block(c, p * PANEL + j, b, q4, &sum);
+                st[j] = -128 * sum;
+                for (int g = 0; g < 8; g++) qd[g * 32 + j] = q4[g]; /* group g, vector j/16, lane j%16 */
             }
         }
     }
