@@ -127,17 +127,20 @@ static void t_int8_error_bound(void)
     }
 }
 
-/* kiln_cpu_linear under precision int8: the int8 result where VNNI runs; with it off,
- * the bf16 products (the same as under precision bf16, bit for bit). */
+/* kiln_cpu_linear under precision int8: the int8 result where VNNI runs and the rows are
+ * many (the square case's rows 4 times over: 256); with few rows (64), or VNNI off, the
+ * bf16 products (the same as under precision bf16, bit for bit). */
 static void t_int8_precision_dispatch(void)
 {
     const char *c = "square";
     const int64_t *p = raw(c, "p", NULL);
-    const float *x = f32(c, "x"), *b = f32(c, "b");
+    const float *x0 = f32(c, "x"), *b = f32(c, "b");
     const void *w16 = raw(c, "w16", NULL);
-    if (!p || !x || !b || !w16) return;
-    int64_t M = p[0], N = p[1], K = p[2];
+    if (!p || !x0 || !b || !w16) return;
+    int64_t M0 = p[0], N = p[1], K = p[2], M = 4 * M0;
     size_t n = (size_t)(M * N);
+    float *x = malloc((size_t)(M * K) * sizeof *x);
+    for (int r = 0; r < 4; r++) memcpy(x + r * M0 * K, x0, (size_t)(M0 * K) * sizeof *x);
     float *y = malloc(n * sizeof *y), *yi = malloc(n * sizeof *yi), *yb = malloc(n * sizeof *yb);
     CHECK(kiln_precision_from_name("int8") == KILN_PREC_INT8, "int8 is a precision name");
     CHECK(!strcmp(kiln_precision_name(KILN_PREC_INT8), "int8"), "its name");
@@ -149,13 +152,18 @@ static void t_int8_precision_dispatch(void)
         CHECK(kiln_cpu_linear_int8(yi, x, w16, KILN_F16, b, M, N, K) == 0, "int8 kernel");
         CHECK(!memcmp(y, yi, n * sizeof *y), "precision int8: kiln_cpu_linear is the int8 kernel's result");
     }
+    CHECK(kiln_cpu_linear(y, x, w16, KILN_F16, b, M0, N, K) == KILN_OK, "int8 linear, few rows");
+    kiln_precision_set(KILN_PREC_BF16);
+    CHECK(kiln_cpu_linear(yi, x, w16, KILN_F16, b, M0, N, K) == KILN_OK, "bf16 linear, few rows");
+    CHECK(!memcmp(y, yi, (size_t)(M0 * N) * sizeof *y), "few rows under precision int8 run the bf16 products");
+    kiln_precision_set(KILN_PREC_INT8);
     kiln_cpu_int8_set_disabled(1);
     CHECK(kiln_cpu_linear_int8(yi, x, w16, KILN_F16, b, M, N, K) == 1, "disabled: not applicable");
     CHECK(kiln_cpu_linear(y, x, w16, KILN_F16, b, M, N, K) == KILN_OK, "int8 linear, VNNI off");
     CHECK(!memcmp(y, yb, n * sizeof *y), "without VNNI precision int8 runs the bf16 products");
     kiln_cpu_int8_set_disabled(0);
     kiln_precision_set(KILN_PREC_F32);
-    free(y); free(yi); free(yb);
+    free(x); free(y); free(yi); free(yb);
 }
 
 int main(void)
