@@ -114,7 +114,7 @@ static int l_precision(lua_State *L)
         int p = kiln_precision_from_name(name);
         if (p >= 0) kiln_precision_set((kiln_precision)p);
         else if (!strcmp(name, "auto")) kiln_precision_unset();
-        else return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16, int8 or auto)", name));
+        else return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16 or auto)", name));
     }
     lua_pushstring(L, kiln_precision_name(before));
     return 1;
@@ -152,7 +152,7 @@ static int l_with_precision(lua_State *L)
         const char *name = luaL_checkstring(L, 1);
         p = kiln_precision_from_name(name);
         if (p < 0 && strcmp(name, "auto"))
-            return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16, int8 or auto)", name));
+            return luaL_argerror(L, 1, lua_pushfstring(L, "invalid precision '%s' (expected f32, bf16, f16 or auto)", name));
         if (p < 0) p = KILN_PREC_SCOPE_NONE;
     }
     luaL_checktype(L, 2, LUA_TFUNCTION);

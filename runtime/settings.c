@@ -67,7 +67,7 @@ kiln_status kiln_settings_check(const kiln_settings *s, kiln_setting *failed)
     if (given(s, KILN_SETTING_PRECISION)) {
         const char *p = s->precision ? s->precision : "";
         if (strcmp(p, "auto") != 0 && kiln_precision_from_name(p) < 0) {
-            kiln_error(KILN_ERR_ARG, "invalid precision '%.64s' (expected f32, bf16, f16, int8 or auto)", p);
+            kiln_error(KILN_ERR_ARG, "invalid precision '%.64s' (expected f32, bf16, f16 or auto)", p);
             return refuse(KILN_SETTING_PRECISION, failed);
         }
     }
