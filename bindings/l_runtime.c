@@ -104,7 +104,7 @@ static int l_format_bytes(lua_State *L)
 }
 
 /* kiln.precision([name]) -> the precision the default device's networks computed in
- * before the call ("f32", "bf16", "f16"). A name sets it for every device; "auto"
+ * before the call ("f32", "bf16", "f16", "int8"). A name sets it for every device; "auto"
  * forgets the setting, so each device takes its own default again. */
 static int l_precision(lua_State *L)
 {

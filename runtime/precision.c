@@ -13,12 +13,12 @@ static atomic_int set_prec = -1;
 enum { MAX_TYPES = 8 };
 static atomic_int type_default[MAX_TYPES];   /* 0 = KILN_PREC_F32 */
 
-static const char *const names[] = {"f32", "bf16", "f16"};
+static const char *const names[] = {"f32", "bf16", "f16", "int8"}; /* ORDER PRECISION */
 
 /* this thread's override; KILN_PREC_SCOPE_NONE outside any scope */
 static _Thread_local int tl_scope = KILN_PREC_SCOPE_NONE;
 
-static int valid(int p) { return p >= 0 && p <= KILN_PREC_F16; }
+static int valid(int p) { return p >= 0 && p <= KILN_PREC_INT8; }
 
 int kiln_precision_scope_begin(int p)
 {
@@ -43,19 +43,19 @@ kiln_precision kiln_precision_get(void)
 
 void kiln_precision_set(kiln_precision p)
 {
-    if ((int)p < 0 || (int)p > KILN_PREC_F16) return;
+    if ((int)p < 0 || (int)p > KILN_PREC_INT8) return;
     atomic_store_explicit(&set_prec, (int)p, memory_order_relaxed);
 }
 
 const char *kiln_precision_name(kiln_precision p)
 {
-    return (int)p >= 0 && (int)p <= KILN_PREC_F16 ? names[p] : "?";
+    return (int)p >= 0 && (int)p <= KILN_PREC_INT8 ? names[p] : "?";
 }
 
 int kiln_precision_from_name(const char *name)
 {
     if (!name) return -1;
-    for (int i = 0; i <= KILN_PREC_F16; i++)
+    for (int i = 0; i <= KILN_PREC_INT8; i++)
         if (!strcmp(name, names[i])) return i;
     return -1;
 }
@@ -82,6 +82,6 @@ void kiln_precision_unset(void) { atomic_store_explicit(&set_prec, -1, memory_or
 
 void kiln_precision_set_default(kiln_device_type t, kiln_precision p)
 {
-    if ((int)t < 0 || (int)t >= MAX_TYPES || (int)p < 0 || (int)p > KILN_PREC_F16) return;
+    if ((int)t < 0 || (int)t >= MAX_TYPES || (int)p < 0 || (int)p > KILN_PREC_INT8) return;
     atomic_store_explicit(&type_default[t], (int)p, memory_order_relaxed);
 }

@@ -1,4 +1,5 @@
-/* precision.h - the arithmetic the networks run in: f32, bf16 or f16. One process-wide
+/* precision.h - the arithmetic the networks run in: f32, bf16, f16 or int8 (the CPU's
+ * W8A8 linear layers where AVX512-VNNI runs them, bf16 for the rest). One process-wide
  * setting (kiln.precision, --precision) chosen by the user, or, while none is set, each
  * device type's default (the CPU's f32; a GPU backend registers its own at start); a
  * thread may override both for itself (a scope: kiln.with_precision, the previews).
@@ -9,13 +10,13 @@
 #include "device.h"
 
 /* ORDER PRECISION */
-typedef enum { KILN_PREC_F32 = 0, KILN_PREC_BF16, KILN_PREC_F16 } kiln_precision;
+typedef enum { KILN_PREC_F32 = 0, KILN_PREC_BF16, KILN_PREC_F16, KILN_PREC_INT8 } kiln_precision;
 
 /* The calling thread's scoped precision if it has one, else the precision set by
  * kiln_precision_set; while none is set, the CPU's default (f32). */
 kiln_precision kiln_precision_get(void);
 void kiln_precision_set(kiln_precision p);
-/* "f32", "bf16", "f16" ("?" past them). */
+/* "f32", "bf16", "f16", "int8" ("?" past them). */
 const char *kiln_precision_name(kiln_precision p);
 /* The precision named (as kiln_precision_name writes it), -1 for any other string. */
 int kiln_precision_from_name(const char *name);

@@ -17,6 +17,7 @@
 #include "cpu_internal.h"
 #include "threadpool.h"
 #include "../../runtime/tunables.h"
+#include "../../runtime/precision.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -71,6 +72,7 @@ typedef struct wino_ctx {
 } wino_ctx;
 
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
+
 
 /* For bf16 products U is written as the GEMM's pairs: a sliver row j holds input
  * channels 2j (low half) and 2j+1 (high half) of its 12 outputs. The 48 floats of 4
@@ -183,6 +185,16 @@ BF16_WINO_INLINE void weight_tiles(const wino_ctx *c, int64_t begin, int64_t end
                 uint32_t *dp = (uint32_t *)(void *)(c->U + sl * C * 12) + ((c0 + cq) / 2) * 12;
                 int pairs = cn - cq >= 3 ? 2 : 1;
                 for (int xi = 0; xi < A * A; xi++) {
+                    if (wino_f32_point(A, xi)) {
+                        float *dst = c->U + (sl * C + c0 + cq) * 12 + xi * su;
+                        int64_t valid = 12 * (cn - cq < 4 ? cn - cq : 4);
+                        for (int q = 0; q < 3; q++) {
+                            int64_t v = valid - 16 * q;
+                            __mmask16 mk = v >= 16 ? (__mmask16)0xffff : v <= 0 ? 0 : (__mmask16)((1u << v) - 1);
+                            _mm512_mask_storeu_ps(dst + 16 * q, mk, u[q][xi]);
+                        }
+                        continue;
+                    }
                     uint32_t *d = dp + xi * su;
                     __m512 e01 = _mm512_permutex2var_ps(u[0][xi], pk.e01, u[1][xi]);
                     __m512 o01 = _mm512_permutex2var_ps(u[0][xi], pk.o01, u[1][xi]);
@@ -636,10 +648,24 @@ static void set_strip(wino_ctx *c, int64_t st, int64_t ts)
 
 static void gemms(const wino_ctx *c)
 {
-    if (c->u_bf16)
-        kiln_cpu_gemm_prepacked_bf16(c->P, c->kb, c->nt, c->C, (const uint32_t *)(const void *)c->U, c->su,
-                                     (const uint32_t *)(const void *)c->V, c->sv, c->M, c->tp, c->sm);
-    else kiln_cpu_gemm_prepacked(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+    if (!c->u_bf16) {
+        kiln_cpu_gemm_prepacked(c->P, c->kb, c->nt, c->C, c->U, c->su, c->V, c->sv, c->M, c->tp, c->sm);
+        return;
+    }
+    /* runs of points of one kind (f32_point), each run one batched call */
+    for (int x0 = 0, x1; x0 < c->P; x0 = x1) {
+        int f = wino_f32_point(c->a, x0);
+        for (x1 = x0 + 1; x1 < c->P && wino_f32_point(c->a, x1) == f; x1++) {}
+        const float *U = c->U + (size_t)x0 * c->su, *V = c->V + (size_t)x0 * c->sv;
+        float *M = c->M + (size_t)x0 * c->sm;
+        if (f) {
+            int tok = kiln_precision_scope_begin(KILN_PREC_F32);
+            kiln_cpu_gemm_prepacked(x1 - x0, c->kb, c->nt, c->C, U, c->su, V, c->sv, M, c->tp, c->sm);
+            kiln_precision_scope_end(tok);
+        } else
+            kiln_cpu_gemm_prepacked_bf16(x1 - x0, c->kb, c->nt, c->C, (const uint32_t *)(const void *)U, c->su,
+                                         (const uint32_t *)(const void *)V, c->sv, M, c->tp, c->sm);
+    }
 }
 
 /* bf16: V[xi] rounded into the GEMM's pairs in place, once for every block of outputs
@@ -648,7 +674,7 @@ static void v_pairs_fn(void *vctx, int64_t begin, int64_t end)
 {
     const wino_ctx *c = vctx;
     for (int64_t xi = begin; xi < end; xi++)
-        kiln_cpu_bf16_pairs_b((uint32_t *)(void *)(c->V + xi * c->sv), c->tp, c->C, c->C * 32);
+        if (!wino_f32_point(c->a, (int)xi)) kiln_cpu_bf16_pairs_b((uint32_t *)(void *)(c->V + xi * c->sv), c->tp, c->C, c->C * 32);
 }
 
 /* Two ways to share the work, so that each thread runs a whole pipeline (transforms
@@ -718,6 +744,10 @@ static int pick_tile(const kiln_conv2d_params *p)
 {
     const char *e = kiln_tunable_str("KILN_WINOGRAD_TILE");
     if (e && (!strcmp(e, "4") || !strcmp(e, "6"))) return e[0] - '0';
+    /* bf16: F(6,3)'s output transform (rows up to 32 at +-2) magnifies the rounding of
+     * its tiles about 2.5x more than F(4,3)'s does, and no few points carry most of it
+     * (wino_f32_point) */
+    if (kiln_cpu_bf16_active()) return 4;
     double t4 = (double)((p->oh + 3) / 4) * (double)((p->ow + 3) / 4);
     double t6 = (double)((p->oh + 5) / 6) * (double)((p->ow + 5) / 6);
     int64_t ck = p->c * p->k;

@@ -56,6 +56,19 @@ void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, in
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
                          int64_t b_sliver, float *C, int64_t ldc, int accumulate, float *scratch);
 
+/* ---- gemm_int8.c ---- */
+
+/* 1 when the int8 products can run: AVX512-VNNI (vpdpbusd) and the AVX-512 kernels on
+ * (KILN_CPU_ISA caps them), and not disabled by kiln_cpu_int8_set_disabled (tests). */
+int kiln_cpu_has_vnni(void);
+void kiln_cpu_int8_set_disabled(int off);
+/* y[M,N] = x[M,K] w[N,K]^T + bias in W8A8 (gemm_int8.c's header: the quantization and
+ * its error bound); w q8_0, f32, f16, bf16 or fp8. 0 done, 1 not applicable (no VNNI,
+ * K not a multiple of 32, another dtype: the caller takes another path), -1 out of
+ * scratch. */
+int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
+                         int64_t N, int64_t K);
+
 /* ---- gemm_scratch.c ---- */
 
 /* Cached, 64-byte aligned scratch (uninitialized; NULL when out of memory). */

@@ -9,10 +9,17 @@
 #define _GNU_SOURCE
 #include "gemm_internal.h"
 #include "threadpool.h"
+#include "../../runtime/precision.h"
 
 #include <cblas.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+
+/* Fewest rows for which precision int8 takes the W8A8 kernel: its weights are packed
+ * (and quantized, unless q8_0) at each call, a pass over N x K that costs about as much
+ * as a hundred rows of int8 products, so the products' 2x over bf16 pays from a few
+ * hundred rows (bench_int8.c); fewer rows stay bf16. */
+#define INT8_MIN_ROWS 256
 
 /* ---------- OpenBLAS fallback ---------- */
 
@@ -447,6 +454,11 @@ kiln_status kiln_cpu_linear(float *y, const float *x, const void *w, kiln_dtype 
                           (long long)K);
     if (M == 0 || N == 0) return KILN_OK;
     if (!y || !x || (!w && K > 0)) return kiln_error(KILN_ERR_ARG, "linear: NULL buffer");
+    /* precision int8: W8A8 on VNNI (gemm_int8.c) for products of enough rows to pay for
+     * quantizing the weights each call; else on below (bf16) */
+    if (M >= INT8_MIN_ROWS && kiln_precision_for(NULL) == KILN_PREC_INT8 &&
+        kiln_cpu_linear_int8(y, x, w, w_dtype, bias, M, N, K) == 0)
+        return KILN_OK;
     if (lowbit) {
         /* the packed kernel decodes while packing B; elsewhere, decoded panels */
         gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32,

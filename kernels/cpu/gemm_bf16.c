@@ -450,10 +450,12 @@ void kiln_cpu_bf16_set_emulation(int on) { atomic_store(&bf16_emulate, on != 0);
  * vdpbf16ps, 2 bf16 emulated. Only the packed AVX-512 kernel has a bf16 form: the
  * OpenBLAS path (CPUs without AVX-512, and products under SMALL_MACS) stays f32, and so
  * do products of at most 8 rows, bound by reading the weights (the 4 x 96 tile), which
- * rounding would not speed up. */
+ * rounding would not speed up. Precision int8 runs its other products (and its linear
+ * layers where gemm_int8.c does not apply) in bf16. */
 int kiln_cpu_bf16_mode(int64_t M)
 {
-    if (M <= 8 || !have_avx512() || kiln_precision_for(NULL) != KILN_PREC_BF16) return 0;
+    kiln_precision p = kiln_precision_for(NULL);
+    if (M <= 8 || !have_avx512() || (p != KILN_PREC_BF16 && p != KILN_PREC_INT8)) return 0;
     return kiln_cpu_has_bf16() && !atomic_load_explicit(&bf16_emulate, memory_order_relaxed) ? 1 : 2;
 }
 

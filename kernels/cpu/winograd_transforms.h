@@ -15,6 +15,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* bf16 products (kiln.precision "bf16") keep some points in f32. The output transform
+ * multiplies the products at F(4,3)'s points +-2 and infinity by up to 8 in each
+ * direction (A^T's rows 1, 2, 4, 8 at +-2), so a rounding of U or V there reaches the
+ * output up to 64-fold: with every point rounded, the error of a tile's worst output
+ * was about 30x the direct convolution's (random operands; the spread computed from
+ * the transform matrices). Kept in f32: the points xi = 6i + j with i or j among
+ * {+-2, inf} (3, 4, 5) and neither 0, 21 of 36 (about 6x the direct error; the 9 with
+ * both coordinates there alone left 10x, and one SD 1.5 UNet evaluation 1.35x
+ * PyTorch's bf16 error instead of 1.08x). Their U and V stay unrounded and their
+ * products run in f32 (twice a bf16 product's time); the other 15 points stay bf16. */
+static inline int wino_f32_point(int A, int xi) { int i = xi / 6, j = xi % 6; return A == 6 && (i >= 3 || j >= 3) && i >= 1 && j >= 1; }
+
 /* Rows [0, kn) of 16 f16 weight taps each (rows rstride bytes apart) widened to f32 as
  * they are loaded, zero past kn: the weight transforms' common case, unrolled so that
  * the rows stay in registers for the transpose that follows. */

@@ -68,7 +68,7 @@ local function help_of(k)
     model = "checkpoint (.safetensors) or diffusers folder (default: the bundled demo model)",
     device = "cpu, sim or cuda[:N]", mode = "memory mode: high, normal, low, none, auto",
     vram = "memory budget of the device (6G, 512M)", quiet = "no progress, no summary",
-    precision = "arithmetic of the networks: f32, bf16 or f16 (default: the device's; the CPU's is f32)",
+    precision = "arithmetic of the networks: f32, bf16, f16 or int8 (default: the device's; the CPU's is f32)",
     tile = "tiled VAE: tile size in latent units", overlap = "tile overlap in latent units",
     lora = "NAME[:W] or NAME:TE:UNET, a LoRA of the --loras folder (repeatable; also <lora:NAME:W> in the prompt)",
     loras = "folder of LoRA files (found by name)", embeddings = "folder of embeddings (embedding:NAME in a prompt)",

@@ -1,0 +1,181 @@
+/* test_int8.c - the W8A8 linear layer (kernels/cpu/gemm_int8.c) against the rule it
+ * states, reimplemented in numpy (tests/golden/gen_int8.py -> tests/golden/int8/): for
+ * f16 weights (quantized by the kernel) and q8_0 weights (ggml's blocks, used as they
+ * are), the outputs within the f32 summation's rounding of the exact integer sums; the
+ * error against the unquantized product within the bound the kernel's header derives;
+ * and kiln_cpu_linear under kiln.precision "int8" taking the int8 path where VNNI is
+ * and falling back to the bf16 products where it is not (or is turned off). */
+#define _POSIX_C_SOURCE 200809L
+#include "test.h"
+
+#include "cpu_internal.h"
+#include "cpu_kernels.h"
+#include "precision.h"
+#include "safetensors.h"
+
+#include <stdint.h>
+
+#define GOLDEN "tests/golden/int8/linear.safetensors"
+
+static kiln_st_file *golden;
+
+static const void *raw(const char *c, const char *t, kiln_dtype *dt)
+{
+    char name[64];
+    snprintf(name, sizeof name, "%s.%s", c, t);
+    int i = kiln_st_find(golden, name);
+    CHECK(i >= 0, "%s missing from %s", name, GOLDEN);
+    if (i < 0) return NULL;
+    if (dt) *dt = golden->entries[i].dtype;
+    return kiln_st_data(golden, i);
+}
+
+static const float *f32(const char *c, const char *t)
+{
+    kiln_dtype dt = KILN_F32;
+    const void *p = raw(c, t, &dt);
+    CHECK(!p || dt == KILN_F32, "%s.%s: dtype", c, t);
+    return p && dt == KILN_F32 ? p : NULL;
+}
+
+/* max over outputs of |y - want| / tol; > 1 fails */
+static double worst(const float *y, const float *want, const float *mag, int64_t n, int64_t nb)
+{
+    double r = 0;
+    for (int64_t i = 0; i < n; i++) {
+        /* the f32 sum of nb scaled block sums: each product d_a d_w rounded (2^-24),
+         * each FMA rounding (2^-24 of the partial sum): a few 2^-24 (nb + 2) of the
+         * sum of magnitudes; the golden's own f32 storage 2^-24 |want| */
+        double tol = 4.0 * (double)(nb + 2) * 0x1p-24 * mag[i] + 0x1p-23 * fabs(want[i]) + 1e-30;
+        double e = fabs((double)y[i] - want[i]) / tol;
+        if (e > r || isnan(e)) r = isnan(e) ? INFINITY : e;
+    }
+    return r;
+}
+
+static void t_int8_vs_rule(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU: the int8 products do not run");
+        return;
+    }
+    const char *cases[] = {"edges", "square", "outlier"};
+    for (int ci = 0; ci < 3; ci++) {
+        const char *c = cases[ci];
+        const int64_t *p = raw(c, "p", NULL);
+        const float *x = f32(c, "x"), *b = f32(c, "b"), *y16 = f32(c, "y16"), *yq = f32(c, "yq");
+        const float *m16 = f32(c, "mag16"), *mq = f32(c, "magq");
+        const void *w16 = raw(c, "w16", NULL), *wq = raw(c, "wq", NULL);
+        if (!p || !x || !b || !y16 || !yq || !m16 || !mq || !w16 || !wq) return;
+        int64_t M = p[0], N = p[1], K = p[2];
+        float *y = malloc((size_t)(M * N) * sizeof *y);
+        int rc = kiln_cpu_linear_int8(y, x, w16, KILN_F16, b, M, N, K);
+        CHECK(rc == 0, "%s: f16 weights: rc %d", c, rc);
+        double r = worst(y, y16, m16, M * N, K / 32);
+        CHECK(r <= 1.0, "%s: f16 weights: off the rule's result by %.2fx the tolerance", c, r);
+        rc = kiln_cpu_linear_int8(y, x, wq, KILN_Q8_0, b, M, N, K);
+        CHECK(rc == 0, "%s: q8_0 weights: rc %d", c, rc);
+        r = worst(y, yq, mq, M * N, K / 32);
+        CHECK(r <= 1.0, "%s: q8_0 weights: off the rule's result by %.2fx the tolerance", c, r);
+        if (getenv("KILN_TEST_VERBOSE")) printf("  %s: q8_0 weights, difference / tolerance %.3f\n", c, r);
+        free(y);
+    }
+}
+
+/* The header's bound against the product of the unquantized operands:
+ * sum_b (W_b/254 sum|x_k| + A_b/254 sum|w_k| + 32 A_b W_b / 254^2), plus the f32 sums. */
+static void t_int8_error_bound(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU");
+        return;
+    }
+    const char *cases[] = {"edges", "square", "outlier"};
+    for (int ci = 0; ci < 3; ci++) {
+        const char *c = cases[ci];
+        const int64_t *p = raw(c, "p", NULL);
+        const float *x = f32(c, "x"), *b = f32(c, "b"), *ye = f32(c, "yexact");
+        const void *w16 = raw(c, "w16", NULL);
+        if (!p || !x || !b || !ye || !w16) return;
+        int64_t M = p[0], N = p[1], K = p[2], nb = K / 32;
+        float *w = malloc((size_t)(N * K) * sizeof *w), *y = malloc((size_t)(M * N) * sizeof *y);
+        kiln_to_f32(w, w16, KILN_F16, (size_t)(N * K));
+        CHECK(kiln_cpu_linear_int8(y, x, w16, KILN_F16, b, M, N, K) == 0, "%s: rc", c);
+        double ratio = 0, mean_err = 0, mean_bound = 0;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) {
+                double bound = 0, mag = 0;
+                for (int64_t bb = 0; bb < nb; bb++) {
+                    double A = 0, W = 0, sx = 0, sw = 0;
+                    for (int k = 0; k < 32; k++) {
+                        double xv = fabs(x[i * K + bb * 32 + k]), wv = fabs(w[n * K + bb * 32 + k]);
+                        A = xv > A ? xv : A; W = wv > W ? wv : W;
+                        sx += xv; sw += wv;
+                        mag += xv * wv;
+                    }
+                    bound += W / 254 * sx + A / 254 * sw + 32 * A * W / (254.0 * 254.0);
+                }
+                bound += (double)(nb + 4) * 0x1p-22 * (mag + bound) + 0x1p-23 * fabs(ye[i * N + n]);
+                double e = fabs((double)y[i * N + n] - ye[i * N + n]);
+                if (e / bound > ratio) ratio = e / bound;
+                mean_err += e; mean_bound += bound;
+            }
+        CHECK(ratio <= 1.0, "%s: error %.2fx the bound", c, ratio);
+        if (getenv("KILN_TEST_VERBOSE"))
+            printf("  %s: worst error / bound %.3f, mean error / mean bound %.3f\n", c, ratio, mean_err / mean_bound);
+        free(w); free(y);
+    }
+}
+
+/* kiln_cpu_linear under precision int8: the int8 result where VNNI runs and the rows are
+ * many (the square case's rows 4 times over: 256); with few rows (64), or VNNI off, the
+ * bf16 products (the same as under precision bf16, bit for bit). */
+static void t_int8_precision_dispatch(void)
+{
+    const char *c = "square";
+    const int64_t *p = raw(c, "p", NULL);
+    const float *x0 = f32(c, "x"), *b = f32(c, "b");
+    const void *w16 = raw(c, "w16", NULL);
+    if (!p || !x0 || !b || !w16) return;
+    int64_t M0 = p[0], N = p[1], K = p[2], M = 4 * M0;
+    size_t n = (size_t)(M * N);
+    float *x = malloc((size_t)(M * K) * sizeof *x);
+    for (int r = 0; r < 4; r++) memcpy(x + r * M0 * K, x0, (size_t)(M0 * K) * sizeof *x);
+    float *y = malloc(n * sizeof *y), *yi = malloc(n * sizeof *yi), *yb = malloc(n * sizeof *yb);
+    CHECK(kiln_precision_from_name("int8") == KILN_PREC_INT8, "int8 is a precision name");
+    CHECK(!strcmp(kiln_precision_name(KILN_PREC_INT8), "int8"), "its name");
+    kiln_precision_set(KILN_PREC_BF16);
+    CHECK(kiln_cpu_linear(yb, x, w16, KILN_F16, b, M, N, K) == KILN_OK, "bf16 linear");
+    kiln_precision_set(KILN_PREC_INT8);
+    CHECK(kiln_cpu_linear(y, x, w16, KILN_F16, b, M, N, K) == KILN_OK, "int8 linear");
+    if (kiln_cpu_has_vnni()) {
+        CHECK(kiln_cpu_linear_int8(yi, x, w16, KILN_F16, b, M, N, K) == 0, "int8 kernel");
+        CHECK(!memcmp(y, yi, n * sizeof *y), "precision int8: kiln_cpu_linear is the int8 kernel's result");
+    }
+    CHECK(kiln_cpu_linear(y, x, w16, KILN_F16, b, M0, N, K) == KILN_OK, "int8 linear, few rows");
+    kiln_precision_set(KILN_PREC_BF16);
+    CHECK(kiln_cpu_linear(yi, x, w16, KILN_F16, b, M0, N, K) == KILN_OK, "bf16 linear, few rows");
+    CHECK(!memcmp(y, yi, (size_t)(M0 * N) * sizeof *y), "few rows under precision int8 run the bf16 products");
+    kiln_precision_set(KILN_PREC_INT8);
+    kiln_cpu_int8_set_disabled(1);
+    CHECK(kiln_cpu_linear_int8(yi, x, w16, KILN_F16, b, M, N, K) == 1, "disabled: not applicable");
+    CHECK(kiln_cpu_linear(y, x, w16, KILN_F16, b, M, N, K) == KILN_OK, "int8 linear, VNNI off");
+    CHECK(!memcmp(y, yb, n * sizeof *y), "without VNNI precision int8 runs the bf16 products");
+    kiln_cpu_int8_set_disabled(0);
+    kiln_precision_set(KILN_PREC_F32);
+    free(x); free(y); free(yi); free(yb);
+}
+
+int main(void)
+{
+    if (kiln_st_open(GOLDEN, &golden) != KILN_OK) {
+        printf("FAIL open %s: %s\n", GOLDEN, kiln_last_error());
+        return 1;
+    }
+    RUN(t_int8_vs_rule);
+    RUN(t_int8_error_bound);
+    RUN(t_int8_precision_dispatch);
+    kiln_st_release(golden);
+    kiln_precision_unset();
+    return test_summary();
+}
