@@ -229,5 +229,29 @@ test("encoders.plan: T5's weights, low-mode window and the work of an encode", f
   truthy(encoders.plan(enc, "sim", {}).why, "no token count: no work")
 end)
 
+test("planner: a checkpoint's T5 is a row of the plan, its encode's work measured", function()
+  if not has_sim then H.skip("no sim device in this build") end
+  local path = os.getenv("KILN_DEMO_MODEL") or "examples/models/kiln-shapes.safetensors"
+  if not io.open(path, "rb") then H.skip(path .. " is missing") end
+  local demo <close> = kiln.load_checkpoint(path)
+  local enc <close> = kiln.load_t5(FILE)
+  local ck = setmetatable({ t5 = enc }, { __index = demo })
+  local planner = require "kiln.planner"
+  kiln.mem.set_budget("sim", 1024 * MiB)
+  local ok, plan = pcall(planner.choose, ck, { device = "sim", width = 64, height = 64, t5_length = 256 })
+  local ok2, plan2 = pcall(planner.choose, demo, { device = "sim", width = 64, height = 64 })
+  kiln.mem.set_budget("sim", 0)
+  assert(ok, plan); assert(ok2, plan2)
+  local row
+  for _, l in ipairs(plan.lines) do row = row or l:match("^%s+t5%s.*") end
+  truthy(row, "a t5 line: " .. table.concat(plan.lines, "\n"))
+  truthy(not row:find("?", 1, true), "its work measured: " .. row)
+  local t5_row = encoders.plan(enc, "sim", { tokens = 256 })
+  truthy(t5_row.work > 0)
+  truthy(plan.need.high >= plan2.need.high + t5_row.bytes, "high: the T5's weights count")
+  truthy(plan.need.low >= t5_row.window + t5_row.work, "low: its window and work count")
+  truthy(plan.need.normal >= t5_row.bytes + t5_row.work, "normal: its stage counts")
+end)
+
 t5.ids = real_ids
 H.done()
