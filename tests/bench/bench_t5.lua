@@ -123,7 +123,11 @@ local function write_derived(src)
           local w = v
           if scaled then
             local f = v:to("f32")
-            local s = f:abs():max() / 448
+            -- the |w| temporary is freed here: the host has no budget whose pressure
+            -- would collect it, and 24 blocks of them are 19 GB
+            local a = f:abs()
+            local s = a:max() / 448
+            a:free()
             w = f * (1 / s)
             f:free()
             local st = kiln.tensor({ s }):reshape({})
@@ -153,7 +157,7 @@ end
 local wrote = false
 if o.fresh or not rw.valid(F16, MARK) then write_f16(); wrote = true end
 if only.quant and (o.fresh or wrote or not (io.open(Q8) and io.open(FP8) and io.open(FP8S))) then
-  o.fresh = true
+  o.fresh = o.fresh or wrote -- a new f16 file: every derived one again; else the missing ones
   write_derived(kiln.load_safetensors(F16))
   wrote = true
 end
