@@ -9,6 +9,8 @@
 -- "shared.weight", "final_layer_norm.weight"); kiln.t5_files maps them to a file's.
 -- Precision: f32 or bf16 arithmetic, never f16 (T5's activations overflow it): under a
 -- "f16" precision the encoder computes in f32 on the CPU and bf16 elsewhere.
+-- t5:encode keeps each prompt's encoding in a kiln.encoding_cache of its own, which the
+-- memory budget evicts before an allocation fails.
 local kiln = require "kiln"
 local stream = require "kiln.stream"
 local part = require "kiln.part"
