@@ -15,8 +15,10 @@
 -- into it (copy, fill) would change the cache; take :clone() for a private copy.
 --
 --   local c = encoding_cache.new{limit = bytes, what = "t5"}   (limit 0: off)
---   c:fetch(key, fn, ...) -> tensor     a hit's view, or fn(...)'s result, cached
---   c:get(key) -> view | nil ; c:put(key, tensor) ; c:clear() ; c:set_limit(bytes)
+--   c:fetch(key, fn, ...) -> tensors    a hit's views, or fn(...)'s results, cached
+--                                       (every result a tensor or nil: CLIP's
+--                                       conditioning and pooled vector are one entry)
+--   c:get(key) -> views | nil ; c:put(key, tensors...) ; c:clear() ; c:set_limit(bytes)
 --   c:stats() -> {entries, bytes, limit, hits, misses, evicted}
 --   encoding_cache.evict(device) -> bytes freed: what the pressure handler does
 --   encoding_cache.on_pressure: the handler, registered when the module loads
@@ -32,7 +34,10 @@ M.DEFAULT_LIMIT = 64 * 1024 * 1024
 -- every cache alive, for the pressure handler; weak, so a cache dies with its encoder
 local caches = setmetatable({}, { __mode = "k" })
 
-local function view_of(t) return t:narrow(1, 1, t.shape[1]) end
+local function view_of(t)
+  if t:dim() == 0 then return t:reshape({}) end
+  return t:narrow(1, 1, t.shape[1])
+end
 
 local function check_limit(limit, who)
   if limit == nil then return M.DEFAULT_LIMIT end
@@ -55,7 +60,7 @@ function M.new(opts)
   local what = opts.what or "encoding cache"
   local self = setmetatable({
     what = what, limit = check_limit(opts.limit, what),
-    entries = {}, -- key -> {t = tensor, bytes, used}
+    entries = {}, -- key -> {ts = {tensors, n =}, bytes, used, device}
     bytes = 0, clock = 0, hits = 0, misses = 0, evicted = 0,
   }, Cache)
   caches[self] = true
@@ -67,7 +72,9 @@ local function drop(self, key)
   if not e then return 0 end
   self.entries[key] = nil
   self.bytes = self.bytes - e.bytes
-  e.t:free()
+  for i = 1, e.ts.n do
+    if e.ts[i] then e.ts[i]:free() end
+  end
   return e.bytes
 end
 
@@ -92,32 +99,55 @@ function Cache:get(key)
   if not e then return nil end
   self.clock = self.clock + 1
   e.used = self.clock
-  return view_of(e.t)
+  local views = { n = e.ts.n }
+  for i = 1, e.ts.n do views[i] = e.ts[i] and view_of(e.ts[i]) end
+  return table.unpack(views, 1, views.n)
 end
 
---- Keeps a view of t (t stays the caller's). An entry larger than the limit is not kept.
-function Cache:put(key, t)
+local function is_tensor(v)
+  local mt = type(v) == "userdata" and getmetatable(v)
+  return type(mt) == "table" and mt.__name == "kiln.Tensor"
+end
+
+--- Keeps views of the tensors given (they stay the caller's). An entry larger than the
+-- limit is not kept; nor is one holding anything but tensors and nils.
+function Cache:put(key, ...)
   if bypass() or self.limit == 0 then return end
   drop(self, key)
-  local bytes = t:nbytes()
-  if bytes > self.limit then return end
+  local n = select("#", ...)
+  local ts, bytes, device = { n = n }, 0, nil
+  for i = 1, n do
+    local t = select(i, ...)
+    if t ~= nil then
+      if not is_tensor(t) then return end
+      bytes = bytes + t:nbytes()
+      device = device or t.device
+    end
+  end
+  if n == 0 or bytes > self.limit then return end
   make_room(self, bytes)
+  for i = 1, n do
+    local t = select(i, ...)
+    ts[i] = t and view_of(t)
+  end
   self.clock = self.clock + 1
-  self.entries[key] = { t = view_of(t), bytes = bytes, used = self.clock }
+  self.entries[key] = { ts = ts, bytes = bytes, used = self.clock, device = device }
   self.bytes = self.bytes + bytes
 end
 
---- The cached encoding of key (a view) or fn(...)'s result (also cached).
+local function put_through(self, key, ...)
+  self:put(key, ...)
+  return ...
+end
+
+--- The cached encoding of key (views) or fn(...)'s results (also cached).
 function Cache:fetch(key, fn, ...)
-  local v = self:get(key)
-  if v then
+  if not bypass() and self.entries[key] then
     self.hits = self.hits + 1
-    return v
+    return self:get(key)
   end
   if not bypass() then self.misses = self.misses + 1 end
-  local t = fn(...)
-  self:put(key, t)
-  return t
+  return put_through(self, key, fn(...))
 end
 
 function Cache:clear()
@@ -142,7 +172,7 @@ function M.evict(device)
   local freed = 0
   for c in pairs(caches) do
     for k, e in pairs(c.entries) do
-      if device == nil or e.t.device == device then
+      if device == nil or e.device == device then
         freed = freed + drop(c, k)
         c.evicted = c.evicted + 1
       end

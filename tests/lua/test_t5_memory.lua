@@ -108,6 +108,26 @@ test("t5 cache: its size limit keeps the most recently used; 0 keeps nothing", f
   H.raises(function() kiln.load_t5(FILE, { cache = "lots" }) end)
 end)
 
+test("encoding cache: several results are one entry (CLIP's conditioning and pooled vector)", function()
+  local c = cache.new({ what = "clip" })
+  local calls = 0
+  local function encode(text)
+    calls = calls + 1
+    return kiln.full({ 1, 4, 8 }, #text), kiln.full({ 1, 8 }, 2 * #text), nil
+  end
+  local a, ap, an = c:fetch("k", encode, "abc")
+  local b, bp, bn = c:fetch("k", encode, "abc")
+  eq(calls, 1)
+  eq(b:table()[1][1][1], 3); eq(bp:table()[1][1], 6)
+  truthy(an == nil and bn == nil, "a nil result stays nil")
+  eq(c:stats().bytes, (32 + 8) * 4)
+  c:put("bad", a, "not a tensor")
+  eq(c:stats().entries, 1, "a result that is not a tensor is not kept")
+  for _, t in ipairs({ a, ap, b, bp }) do t:free() end
+  eq(cache.evict("cpu"), (32 + 8) * 4, "evict frees the device's entries")
+  eq(c:stats().entries, 0)
+end)
+
 test("t5 cache: a tight sim budget evicts it before failing; without the handler it fails", function()
   if not has_sim then H.skip("no sim device in this build") end
   local enc <close>, n = counted()
