@@ -174,9 +174,10 @@ function M.choose(ckpt, o)
     z:free()
   end
   if by.clip then by.clip.work = 0 end -- 77 tokens: negligible next to its weights
-  -- T5: one encode of the run's tokens (512 unless o.t5_length says), measured by a dry run
+  -- T5: one encode of 512 tokens (the longest a pipeline pads its prompt to), measured
+  -- by a dry run
   if by.t5 then
-    local row = require("kiln.encoders").plan(ckpt.t5, dev, { tokens = o.t5_length or 512 })
+    local row = require("kiln.encoders").plan(ckpt.t5, dev, { tokens = 512 })
     by.t5.work, by.t5.why = row.work, row.why
   end
   -- the choice

@@ -258,7 +258,7 @@ test("planner: a checkpoint's T5 is a row of the plan, its encode's work measure
   local ck = setmetatable({ t5 = enc }, { __index = demo })
   local planner = require "kiln.planner"
   kiln.mem.set_budget("sim", 1024 * MiB)
-  local ok, plan = pcall(planner.choose, ck, { device = "sim", width = 64, height = 64, t5_length = 256 })
+  local ok, plan = pcall(planner.choose, ck, { device = "sim", width = 64, height = 64 })
   local ok2, plan2 = pcall(planner.choose, demo, { device = "sim", width = 64, height = 64 })
   kiln.mem.set_budget("sim", 0)
   assert(ok, plan); assert(ok2, plan2)
@@ -266,7 +266,7 @@ test("planner: a checkpoint's T5 is a row of the plan, its encode's work measure
   for _, l in ipairs(plan.lines) do row = row or l:match("^%s+t5%s.*") end
   truthy(row, "a t5 line: " .. table.concat(plan.lines, "\n"))
   truthy(not row:find("?", 1, true), "its work measured: " .. row)
-  local t5_row = encoders.plan(enc, "sim", { tokens = 256 })
+  local t5_row = encoders.plan(enc, "sim", { tokens = 512 })
   truthy(t5_row.work > 0)
   truthy(plan.need.high >= plan2.need.high + t5_row.bytes, "high: the T5's weights count")
   truthy(plan.need.low >= t5_row.window + t5_row.work, "low: its window and work count")
