@@ -588,13 +588,28 @@ local T5 = {}
 ---@return kiln.Tensor
 function T5:forward(ids) end
 
+---A prompt's final hidden states [1, n, d_model] f32; opts.length pads (with 0) or cuts
+---(closing with </s>) its ids to that many. Cached per encoder: the same ids on the same
+---device in the same precision are encoded once, and a hit returns a view of the cached
+---tensor, the caller's to free and never to write into (:clone() for a private copy).
+---opts.cache = false encodes without looking. The memory budget evicts the cache.
+---@param text string
+---@param opts? {length?: integer, cache?: boolean}
+---@return kiln.Tensor
+function T5:encode(text, opts) end
+
+---Drops the cached encodings (a view a caller holds stays valid).
+function T5:clear_cache() end
+
 ---Loads a T5 v1.1 encoder: ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn(_scaled) .safetensors
 ---(transformers' names under any prefix), a GGUF file in llama.cpp's names (q8_0, K-quants,
 ---...), or a diffusers folder (text_encoder_2/ itself, or the pipeline folder). The
 ---hyper-parameters come from the shapes (heads from the relative attention bias table;
 ---opts.heads, a num_heads in the file or its config.json must agree).
+---opts.cache: the bytes t5:encode's cache may hold (or a size like "64M"; default 64 MiB,
+---0 turns it off).
 ---@param path string
----@param opts? {heads?: integer}
+---@param opts? {heads?: integer, cache?: integer|string}
 ---@return kiln.T5
 function kiln.load_t5(path, opts) end
 

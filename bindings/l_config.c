@@ -1,8 +1,8 @@
 /* l_config.c - the runtime settings from Lua: kiln.configure and l_settings_apply (the
  * settings route of runtime/settings.c plus what belongs to a Lua state: the quiet flag
  * and the default device; kiln_open comes here too), kiln.parse_size (the only size
- * parser), and the allocators' pressure hook: a GC of the Lua state running on the
- * calling thread. */
+ * parser), and the allocators' pressure hook: the Lua state's pressure handler, then a
+ * GC of that state (the one running on the calling thread). */
 #define _POSIX_C_SOURCE 200809L
 #include "l_config.h"
 #include "l_parts.h"
@@ -269,12 +269,39 @@ static lua_State *pressure_target(void)
     return L;
 }
 
-/* Before reporting out-of-memory, a full GC may free tensors nobody references. It
+/* The state's pressure handler (kiln._on_pressure): one Lua function, called with the
+ * device's name before the GC, that frees what the scripts keep by choice and can
+ * rebuild (kiln.encoding_cache's encodings). Lua registers it; C never looks a module
+ * up by name. */
+#define HANDLER_KEY "kiln.pressure_handler"
+
+static int l_on_pressure(lua_State *L)
+{
+    if (!lua_isnoneornil(L, 1)) luaL_checktype(L, 1, LUA_TFUNCTION);
+    lua_settop(L, 1);
+    lua_setfield(L, LUA_REGISTRYINDEX, HANDLER_KEY);
+    return 0;
+}
+
+/* An error inside the handler is dropped: the allocation that asked goes on to the GC
+ * and, failing that, to its own out-of-memory error. */
+static void run_handler(lua_State *L, const char *device)
+{
+    if (!lua_checkstack(L, 3)) return;
+    int top = lua_gettop(L);
+    if (lua_getfield(L, LUA_REGISTRYINDEX, HANDLER_KEY) == LUA_TFUNCTION) {
+        lua_pushstring(L, device);
+        (void)lua_pcall(L, 1, 0, 0);
+    }
+    lua_settop(L, top);
+}
+
+/* Before reporting out-of-memory, the handler and then a full GC may free tensors. It
  * is skipped on the runtime's copy threads and while a finalizer runs (never collect
  * from inside __gc). */
-static int gc_pressure(void *unused)
+static int gc_pressure(void *ctx)
 {
-    (void)unused;
+    kiln_device *dev = ctx;
     if (kiln_thread_is_worker()) return 0;
     lua_State *L = pressure_target();
     if (!L) return 0;
@@ -287,6 +314,7 @@ static int gc_pressure(void *unused)
         return 0;
 #endif
     }
+    if (dev) run_handler(L, dev->name);
     lua_gc(L, LUA_GCCOLLECT);
     return 1;
 }
@@ -330,7 +358,7 @@ static void track_state(lua_State *L)
     if (n_states < MAX_STATES) states[n_states++] = (tracked_state){state, thread_number()};
     pthread_mutex_unlock(&states_lock);
     for (int i = 0; i < kiln_device_count(); i++)
-        kiln_allocator_set_pressure_hook(kiln_device_at(i)->alloc, gc_pressure, NULL);
+        kiln_allocator_set_pressure_hook(kiln_device_at(i)->alloc, gc_pressure, kiln_device_at(i));
 }
 
 /* ---------------------------------------------------------------- open */
@@ -341,5 +369,7 @@ void l_open_config(lua_State *L)
     lua_setfield(L, -2, "configure");
     lua_pushcfunction(L, l_parse_size_lua);
     lua_setfield(L, -2, "parse_size");
+    lua_pushcfunction(L, l_on_pressure);
+    lua_setfield(L, -2, "_on_pressure");
     track_state(L);
 }

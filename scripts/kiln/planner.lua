@@ -1,7 +1,7 @@
 -- kiln.planner: `--mode auto`. Before a pipeline runs, it sizes each stage against
 -- the device's budget and picks the memory mode and the VAE tiling:
 --
---   weights   the bytes each part (text encoder, UNet, VAE, and the run's
+--   weights   the bytes each part (text encoders, UNet, VAE, and the run's
 --             ControlNets, which run in the UNet's stage) takes on the device,
 --             from its tensors (stored dtype), and the streaming window of "low"
 --             mode (the two largest adjacent blocks, kiln.stream);
@@ -112,7 +112,7 @@ function M.choose(ckpt, o)
   local W, H = o.width, o.height
   local lw, lh = W // f, H // f
   local parts = {}
-  for _, name in ipairs({ "clip", "unet", "vae" }) do
+  for _, name in ipairs({ "clip", "t5", "unet", "vae" }) do
     local p = ckpt[name]
     if p then
       local bytes, window = M.part_bytes(p)
@@ -174,6 +174,12 @@ function M.choose(ckpt, o)
     z:free()
   end
   if by.clip then by.clip.work = 0 end -- 77 tokens: negligible next to its weights
+  -- T5: one encode of 512 tokens (the longest a pipeline pads its prompt to), measured
+  -- by a dry run
+  if by.t5 then
+    local row = require("kiln.encoders").plan(ckpt.t5, dev, { tokens = 512 })
+    by.t5.work, by.t5.why = row.work, row.why
+  end
   -- the choice
   -- a stage's weights: its part's and those of the parts that run with it (ControlNets)
   local stage_bytes, stage_window = {}, {}

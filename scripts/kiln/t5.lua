@@ -9,10 +9,13 @@
 -- "shared.weight", "final_layer_norm.weight"); kiln.t5_files maps them to a file's.
 -- Precision: f32 or bf16 arithmetic, never f16 (T5's activations overflow it): under a
 -- "f16" precision the encoder computes in f32 on the CPU and bf16 elsewhere.
+-- t5:encode keeps each prompt's encoding in a kiln.encoding_cache of its own, which the
+-- memory budget evicts before an allocation fails.
 local kiln = require "kiln"
 local stream = require "kiln.stream"
 local part = require "kiln.part"
 local files = require "kiln.t5_files"
+local encoding_cache = require "kiln.encoding_cache"
 local nn = kiln.nn
 
 local M = {}
@@ -60,8 +63,10 @@ function M.block_of(name)
 end
 
 -- weights: a stream.weights accessor (canonical names); cfg as kiln.t5_files.config.
-function M.new(weights, cfg)
+function M.new(weights, cfg, opts)
+  opts = opts or {}
   local self = setmetatable({ weights = weights, config = cfg }, Encoder)
+  self.encodings = encoding_cache.new({ limit = opts.cache, what = "kiln.load_t5" })
   self.streamer = stream.new(weights, stream.blocks(files.expected(cfg), M.block_of), "t5")
   return self
 end
@@ -309,12 +314,31 @@ function M.ids(text, length)
   return ids
 end
 
+-- What decides an encoding besides its ids: the device and the arithmetic it runs in,
+-- and the weights (the encoder object, whose cache this is, and the patches on its store).
+function Encoder:_cache_key(ids)
+  local dev = self:_device()
+  local store = rawget(self, "model")
+  local ok, patches = pcall(function() return store and store.patch_count and store:patch_count() or 0 end)
+  return fmt("%s|%s|%s|%s", dev, kiln.precision_of(dev), ok and tostring(patches) or "?", table.concat(ids, ","))
+end
+
 --- t5:encode(text [, opts]): the final hidden states [1, n, d_model] f32 of a prompt;
 -- opts.length pads or cuts the ids to that many (see M.ids), unmasked as BFL and
--- ComfyUI run it.
+-- ComfyUI run it. The result is cached per encoder (kiln.encoding_cache): the same ids on
+-- the same device in the same precision are encoded once; what a hit returns is a view
+-- of the cached tensor, the caller's to free and never to write into. opts.cache =
+-- false encodes without looking.
 function Encoder:encode(text, opts)
   opts = opts or {}
-  return self:forward({ M.ids(text, opts.length) })
+  local ids = M.ids(text, opts.length)
+  if opts.cache == false then return self:forward({ ids }) end
+  return self.encodings:fetch(self:_cache_key(ids), self.forward, self, { ids })
+end
+
+--- Drops the cached encodings (their storage goes once no caller holds a view of it).
+function Encoder:clear_cache()
+  self.encodings:clear()
 end
 
 -- ---------------------------------------------------------------- loading
@@ -323,12 +347,20 @@ end
 -- t5xxl_fp16 / fp8_e4m3fn(_scaled), transformers' names with or without "encoder."),
 -- a GGUF file (llama.cpp's names, any block type kiln decodes), or a diffusers folder
 -- (text_encoder_2/ itself, or the pipeline folder holding it). opts.heads overrides the
--- head count. Returns the encoder, also its weight store (a kiln.part).
+-- head count; opts.cache limits t5:encode's cache of encodings (bytes or a size, default
+-- 64 MiB, 0 off). Returns the encoder, also its weight store (a kiln.part); closing it
+-- drops its cached encodings.
 function M.load(path, opts)
   opts = opts or {}
   local found = files.open(path, opts)
-  local enc = M.new(stream.weights(found.store, "", found.map), found.config)
-  return part.as_model(enc, found.store, "T5")
+  local enc = M.new(stream.weights(found.store, "", found.map), found.config, opts)
+  enc = part.as_model(enc, found.store, "T5")
+  local close = enc.close
+  enc.close = function(self)
+    self.encodings:clear()
+    close(self)
+  end
+  return enc
 end
 
 return M

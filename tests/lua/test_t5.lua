@@ -276,6 +276,25 @@ test("t5: a file that is not T5, wrong widths, missing blocks, a truncated file:
   raises_with(function() kiln.load_t5(cut) end, "kiln.load_t5", cut)
 end)
 
+test("t5: a truncated GGUF file, a diffusers folder missing or cutting a shard: errors naming the file", function()
+  local f = assert(io.open(GOLD .. "q8_0.gguf", "rb"))
+  local bytes = f:read("a")
+  f:close()
+  local cut = tmp("cut.gguf")
+  f = assert(io.open(cut, "wb"))
+  f:write(bytes:sub(1, #bytes - 3000))
+  f:close()
+  raises_with(function() kiln.load_t5(cut) end, "kiln.load_t5", cut, "truncated")
+  local d = tmp("shards")
+  os.execute(("rm -rf '%s' && cp -r '%sdiffusers' '%s'"):format(d, GOLD, d))
+  local shard = d .. "/text_encoder_2/model-00002-of-00002.safetensors"
+  os.remove(shard)
+  raises_with(function() kiln.load_t5(d) end, "kiln.load_t5", shard)
+  os.execute(("cp '%sdiffusers/text_encoder_2/model-00002-of-00002.safetensors' '%s' && truncate -s 3000 '%s'"):format(
+    GOLD, shard, shard))
+  raises_with(function() kiln.load_t5(d) end, "kiln.load_t5", shard, "past the data section")
+end)
+
 test("t5: head counts stated in the file or opts must agree with the bias table", function()
   local enc <close> = kiln.load_t5(GOLD .. "bare.safetensors", { heads = 4 })
   eq(enc.config.heads, 4)
