@@ -18,6 +18,7 @@
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
+local ops = require "kiln.dit_ops"
 local unet = require "kiln.unet"
 local nn = kiln.nn
 
@@ -27,6 +28,8 @@ Flux.__index = Flux
 M.Flux = Flux
 
 local fmt = string.format
+local scope, rms_norm, as_batch, shape_of = ops.scope, ops.rms_norm, ops.as_batch, ops.shape_of
+local function meta_int(meta, key) return ops.meta_int(meta, key, "Flux") end
 
 M.HEAD_DIM = 128                 -- BFL's head width: heads = hidden / 128
 M.AXES_DIM = { 16, 56, 56 }      -- rotary widths of the (index, row, column) axes
@@ -50,14 +53,6 @@ local function meta_axes(meta)
   end
   if #r == 0 then error(fmt("Flux: __metadata__ kiln.flux.axes_dim = %q names no widths", s), 0) end
   return r
-end
-
-local function meta_int(meta, key)
-  local v = meta and meta[key]
-  if v == nil then return nil end
-  local n = math.tointeger(tonumber(v))
-  if not n or n <= 0 then error(fmt("Flux: __metadata__ %s = %q is not a positive integer", key, tostring(v)), 0) end
-  return n
 end
 
 --- Reads the architecture from name -> shape (names relative to the network root) and
@@ -176,31 +171,9 @@ end
 
 function Flux:w(name) return self.weights:tensor(name) end
 
-function Flux:_device()
-  local w = self.weights
-  if w.device then return w:device("img_in.weight") end
-  return w:tensor("img_in.weight").device
-end
+function Flux:_device() return ops.weights_device(self.weights, "img_in.weight") end
 
 -- ---------------------------------------------------------------- pieces
-
--- A scope of temporaries: k(v) keeps v to free, done(...) frees all but the values
--- given (the block's results) and returns them.
-local function scope()
-  local list = {}
-  local s = {}
-  function s.k(v) list[#list + 1] = v; return v end
-  function s.done(...)
-    local keep = {}
-    for i = 1, select("#", ...) do keep[select(i, ...)] = true end
-    for i = #list, 1, -1 do
-      if not keep[list[i]] then list[i]:free() end
-      list[i] = nil
-    end
-    return ...
-  end
-  return s
-end
 
 -- The rotary tables of BFL's EmbedND for position ids: cos and sin [1, 1, L, D/2, 1]
 -- (each head-dim pair's angle pos_axis * theta^(-2j / d_axis), the axes' pairs in
@@ -251,21 +224,12 @@ local function rotate(x, cos, sin)
   return S.done(r:reshape({ B, Hh, L, D }))
 end
 
--- BFL's RMSNorm over the last dimension (eps 1e-6) times its scale.
-local function rms_norm(x, scale)
-  local S = scope()
-  local k = S.k
-  local ms = k(k(x * x):mean(#x.shape, true))
-  local r = k(k(k(ms + 1e-6):sqrt()) ^ -1)
-  return S.done(k(x * r) * scale)
-end
-
 -- (1 + scale) * LayerNorm(x) + shift (LayerNorm without affine, eps 1e-6).
 local function modulate(x, shift, scale)
-  local S = scope()
-  local k = S.k
-  local n = k(nn.layer_norm(x, nil, nil, 1e-6))
-  return S.done(k(k(n * scale) + n) + shift)
+  local n = ops.layer_norm(x)
+  local r = ops.modulate(n, shift, scale)
+  n:free()
+  return r
 end
 
 -- The n chunks [B, 1, H] of a modulation linear over silu(vec).
@@ -441,18 +405,6 @@ end
 
 -- ---------------------------------------------------------------- forward
 
-local function as_batch(v, B, name, device)
-  if type(v) == "number" then v = kiln.tensor({ v }) end
-  if type(v) == "table" and getmetatable(v) == nil then v = kiln.tensor(v) end
-  if #v.shape == 0 then v = v:reshape({ 1 }) end
-  if #v.shape ~= 1 then error(fmt("dit:forward: %s must be a 1-D tensor, got %d dims", name, #v.shape), 3) end
-  if v.shape[1] == 1 and B > 1 then v = v:expand({ B }) end
-  if v.shape[1] ~= B then error(fmt("dit:forward: %d values of %s for a batch of %d", v.shape[1], name, B), 3) end
-  if v.dtype ~= "f32" then v = v:to("f32") end
-  if v.device ~= device then v = v:to(device) end
-  return v
-end
-
 -- Double block 0 under a step cache (kiln.step_cache): TeaCache decides from the block's
 -- modulated image input (img_norm1 with img_mod's first shift and scale, as
 -- ComfyUI-TeaCache), FBCache from the block's image output. A reuse returns the image
@@ -475,8 +427,6 @@ function Flux:_first_double(p, img, txt, vs, cos, sin, cs)
   end
   return i2, t2
 end
-
-local function shape_of(t) return t and util.shape_str(t) or "nil" end
 
 -- x [B, C, h, w] (h, w even), t [B] flow time, context [B, L, context_dim], y [B,
 -- vec_dim], opts.guidance (number or [B]; [dev] only) -> velocity [B, C, h, w].

@@ -28,6 +28,7 @@
 local kiln = require "kiln"
 local util = require "kiln.util"
 local stream = require "kiln.stream"
+local ops = require "kiln.dit_ops"
 local unet = require "kiln.unet"
 local nn = kiln.nn
 
@@ -37,6 +38,8 @@ MMDiT.__index = MMDiT
 M.MMDiT = MMDiT
 
 local fmt = string.format
+local scope, rms_norm, as_batch, shape_of = ops.scope, ops.rms_norm, ops.as_batch, ops.shape_of
+local function meta_int(meta, key) return ops.meta_int(meta, key, "MMDiT") end
 
 M.HEAD_DIM = 64     -- the reference's heads = hidden / 64
 M.TIME_DIM = 256    -- the sinusoidal embedding the timestep MLP takes
@@ -44,14 +47,6 @@ M.TIME_DIM = 256    -- the sinusoidal embedding the timestep MLP takes
 -- ---------------------------------------------------------------- configuration
 
 local function need(shapes, name, what) return util.need_shape(shapes, name, what, "MMDiT") end
-
-local function meta_int(meta, key)
-  local v = meta and meta[key]
-  if v == nil then return nil end
-  local n = math.tointeger(tonumber(v))
-  if not n or n <= 0 then error(fmt("MMDiT: __metadata__ %s = %q is not a positive integer", key, tostring(v)), 0) end
-  return n
-end
 
 local function isqrt(n)
   local r = math.floor(math.sqrt(n) + 0.5)
@@ -189,49 +184,11 @@ end
 
 function MMDiT:w(name) return self.weights:tensor(name) end
 
-function MMDiT:_device()
-  local w = self.weights
-  if w.device then return w:device("x_embedder.proj.weight") end
-  return w:tensor("x_embedder.proj.weight").device
-end
+function MMDiT:_device() return ops.weights_device(self.weights, "x_embedder.proj.weight") end
 
 -- ---------------------------------------------------------------- pieces
 
--- A scope of temporaries: k(v) keeps v to free, done(...) frees all but the values
--- given (the block's results) and returns them.
-local function scope()
-  local list = {}
-  local s = {}
-  function s.k(v) list[#list + 1] = v; return v end
-  function s.done(...)
-    local keep = {}
-    for i = 1, select("#", ...) do keep[select(i, ...)] = true end
-    for i = #list, 1, -1 do
-      if not keep[list[i]] then list[i]:free() end
-      list[i] = nil
-    end
-    return ...
-  end
-  return s
-end
-
--- The reference's RMSNorm over the last dimension (eps 1e-6) times its weight.
-local function rms_norm(x, w)
-  local S = scope()
-  local k = S.k
-  local ms = k(k(x * x):mean(#x.shape, true))
-  local r = k(k(k(ms + 1e-6):sqrt()) ^ -1)
-  return S.done(k(x * r) * w)
-end
-
--- x * (1 + scale) + shift over an already normalised x (scale, shift [B, 1, H]).
-local function modulate(n, shift, scale)
-  local S = scope()
-  local k = S.k
-  return S.done(k(k(n * scale) + n) + shift)
-end
-
-local function layer_norm(x) return nn.layer_norm(x, nil, nil, 1e-6) end
+local modulate, layer_norm = ops.modulate, ops.layer_norm
 
 -- The n chunks [B, 1, H] of an adaLN modulation linear over silu(c).
 function MMDiT:_mod(n, cs, count)
@@ -405,20 +362,6 @@ function M.unpatchify(x, h, w, p, C)
 end
 
 -- ---------------------------------------------------------------- forward
-
-local function as_batch(v, B, name, device)
-  if type(v) == "number" then v = kiln.tensor({ v }) end
-  if type(v) == "table" and getmetatable(v) == nil then v = kiln.tensor(v) end
-  if #v.shape == 0 then v = v:reshape({ 1 }) end
-  if #v.shape ~= 1 then error(fmt("dit:forward: %s must be a 1-D tensor, got %d dims", name, #v.shape), 3) end
-  if v.shape[1] == 1 and B > 1 then v = v:expand({ B }) end
-  if v.shape[1] ~= B then error(fmt("dit:forward: %d values of %s for a batch of %d", v.shape[1], name, B), 3) end
-  if v.dtype ~= "f32" then v = v:to("f32") end
-  if v.device ~= device then v = v:to(device) end
-  return v
-end
-
-local function shape_of(t) return t and util.shape_str(t) or "nil" end
 
 local function skip_set(list)
   local s = {}
