@@ -6,6 +6,7 @@
 -- and the denoiser that makes a velocity network what the samplers call:
 -- denoised = x - sigma * v, so kiln.sample's euler is BFL's loop (x + (t_next - t) v).
 local kiln = require "kiln"
+local guidance = require "kiln.guidance"
 
 local M = {}
 local fmt = string.format
@@ -185,32 +186,8 @@ function M.denoiser(forward, o)
     return den
   end
 
-  local function guided(u, c)
-    local d = c - u
-    local dg = d * cfg
-    local r = u + dg
-    d:free(); dg:free()
-    return r
-  end
-
-  local den = function(x, sigma)
-    local B = x.shape[1]
-    if cfg == 1 then return predict(x, sigma, cond, y_c, B) end
-    if batch then
-      local xx = kiln.cat({ x, x }, 1)
-      local both = predict(xx, sigma, ctx_both, y_both, 2 * B)
-      xx:free()
-      local u, c = both:narrow(1, 1, B), both:narrow(1, B + 1, B)
-      local r = guided(u, c)
-      u:free(); c:free(); both:free()
-      return r
-    end
-    local u = predict(x, sigma, uncond, y_u, B)
-    local c = predict(x, sigma, cond, y_c, B)
-    local r = guided(u, c)
-    u:free(); c:free()
-    return r
-  end
+  local den = guidance.cfg(predict, cfg, cond, uncond, y_c, y_u,
+    batch and { ctx = ctx_both, y = y_both } or nil)
   -- the batched copies live as long as the denoiser: freed by closing it
   return den, function()
     if ctx_both then ctx_both:free() end

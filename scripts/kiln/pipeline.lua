@@ -14,6 +14,7 @@ local seamless = require "kiln.seamless"
 local util = require "kiln.util"
 local family = require "kiln.family"
 local flow = require "kiln.flow"
+local guidance = require "kiln.guidance"
 local step_cache = require "kiln.step_cache"
 
 local M = {}
@@ -455,33 +456,8 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
     return den
   end
 
-  -- u + (c - u) * cfg, its temporaries freed
-  local function guided(u, c)
-    local d = c - u
-    local dg = d * cfg
-    local r = u + dg
-    d:free(); dg:free()
-    return r
-  end
-
-  return function(x, sigma)
-    local B = x.shape[1]
-    if cfg == 1 then return predict(x, sigma, cond, y_c, B) end
-    if batch then
-      local xx = kiln.cat({ x, x }, 1)
-      local both = predict(xx, sigma, ctx_both, y_both, 2 * B)
-      xx:free()
-      local u, c = both:narrow(1, 1, B), both:narrow(1, B + 1, B)
-      local r = guided(u, c)
-      u:free(); c:free(); both:free()
-      return r
-    end
-    local u = predict(x, sigma, uncond, y_u, B)
-    local c = predict(x, sigma, cond, y_c, B)
-    local r = guided(u, c)
-    u:free(); c:free()
-    return r
-  end
+  return guidance.cfg(predict, cfg, cond, uncond, y_c, y_u,
+    batch and cfg ~= 1 and { ctx = ctx_both, y = y_both } or nil)
 end
 
 --- The number of pixels an image's width and height must be a multiple of: the
