@@ -225,13 +225,48 @@ static void push_simple(server *s, int kind, const char *client)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Appends text to a header being built in a fixed buffer (cut at its end). */
+static size_t put_text(char *buf, size_t cap, size_t at, const char *text)
+{
+    while (*text && at + 1 < cap) buf[at++] = *text++;
+    buf[at] = 0;
+    return at;
+}
+
+static size_t put_number(char *buf, size_t cap, size_t at, unsigned long long v)
+{
+    char digits[24];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    while (n && at + 1 < cap) buf[at++] = digits[--n];
+    buf[at] = 0;
+    return at;
+}
+
+/* The answer's head is built without the printf family: civetweb's request threads have
+ * small stacks, and glibc's formatter (deep under the sanitizers) overflowed them. */
 static void send_plain(struct mg_connection *conn, int status, const char *ctype, const char *body, size_t len,
                        const char *headers)
 {
-    mg_printf(conn,
-              "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nCache-Control: no-cache\r\n"
-              "Connection: close\r\n%s\r\n",
-              status, mg_get_response_code_text(conn, status), ctype, len, headers ? headers : "");
+    size_t cap = 512 + (headers ? strlen(headers) : 0);
+    char *h = malloc(cap);
+    if (!h) return;
+    size_t at = put_text(h, cap, 0, "HTTP/1.1 ");
+    at = put_number(h, cap, at, (unsigned long long)status);
+    at = put_text(h, cap, at, " ");
+    at = put_text(h, cap, at, mg_get_response_code_text(conn, status));
+    at = put_text(h, cap, at, "\r\nContent-Type: ");
+    at = put_text(h, cap, at, ctype);
+    at = put_text(h, cap, at, "\r\nContent-Length: ");
+    at = put_number(h, cap, at, (unsigned long long)len);
+    at = put_text(h, cap, at, "\r\nCache-Control: no-cache\r\nConnection: close\r\n");
+    if (headers) at = put_text(h, cap, at, headers);
+    at = put_text(h, cap, at, "\r\n");
+    mg_write(conn, h, at);
+    free(h);
     if (len) mg_write(conn, body, len);
 }
 
@@ -427,8 +462,13 @@ static int ws_serve(server *s, struct mg_connection *conn)
     if (ri->query_string)
         mg_get_var(ri->query_string, strlen(ri->query_string), "clientId", w->client, sizeof w->client);
     if (!w->client[0]) new_client_id(w->client, sizeof w->client);
-    mg_printf(conn, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                    "Sec-WebSocket-Accept: %s\r\n\r\n", accept);
+    char head[256];
+    size_t at = put_text(head, sizeof head, 0,
+                         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         "Sec-WebSocket-Accept: ");
+    at = put_text(head, sizeof head, at, accept);
+    at = put_text(head, sizeof head, at, "\r\n\r\n");
+    mg_write(conn, head, at);
     pthread_mutex_lock(&s->mu);
     if (s->stopping) w->dead = 1;
     s->in_flight++;

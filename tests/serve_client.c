@@ -382,7 +382,9 @@ int main(int argc, char **argv)
             int stop = until && strstr((char *)p, until);
             if (close_after && strstr((char *)p, close_after)) {
                 close(fd); /* gone without a close frame, as a crashed client */
+                free(p);
                 printf("DISCONNECTED\n");
+                fflush(stdout);
                 return 0;
             }
             if (stop) { free(p); break; }
