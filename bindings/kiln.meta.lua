@@ -2259,7 +2259,7 @@ local Flux = {}
 ---@param t kiln.Tensor|number flow time [B] in [0, 1]
 ---@param context kiln.Tensor T5 states [B, L, d]
 ---@param y kiln.Tensor CLIP-L's pooled output [B, d_pooled]
----@param opts? {guidance?: number|kiln.Tensor} distilled guidance ([dev] needs it; [schnell] ignores it)
+---@param opts? {guidance?: number|kiln.Tensor, reference?: kiln.Tensor|kiln.Tensor[]} distilled guidance ([dev] needs it; [schnell] ignores it); Kontext's reference latents [1 or B, 16, hr, wr] (hr, wr even), appended as image tokens with index 1 (BFL's prepare_kontext; several placed as ComfyUI's "offset"), their prediction dropped
 ---@return kiln.Tensor
 function Flux:forward(x, t, context, y, opts) end
 
