@@ -1,4 +1,4 @@
--- kiln.flux: Black Forest Labs' Flux.1 transformer ([dev], [schnell]) over kiln.nn, as
+-- kiln.flux: Black Forest Labs' Flux.1 transformer ([dev], [schnell], Kontext [dev]) over kiln.nn, as
 -- flux/model.py defines it: double-stream blocks (separate image and text weights,
 -- joint attention) then single-stream blocks over the text and image tokens together,
 -- a 3-axis rotary position embedding and adaLN modulation from a vector of the time,

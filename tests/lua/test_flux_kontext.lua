@@ -105,7 +105,14 @@ test("Kontext txt2img with a reference picture matches BFL's prepare_kontext + d
   local e = pipeline.img2img(ck, img2, { prompt = "", seed = 1, steps = 2, denoise = 0.5,
     reference = G.reference_image, reference_scale = false })
   eq(H.shape_of(e), "1,3,32,32")
-  img2:free(); e:free()
+  -- hires fix gives both passes the references
+  local hr = pipeline.hires_fix(ck, { prompt = "", seed = 9, width = 32, height = 32, steps = 2, scale = 2,
+    hires_steps = 1, reference = G.reference_image, reference_scale = false })
+  local hn = pipeline.hires_fix(ck, { prompt = "", seed = 9, width = 32, height = 32, steps = 2, scale = 2,
+    hires_steps = 1 })
+  eq(H.shape_of(hr), "1,3,64,64")
+  truthy((hr - hn):abs():max() > 0, "the reference changes the hires picture")
+  img2:free(); e:free(); hr:free(); hn:free()
 end)
 
 test("Kontext's preferred resolutions: BFL's list, nearest aspect ratio; the scale as FluxKontextImageScale", function()
