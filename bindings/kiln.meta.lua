@@ -2255,11 +2255,14 @@ local Flux = {}
 
 ---The velocity, as BFL's Flux.forward on the latent packed in 2x2 patches with
 ---`prepare`'s position ids.
+---Kontext: opts.reference, a reference latent [1 or B, 16, hr, wr] (hr, wr even) or a list, appended as
+---image tokens with index 1 (BFL's prepare_kontext; several placed as ComfyUI's "offset"), their
+---prediction dropped.
 ---@param x kiln.Tensor latents [B, 16, h, w] (h, w even)
 ---@param t kiln.Tensor|number flow time [B] in [0, 1]
 ---@param context kiln.Tensor T5 states [B, L, d]
 ---@param y kiln.Tensor CLIP-L's pooled output [B, d_pooled]
----@param opts? {guidance?: number|kiln.Tensor} distilled guidance ([dev] needs it; [schnell] ignores it)
+---@param opts? {guidance?: number|kiln.Tensor, reference?: kiln.Tensor|kiln.Tensor[]} distilled guidance ([dev] needs it; [schnell] ignores it), Kontext's references
 ---@return kiln.Tensor
 function Flux:forward(x, t, context, y, opts) end
 

@@ -1,4 +1,4 @@
--- kiln.flux: Black Forest Labs' Flux.1 transformer ([dev], [schnell]) over kiln.nn, as
+-- kiln.flux: Black Forest Labs' Flux.1 transformer ([dev], [schnell], Kontext [dev]) over kiln.nn, as
 -- flux/model.py defines it: double-stream blocks (separate image and text weights,
 -- joint attention) then single-stream blocks over the text and image tokens together,
 -- a 3-axis rotary position embedding and adaLN modulation from a vector of the time,
@@ -8,10 +8,13 @@
 -- (kiln.stream), as the UNet's.
 --
 --   local dit = flux.new(weights, cfg)       -- names relative to the network's root
---   local v = dit:forward(x, t, context, y, {guidance = g})
+--   local v = dit:forward(x, t, context, y, {guidance = g, reference = r})
 --     x [B, 16, h, w] latent (h, w even), t [B] flow time in [0, 1], context [B, L, d]
 --     (T5 states), y [B, d_vec] (CLIP's pooled output), g [B] ([dev] only) -> the
 --     velocity [B, 16, h, w]
+--     r (Kontext): a reference latent [1 or B, 16, hr, wr] (hr, wr even) or a list of
+--     them, each appended after the image's tokens with its own position ids
+--     (M.reference_ids); the prediction keeps the image's tokens only
 --
 -- __metadata__ keys read: kiln.flux.heads (default hidden / 128), kiln.flux.axes_dim
 -- ("16,56,56"), kiln.flux.theta (10000).
@@ -403,6 +406,27 @@ function M.position_ids(n_txt, h2, w2)
   return ids
 end
 
+--- The position ids of Kontext's reference latents, which follow the image's tokens:
+-- index 1, rows and columns from 0 (BFL's prepare_kontext for one reference). Several
+-- are placed side by side or one under another as ComfyUI's default ("offset") does:
+-- each goes right of those before it when it is taller than wide against the space
+-- they take, else below. sizes: a list of {h, w} latent sizes (even); the ids are
+-- appended to `ids` (a list of {index, row, column}), which is returned.
+function M.reference_ids(sizes, ids)
+  ids = ids or {}
+  local H, W = 0, 0
+  for _, s in ipairs(sizes) do
+    local h, w = s[1], s[2]
+    local ho, wo = 0, 0
+    if h + H > w + W then wo = W else ho = H end
+    H, W = math.max(H, h + ho), math.max(W, w + wo)
+    for r = 0, h // 2 - 1 do
+      for c = 0, w // 2 - 1 do ids[#ids + 1] = { 1, ho // 2 + r, wo // 2 + c } end
+    end
+  end
+  return ids
+end
+
 -- ---------------------------------------------------------------- forward
 
 -- Double block 0 under a step cache (kiln.step_cache): TeaCache decides from the block's
@@ -459,6 +483,25 @@ function Flux:forward(x, t, context, y, opts)
     error("dit:forward: this Flux model ([dev]) is guidance-distilled: give opts.guidance (3.5 is usual)", 2)
   end
   if not cfg.guidance then g = nil end  -- [schnell] has no guidance input: ignored, as BFL's
+  local refs = opts.reference
+  if type(refs) == "userdata" then refs = { refs } end
+  if refs ~= nil and type(refs) ~= "table" then
+    error("dit:forward: opts.reference must be a latent tensor or a list of them, got " .. type(refs), 2)
+  end
+  for i, r in ipairs(refs or {}) do
+    if type(r) ~= "userdata" or not r.shape or #r.shape ~= 4 or r.shape[2] ~= cfg.latent_channels then
+      error(fmt("dit:forward: opts.reference[%d] must be a latent [1 or B, %d, h, w], got %s", i,
+        cfg.latent_channels, type(r) == "userdata" and shape_of(r) or type(r)), 2)
+    end
+    if r.shape[3] % 2 ~= 0 or r.shape[4] % 2 ~= 0 then
+      error(fmt("dit:forward: opts.reference[%d]'s height and width must be even (2x2 patches), got %dx%d", i,
+        r.shape[3], r.shape[4]), 2)
+    end
+    if r.shape[1] ~= 1 and r.shape[1] ~= B then
+      error(fmt("dit:forward: opts.reference[%d] has a batch of %d for x's batch of %d", i, r.shape[1], B), 2)
+    end
+  end
+  if refs and #refs == 0 then refs = nil end
 
   local pass <close> = self.streamer:pass()
   local dev = self:_device()
@@ -483,9 +526,22 @@ function Flux:forward(x, t, context, y, opts)
   end
 
   local nt = context.shape[2]
-  local cos, sin = M.rope_tables(M.position_ids(nt, h // 2, w // 2), cfg.axes_dim, cfg.theta, dev, dt)
-  own(cos); own(sin)
+  local ids = M.position_ids(nt, h // 2, w // 2)
   local packed = own(M.pack(x))
+  local n_img = packed.shape[2]   -- the tokens the prediction keeps
+  if refs then  -- Kontext: the references' tokens after the image's
+    local sizes, parts = {}, { packed }
+    for i, r in ipairs(refs) do
+      sizes[i] = { r.shape[3], r.shape[4] }
+      local p = own(M.pack(place(r)))
+      if p.shape[1] ~= B then p = own(own(p:expand({ B, p.shape[2], p.shape[3] })):contiguous()) end
+      parts[#parts + 1] = p
+    end
+    M.reference_ids(sizes, ids)
+    packed = own(kiln.cat(parts, 2))
+  end
+  local cos, sin = M.rope_tables(ids, cfg.axes_dim, cfg.theta, dev, dt)
+  own(cos); own(sin)
   -- opts.cache_state (kiln.step_cache): the first double block may decide that the rest
   -- of the network is replaced by an earlier step's residual; a streamed pass copies no
   -- block ahead until then
@@ -518,6 +574,12 @@ function Flux:forward(x, t, context, y, opts)
     if cs then cs:store_residual(ic) end
   else
     ic = img
+  end
+  if ic.shape[2] ~= n_img then  -- the references' tokens are not predicted
+    local iv = ic:narrow(2, 1, n_img)
+    local c = iv:contiguous()
+    iv:free(); ic:free()
+    ic = c
   end
   local o = pass:run("final_layer.", self._final, self, ic, vs)
   ic:free(); vs:free()

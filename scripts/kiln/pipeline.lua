@@ -43,6 +43,7 @@ local COMMON_OPTIONS = {
   "preview", "previewer", "preview_every", "preview_precision",
   "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
   "guidance", "t5_length", -- flow-matching families (Flux): distilled guidance, T5's padded length
+  "reference", "reference_scale", -- Flux Kontext: reference pictures (scaled to Kontext's sizes unless false)
   "cache", -- kiln.step_cache: {mode = "fbcache" | "teacache" | "deepcache", threshold = ...}
 }
 local function option_set(...)
@@ -116,7 +117,7 @@ local function opts_with_defaults(opts, ckpt)
   if F then
     flow_defaults(o, opts, ckpt, F)
   else
-    for _, k in ipairs({ "guidance", "t5_length" }) do
+    for _, k in ipairs({ "guidance", "t5_length", "reference" }) do
       if o[k] ~= nil then
         error(("%s is an option of the flow-matching families (Flux); this is an %s checkpoint"):format(k,
           family.label(ckpt and ckpt.family)), 0)
@@ -364,7 +365,8 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
   if M.flow_family(ckpt) then
     -- a velocity network (kiln.flow): denoised = x - sigma * v, its distilled guidance
     local dit, g = ckpt.dit, o._flow and o._flow.guidance
-    local fopts = (g or o.cache_state) and { guidance = g, cache_state = o.cache_state } or nil
+    local fopts = (g or o.cache_state or o._reference) and
+        { guidance = g, cache_state = o.cache_state, reference = o._reference } or nil
     local info = o.info
     local function forward(x, t, ctx, y, n)
       local tt = kiln.full({ n }, t)
@@ -700,6 +702,21 @@ local function decode(ckpt, dev, lat, o)
   end)
 end
 
+-- Flux Kontext: opts.reference's pictures through the VAE encoder before sampling
+-- (o._reference, read by the denoiser); closing the result frees them.
+local function reference_stage(ckpt, o, dev)
+  if o.reference == nil then return nil end
+  o._reference = stage("reference encode", function()
+    local l = M.flow_family(ckpt).reference_latents(ckpt, o.reference, o.reference_scale, dev, o.tile)
+    ckpt.vae:offload()                     -- needed again for the decode; keep it on the host
+    return l
+  end)
+  return setmetatable({}, { __close = function()
+    for _, t in ipairs(o._reference or {}) do t:free() end
+    o._reference = nil
+  end })
+end
+
 --- txt2img: text -> images [batch, 3, H, W] in [0, 1] (and the final latents).
 function M.txt2img(ckpt, opts)
   M.check_options("txt2img", opts)
@@ -715,6 +732,7 @@ function M.txt2img(ckpt, opts)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
   local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
+  local refs <close> = reference_stage(ckpt, o, dev)
 
   local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W, H, dev) end)
 
@@ -757,6 +775,7 @@ function M.img2img(ckpt, image, opts)
     ckpt.vae:offload()                     -- needed again for the decode; keep it on the host
     return x
   end)
+  local refs <close> = reference_stage(ckpt, o, dev)
 
   local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W, H, dev) end)
 
@@ -799,6 +818,7 @@ function M.hires_fix(ckpt, opts)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
   local on_dev <close> = M.on_device(dev)  -- after the plan: it may choose the CPU
+  local refs <close> = reference_stage(ckpt, o, dev)
 
   -- SDXL: both passes aim at the final size
   local cond, uncond = stage("encode", function() return encode_stage(ckpt, o, W2, H2, dev) end)
@@ -809,6 +829,7 @@ function M.hires_fix(ckpt, opts)
     first.denoise = 1
     first.info = o.info                    -- one record for both passes
     first.y_cond, first.y_uncond = o.y_cond, o.y_uncond
+    first._reference = o._reference
     return M.sample_latents(ckpt, cond, uncond, first, nil, { n, latent_channels(ckpt), lh, lw })
   end)
 
@@ -855,6 +876,7 @@ function M.hires_fix(ckpt, opts)
   second.seed = o.seed + 1
   second.unet_tile = o.hires_tile   -- large upscale passes: MultiDiffusion tiles (latent units)
   second.y_cond, second.y_uncond = o.y_cond, o.y_uncond
+  second._reference = o._reference
   local lat2 = stage("sample hires", function()
     local l = M.sample_latents(ckpt, cond, uncond, second, up, up.shape)
     up:free(); free_cond(cond, uncond); free_y(o)

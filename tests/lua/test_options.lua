@@ -210,6 +210,7 @@ end)
 test("options: every option the pipelines read is declared", function()
   local internal = { y_cond = true, y_uncond = true, controls = true, concat = true, _seconds_per_step = true,
     _flow = true, _ms = true,  -- a flow family's checked options and model sampling (kiln.flow)
+    _reference = true,         -- Flux Kontext's encoded reference latents
     info = true, cache_state = true, _cache_spec = true }  -- the run's record and step cache (kiln.step_cache)
   local all = {}
   for _, set in pairs(pipeline.OPTIONS) do for k in pairs(set) do all[k] = true end end

@@ -7,7 +7,9 @@
 -- guidance give the pipelines' latents). As ComfyUI's: a Flux model samples with
 -- ModelSamplingFlux's shift (1.15 for [dev], 1.0 for [schnell] unless the node sets
 -- it), T5 pads the prompt to at least 256 tokens, a conditioning without a guidance
--- value runs [dev] at 3.5.
+-- value runs [dev] at 3.5. Kontext: ReferenceLatent, FluxKontextImageScale and
+-- FluxKontextMultiReferenceLatentMethod; the sampling gives a conditioning's reference
+-- latents to the network (dit:forward's opts.reference).
 local kiln = require "kiln"
 local flow = require "kiln.flow"
 local pipeline = require "kiln.pipeline"
@@ -158,6 +160,14 @@ N.EmptySD3LatentImage = {
   end,
 }
 
+-- two lists of tensors hold the same ones (nil as empty)
+local function same_list(a, b)
+  a, b = a or {}, b or {}
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
 -- The run options of a Flux model's sampling (kiln.pipeline.sample_latents): the
 -- distilled guidance of the positive conditioning ([dev]; 3.5 when it has none), the
 -- pooled vectors, and the sigmas of the model's sampling (ModelSamplingFlux's or
@@ -172,11 +182,85 @@ function M.ksampler_options(ctx, model, pe, ne, o, made)
   if gd == nil then gd = DEFAULT_GUIDANCE end
   o._flow = { guidance = ckpt.variant == "dev" and gd or nil }
   o.y_cond, o.y_uncond = pe.pooled, o.cfg ~= 1 and ne.pooled or nil
+  -- ReferenceLatent's latents (Kontext): kiln's denoiser gives the one list to both passes
+  local refs = pe.reference_latents
+  if o.cfg ~= 1 and not same_list(refs, ne and ne.reference_latents) then
+    fail(ctx, "the negative conditioning has other reference latents than the positive's: with cfg other than 1 " ..
+      "both sides must have the same (ReferenceLatent on both, or cfg 1)")
+  end
+  if refs and #refs > 0 then o._reference = refs end
   if not o.sigmas then
     o.sigmas = flow.sigmas(M.model_sampling(model), o.scheduler, o.steps, o.denoise or 1)
     made[#made + 1] = o.sigmas
   end
 end
+
+-- ------------------------------------------------------------------ Kontext (edit models)
+
+-- ComfyUI's ReferenceLatent (comfy_extras/nodes_edit_model.py): the latent appended to
+-- each entry's reference_latents (chained nodes give several); without a latent the
+-- conditioning passes unchanged. A Flux model reads them as Kontext's reference tokens
+-- (kiln.flux); other models ignore them, as ComfyUI's do.
+N.ReferenceLatent = {
+  category = "advanced/conditioning/edit_models",
+  description = "Sets the guiding latent for an edit model; chain several for several reference images.",
+  inputs = { { "conditioning", "CONDITIONING" }, { "latent", "LATENT", optional = true } },
+  outputs = { "CONDITIONING" },
+  run = function(ctx, a)
+    -- a new value either way (it holds the tensors its entries share with the input's)
+    local list = {}
+    for i, e in ipairs(a.conditioning.entries) do
+      local r = copy_entry(e)
+      if a.latent then
+        local refs = {}
+        for j, t in ipairs(e.reference_latents or {}) do refs[j] = t end
+        refs[#refs + 1] = a.latent.samples
+        r.reference_latents = refs
+      end
+      list[i] = r
+    end
+    return { cond_value(ctx, list) }
+  end,
+}
+
+-- ComfyUI's FluxKontextImageScale: the picture at the preferred Kontext resolution of its
+-- aspect ratio (Lanczos, cut at the centre; kiln.families.flux.kontext_scale).
+N.FluxKontextImageScale = {
+  category = "advanced/conditioning/flux",
+  description = "Resizes the image to one that is more optimal for flux kontext.",
+  inputs = { { "image", "IMAGE" } },
+  outputs = { "IMAGE" },
+  run = function(ctx, a)
+    local F = require "kiln.families.flux"
+    local t = a.image.t
+    local out = {}
+    for i = 1, t.shape[1] do   -- one picture at a time: kontext_scale takes [1, C, H, W]
+      local one = t:narrow(1, i, 1)
+      out[i] = F.kontext_scale(one)
+      one:free()
+    end
+    local r = #out == 1 and out[1] or kiln.cat(out, 1)
+    if #out > 1 then for _, o in ipairs(out) do o:free() end end
+    return { V.image(ctx, r) }
+  end,
+}
+
+-- ComfyUI's FluxKontextMultiReferenceLatentMethod: how several references are placed.
+-- kiln places them as ComfyUI's default, "offset"; the others are refused by the combo.
+N.FluxKontextMultiReferenceLatentMethod = {
+  category = "advanced/conditioning/flux",
+  inputs = { { "conditioning", "CONDITIONING" }, { "reference_latents_method", { "offset" } } },
+  outputs = { "CONDITIONING" },
+  run = function(ctx, a)
+    local list = {}
+    for i, e in ipairs(a.conditioning.entries) do
+      local r = copy_entry(e)
+      r.reference_latents_method = a.reference_latents_method
+      list[i] = r
+    end
+    return { cond_value(ctx, list) }
+  end,
+}
 
 -- ------------------------------------------------------------------ custom sampling
 

@@ -34,7 +34,8 @@ function M.latent(ctx, samples, mask, extra)
 end
 
 --- ComfyUI's conditioning: a list of entries {cond [1, L, dim], pooled, ...}; an entry
--- is a table {cond =, pooled =, control = {...}, size = {...}, concat_latent =, concat_mask =}
+-- is a table {cond =, pooled =, control = {...}, size = {...}, concat_latent =, concat_mask =,
+-- reference_latents = {...}}
 function M.conditioning(ctx, entries)
   local tensors = {}
   for _, e in ipairs(entries) do
@@ -43,6 +44,7 @@ function M.conditioning(ctx, entries)
       if e[k] then tensors[#tensors + 1] = e[k] end
     end
     for _, c in ipairs(e.control or {}) do tensors[#tensors + 1] = c.image end
+    for _, r in ipairs(e.reference_latents or {}) do tensors[#tensors + 1] = r end  -- ReferenceLatent's
   end
   local res = {}
   for _, e in ipairs(entries) do

@@ -136,4 +136,71 @@ function M.encode_prompts(ckpt, prompts, t5_length, dev)
   return ctx, pooled
 end
 
+-- ---------------------------------------------------------------- Kontext
+
+--- The resolutions Kontext [dev] was trained at, {width, height} (BFL's
+-- PREFERED_KONTEXT_RESOLUTIONS, ComfyUI's FluxKontextImageScale's).
+M.KONTEXT_RESOLUTIONS = {
+  { 672, 1568 }, { 688, 1504 }, { 720, 1456 }, { 752, 1392 }, { 800, 1328 }, { 832, 1248 },
+  { 880, 1184 }, { 944, 1104 }, { 1024, 1024 }, { 1104, 944 }, { 1184, 880 }, { 1248, 832 },
+  { 1328, 800 }, { 1392, 752 }, { 1456, 720 }, { 1504, 688 }, { 1568, 672 },
+}
+
+--- The preferred Kontext resolution for a picture W x H: the one whose aspect ratio is
+-- nearest (ties to the smaller width, as Python's min over (distance, w, h)).
+function M.kontext_size(W, H)
+  local ar = W / H
+  local best, bd
+  for _, r in ipairs(M.KONTEXT_RESOLUTIONS) do
+    local d = math.abs(ar - r[1] / r[2])
+    if not bd or d < bd or (d == bd and r[1] < best[1]) then best, bd = r, d end
+  end
+  return best[1], best[2]
+end
+
+--- image [1, C, H, W] in [0, 1] resized as ComfyUI's FluxKontextImageScale does: to the
+-- preferred resolution of its aspect ratio, cut to that ratio at the centre, Lanczos.
+-- A new tensor (a copy when the size is already one of them).
+function M.kontext_scale(image)
+  local W, H = M.kontext_size(image.shape[4], image.shape[3])
+  if image.shape[3] == H and image.shape[4] == W then return image:clone() end
+  return require("kiln.image").resize(image, W, H, { mode = "lanczos", crop = "center" })
+end
+
+--- The latents of a run's reference pictures (opts.reference: an image [1, 3, H, W] in
+-- [0, 1] or a list of them; Kontext [dev]): each resized to its preferred Kontext
+-- resolution unless scale is false (then as given: sides a multiple of 16, the 2x2
+-- patches of the autoencoder's latent), encoded by ckpt.vae on dev. A list of latents
+-- [1, 16, h, w], the caller's to free.
+function M.reference_latents(ckpt, refs, scale, dev, tile)
+  if type(refs) == "userdata" then refs = { refs } end
+  if type(refs) ~= "table" then
+    error("reference must be an image tensor [1, 3, H, W] or a list of them, got " .. type(refs), 0)
+  end
+  local out = {}
+  local ok, err = pcall(function()
+    for i, img in ipairs(refs) do
+      if type(img) ~= "userdata" or not img.shape or #img.shape ~= 4 or img.shape[1] ~= 1 or img.shape[2] < 3 then
+        error(string.format("reference[%d] must be an image [1, 3, H, W] in [0, 1], got %s", i,
+          type(img) == "userdata" and img.shape and ("[" .. table.concat(img.shape, ", ") .. "]") or type(img)), 0)
+      end
+      local rgb = img.shape[2] == 3 and img or img:narrow(2, 1, 3)
+      local src = scale ~= false and M.kontext_scale(rgb) or nil
+      if not src and (img.shape[3] % 16 ~= 0 or img.shape[4] % 16 ~= 0) then
+        error(string.format("reference[%d] is %dx%d: with reference_scale = false its sides must be multiples " ..
+          "of 16 (the autoencoder's 8 times the 2x2 patches)", i, img.shape[4], img.shape[3]), 0)
+      end
+      if i == 1 then ckpt.vae:load(dev) end
+      out[i] = ckpt.vae:encode(src or rgb, { tile = tile })
+      if src then src:free() end
+    end
+  end)
+  if not ok then
+    for _, t in ipairs(out) do t:free() end
+    error(err, 0)
+  end
+  if #out == 0 then error("reference is an empty list", 0) end
+  return out
+end
+
 return M
