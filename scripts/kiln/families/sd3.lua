@@ -73,6 +73,9 @@ local M = {
   unet = {},
   dit = "kiln.mmdit",     -- the module that builds the network (config, expected, new)
   variant = variant,
+  -- the network's time is sigma * 1000, its schedule the 1000 shifted sigmas of the
+  -- reference's ModelSamplingDiscreteFlow (what "simple" and "normal" pick from)
+  flow = { multiplier = 1000, table = 1000 },
 
   -- both CLIPs at their penultimate layer without the final norm; the pooled vectors:
   -- CLIP-L's final-normed end token WITHOUT its projection, bigG's projected (the
@@ -347,6 +350,106 @@ function M.denoiser(dit, cond, uncond, opts)
     step = step + 1
     return out
   end
+end
+
+-- ---------------------------------------------------------------- pipelines
+
+local function is_missing(part)
+  return part == nil or (getmetatable(part) ~= nil and tostring(part):match("^missing") ~= nil)
+end
+
+-- skip_layer_guidance = true: the variant's (Medium: layers 7, 8, 9, as ComfyUI's
+-- SkipLayerGuidanceSD3); a table: its fields over those defaults.
+local function slg_options(ckpt, v)
+  if v == nil or v == false then return nil end
+  local d = (M.variants[ckpt.variant] or {}).skip_layer_guidance or M.variants.medium.skip_layer_guidance
+  if v == true then
+    if not (M.variants[ckpt.variant] or {}).skip_layer_guidance then
+      error(fmt("skip_layer_guidance = true: the SD 3.5 %s checkpoint has no default layers; pass " ..
+        "{layers = {7, 8, 9}, scale = 3.0, start = 0.01, stop = 0.15} (0-based block indices)",
+        tostring(ckpt.variant)), 0)
+    end
+    v = {}
+  end
+  if type(v) ~= "table" then
+    error("skip_layer_guidance must be true or a table {layers, scale, start, stop}, got " .. type(v), 0)
+  end
+  util.check_options(v, { layers = true, scale = true, start = true, stop = true }, "skip_layer_guidance", 0)
+  local r = { layers = v.layers or d.layers, scale = v.scale or d.scale, start = v.start or d.start,
+    stop = v.stop or d.stop }
+  if type(r.layers) ~= "table" or #r.layers == 0 then
+    error("skip_layer_guidance.layers must list block indices (0-based)", 0)
+  end
+  local depth = ckpt.dit.config.depth
+  for _, i in ipairs(r.layers) do
+    if math.type(i) ~= "integer" or i < 0 or i >= depth then
+      error(fmt("skip_layer_guidance.layers: %s is not a block of this MMDiT (0 to %d)", tostring(i), depth - 1), 0)
+    end
+  end
+  for _, k in ipairs({ "scale", "start", "stop" }) do
+    if type(r[k]) ~= "number" then error(fmt("skip_layer_guidance.%s must be a number", k), 0) end
+  end
+  return r
+end
+
+--- Checks a run's SD 3.5 options (o: the caller's) and returns what the run uses:
+-- {t5_length, skip_layer_guidance = {layers, scale, start, stop} or nil}. Flux's
+-- distilled guidance is refused: SD 3.5 guides with CFG (cfg, negative).
+function M.run_options(ckpt, o)
+  if o.guidance ~= nil then
+    error("guidance is Flux [dev]'s distilled guidance; SD 3.5 guides with cfg and the negative prompt", 0)
+  end
+  local n = o.t5_length or M.defaults.t5_length
+  if math.type(n) ~= "integer" or n < 1 then
+    error(fmt("t5_length must be a positive integer, got %s", tostring(o.t5_length)), 0)
+  end
+  return { t5_length = n, skip_layer_guidance = slg_options(ckpt, o.skip_layer_guidance) }
+end
+
+--- The conditioning of prompts for the pipelines: per prompt the context [1, 77 + n,
+-- context width] (both CLIPs' penultimate states zero-padded to the width, then T5's
+-- states of its ids padded to t5_length with 0, longer prompts kept whole as ComfyUI's
+-- SD3 tokenizer; 77 tokens of zeros without a T5, as the reference's empty T5) and y
+-- [1, 2048]. T5 (the largest) runs and is unloaded before the CLIPs load, and they are
+-- unloaded after: the sampling has the device to itself. Returns two lists.
+function M.encode_prompts(ckpt, prompts, t5_length, dev)
+  local _ = ckpt.clip.encode -- a missing CLIP says which files to pass, before any work
+  local width = ckpt.dit.config.context_dim
+  local t5 = rawget(ckpt, "t5")
+  if is_missing(t5) then t5 = nil end
+  local t5s, ctx, pooled = {}, {}, {}
+  local ok, err = pcall(function()
+    if t5 then
+      t5:load(dev)
+      for i, p in ipairs(prompts) do
+        local n = #require("kiln.t5").tokenize(p)
+        t5s[i] = t5:encode(p, { length = math.max(t5_length, n) })
+      end
+      t5:unload()
+    end
+    ckpt.clip:load(dev)
+    for i, p in ipairs(prompts) do
+      local lg, pl = ckpt.clip:encode(p)
+      if not pl then
+        lg:free()
+        error("SD 3.5: the text encoders gave no pooled vector; it needs CLIP-L's and bigG's", 0)
+      end
+      pooled[i] = pl
+      ctx[i] = M.context(lg, t5s[i], { width = width, t5_tokens = t5_length })
+      lg:free()
+      if t5s[i] then t5s[i]:free(); t5s[i] = nil end
+    end
+    ckpt.clip:unload()
+  end)
+  if not ok then
+    for _, t in pairs(t5s) do t:free() end
+    for _, t in pairs(ctx) do t:free() end
+    for _, t in pairs(pooled) do t:free() end
+    if t5 then pcall(t5.unload, t5) end
+    pcall(ckpt.clip.unload, ckpt.clip)
+    error(err, 0)
+  end
+  return ctx, pooled
 end
 
 -- ---------------------------------------------------------------- names

@@ -1,0 +1,164 @@
+-- kiln.pipeline on SD 3.5 end to end: the tiny Medium-style MMDiT, CLIP-L, bigG and
+-- 16-channel decoder of tests/golden/gen_sd3_pipeline.py give the latent and picture
+-- Stability AI's own sampling pieces give (do_sampling's get_sigmas, euler, CFGDenoiser
+-- and SkipLayerCFGDenoiser, SD3LatentFormat, VAEDecoder), within 1e-3: CFG with the
+-- negative prompt, no T5 (the empty T5's zeros), skip-layer guidance as ComfyUI's
+-- SkipLayerGuidanceSD3; the family's defaults; bad options refused by name; img2img,
+-- inpaint and hires fix run; in mode low on sim the encoders are unloaded while sampling.
+package.path = "tests/lua/?.lua;" .. package.path
+local H = require "harness"
+local kiln = require "kiln"
+local T = require "tiny_sd"
+local pipeline = require "kiln.pipeline"
+local family = require "kiln.family"
+local test, eq, raises, truthy = H.test, H.eq, H.raises, H.truthy
+
+local MiB = 1024 * 1024
+local GOLD = kiln.load_safetensors("tests/golden/sd3/pipeline.safetensors")
+local TOL = 1e-3
+local F = family.get("sd3")
+
+local files = {}
+local function save(name, t, meta)
+  if not files[name] then
+    files[name] = T.tmp(name .. ".safetensors")
+    kiln.save_safetensors(files[name], t, meta)
+  end
+  return files[name]
+end
+local function dit_file() return save("sd3-pipe-dit", (T.from_recipe("../sd3/pipeline_dit"))) end
+local function ae_file() return save("sd3-pipe-ae", (T.from_recipe("../flux/ae"))) end
+local function clip_file(name, key, act)
+  return save("sd3-pipe-" .. name, (T.from_recipe("../sd3/" .. name)),
+    { ["kiln.heads." .. key] = "2", ["kiln." .. key .. ".activation"] = act })
+end
+local function load(opts)
+  local o = { vae = ae_file(), clip_l = clip_file("clip_l", "clip", "quick_gelu"),
+    clip_g = clip_file("clip_g", "clip_g", "gelu") }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  local ck = kiln.load_checkpoint(dit_file(), o)
+  ck.clip.tokenizer = T.word_tokenizer
+  return ck
+end
+
+local function rel(a, b)
+  eq(H.shape_of(a), H.shape_of(b), "shape")
+  local d = (a:to("cpu"):to("f32") - b):abs():max()
+  return d / b:abs():max()
+end
+
+if kiln.set_quiet then kiln.set_quiet(true) end
+local report = {}
+
+local RUN = { prompt = "a photo of a cat", negative = "", seed = 11, width = 48, height = 32, steps = 4,
+  scheduler = "normal" }
+local function with(extra)
+  local o = {}
+  for k, v in pairs(RUN) do o[k] = v end
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return o
+end
+
+for _, case in ipairs({
+  { "cfg", {} },
+  { "slg", { skip_layer_guidance = { layers = { 1 }, scale = 3.0, start = 0.01, stop = 0.5 } } },
+}) do
+  test("SD 3.5 txt2img (" .. case[1] .. ") matches the reference's sampling loop and VAE", function()
+    local ck <close> = load()
+    eq(ck.family, "sd3"); eq(ck.variant, "medium")
+    local img, lat = pipeline.txt2img(ck, with(case[2]))
+    local rl = rel(lat, GOLD[case[1] .. "_latent"])
+    local ri = rel(img, GOLD[case[1] .. "_image"])
+    truthy(rl <= TOL, "latent: " .. rl)
+    truthy(ri <= TOL, "picture: " .. ri)
+    report[#report + 1] = ("%s: latent %.2e, picture %.2e"):format(case[1], rl, ri)
+    img:free(); lat:free()
+  end)
+end
+
+test("SD 3.5: the schedule is the reference's discrete flow (shift 3, 1000 steps, t = 1000 sigma)", function()
+  local ck <close> = load()
+  local ms = pipeline.flow_sampling(ck, { 1, 16, 4, 6 })
+  eq(ms.timestep(0.5), 500)
+  truthy(math.abs(ms.sigma_min - F.sigma(1, 3.0)) < 1e-7, "sigma_min " .. ms.sigma_min)
+  eq(ms.sigma_max, 1)
+  local s = pipeline.sigmas(ck, "simple", 4, 1, { 1, 16, 4, 6 }):table()
+  -- ComfyUI's simple over the 1000-value table: every 250th from the top
+  truthy(math.abs(s[2] - F.sigma(750, 3.0)) < 1e-6, "simple " .. s[2])
+  eq(s[5], 0)
+end)
+
+test("SD 3.5: defaults per variant; bad options refused by name", function()
+  local ck <close> = load()
+  -- skip_layer_guidance = true takes Medium's layers 7, 8, 9: this 3-block model has none
+  local err = raises(function() return pipeline.txt2img(ck, with({ skip_layer_guidance = true })) end)
+  truthy(err:find("skip_layer_guidance", 1, true) and err:find("0 to 2", 1, true), err)
+  err = raises(function() return pipeline.txt2img(ck, with({ skip_layer_guidance = { layers = { 1 }, scael = 3 } }))
+  end)
+  truthy(err:find("scael", 1, true), err)
+  err = raises(function() return pipeline.txt2img(ck, with({ guidance = 3.5 })) end)
+  truthy(err:find("guidance", 1, true) and err:find("cfg", 1, true), err)
+  err = raises(function() return pipeline.txt2img(ck, with({ width = 40 })) end)
+  truthy(err:find("2x2", 1, true) or err:find("even", 1, true), err)
+  err = raises(function() return pipeline.txt2img(ck, with({ sampler = "euler_ancestral" })) end)
+  truthy(err:find("euler_ancestral", 1, true), err)
+  local sd <close> = kiln.load_checkpoint(T.ckpt_file("sd1"))
+  err = raises(function() return pipeline.txt2img(sd, { width = 32, height = 32, skip_layer_guidance = true }) end)
+  truthy(err:find("skip_layer_guidance", 1, true), err)
+  -- without CLIP files: the missing part names what to pass
+  local alone <close> = kiln.load_checkpoint(dit_file(), { vae = ae_file() })
+  err = raises(function() return pipeline.txt2img(alone, with()) end)
+  truthy(err:find("clip_l", 1, true), err)
+  eq(pipeline.default_cfg(ck), 4.5)
+end)
+
+test("SD 3.5 cfg 1 (Turbo's default) takes no negative pass; the same negative as prompt gives cfg's c", function()
+  local ck <close> = load()
+  local a = pipeline.txt2img(ck, with({ cfg = 1 }))
+  local b = pipeline.txt2img(ck, with({ cfg = 3, negative = "a photo of a cat" }))
+  truthy(rel(b, a) <= TOL, "u + (c - u) cfg = c when u = c")
+  a:free(); b:free()
+end)
+
+test("SD 3.5 img2img, inpaint and hires fix run", function()
+  local ck <close> = load()
+  local src = GOLD.cfg_image
+  local img = pipeline.img2img(ck, src, with({ denoise = 0.5 }))
+  eq(H.shape_of(img), "1,3,32,48")
+  truthy((img - src):abs():max() > 0, "img2img changes the picture")
+  img:free()
+  local mask = kiln.zeros({ 1, 1, 32, 48 })
+  local half = mask:narrow(4, 25, 24)
+  half:fill(1)
+  half:free()
+  img = pipeline.inpaint(ck, src, mask, with())
+  local keep = img:narrow(4, 1, 8):contiguous()
+  local want = src:narrow(4, 1, 8):contiguous()
+  eq((keep - want):abs():max(), 0)
+  img:free(); keep:free(); want:free(); mask:free()
+  local big = pipeline.hires_fix(ck, with({ scale = 2, hires_steps = 2 }))
+  eq(H.shape_of(big), "1,3,64,96")
+  big:free()
+end)
+
+local has_sim = false
+for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
+
+test("SD 3.5 txt2img in mode low on sim: the same picture, the text encoders unloaded while sampling", function()
+  if not has_sim then H.skip("no sim device") end
+  local ck <close> = load()
+  kiln.memory_mode("low")
+  local seen = {}
+  local ok, img = pcall(pipeline.txt2img, ck, with({ device = "sim", callback = function()
+    seen.clip = ck.clip:bytes("sim")
+  end }))
+  kiln.memory_mode("normal")
+  truthy(ok, tostring(img))
+  eq(seen.clip, 0, "CLIP unloaded while sampling")
+  local r = rel(img, GOLD.cfg_image)
+  truthy(r <= TOL, "low mode: " .. r)
+  img:free()
+end)
+
+for _, l in ipairs(report) do print("  " .. l) end
+H.done()
