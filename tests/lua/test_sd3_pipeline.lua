@@ -141,6 +141,74 @@ test("SD 3.5 img2img, inpaint and hires fix run", function()
   big:free()
 end)
 
+-- The tiny MMDiT as diffusers' SD3Transformer2DModel stores it: q / k / v apart (rows
+-- of the fused qkv), the final layer's and the last context block's modulation halves
+-- swapped (diffusers' AdaLayerNormContinuous keeps scale before shift), the names of
+-- kiln.families.sd3.to_diffusers.
+local function diffusers_folder()
+  if files.diffusers then return files.diffusers end
+  local w = T.from_recipe("../sd3/pipeline_dit")
+  local depth = 3
+  local t = {}
+  for n, v in pairs(w) do
+    local base, what = n:match("^(.*attn2?)%.qkv%.(%a+)$")
+    local swap = n:match("^final_layer%.adaLN_modulation%.1%.") or
+        n:match(("^joint_blocks%%.%d%%.context_block%%.adaLN_modulation%%.1%%."):format(depth - 1))
+    if base then
+      local H = v.shape[1] // 3
+      for i, q in ipairs({ "q", "k", "v" }) do
+        t[assert(F.to_diffusers(base .. "." .. q .. "." .. what), n)] = v:narrow(1, (i - 1) * H + 1, H):contiguous()
+      end
+    elseif swap then
+      local H = v.shape[1] // 2
+      t[assert(F.to_diffusers(n), n)] = kiln.cat({ v:narrow(1, H + 1, H), v:narrow(1, 1, H) }, 1)
+    else
+      t[assert(F.to_diffusers(n), n)] = v
+    end
+  end
+  local dir = T.tmp("sd3-diffusers")
+  for _, sub in ipairs({ "transformer", "text_encoder", "text_encoder_2" }) do
+    assert(os.execute("mkdir -p '" .. dir .. "/" .. sub .. "'"))
+  end
+  kiln.save_safetensors(T.tmp("sd3-diffusers/transformer/diffusion_pytorch_model.safetensors"), t)
+  local function write(path, text)
+    local f = assert(io.open(T.tmp(path:sub(#dir - #"sd3-diffusers" + 1)), "w"))
+    f:write(text)
+    f:close()
+  end
+  write(dir .. "/transformer/config.json", '{"_class_name": "SD3Transformer2DModel", "num_attention_heads": 3}')
+  for _, e in ipairs({ { "text_encoder", "clip_l", "quick_gelu" }, { "text_encoder_2", "clip_g", "gelu" } }) do
+    kiln.save_safetensors(T.tmp("sd3-diffusers/" .. e[1] .. "/model.safetensors"), (T.from_recipe("../sd3/" .. e[2])))
+    write(dir .. "/" .. e[1] .. "/config.json", ('{"hidden_act": "%s", "num_attention_heads": 2}'):format(e[3]))
+  end
+  files.diffusers = dir
+  return dir
+end
+
+test("SD 3.5 diffusers folder (transformer/, text_encoder/, text_encoder_2/) loads to the same picture", function()
+  local dir = diffusers_folder()
+  local ck <close> = kiln.load_checkpoint(dir, { vae = ae_file() })
+  eq(ck.family, "sd3"); eq(ck.variant, "medium")
+  eq(ck.dit.config.heads, 3)
+  ck.clip.tokenizer = T.word_tokenizer
+  local img, lat = pipeline.txt2img(ck, with())
+  local rl = rel(lat, GOLD.cfg_latent)
+  truthy(rl <= TOL, "diffusers latent: " .. rl)
+  report[#report + 1] = ("diffusers folder: latent %.2e"):format(rl)
+  img:free(); lat:free()
+  -- the transformer/ folder alone is a diffusion model too
+  local alone <close> = kiln.load_checkpoint(dir .. "/transformer")
+  eq(alone.family, "sd3")
+  -- a wrong class names what kiln reads
+  local bad = T.tmp("sd3-diffusers-bad")
+  assert(os.execute("mkdir -p '" .. bad .. "/transformer'"))
+  local f = assert(io.open(T.tmp("sd3-diffusers-bad/transformer/config.json"), "w"))
+  f:write('{"_class_name": "HunyuanDiT2DModel"}')
+  f:close()
+  local err = raises(function() return kiln.load_checkpoint(bad) end)
+  truthy(err:find("SD3Transformer2DModel", 1, true), err)
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 
@@ -160,5 +228,7 @@ test("SD 3.5 txt2img in mode low on sim: the same picture, the text encoders unl
   img:free()
 end)
 
+T.cleanup({ "/sd3-diffusers/transformer", "/sd3-diffusers/text_encoder", "/sd3-diffusers/text_encoder_2",
+  "/sd3-diffusers", "/sd3-diffusers-bad/transformer", "/sd3-diffusers-bad" })
 for _, l in ipairs(report) do print("  " .. l) end
 H.done()

@@ -27,7 +27,8 @@ local function find_dit(shapes)
   return nil
 end
 
--- "medium" when MMDiT-X's second attention is there, "sd3_medium" without q/k norms
+-- "medium" when MMDiT-X's second attention is there (fused or split q / k / v),
+-- "sd3_medium" without q/k norms
 -- (SD 3 Medium), else "large" or "large_turbo": the turbo's shapes are Large's, so only
 -- the metadata (kiln.variant, or a modelspec.title naming it) or the file's name tells.
 local function variant(shapes, prefix, meta, path)
@@ -35,7 +36,7 @@ local function variant(shapes, prefix, meta, path)
   local v = meta and meta["kiln.variant"]
   if v then return v end
   for name in pairs(shapes) do
-    if name:sub(1, #prefix) == prefix and name:match("^joint_blocks%.%d+%.x_block%.attn2%.qkv%.weight$",
+    if name:sub(1, #prefix) == prefix and name:match("^joint_blocks%.%d+%.x_block%.attn2%.qk?v?%.weight$",
       #prefix + 1) then
       return "medium"
     end
@@ -47,7 +48,8 @@ local function variant(shapes, prefix, meta, path)
   return "large"
 end
 
-local M = {
+local M -- the family table; the diffusers hooks below call its functions
+M = {
   name = "sd3",
   label = "SD 3.5",
 
@@ -57,6 +59,7 @@ local M = {
     -- names no UNet nor Flux has (the second still there when block 0 is missing)
     unet_names = { KEY, "context_embedder.weight" },
     gguf_architectures = { "sd3" },
+    diffusers_class = "SD3Transformer2DModel",   -- transformer/config.json's _class_name
   },
 
   parts = {
@@ -69,6 +72,15 @@ local M = {
       -- T5-XXL inside an all-in-one file (kiln.load_t5's names below this prefix)
       t5 = "text_encoders.t5xxl.transformer.",
     },
+    -- a diffusers StableDiffusion3Pipeline folder: its transformer read in place (split
+    -- q / k / v, diffusers' swapped halves; M.diffusers_layout), CLIP-L, bigG, T5-XXL
+    diffusers = { transformer = "transformer", vae = "vae",
+      clip = { { folder = "text_encoder", role = "l" }, { folder = "text_encoder_2", role = "g" } },
+      t5 = "text_encoder_3",
+      layout = function(shapes, p) return M.diffusers_layout(shapes, p) end,
+      meta = function(cj) return M.diffusers_meta(cj) end,
+      names_hint = " (in diffusers' names joint_blocks.N is transformer_blocks.N, x_block.attn.qkv " ..
+          "attn.to_q / to_k / to_v, context_block.attn.qkv attn.add_q_proj / add_k_proj / add_v_proj)" },
   },
   unet = {},
   dit = "kiln.mmdit",     -- the module that builds the network (config, expected, new)
@@ -611,6 +623,31 @@ function M.to_diffusers(name)
   mod, what = name:match("^(.*)%.(%a+)$")
   local to = mod and TO_TOP[mod]
   return to and (to .. "." .. what) or nil
+end
+
+--- The layout of a diffusers SD3Transformer2DModel's tensors below prefix p as the
+-- checkpoint loader reads a transformer: {map = kiln.mmdit name -> stored name,
+-- config_opts = {diffusers = true}} (kiln.mmdit reads q / k / v apart and the swapped
+-- halves as they are).
+function M.diffusers_layout(shapes, p)
+  p = p or ""
+  local map = {}
+  for real in pairs(shapes) do
+    if real:sub(1, #p) == p then
+      local n = M.from_diffusers(real:sub(#p + 1))
+      if n then map[n] = real end
+    end
+  end
+  return { map = map, config_opts = { diffusers = true } }
+end
+
+--- What a diffusers transformer's config.json says that the shapes do not: the heads.
+function M.diffusers_meta(cj)
+  local meta = {}
+  if type(cj) ~= "table" then return meta end
+  local heads = math.tointeger(mf.json_number(cj, "num_attention_heads"))
+  if heads then meta["kiln.mmdit.heads"] = tostring(heads) end
+  return meta
 end
 
 --- A diffusers transformer (the transformer/ folder of an SD 3.5 pipeline folder, or its
