@@ -145,9 +145,11 @@ end)
 -- of the fused qkv), the final layer's and the last context block's modulation halves
 -- swapped (diffusers' AdaLayerNormContinuous keeps scale before shift), the names of
 -- kiln.families.sd3.to_diffusers.
-local function diffusers_folder()
-  if files.diffusers then return files.diffusers end
-  local w = T.from_recipe("../sd3/pipeline_dit")
+local function diffusers_folder(recipe)
+  recipe = recipe or "pipeline_dit"
+  local key = "sd3-diffusers-" .. recipe
+  if files[key] then return files[key] end
+  local w = T.from_recipe("../sd3/" .. recipe)
   local depth = 3
   local t = {}
   for n, v in pairs(w) do
@@ -166,22 +168,22 @@ local function diffusers_folder()
       t[assert(F.to_diffusers(n), n)] = v
     end
   end
-  local dir = T.tmp("sd3-diffusers")
+  local dir = T.tmp(key)
   for _, sub in ipairs({ "transformer", "text_encoder", "text_encoder_2" }) do
     assert(os.execute("mkdir -p '" .. dir .. "/" .. sub .. "'"))
   end
-  kiln.save_safetensors(T.tmp("sd3-diffusers/transformer/diffusion_pytorch_model.safetensors"), t)
+  kiln.save_safetensors(T.tmp(key .. "/transformer/diffusion_pytorch_model.safetensors"), t)
   local function write(path, text)
-    local f = assert(io.open(T.tmp(path:sub(#dir - #"sd3-diffusers" + 1)), "w"))
+    local f = assert(io.open(T.tmp(path:sub(#dir - #key + 1)), "w"))
     f:write(text)
     f:close()
   end
   write(dir .. "/transformer/config.json", '{"_class_name": "SD3Transformer2DModel", "num_attention_heads": 3}')
   for _, e in ipairs({ { "text_encoder", "clip_l", "quick_gelu" }, { "text_encoder_2", "clip_g", "gelu" } }) do
-    kiln.save_safetensors(T.tmp("sd3-diffusers/" .. e[1] .. "/model.safetensors"), (T.from_recipe("../sd3/" .. e[2])))
+    kiln.save_safetensors(T.tmp(key .. "/" .. e[1] .. "/model.safetensors"), (T.from_recipe("../sd3/" .. e[2])))
     write(dir .. "/" .. e[1] .. "/config.json", ('{"hidden_act": "%s", "num_attention_heads": 2}'):format(e[3]))
   end
-  files.diffusers = dir
+  files[key] = dir
   return dir
 end
 
@@ -209,6 +211,85 @@ test("SD 3.5 diffusers folder (transformer/, text_encoder/, text_encoder_2/) loa
   truthy(err:find("SD3Transformer2DModel", 1, true), err)
 end)
 
+-- LoRAs: the generator's merge (tests/golden/gen_sd3_lora.py) on the tiny "medium"
+-- stored fused (Stability AI's file) and split (a diffusers folder's q / k / v apart)
+local LGOLD = kiln.load_safetensors("tests/golden/sd3/lora_expected.safetensors")
+local LORA_TOL = 2e-5
+
+-- the weight `name` (Stability AI's, fused) of a loaded MMDiT, whatever its storage
+local function fused_weight(dit, name)
+  local w = dit.weights
+  local base = name:match("^(.*attn2?)%.qkv%.weight$")
+  if base and dit.config.split_qkv then
+    local q, k, v = w:tensor(base .. ".q.weight"), w:tensor(base .. ".k.weight"), w:tensor(base .. ".v.weight")
+    local r = kiln.cat({ q:to("f32"), k:to("f32"), v:to("f32") }, 1)
+    q:free(); k:free(); v:free()
+    return r
+  end
+  return w:tensor(name):to("f32")
+end
+
+for _, storage in ipairs({ "fused", "split" }) do
+  for _, fmt_name in ipairs({ "kohya", "peft", "comfy" }) do
+    test(("SD 3.5 LoRA (%s) on the %s MMDiT merges as the generator's W + up down alpha / rank"):format(fmt_name,
+      storage), function()
+      local path = storage == "fused" and save("sd3-lora-medium", (T.from_recipe("../sd3/medium")))
+          or (diffusers_folder("medium") .. "/transformer")
+      local ck <close> = kiln.load_checkpoint(path)
+      eq(ck.dit.config.split_qkv, storage == "split")
+      local before = ck.dit:forward(kiln.randn({ 1, 16, 4, 4 }, { seed = 1 }), kiln.tensor({ 500 }),
+        kiln.randn({ 1, 3, 32 }, { seed = 2 }), kiln.randn({ 1, 24 }, { seed = 3 }))
+      local h = ck:add_lora("tests/golden/sd3/lora_" .. fmt_name .. ".safetensors")
+      eq(#h.unmatched, 0, "unmatched: " .. table.concat(h.unmatched, ", "))
+      truthy(h.patched > 0, "patched")
+      local n, worst = 0, 0
+      for key, want in pairs(LGOLD) do
+        local f, name = key:match("^(%a+)%.(.*%.weight)$")
+        if f == fmt_name then
+          local rr = LGOLD[key .. "#rows"]:table()
+          local a, b = math.tointeger(rr[1]), math.tointeger(rr[2])
+          local got = fused_weight(ck.dit, name)
+          local g = kiln.cat({ got:narrow(1, a + 1, 8), got:narrow(1, b - 7, 8) }, 1)
+          local d = (g - want):abs():max()
+          worst = math.max(worst, d)
+          truthy(d <= LORA_TOL, ("%s: %.2e"):format(name, d))
+          n = n + 1
+        end
+      end
+      truthy(n >= 2, "compared " .. n)
+      local after = ck.dit:forward(kiln.randn({ 1, 16, 4, 4 }, { seed = 1 }), kiln.tensor({ 500 }),
+        kiln.randn({ 1, 3, 32 }, { seed = 2 }), kiln.randn({ 1, 24 }, { seed = 3 }))
+      truthy((after - before):abs():max() > 0, "the LoRA changes the forward")
+      h:remove()
+      local again = ck.dit:forward(kiln.randn({ 1, 16, 4, 4 }, { seed = 1 }), kiln.tensor({ 500 }),
+        kiln.randn({ 1, 3, 32 }, { seed = 2 }), kiln.randn({ 1, 24 }, { seed = 3 }))
+      eq((again - before):abs():max(), 0, "removed")
+      -- and without it the weights are not the merge (the comparison above can fail)
+      for key, want in pairs(LGOLD) do
+        local f, name = key:match("^(%a+)%.(.*%.weight)$")
+        if f == fmt_name then
+          local rr = LGOLD[key .. "#rows"]:table()
+          local a, b = math.tointeger(rr[1]), math.tointeger(rr[2])
+          local got = fused_weight(ck.dit, name)
+          local g = kiln.cat({ got:narrow(1, a + 1, 8), got:narrow(1, b - 7, 8) }, 1)
+          truthy((g - want):abs():max() > 1e-3, name .. " unpatched differs")
+        end
+      end
+      report[#report + 1] = ("LoRA %s on %s: %d weights, max |merged - expected| %.2e"):format(fmt_name, storage,
+        h.patched, worst)
+    end)
+  end
+end
+
+test("SD 3.5 LoRA: a Flux LoRA on an SD 3.5 checkpoint is refused naming both", function()
+  local ck <close> = kiln.load_checkpoint(save("sd3-lora-medium", (T.from_recipe("../sd3/medium"))))
+  local p = T.tmp("sd3-flux-lora.safetensors")
+  kiln.save_safetensors(p, { ["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"] = kiln.zeros({ 4, 8 }),
+    ["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"] = kiln.zeros({ 24, 4 }) })
+  local err = raises(function() return ck:add_lora(p) end)
+  truthy(err:find("Flux", 1, true) and err:find("SD 3.5", 1, true), err)
+end)
+
 local has_sim = false
 for _, d in ipairs(kiln.devices()) do has_sim = has_sim or d == "sim" end
 
@@ -228,7 +309,14 @@ test("SD 3.5 txt2img in mode low on sim: the same picture, the text encoders unl
   img:free()
 end)
 
-T.cleanup({ "/sd3-diffusers/transformer", "/sd3-diffusers/text_encoder", "/sd3-diffusers/text_encoder_2",
-  "/sd3-diffusers", "/sd3-diffusers-bad/transformer", "/sd3-diffusers-bad" })
+local dirs = {}
+for _, r in ipairs({ "pipeline_dit", "medium" }) do
+  for _, sub in ipairs({ "/transformer", "/text_encoder", "/text_encoder_2", "" }) do
+    dirs[#dirs + 1] = "/sd3-diffusers-" .. r .. sub
+  end
+end
+dirs[#dirs + 1] = "/sd3-diffusers-bad/transformer"
+dirs[#dirs + 1] = "/sd3-diffusers-bad"
+T.cleanup(dirs)
 for _, l in ipairs(report) do print("  " .. l) end
 H.done()

@@ -88,6 +88,7 @@ M = {
   -- the network's time is sigma * 1000, its schedule the 1000 shifted sigmas of the
   -- reference's ModelSamplingDiscreteFlow (what "simple" and "normal" pick from)
   flow = { multiplier = 1000, table = 1000 },
+  lora = "kiln.lora_sd3",  -- the names LoRAs give the MMDiT's weights
 
   -- both CLIPs at their penultimate layer without the final norm; the pooled vectors:
   -- CLIP-L's final-normed end token WITHOUT its projection, bigG's projected (the
