@@ -89,6 +89,11 @@ M = {
   -- reference's ModelSamplingDiscreteFlow (what "simple" and "normal" pick from)
   flow = { multiplier = 1000, table = 1000 },
   lora = "kiln.lora_sd3",  -- the names LoRAs give the MMDiT's weights
+  comfy = "kiln.comfy.sd3", -- how ComfyUI's CLIPTextEncode encodes for it (encode_text)
+  -- CLIP-L and bigG files in either order: bigG is the wider one (as SDXL's pair)
+  order_text_encoders = function(encs)
+    if #encs == 2 and encs[1].cfg.width > encs[2].cfg.width then encs[1], encs[2] = encs[2], encs[1] end
+  end,
 
   -- both CLIPs at their penultimate layer without the final norm; the pooled vectors:
   -- CLIP-L's final-normed end token WITHOUT its projection, bigG's projected (the
