@@ -90,7 +90,7 @@ end)
 
 test("SD 3.5: defaults per variant; bad options refused by name", function()
   local ck <close> = load()
-  -- skip_layer_guidance = true takes Medium's layers 7, 8, 9: this 3-block model has none
+  -- skip_layer_guidance = true takes ComfyUI's layers 7, 8, 9: this 3-block model has none
   local err = raises(function() return pipeline.txt2img(ck, with({ skip_layer_guidance = true })) end)
   truthy(err:find("skip_layer_guidance", 1, true) and err:find("0 to 2", 1, true), err)
   err = raises(function() return pipeline.txt2img(ck, with({ skip_layer_guidance = { layers = { 1 }, scael = 3 } }))

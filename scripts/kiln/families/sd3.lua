@@ -376,19 +376,13 @@ local function is_missing(part)
   return part == nil or (getmetatable(part) ~= nil and tostring(part):match("^missing") ~= nil)
 end
 
--- skip_layer_guidance = true: the variant's (Medium: layers 7, 8, 9, as ComfyUI's
--- SkipLayerGuidanceSD3); a table: its fields over those defaults.
+-- skip_layer_guidance = true: the variant's settings, else ComfyUI's SkipLayerGuidanceSD3
+-- defaults (layers 7, 8, 9, scale 3, 1 % to 15 % of the schedule) on any variant, as the
+-- node; a table: its fields over those defaults.
 local function slg_options(ckpt, v)
   if v == nil or v == false then return nil end
   local d = (M.variants[ckpt.variant] or {}).skip_layer_guidance or M.variants.medium.skip_layer_guidance
-  if v == true then
-    if not (M.variants[ckpt.variant] or {}).skip_layer_guidance then
-      error(fmt("skip_layer_guidance = true: the SD 3.5 %s checkpoint has no default layers; pass " ..
-        "{layers = {7, 8, 9}, scale = 3.0, start = 0.01, stop = 0.15} (0-based block indices)",
-        tostring(ckpt.variant)), 0)
-    end
-    v = {}
-  end
+  if v == true then v = {} end
   if type(v) ~= "table" then
     error("skip_layer_guidance must be true or a table {layers, scale, start, stop}, got " .. type(v), 0)
   end
