@@ -455,7 +455,7 @@ local function fill_diffusers_dit(ckpt, dir, opts, F, tdir, cj)
   end
   dit_files.check_composites(#tfiles == 1 and tfiles[1] or tdir, src)
   local cshapes = dit_files.canonical_shapes(src.shapes, lay.map, lay.composite)
-  local ok, cfg = pcall(require(F.dit).config, cshapes, meta)
+  local ok, cfg = pcall(require(F.dit).config, cshapes, meta, lay.config_opts)
   if not ok then fail(#tfiles == 1 and tfiles[1] or tdir, tostring(cfg) .. (D.names_hint or "")) end
   ckpt.family, ckpt.path, ckpt.metadata = F.name, dir, src.meta
   ckpt.config = { family = F.name, dit = cfg }

@@ -22,7 +22,7 @@ local registry = require "kiln.comfy.registry"
 local V = require "kiln.comfy.values"
 -- the built-in node types, one file per topic (as ComfyUI's categories group them);
 -- each registers its nodes when loaded
-for _, topic in ipairs({ "loaders", "conditioning", "sampling", "latent", "vae", "image", "flux", "gguf",
+for _, topic in ipairs({ "loaders", "conditioning", "sampling", "latent", "vae", "image", "flux", "gguf", "sd3",
   "step_cache" }) do
   require("kiln.comfy." .. topic)
 end

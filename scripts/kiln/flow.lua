@@ -83,9 +83,15 @@ function M.model_sampling(opts)
   local sig = {}
   for i = 1, n do sig[i] = shift(i / n) end
   local ms = { sigmas = sig, sigma_min = sig[1], sigma_max = sig[n], prediction = "flow", flow = true,
-    mu = opts.mu, shift = opts.shift, multiplier = mult }
+    mu = opts.mu, shift = opts.shift, multiplier = mult, discrete = opts.table ~= nil }
   function ms.timestep(sigma) return sigma * mult end
   function ms.sigma(t) return shift(t / mult) end
+  -- ComfyUI's percent_to_sigma (the ends of a guidance window)
+  function ms.percent_to_sigma(p)
+    if p <= 0 then return 1.0 end
+    if p >= 1 then return 0.0 end
+    return shift(1 - p)
+  end
   --- the times of BFL's schedule: steps + 1 values from 1 to 0 (exact; ComfyUI's
   -- "simple" picks the same from its table when steps divides it)
   function ms.schedule(steps)
@@ -104,28 +110,32 @@ function M.for_checkpoint(F, variant, h, w, opts)
   opts = opts or {}
   local v = F.variants and F.variants[variant] or {}
   local d = F.defaults
-  local mult = F.flow and F.flow.multiplier or 1
-  if opts.mu or opts.shift then return M.model_sampling({ mu = opts.mu, shift = opts.shift, multiplier = mult }) end
+  -- a family trained on a discrete table of times (SD 3: 1000) gives its length
+  local mult, tab = F.flow and F.flow.multiplier or 1, F.flow and F.flow.table
+  if opts.mu or opts.shift then
+    return M.model_sampling({ mu = opts.mu, shift = opts.shift, multiplier = mult, table = tab })
+  end
   local shifts = v.shift
   if shifts == nil then shifts = d.shift end
   if shifts == true then
-    return M.model_sampling({ mu = M.mu(M.tokens(h, w), d.base_shift, d.max_shift), multiplier = mult })
+    return M.model_sampling({ mu = M.mu(M.tokens(h, w), d.base_shift, d.max_shift), multiplier = mult, table = tab })
   elseif type(shifts) == "number" then
-    return M.model_sampling({ shift = shifts, multiplier = mult })
+    return M.model_sampling({ shift = shifts, multiplier = mult, table = tab })
   end
-  return M.model_sampling({ multiplier = mult })
+  return M.model_sampling({ multiplier = mult, table = tab })
 end
 
 --- The sigmas of a run: `steps` steps of scheduler `name` at denoise d (< 1: the last
 -- steps + 1 of a schedule of steps / d steps, as ComfyUI's BasicScheduler). "simple" is
--- BFL's schedule exactly; the others are kiln.sample's over ms.
+-- BFL's schedule exactly (on a discrete model, SD 3's, ComfyUI's pick from its table);
+-- the others are kiln.sample's over ms.
 function M.sigmas(ms, name, steps, d)
   local sample = require "kiln.sample"
   d = d or 1
   if d <= 0 then return kiln.tensor({ 0 }, { device = "cpu" }) end
   local total = d < 1 and math.floor(steps / d) or steps
   local s
-  if name == "simple" then
+  if name == "simple" and not ms.discrete then
     if math.type(total) ~= "integer" or total < 1 then error("kiln.flow: steps must be a positive integer", 3) end
     s = kiln.tensor(ms.schedule(total), { device = "cpu" })
   else
@@ -161,19 +171,26 @@ function M.noise_scaling(s, noise, x0)
 end
 
 --- The denoiser the samplers call, around a velocity network:
--- forward(x, t, ctx, y, n) -> v (the caller's network call; t a Lua number),
--- o: {ms, cond, uncond, y_cond, y_uncond, cfg, batch}. Returns function(x, sigma) ->
--- x - sigma * v, with true classifier-free guidance u + (c - u) * cfg when cfg ~= 1
--- (cond and uncond in one batched call when o.batch, else two).
+-- forward(x, t, ctx, y, n [, skip_layers]) -> v (the caller's network call; t a Lua
+-- number), o: {ms, cond, uncond, y_cond, y_uncond, cfg, batch, skip_layer_guidance}.
+-- Returns function(x, sigma) -> x - sigma * v, with true classifier-free guidance
+-- u + (c - u) * cfg when cfg ~= 1 (cond and uncond in one batched call when o.batch,
+-- else two). o.skip_layer_guidance = {layers, scale, start, stop}: ComfyUI's
+-- SkipLayerGuidanceDiT / SkipLayerGuidanceSD3, + (c - c_skip) * scale where c_skip is
+-- the positive pass without those blocks, while sigma is within the window of
+-- percent_to_sigma(start) .. percent_to_sigma(stop).
 function M.denoiser(forward, o)
   local ms, cfg = o.ms, o.cfg or 1
   local cond, uncond, y_c, y_u = o.cond, o.uncond, o.y_cond, o.y_uncond
+  local slg = o.skip_layer_guidance
+  local slg_hi = slg and ms.percent_to_sigma(slg.start)
+  local slg_lo = slg and ms.percent_to_sigma(slg.stop)
   local batch = o.batch and cfg ~= 1
   local ctx_both = batch and kiln.cat({ uncond, cond }, 1) or nil
   local y_both = batch and kiln.cat({ y_u, y_c }, 1) or nil
 
-  local function predict(x, sigma, ctx, y, n)
-    local v = forward(x, ms.timestep(sigma), ctx, y, n)
+  local function predict(x, sigma, ctx, y, n, skip)
+    local v = forward(x, ms.timestep(sigma), ctx, y, n, skip)
     if v.device ~= x.device then
       local c = v:to(x.device)
       v:free()
@@ -186,8 +203,19 @@ function M.denoiser(forward, o)
     return den
   end
 
+  -- the skip-layer term on the guided result r (the positive prediction c)
+  local function skip_guided(x, sigma, r, c)
+    if not slg or slg.scale <= 0 or sigma > slg_hi or sigma < slg_lo then return r end
+    local s = predict(x, sigma, cond, y_c, x.shape[1], slg.layers)
+    local d = c - s
+    local ds = d * slg.scale
+    local r2 = r + ds
+    s:free(); d:free(); ds:free(); r:free()
+    return r2
+  end
+
   local den = guidance.cfg(predict, cfg, cond, uncond, y_c, y_u,
-    batch and { ctx = ctx_both, y = y_both } or nil)
+    batch and { ctx = ctx_both, y = y_both } or nil, slg and skip_guided or nil)
   -- the batched copies live as long as the denoiser: freed by closing it
   return den, function()
     if ctx_both then ctx_both:free() end

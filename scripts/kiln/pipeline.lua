@@ -44,6 +44,7 @@ local COMMON_OPTIONS = {
   "mode", "tile", "overlap", "unet_tile", "unet_overlap", "tileable", "lora", "control", "vae",
   "guidance", "t5_length", -- flow-matching families (Flux): distilled guidance, T5's padded length
   "reference", "reference_scale", -- Flux Kontext: reference pictures (scaled to Kontext's sizes unless false)
+  "skip_layer_guidance",    -- SD 3.5: true or {layers, scale, start, stop} (kiln.flow.denoiser)
   "cache", -- kiln.step_cache: {mode = "fbcache" | "teacache" | "deepcache", threshold = ...}
 }
 local function option_set(...)
@@ -76,10 +77,14 @@ function M.options_of(name, o)
 end
 
 --- The guidance scale a checkpoint is sampled with when the caller gives none: its
--- metadata's kiln.cfg (the demo model: 3), else 7 (A1111's and ComfyUI's usual).
+-- metadata's kiln.cfg (the demo model: 3), else a flow family's variant's (SD 3.5
+-- Large 4.5, Turbo 1), else 7 (A1111's and ComfyUI's usual).
 function M.default_cfg(ckpt)
   local m = ckpt and ckpt.metadata and tonumber(ckpt.metadata["kiln.cfg"])
-  return m or 7.0
+  if m then return m end
+  local F = M.flow_family(ckpt)
+  if F then return (F.variants and F.variants[ckpt.variant] or {}).cfg or F.defaults.cfg end
+  return 7.0
 end
 
 local check_controls -- below, with the ControlNet pieces
@@ -117,7 +122,7 @@ local function opts_with_defaults(opts, ckpt)
   if F then
     flow_defaults(o, opts, ckpt, F)
   else
-    for _, k in ipairs({ "guidance", "t5_length", "reference" }) do
+    for _, k in ipairs({ "guidance", "t5_length", "reference", "skip_layer_guidance" }) do
       if o[k] ~= nil then
         error(("%s is an option of the flow-matching families (Flux); this is an %s checkpoint"):format(k,
           family.label(ckpt and ckpt.family)), 0)
@@ -368,16 +373,21 @@ function M.denoiser(ckpt, cond, uncond, cfg, o)
     local fopts = (g or o.cache_state or o._reference) and
         { guidance = g, cache_state = o.cache_state, reference = o._reference } or nil
     local info = o.info
-    local function forward(x, t, ctx, y, n)
+    local function forward(x, t, ctx, y, n, skip)
       local tt = kiln.full({ n }, t)
-      local ok, v = pcall(dit.forward, dit, x, tt, ctx, y, fopts)
+      local fo = fopts
+      if skip then -- skip-layer guidance's pass without some blocks (no step cache)
+        fo = { guidance = g, skip_layers = skip, reference = o._reference }
+      end
+      local ok, v = pcall(dit.forward, dit, x, tt, ctx, y, fo)
       if info then info.calls = info.calls + 1 end
       tt:free()
       if not ok then error(v, 0) end
       return v
     end
     return flow.denoiser(forward, { ms = o._ms or M.flow_sampling(ckpt, { 1, 1, 2, 2 }), cond = cond,
-      uncond = uncond, y_cond = o.y_cond, y_uncond = o.y_uncond, cfg = cfg, batch = batch_f })
+      uncond = uncond, y_cond = o.y_cond, y_uncond = o.y_uncond, cfg = cfg, batch = batch_f,
+      skip_layer_guidance = o._flow and o._flow.skip_layer_guidance })
   end
   local unet = ckpt.unet
   local ms = M.model_sampling(ckpt)

@@ -38,6 +38,11 @@ local function with_clip(ctx, clip, fn)
 end
 
 local function encode(ctx, clip, text)
+  local F = require("kiln.family").get(clip.ckpt.family)
+  if F and F.comfy then -- a family with its own ComfyUI encoding (SD 3.5: kiln.comfy.sd3)
+    local e = require(F.comfy).encode_text(ctx, clip, text)
+    return e.cond, e.pooled
+  end
   if rawget(clip.ckpt, "t5") then -- Flux: T5 and CLIP-L (kiln.comfy.flux)
     local e = require("kiln.comfy.flux").encode_text(ctx, clip, text)
     return e.cond, e.pooled

@@ -36,10 +36,15 @@ local function is_flux(ckpt) return pipeline.flow_family(ckpt) ~= nil end
 M.is_flux = is_flux
 
 --- The model sampling of a MODEL value: ModelSamplingFlux's, else ComfyUI's default for
--- the variant (flow families), else nil (SD's discrete schedule).
+-- the variant (flow families), else nil (SD's discrete schedule). A flow family without
+-- Flux's variants (SD 3.5) samples with its own constant shift, or ModelSamplingSD3's
+-- (model.flow_shift).
 function M.model_sampling(model)
   local ckpt = model.ckpt
   if not is_flux(ckpt) then return nil end
+  if model.flow_shift or DEFAULT_MU[ckpt.variant] == nil then
+    return flow.for_checkpoint(pipeline.flow_family(ckpt), ckpt.variant, 2, 2, { shift = model.flow_shift })
+  end
   return flow.model_sampling({ mu = model.flux_mu or DEFAULT_MU[ckpt.variant] or DEFAULT_MU.dev })
 end
 
@@ -57,6 +62,8 @@ local function is_t5_file(path)
   end
   return false
 end
+
+M.is_t5_file = is_t5_file
 
 --- DualCLIPLoader's "flux": CLIP-L and T5-XXL files in either order, opened once: a
 -- checkpoint holding clip (CLIP-L, its pooled output unprojected) and t5.
@@ -180,7 +187,8 @@ function M.ksampler_options(ctx, model, pe, ne, o, made)
   end
   local gd = pe.guidance
   if gd == nil then gd = DEFAULT_GUIDANCE end
-  o._flow = { guidance = ckpt.variant == "dev" and gd or nil }
+  -- model.skip_layer_guidance: SkipLayerGuidanceSD3's (kiln.comfy.sd3)
+  o._flow = { guidance = ckpt.variant == "dev" and gd or nil, skip_layer_guidance = model.skip_layer_guidance }
   o.y_cond, o.y_uncond = pe.pooled, o.cfg ~= 1 and ne.pooled or nil
   -- ReferenceLatent's latents (Kontext): kiln's denoiser gives the one list to both passes
   local refs = pe.reference_latents

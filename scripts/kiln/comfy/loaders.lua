@@ -20,9 +20,13 @@ N.CheckpointLoaderSimple = {
   model_file = "ckpt_name",
   run = function(ctx, a)
     local ckpt = ctx:checkpoint(a.ckpt_name)
+    local net = rawget(ckpt, "unet") or rawget(ckpt, "dit") -- a transformer family's (an SD 3.5 all-in-one)
+    local enc = { ckpt.clip }
+    local t5 = rawget(ckpt, "t5")
+    if t5 and not tostring(t5):match("^missing") then enc[2] = t5 end
     return {
-      ctx:value("MODEL", { ckpt = ckpt, part = ckpt.unet, loras = {} }, nil, { ckpt.unet }),
-      ctx:value("CLIP", { ckpt = ckpt, part = ckpt.clip, loras = {} }, nil, { ckpt.clip }),
+      ctx:value("MODEL", { ckpt = ckpt, part = net, loras = {} }, nil, { net }),
+      ctx:value("CLIP", { ckpt = ckpt, part = ckpt.clip, loras = {} }, nil, enc),
       ctx:value("VAE", { ckpt = ckpt, part = ckpt.vae }, nil, { ckpt.vae }),
     }
   end,

@@ -27,7 +27,8 @@ local function find_dit(shapes)
   return nil
 end
 
--- "medium" when MMDiT-X's second attention is there, "sd3_medium" without q/k norms
+-- "medium" when MMDiT-X's second attention is there (fused or split q / k / v),
+-- "sd3_medium" without q/k norms
 -- (SD 3 Medium), else "large" or "large_turbo": the turbo's shapes are Large's, so only
 -- the metadata (kiln.variant, or a modelspec.title naming it) or the file's name tells.
 local function variant(shapes, prefix, meta, path)
@@ -35,7 +36,7 @@ local function variant(shapes, prefix, meta, path)
   local v = meta and meta["kiln.variant"]
   if v then return v end
   for name in pairs(shapes) do
-    if name:sub(1, #prefix) == prefix and name:match("^joint_blocks%.%d+%.x_block%.attn2%.qkv%.weight$",
+    if name:sub(1, #prefix) == prefix and name:match("^joint_blocks%.%d+%.x_block%.attn2%.qk?v?%.weight$",
       #prefix + 1) then
       return "medium"
     end
@@ -47,7 +48,8 @@ local function variant(shapes, prefix, meta, path)
   return "large"
 end
 
-local M = {
+local M -- the family table; the diffusers hooks below call its functions
+M = {
   name = "sd3",
   label = "SD 3.5",
 
@@ -57,6 +59,7 @@ local M = {
     -- names no UNet nor Flux has (the second still there when block 0 is missing)
     unet_names = { KEY, "context_embedder.weight" },
     gguf_architectures = { "sd3" },
+    diffusers_class = "SD3Transformer2DModel",   -- transformer/config.json's _class_name
   },
 
   parts = {
@@ -69,10 +72,28 @@ local M = {
       -- T5-XXL inside an all-in-one file (kiln.load_t5's names below this prefix)
       t5 = "text_encoders.t5xxl.transformer.",
     },
+    -- a diffusers StableDiffusion3Pipeline folder: its transformer read in place (split
+    -- q / k / v, diffusers' swapped halves; M.diffusers_layout), CLIP-L, bigG, T5-XXL
+    diffusers = { transformer = "transformer", vae = "vae",
+      clip = { { folder = "text_encoder", role = "l" }, { folder = "text_encoder_2", role = "g" } },
+      t5 = "text_encoder_3",
+      layout = function(shapes, p) return M.diffusers_layout(shapes, p) end,
+      meta = function(cj) return M.diffusers_meta(cj) end,
+      names_hint = " (in diffusers' names joint_blocks.N is transformer_blocks.N, x_block.attn.qkv " ..
+          "attn.to_q / to_k / to_v, context_block.attn.qkv attn.add_q_proj / add_k_proj / add_v_proj)" },
   },
   unet = {},
   dit = "kiln.mmdit",     -- the module that builds the network (config, expected, new)
   variant = variant,
+  -- the network's time is sigma * 1000, its schedule the 1000 shifted sigmas of the
+  -- reference's ModelSamplingDiscreteFlow (what "simple" and "normal" pick from)
+  flow = { multiplier = 1000, table = 1000 },
+  lora = "kiln.lora_sd3",  -- the names LoRAs give the MMDiT's weights
+  comfy = "kiln.comfy.sd3", -- how ComfyUI's CLIPTextEncode encodes for it (encode_text)
+  -- CLIP-L and bigG files in either order: bigG is the wider one (as SDXL's pair)
+  order_text_encoders = function(encs)
+    if #encs == 2 and encs[1].cfg.width > encs[2].cfg.width then encs[1], encs[2] = encs[2], encs[1] end
+  end,
 
   -- both CLIPs at their penultimate layer without the final norm; the pooled vectors:
   -- CLIP-L's final-normed end token WITHOUT its projection, bigG's projected (the
@@ -349,6 +370,100 @@ function M.denoiser(dit, cond, uncond, opts)
   end
 end
 
+-- ---------------------------------------------------------------- pipelines
+
+local function is_missing(part)
+  return part == nil or (getmetatable(part) ~= nil and tostring(part):match("^missing") ~= nil)
+end
+
+-- skip_layer_guidance = true: the variant's settings, else ComfyUI's SkipLayerGuidanceSD3
+-- defaults (layers 7, 8, 9, scale 3, 1 % to 15 % of the schedule) on any variant, as the
+-- node; a table: its fields over those defaults.
+local function slg_options(ckpt, v)
+  if v == nil or v == false then return nil end
+  local d = (M.variants[ckpt.variant] or {}).skip_layer_guidance or M.variants.medium.skip_layer_guidance
+  if v == true then v = {} end
+  if type(v) ~= "table" then
+    error("skip_layer_guidance must be true or a table {layers, scale, start, stop}, got " .. type(v), 0)
+  end
+  util.check_options(v, { layers = true, scale = true, start = true, stop = true }, "skip_layer_guidance", 0)
+  local r = { layers = v.layers or d.layers, scale = v.scale or d.scale, start = v.start or d.start,
+    stop = v.stop or d.stop }
+  if type(r.layers) ~= "table" or #r.layers == 0 then
+    error("skip_layer_guidance.layers must list block indices (0-based)", 0)
+  end
+  local depth = ckpt.dit.config.depth
+  for _, i in ipairs(r.layers) do
+    if math.type(i) ~= "integer" or i < 0 or i >= depth then
+      error(fmt("skip_layer_guidance.layers: %s is not a block of this MMDiT (0 to %d)", tostring(i), depth - 1), 0)
+    end
+  end
+  for _, k in ipairs({ "scale", "start", "stop" }) do
+    if type(r[k]) ~= "number" then error(fmt("skip_layer_guidance.%s must be a number", k), 0) end
+  end
+  return r
+end
+
+--- Checks a run's SD 3.5 options (o: the caller's) and returns what the run uses:
+-- {t5_length, skip_layer_guidance = {layers, scale, start, stop} or nil}. Flux's
+-- distilled guidance is refused: SD 3.5 guides with CFG (cfg, negative).
+function M.run_options(ckpt, o)
+  if o.guidance ~= nil then
+    error("guidance is Flux [dev]'s distilled guidance; SD 3.5 guides with cfg and the negative prompt", 0)
+  end
+  local n = o.t5_length or M.defaults.t5_length
+  if math.type(n) ~= "integer" or n < 1 then
+    error(fmt("t5_length must be a positive integer, got %s", tostring(o.t5_length)), 0)
+  end
+  return { t5_length = n, skip_layer_guidance = slg_options(ckpt, o.skip_layer_guidance) }
+end
+
+--- The conditioning of prompts for the pipelines: per prompt the context [1, 77 + n,
+-- context width] (both CLIPs' penultimate states zero-padded to the width, then T5's
+-- states of its ids padded to t5_length with 0, longer prompts kept whole as ComfyUI's
+-- SD3 tokenizer; 77 tokens of zeros without a T5, as the reference's empty T5) and y
+-- [1, 2048]. T5 (the largest) runs and is unloaded before the CLIPs load, and they are
+-- unloaded after: the sampling has the device to itself. Returns two lists.
+function M.encode_prompts(ckpt, prompts, t5_length, dev)
+  local _ = ckpt.clip.encode -- a missing CLIP says which files to pass, before any work
+  local width = ckpt.dit.config.context_dim
+  local t5 = rawget(ckpt, "t5")
+  if is_missing(t5) then t5 = nil end
+  local t5s, ctx, pooled = {}, {}, {}
+  local ok, err = pcall(function()
+    if t5 then
+      t5:load(dev)
+      for i, p in ipairs(prompts) do
+        local n = #require("kiln.t5").tokenize(p)
+        t5s[i] = t5:encode(p, { length = math.max(t5_length, n) })
+      end
+      t5:unload()
+    end
+    ckpt.clip:load(dev)
+    for i, p in ipairs(prompts) do
+      local lg, pl = ckpt.clip:encode(p)
+      if not pl then
+        lg:free()
+        error("SD 3.5: the text encoders gave no pooled vector; it needs CLIP-L's and bigG's", 0)
+      end
+      pooled[i] = pl
+      ctx[i] = M.context(lg, t5s[i], { width = width, t5_tokens = t5_length })
+      lg:free()
+      if t5s[i] then t5s[i]:free(); t5s[i] = nil end
+    end
+    ckpt.clip:unload()
+  end)
+  if not ok then
+    for _, t in pairs(t5s) do t:free() end
+    for _, t in pairs(ctx) do t:free() end
+    for _, t in pairs(pooled) do t:free() end
+    if t5 then pcall(t5.unload, t5) end
+    pcall(ckpt.clip.unload, ckpt.clip)
+    error(err, 0)
+  end
+  return ctx, pooled
+end
+
 -- ---------------------------------------------------------------- names
 
 -- diffusers' SD3Transformer2DModel module -> Stability AI's, per joint block N (x the
@@ -508,6 +623,31 @@ function M.to_diffusers(name)
   mod, what = name:match("^(.*)%.(%a+)$")
   local to = mod and TO_TOP[mod]
   return to and (to .. "." .. what) or nil
+end
+
+--- The layout of a diffusers SD3Transformer2DModel's tensors below prefix p as the
+-- checkpoint loader reads a transformer: {map = kiln.mmdit name -> stored name,
+-- config_opts = {diffusers = true}} (kiln.mmdit reads q / k / v apart and the swapped
+-- halves as they are).
+function M.diffusers_layout(shapes, p)
+  p = p or ""
+  local map = {}
+  for real in pairs(shapes) do
+    if real:sub(1, #p) == p then
+      local n = M.from_diffusers(real:sub(#p + 1))
+      if n then map[n] = real end
+    end
+  end
+  return { map = map, config_opts = { diffusers = true } }
+end
+
+--- What a diffusers transformer's config.json says that the shapes do not: the heads.
+function M.diffusers_meta(cj)
+  local meta = {}
+  if type(cj) ~= "table" then return meta end
+  local heads = math.tointeger(mf.json_number(cj, "num_attention_heads"))
+  if heads then meta["kiln.mmdit.heads"] = tostring(heads) end
+  return meta
 end
 
 --- A diffusers transformer (the transformer/ folder of an SD 3.5 pipeline folder, or its

@@ -1,0 +1,184 @@
+-- kiln.comfy.sd3: ComfyUI's nodes for SD 3.5 (comfy_extras/nodes_sd3.py,
+-- nodes_model_advanced.py, nodes_slg.py): TripleCLIPLoader (CLIP-L, bigG, T5-XXL in any
+-- order), CLIPTextEncodeSD3 and CLIPTextEncode on an SD 3.5 CLIP (ComfyUI's sd3_clip:
+-- both CLIPs' penultimate states side by side zero-padded to 4096 features, then T5's
+-- states of the prompt padded to at least 77 tokens; without a T5 the CLIP block alone,
+-- as ComfyUI), ModelSamplingSD3 (the flow's shift) and SkipLayerGuidanceSD3. Sampling
+-- goes through kiln.comfy.flux's flow path (KSampler, SamplerCustomAdvanced), which
+-- reads the shift and the skip-layer guidance these nodes put on the MODEL value.
+local pipeline = require "kiln.pipeline"
+local registry = require "kiln.comfy.registry"
+local sd3 = require "kiln.families.sd3"
+local t5 = require "kiln.t5"
+local V = require "kiln.comfy.values"
+
+local M = {}
+M.nodes = {}
+local N = M.nodes
+local fail, cond_value = V.fail, V.conditioning
+
+-- ComfyUI's SD3 T5 tokenizer pads to at least this many tokens, and does not cut
+M.T5_MIN_LENGTH = 77
+-- the context's width (T5-XXL's): ComfyUI pads the CLIP states to it
+M.WIDTH = 4096
+
+local function is_sd3(ckpt) return ckpt and ckpt.family == "sd3" end
+
+--- TripleCLIPLoader: CLIP-L, bigG and T5-XXL files in any order, opened once: a
+-- checkpoint of the sd3 family holding clip (both CLIPs) and t5.
+function M.text_encoders(ctx, paths)
+  local key = table.concat(paths, "+") .. "#sd3"
+  local c = ctx.ckpts[key]
+  if c then return c end
+  local clips, t5_path = {}, nil
+  local is_t5 = require("kiln.comfy.flux").is_t5_file
+  for _, p in ipairs(paths) do
+    if is_t5(p) and not t5_path then t5_path = p else clips[#clips + 1] = p end
+  end
+  if #clips ~= 2 or not t5_path then
+    fail(ctx, "TripleCLIPLoader needs CLIP-L, CLIP-G (bigG) and T5-XXL files (clip_l.safetensors, " ..
+      "clip_g.safetensors, t5xxl_fp16.safetensors); got " .. table.concat(paths, ", "))
+  end
+  local o = ctx:adapter_dirs()
+  o.family = "sd3"
+  c = require("kiln.checkpoint").load_text_encoders(clips, o)
+  local ok, enc = pcall(t5.load, t5_path)
+  if not ok then
+    c:close()
+    error(enc, 0)
+  end
+  c.t5 = enc
+  ctx:opened(key, c)
+  ctx.names[enc] = t5_path:match("([^/]+)$") .. " t5"
+  return c
+end
+
+N.TripleCLIPLoader = {
+  category = "advanced/loaders",
+  inputs = { { "clip_name1", "FILE:text_encoders|clip" }, { "clip_name2", "FILE:text_encoders|clip" },
+    { "clip_name3", "FILE:text_encoders|clip" } },
+  outputs = { "CLIP" },
+  run = function(ctx, a)
+    local ckpt = M.text_encoders(ctx, { a.clip_name1, a.clip_name2, a.clip_name3 })
+    return { ctx:value("CLIP", { ckpt = ckpt, part = ckpt.clip, loras = {} }, nil, { ckpt.clip, ckpt.t5 }) }
+  end,
+}
+
+local function has_t5(ckpt)
+  local t = rawget(ckpt, "t5")
+  return t ~= nil and not tostring(t):match("^missing")
+end
+
+-- the conditioning entry of an SD 3.5 prompt: text to both CLIPs (nil: none, with
+-- empty_padding "none"), t5_text to T5 (nil: none)
+local function sd3_entry(ctx, clip, text, t5_text)
+  local ckpt = clip.ckpt
+  local states
+  if t5_text and has_t5(ckpt) then
+    ctx:use(ckpt.t5, { device = clip.device })
+    local n = #t5.tokenize(t5_text)
+    states = ckpt.t5:encode(t5_text, { length = math.max(M.T5_MIN_LENGTH, n) })
+  end
+  local hs = {}
+  for _, l in ipairs(clip.loras) do hs[#hs + 1] = V.add_lora(ckpt, l.path, { unet = 0, clip = l.strength }) end
+  ctx:use(clip.part, { device = clip.device })
+  local ok, lg, pooled = pcall(clip.part.encode, clip.part, text, { weighting = "comfy" })
+  for i = #hs, 1, -1 do hs[i]:remove() end
+  if not ok then
+    if states then states:free() end
+    error(lg, 0)
+  end
+  if not pooled then
+    lg:free()
+    if states then states:free() end
+    fail(ctx, "this CLIP gave no pooled vector: SD 3.5 needs CLIP-L and bigG (TripleCLIPLoader)")
+  end
+  local width = states and states.shape[3] or M.WIDTH
+  local cond
+  if states then
+    cond = sd3.context(lg, states, { width = width })
+    states:free()
+  else
+    -- ComfyUI without T5 tokens: the CLIP block alone, zero-padded
+    local full = sd3.context(lg, nil, { width = width, t5_tokens = 1 })
+    local head = full:narrow(2, 1, lg.shape[2])
+    cond = head:contiguous()
+    head:free(); full:free()
+  end
+  lg:free()
+  return { cond = cond, pooled = pooled }
+end
+
+--- CLIPTextEncode on an SD 3.5 CLIP: the same text to the three encoders.
+function M.encode_text(ctx, clip, text) return sd3_entry(ctx, clip, text, text) end
+
+N.CLIPTextEncodeSD3 = {
+  category = "advanced/conditioning",
+  inputs = { { "clip", "CLIP" }, { "clip_l", "STRING", multiline = true }, { "clip_g", "STRING", multiline = true },
+    { "t5xxl", "STRING", multiline = true }, { "empty_padding", { "none", "empty_prompt" } } },
+  outputs = { "CONDITIONING" },
+  run = function(ctx, a)
+    if not is_sd3(a.clip.ckpt) then fail(ctx, "CLIPTextEncodeSD3 needs an SD 3.5 CLIP (TripleCLIPLoader)") end
+    if a.clip_l ~= a.clip_g then
+      fail(ctx, "different clip_l and clip_g texts are not supported yet (kiln encodes one text with both CLIPs)")
+    end
+    if a.clip_l == "" and a.empty_padding == "none" then
+      fail(ctx, "empty clip_l / clip_g with empty_padding \"none\" is not supported yet (use empty_prompt)")
+    end
+    local t5_text = a.t5xxl
+    if t5_text == "" and a.empty_padding == "none" then t5_text = nil end
+    return { cond_value(ctx, { sd3_entry(ctx, a.clip, a.clip_l, t5_text) }) }
+  end,
+}
+
+-- a MODEL value like `model` with `fields` changed
+local function model_with(ctx, model, fields)
+  local f = {}
+  for k, v in pairs(model) do f[k] = v end
+  for k, v in pairs(fields) do f[k] = v end
+  f.tensors, f.res, f.type = nil, nil, nil
+  return ctx:value("MODEL", f, nil, model.res)
+end
+
+N.ModelSamplingSD3 = {
+  category = "advanced/model",
+  inputs = { { "model", "MODEL" }, { "shift", "FLOAT", default = 3.0, min = 0.0, max = 100.0, step = 0.01 } },
+  outputs = { "MODEL" },
+  run = function(ctx, a)
+    if not pipeline.flow_family(a.model.ckpt) then fail(ctx, "ModelSamplingSD3 needs a flow-matching model (SD 3.5)") end
+    if a.shift <= 0 then fail(ctx, "ModelSamplingSD3: shift must be positive") end
+    return { model_with(ctx, a.model, { flow_shift = a.shift }) }
+  end,
+}
+
+N.SkipLayerGuidanceSD3 = {
+  category = "advanced/guidance",
+  inputs = { { "model", "MODEL" }, { "layers", "STRING", default = "7, 8, 9" },
+    { "scale", "FLOAT", default = 3.0, min = 0.0, max = 10.0, step = 0.1 },
+    { "start_percent", "FLOAT", default = 0.01, min = 0.0, max = 1.0, step = 0.001 },
+    { "end_percent", "FLOAT", default = 0.15, min = 0.0, max = 1.0, step = 0.001 } },
+  outputs = { "MODEL" },
+  run = function(ctx, a)
+    local ckpt = a.model.ckpt
+    if not is_sd3(ckpt) then fail(ctx, "SkipLayerGuidanceSD3 needs an SD 3.5 model") end
+    local layers = {}
+    for w in a.layers:gmatch("[^,%s]+") do
+      local i = math.tointeger(tonumber(w))
+      if not i then fail(ctx, ("SkipLayerGuidanceSD3: layers must be block numbers, got %q"):format(w)) end
+      layers[#layers + 1] = i
+    end
+    -- ComfyUI: no layers, or scale 0, leaves the model as it is
+    if #layers == 0 or a.scale == 0 then return { a.model } end
+    local depth = rawget(ckpt, "dit").config.depth
+    for _, i in ipairs(layers) do
+      if i < 0 or i >= depth then
+        fail(ctx, ("SkipLayerGuidanceSD3: layer %d is not a block of this model (0 to %d)"):format(i, depth - 1))
+      end
+    end
+    return { model_with(ctx, a.model, { skip_layer_guidance = { layers = layers, scale = a.scale,
+      start = a.start_percent, stop = a.end_percent } }) }
+  end,
+}
+
+for name, def in pairs(N) do registry.add_node(name, def) end
+return M
