@@ -15,7 +15,7 @@ local kiln = require "kiln"
 local util = require "kiln.util"
 
 local o = util.parse_args(arg or {}, { file = "", size = 512, txt = 512, budget = 2048, mode = "low",
-  precision = "bf16", threads = 2, dry = true, variant = "dev" })
+  precision = "bf16", threads = 2, no_dry = false, variant = "dev" })
 if o.file == "" then error("bench_flux_step: --file PATH is required", 0) end
 local fmt = string.format
 local MiB = 1024 * 1024
@@ -27,6 +27,17 @@ local function rss_peak()
     if kb then return tonumber(kb) * 1024 end
   end
   return 0
+end
+
+-- Resident anonymous and file-backed (the mapped weight file's pages, which the kernel
+-- can drop) memory now.
+local function rss_parts()
+  local r = {}
+  for line in io.lines("/proc/self/status") do
+    local k, kb = line:match("^(Rss%a+):%s*(%d+)")
+    if k then r[k] = tonumber(kb) * 1024 end
+  end
+  return r.RssAnon or 0, r.RssFile or 0
 end
 
 local function loadavg()
@@ -59,7 +70,7 @@ end
 
 kiln.set_default_device("sim")
 kiln.memory_mode(o.mode)
-if o.dry then
+if not o.no_dry then
   local r = kiln.dry_run(function()
     collectgarbage("stop")
     local ok, err = pcall(step)
@@ -83,6 +94,8 @@ step()
 local s = kiln.time() - t0
 collectgarbage("restart")
 local st = kiln.mem.stats("sim")
+local anon, file = rss_parts()
 ck.dit:unload()
 say("  measured: %.1f s; sim peak %.1f MiB (budget %d); peak RSS %.0f MiB; load average %s before, %s after", s,
   st.peak / MiB, o.budget, rss_peak() / MiB, la0, loadavg())
+say("  after the step: RSS %.0f MiB anonymous + %.0f MiB of mapped file pages", anon / MiB, file / MiB)

@@ -13,7 +13,9 @@
 -- ComfyUI-style safetensors file, 2-D tensors F8_E4M3 with random sign and mantissa and
 -- the exponent field 0 or 1 (|w| < 2^-5, finite), 1-D tensors BF16. bf16: all BF16,
 -- the pool's 16-bit words with their exponent limited to the same range.
--- As a module: local fw = dofile("tests/bench/flux_weights.lua"); fw.write(fmt, path, cfg).
+-- As a module: local fw = dofile("tests/bench/flux_weights.lua"); fw.write(fmt, path, cfg), or
+-- fw.write_safetensors(path, {{name, shape}, ...}, {matrix = "F16", vector = "F16"}) for
+-- other networks (tests/bench/bench_t5.lua --pool).
 local kiln = require "kiln"
 local util = require "kiln.util"
 local flux = require "kiln.flux"
@@ -67,6 +69,14 @@ local function pool(kind)
       parts[i] = string.pack("<I2", (v & 0x807F) | (e << 7))
     end
     p = { s = table.concat(parts), grain = 2, per = 1 }
+  elseif kind == "f16" then
+    -- f16 sign | exponent 5 bits | mantissa 10: exponent 8..9 (|w| < 2^-5)
+    local parts = {}
+    for i = 1, #r // 2 do
+      local v = string.unpack("<I2", r, 2 * i - 1)
+      parts[i] = string.pack("<I2", (v & 0x83FF) | ((8 + (v >> 10 & 1)) << 10))
+    end
+    p = { s = table.concat(parts), grain = 2, per = 1 }
   else
     error("flux_weights: unknown pool " .. tostring(kind), 2)
   end
@@ -92,10 +102,11 @@ local function numel(shape)
   return n
 end
 
--- 1-D tensors: norm scales 1, biases 0.
+-- 1-D tensors: norm scales (Flux's *.scale, T5's *layer_norm.weight) 1, biases 0.
 local function const_1d(name, n, dtype)
-  local one = name:match("scale$") ~= nil
+  local one = name:match("scale$") ~= nil or name:match("norm%.weight$") ~= nil
   if dtype == "F32" then return string.rep(string.pack("<f", one and 1 or 0), n) end
+  if dtype == "F16" then return string.rep(string.pack("<I2", one and 0x3C00 or 0), n) end
   return string.rep(string.pack("<I2", one and 0x3F80 or 0), n) -- bf16
 end
 
@@ -138,29 +149,38 @@ local function write_gguf(path, list)
   return #head + off
 end
 
--- safetensors: matrices in `dt` (F8_E4M3 or BF16), vectors BF16.
-local function write_st(path, list, dt)
-  local p = pool(dt == "F8_E4M3" and "fp8" or "bf16")
-  local esize = dt == "F8_E4M3" and 1 or 2
+local POOL_OF = { F8_E4M3 = "fp8", BF16 = "bf16", F16 = "f16" }
+local ESIZE = { F8_E4M3 = 1, BF16 = 2, F16 = 2 }
+
+--- A safetensors file of `list` ({name, shape}): 2-D and larger tensors in opts.matrix
+-- (F8_E4M3, BF16 or F16) from the pool, 1-D ones in opts.vector (BF16 or F16) as
+-- constants; opts.meta: the __metadata__ strings. Returns the bytes written.
+function M.write_safetensors(path, list, opts)
+  local dt, vdt = opts.matrix, opts.vector or "BF16"
+  local p = pool(POOL_OF[dt] or error("flux_weights: no pool for " .. tostring(dt), 2))
   local parts, off, sizes = {}, 0, {}
   for i, e in ipairs(list) do
     local n = numel(e[2])
-    local d = #e[2] == 1 and "BF16" or dt
-    local b = n * (d == "BF16" and 2 or esize)
+    local d = #e[2] == 1 and vdt or dt
+    local b = n * ESIZE[d]
     parts[i] = fmt('%q:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}', e[1], d, table.concat(e[2], ","), off,
       off + b)
     sizes[i] = b
     off = off + b
   end
-  local header = '{"__metadata__":{"kiln.bench":"flux_weights"},' .. table.concat(parts, ",") .. "}"
+  local mk = {}
+  for k, v in pairs(opts.meta or {}) do mk[#mk + 1] = fmt("%q:%q", k, v) end
+  table.sort(mk)
+  local header = '{"__metadata__":{' .. table.concat(mk, ",") .. '},' .. table.concat(parts, ",") .. "}"
   header = header .. string.rep(" ", (8 - #header % 8) % 8)
   local f = assert(io.open(path .. ".part", "wb"))
   f:setvbuf("full", 1 << 20)
   f:write(string.pack("<I8", #header), header)
   for i, e in ipairs(list) do
-    if #e[2] == 1 then f:write(const_1d(e[1], numel(e[2]), "BF16")) else write_pool(f, p, sizes[i], i * 7919) end
+    if #e[2] == 1 then f:write(const_1d(e[1], numel(e[2]), vdt)) else write_pool(f, p, sizes[i], i * 7919) end
   end
   f:close()
+  assert(os.rename(path .. ".part", path))
   return 8 + #header + off
 end
 
@@ -169,11 +189,13 @@ function M.write(format, path, cfg)
   local t0 = kiln.time()
   local list = flux.expected(cfg)
   local bytes
-  if format == "q8_0" then bytes = write_gguf(path, list)
-  elseif format == "fp8" then bytes = write_st(path, list, "F8_E4M3")
-  elseif format == "bf16" then bytes = write_st(path, list, "BF16")
+  local meta = { ["kiln.bench"] = "flux_weights" }
+  if format == "q8_0" then
+    bytes = write_gguf(path, list)
+    assert(os.rename(path .. ".part", path))
+  elseif format == "fp8" then bytes = M.write_safetensors(path, list, { matrix = "F8_E4M3", meta = meta })
+  elseif format == "bf16" then bytes = M.write_safetensors(path, list, { matrix = "BF16", meta = meta })
   else error(fmt("flux_weights: --format must be q8_0, fp8 or bf16, not '%s'", tostring(format)), 2) end
-  assert(os.rename(path .. ".part", path))
   return bytes, kiln.time() - t0
 end
 
