@@ -54,11 +54,7 @@ end
 
 local H = 3072
 local L = o.img + o.txt
-local xa = kiln.randn({ L, H }, { seed = 1 }):to("bf16")
-local wa = (kiln.randn({ H, H }, { seed = 2 }) * 0.02):to("bf16")
-local nn = kiln.nn
-local g = best_of(5, function() nn.linear(xa, wa):free() end)
-local rate = 2 * L * H * H / g
+local rate, g = fw.gemm_rate(L, 5)
 say("bf16 GEMM [%d, %d] x [%d, %d]: best %.1f ms = %.1f GFLOP/s (%d threads; load %s)", L, H, H, H, g * 1e3,
   rate / 1e9, kiln.threads(), loadavg())
 
@@ -85,23 +81,17 @@ say("kiln bf16 double block: best %.3f s, median %.3f s; single block: best %.3f
   "(%d image + %d text tokens, %d runs; load %s before, %s after)", db, dm, sb, sm, o.img, o.txt, o["repeat"], la,
   loadavg())
 
--- The FLOPs of the linear layers and the attention products (2 per multiply-add).
-local Mh = cfg.mlp_hidden
-local dbl_lin = 2 * (o.img + o.txt) * (3 * H * H + H * H + 2 * H * Mh)
-local sgl_lin = 2 * L * ((3 * H + Mh) * H + (H + Mh) * H)
-local att = 4 * L * L * H
-local mod = 2 * (12 + 3) * H * H
+local step, dbl, sgl = fw.step_flops(cfg, o.img, o.txt)
+step = step - dbl - sgl + 19 * dbl + 38 * sgl -- the file has one block of each: count [dev]'s 19 + 38
+step = step - 2 * 15 * H * H + 2 * (12 * 19 + 3 * 38) * H * H
 say("FLOPs: double block %.3f T (%.1f s at the GEMM rate: kiln x%.2f of it), single block %.3f T (%.1f s: x%.2f)",
-  (dbl_lin + att) / 1e12, (dbl_lin + att) / rate, db / ((dbl_lin + att) / rate), (sgl_lin + att) / 1e12,
-  (sgl_lin + att) / rate, sb / ((sgl_lin + att) / rate))
-local step = 19 * (dbl_lin + att) + 38 * (sgl_lin + att) + mod * 57 +
-  2 * o.img * 64 * H + 2 * o.txt * 4096 * H + 2 * o.img * H * 64
+  dbl / 1e12, dbl / rate, db / (dbl / rate), sgl / 1e12, sgl / rate, sb / (sgl / rate))
 say("a [dev] step (19 double + 38 single blocks, %d tokens): %.2f TFLOP = %.1f s at the GEMM rate", L, step / 1e12,
   step / rate)
 if o.step_seconds > 0 then
   say("  measured step %.1f s = x%.2f of FLOPs / rate", o.step_seconds, o.step_seconds / (step / rate))
 end
-img:free(); txt:free(); vs:free(); cos:free(); sin:free(); xs:free(); xa:free(); wa:free()
+img:free(); txt:free(); vs:free(); cos:free(); sin:free(); xs:free()
 dit:unload()
 
 if not o.no_torch then

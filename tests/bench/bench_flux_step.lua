@@ -1,10 +1,12 @@
 -- tests/bench/bench_flux_step.lua - one Flux.1 transformer evaluation (one sampling step)
 -- on a full-size file inside a `sim` budget: the time, the device's peak
 -- (kiln.mem.stats("sim").peak), the meta device's dry-run prediction of that peak for the
--- same call (kiln.dry_run, run first), and the process's peak RSS.
+-- same call (kiln.dry_run, run first), the process's peak RSS, and the step's time against
+-- its FLOPs divided by the bf16 GEMM rate measured just before it.
 --
 --   build/kiln tests/bench/bench_flux_step.lua --file PATH [--size 512] [--txt 512]
---       [--budget 2048] [--mode low] [--precision bf16] [--threads 2] [--no-dry] [--variant dev]
+--       [--budget 2048] [--mode low] [--precision bf16] [--threads 2] [--no-dry] [--dry-only]
+--       [--variant dev]
 --
 -- PATH: a file of tests/bench/flux_weights.lua (Q8_0 GGUF, fp8 or bf16 safetensors) or any
 -- Flux checkpoint. The inputs are random: a [1, 16, size/8, size/8] latent ((size/16)^2
@@ -13,9 +15,10 @@
 -- for numbers to report, flock /tmp/kiln-bench.lock.
 local kiln = require "kiln"
 local util = require "kiln.util"
+local fw = dofile("tests/bench/flux_weights.lua")
 
 local o = util.parse_args(arg or {}, { file = "", size = 512, txt = 512, budget = 2048, mode = "low",
-  precision = "bf16", threads = 2, no_dry = false, variant = "dev" })
+  precision = "bf16", threads = 2, no_dry = false, dry_only = false, variant = "dev" })
 if o.file == "" then error("bench_flux_step: --file PATH is required", 0) end
 local fmt = string.format
 local MiB = 1024 * 1024
@@ -85,6 +88,12 @@ if not o.no_dry then
   kiln.mem.empty_cache("sim")
 end
 
+if o.dry_only then return end
+local n_img = (lat // 2) ^ 2
+local rate, g = fw.gemm_rate(n_img + o.txt, 5)
+local flops = fw.step_flops(cfg, n_img, o.txt)
+say("  bf16 GEMM [%d, 3072] x [3072, 3072]: %.1f ms = %.1f GFLOP/s; the step: %.2f TFLOP = %.1f s at that rate",
+  n_img + o.txt, g * 1e3, rate / 1e9, flops / 1e12, flops / rate)
 kiln.mem.set_budget("sim", o.budget * MiB)
 kiln.mem.reset_peak("sim")
 local la0 = loadavg()
@@ -98,4 +107,5 @@ local anon, file = rss_parts()
 ck.dit:unload()
 say("  measured: %.1f s; sim peak %.1f MiB (budget %d); peak RSS %.0f MiB; load average %s before, %s after", s,
   st.peak / MiB, o.budget, rss_peak() / MiB, la0, loadavg())
+say("  step / (FLOPs / GEMM rate) = x%.2f", s / (flops / rate))
 say("  after the step: RSS %.0f MiB anonymous + %.0f MiB of mapped file pages", anon / MiB, file / MiB)

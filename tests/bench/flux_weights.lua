@@ -184,6 +184,35 @@ function M.write_safetensors(path, list, opts)
   return 8 + #header + off
 end
 
+--- The FLOPs (2 per multiply-add) of one Flux evaluation over n_img image and n_txt text
+-- tokens: the linear layers and the attention products of each block, the modulations,
+-- the input and output projections. Returns the step's, one double block's and one
+-- single block's.
+function M.step_flops(cfg, n_img, n_txt)
+  local H, Mh, L = cfg.hidden, cfg.mlp_hidden, n_img + n_txt
+  local att = 4 * L * L * H
+  local dbl = 2 * L * (3 * H * H + H * H + 2 * H * Mh) + att
+  local sgl = 2 * L * ((3 * H + Mh) * H + (H + Mh) * H) + att
+  local mod = 2 * (12 * H * H * cfg.depth + 3 * H * H * cfg.depth_single)
+  local io = 2 * n_img * cfg.in_channels * H + 2 * n_txt * cfg.context_dim * H + 2 * n_img * H * cfg.out_channels
+  return cfg.depth * dbl + cfg.depth_single * sgl + mod + io, dbl, sgl
+end
+
+--- The bf16 GEMM rate (FLOP/s): the best of `n` [rows, 3072] x [3072, 3072] products.
+function M.gemm_rate(rows, n)
+  local H = 3072
+  local x = kiln.randn({ rows, H }, { seed = 1 }):to("bf16")
+  local w = (kiln.randn({ H, H }, { seed = 2 }) * 0.02):to("bf16")
+  local best = math.huge
+  for _ = 1, n or 5 do
+    local t0 = kiln.time()
+    kiln.nn.linear(x, w):free()
+    best = math.min(best, kiln.time() - t0)
+  end
+  x:free(); w:free()
+  return 2 * rows * H * H / best, best
+end
+
 --- Writes the file (through PATH.part, renamed when complete); returns bytes, seconds.
 function M.write(format, path, cfg)
   local t0 = kiln.time()
