@@ -7,20 +7,23 @@
 --
 --   build/kiln tests/bench/bench_t5.lua [--blocks 24] [--tokens 256] [--threads 2]
 --       [--budget 1024] [--dir DIR] [--fresh] [--clean] [--no-torch] [--repeat 1]
---       [--warmup 1] [--only f16,stream,quant]
+--       [--warmup 1] [--only f16,stream,quant] [--pool]
 --
 -- The weights (T5-XXL's shapes: d_model 4096, 64 heads of 64, d_ff 10240, vocab 32128,
 -- `blocks` blocks; ComfyUI's t5xxl_fp16 names) are written once into DIR (default
 -- $TMPDIR/kiln-bench-t5, about 9.5 GB for 24 blocks, plus the q8_0, fp8 and scaled fp8
 -- files made from it) and reused by later runs (--fresh rewrites, --clean removes them
 -- at the end). PyTorch holds the weights in f32: about 19 GB of memory for 24 blocks
--- (--blocks 2 measures the same per-block ratios on a smaller machine).
+-- (--blocks 2 measures the same per-block ratios on a smaller machine). --pool writes the
+-- f16 file at disk speed from tests/bench/flux_weights.lua's pool of random f16 values
+-- (|w| < 2^-5, norms 1; for timing and memory, not for the error columns), in a file of
+-- its own mark.
 local kiln = require "kiln"
 local util = require "kiln.util"
 local rw = dofile("tests/bench/random_weights.lua")
 
 local o = util.parse_args(arg or {}, { blocks = 24, tokens = 256, threads = 2, budget = 1024, dir = "",
-  fresh = false, clean = false, no_torch = false, ["repeat"] = 1, warmup = 1, only = "f16,stream,quant" })
+  fresh = false, clean = false, no_torch = false, pool = false, ["repeat"] = 1, warmup = 1, only = "f16,stream,quant" })
 local fmt = string.format
 local MiB = 1024 * 1024
 local function say(...) print(fmt(...)) io.stdout:flush() end
@@ -47,10 +50,29 @@ end
 -- ---------------------------------------------------------------- weights
 
 local LINEAR = { q = { DKV * HEADS, D }, k = { DKV * HEADS, D }, v = { DKV * HEADS, D }, o = { D, DKV * HEADS } }
-local MARK = "t5xxl-random-f16-v2"
+local MARK = o.pool and "t5xxl-pool-f16-v1" or "t5xxl-random-f16-v2"
 
 local function write_f16()
   local t0 = kiln.time()
+  if o.pool then
+    local list = { { "shared.weight", { VOCAB, D } } }
+    for b = 0, NB - 1 do
+      local p = fmt("encoder.block.%d.layer.", b)
+      for _, n in ipairs({ "q", "k", "v", "o" }) do list[#list + 1] = { p .. "0.SelfAttention." .. n .. ".weight", LINEAR[n] } end
+      if b == 0 then list[#list + 1] = { p .. "0.SelfAttention.relative_attention_bias.weight", { 32, HEADS } } end
+      list[#list + 1] = { p .. "0.layer_norm.weight", { D } }
+      list[#list + 1] = { p .. "1.DenseReluDense.wi_0.weight", { FF, D } }
+      list[#list + 1] = { p .. "1.DenseReluDense.wi_1.weight", { FF, D } }
+      list[#list + 1] = { p .. "1.DenseReluDense.wo.weight", { D, FF } }
+      list[#list + 1] = { p .. "1.layer_norm.weight", { D } }
+    end
+    list[#list + 1] = { "encoder.final_layer_norm.weight", { D } }
+    local fw = dofile("tests/bench/flux_weights.lua")
+    local bytes = fw.write_safetensors(F16, list, { matrix = "F16", vector = "F16",
+      meta = { ["kiln.bench"] = MARK, num_heads = tostring(HEADS) } })
+    say("wrote %s: %.2f GB (%.1f s)", F16, bytes / 1e9, kiln.time() - t0)
+    return
+  end
   local t, i = {}, 0
   -- rw.tensor's std is 1/sqrt(fan_in); `scale` brings it to T5's own initialisation
   -- (transformers' T5PreTrainedModel._init_weights): q (d_model d_kv)^-1/2, the relative

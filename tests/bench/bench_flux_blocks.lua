@@ -1,0 +1,110 @@
+-- tests/bench/bench_flux_blocks.lua - one Flux.1 double-stream block and one single-stream
+-- block at full width in kiln (bf16 arithmetic, bf16 weights resident) against PyTorch f32
+-- on the same weights (tests/bench/torch_flux_blocks.py, run by this script after kiln's
+-- runs), and the machine's bf16 GEMM rate measured in the same run (a [tokens, 3072] x
+-- [3072, 3072] product), from which a whole step's arithmetic time is estimated.
+--
+--   build/kiln tests/bench/bench_flux_blocks.lua [--img 1024] [--txt 512] [--repeat 3]
+--       [--threads 2] [--dir /tmp/fluxbench] [--no-torch] [--step-seconds S]
+--
+-- The weights (one double + one single block, bf16, 1.1 GB) are written by
+-- tests/bench/flux_weights.lua into DIR when missing. --step-seconds: a measured step
+-- time (bench_flux_step.lua) to set against the step's FLOPs / the GEMM rate.
+-- Timing to report: under flock /tmp/kiln-bench.lock.
+local kiln = require "kiln"
+local util = require "kiln.util"
+local flux = require "kiln.flux"
+local fw = dofile("tests/bench/flux_weights.lua")
+
+local o = util.parse_args(arg or {}, { img = 1024, txt = 512, ["repeat"] = 3, threads = 2, dir = "/tmp/fluxbench",
+  no_torch = false, step_seconds = 0 })
+local fmt = string.format
+local function say(...) print(fmt(...)) io.stdout:flush() end
+local function loadavg()
+  local f = io.open("/proc/loadavg")
+  local s = f and f:read("l") or "?"
+  if f then f:close() end
+  return s:match("^(%S+ %S+ %S+)") or s
+end
+
+kiln.set_quiet(true)
+kiln.set_threads(o.threads)
+kiln.precision("bf16")
+os.execute("mkdir -p '" .. o.dir .. "'")
+local path = o.dir .. "/flux-blocks-bf16.safetensors"
+local f = io.open(path, "rb")
+if f then f:close() else
+  local bytes, s = fw.write("bf16", path, fw.config(1, 1))
+  say("wrote %s: %.2f GB in %.1f s", path, bytes / 1e9, s)
+end
+
+local function best_of(n, fn)
+  local ts = {}
+  for i = 1, n do
+    collectgarbage(); collectgarbage()
+    local t0 = kiln.time()
+    fn()
+    ts[i] = kiln.time() - t0
+  end
+  table.sort(ts)
+  return ts[1], ts[(n + 1) // 2]
+end
+
+-- ---------------------------------------------------------------- the GEMM rate
+
+local H = 3072
+local L = o.img + o.txt
+local rate, g = fw.gemm_rate(L, 5)
+say("bf16 GEMM [%d, %d] x [%d, %d]: best %.1f ms = %.1f GFLOP/s (%d threads; load %s)", L, H, H, H, g * 1e3,
+  rate / 1e9, kiln.threads(), loadavg())
+
+-- ---------------------------------------------------------------- kiln's blocks
+
+local ck <close> = kiln.load_checkpoint(path, { variant = "dev" })
+local dit = ck.dit
+dit:load("cpu")
+local cfg = dit.config
+local side = math.floor(math.sqrt(o.img) + 0.5)
+local dt = "bf16"
+local img = kiln.randn({ 1, o.img, H }, { seed = 3 }):to(dt)
+local txt = kiln.randn({ 1, o.txt, H }, { seed = 4 }):to(dt)
+local vs = kiln.randn({ 1, H }, { seed = 5 }):to(dt)
+local cos, sin = flux.rope_tables(flux.position_ids(o.txt, side, o.img // side), cfg.axes_dim, cfg.theta, "cpu", dt)
+local xs = kiln.cat({ txt, img }, 2)
+local la = loadavg()
+local db, dm = best_of(o["repeat"], function()
+  local a, b = dit:_double("double_blocks.0.", img, txt, vs, cos, sin)
+  a:free(); b:free()
+end)
+local sb, sm = best_of(o["repeat"], function() dit:_single("single_blocks.0.", xs, vs, cos, sin):free() end)
+say("kiln bf16 double block: best %.3f s, median %.3f s; single block: best %.3f s, median %.3f s " ..
+  "(%d image + %d text tokens, %d runs; load %s before, %s after)", db, dm, sb, sm, o.img, o.txt, o["repeat"], la,
+  loadavg())
+
+local step, dbl, sgl = fw.step_flops(cfg, o.img, o.txt)
+step = step - dbl - sgl + 19 * dbl + 38 * sgl -- the file has one block of each: count [dev]'s 19 + 38
+step = step - 2 * 15 * H * H + 2 * (12 * 19 + 3 * 38) * H * H
+say("FLOPs: double block %.3f T (%.1f s at the GEMM rate: kiln x%.2f of it), single block %.3f T (%.1f s: x%.2f)",
+  dbl / 1e12, dbl / rate, db / (dbl / rate), sgl / 1e12, sgl / rate, sb / (sgl / rate))
+say("a [dev] step (19 double + 38 single blocks, %d tokens): %.2f TFLOP = %.1f s at the GEMM rate", L, step / 1e12,
+  step / rate)
+if o.step_seconds > 0 then
+  say("  measured step %.1f s = x%.2f of FLOPs / rate", o.step_seconds, o.step_seconds / (step / rate))
+end
+img:free(); txt:free(); vs:free(); cos:free(); sin:free(); xs:free()
+dit:unload()
+
+if not o.no_torch then
+  local cmd = fmt("/usr/bin/python3 tests/bench/torch_flux_blocks.py %s --img %d --txt %d --repeat %d --threads %d",
+    path, o.img, o.txt, o["repeat"], o.threads)
+  say("$ %s   (load %s)", cmd, loadavg())
+  local p = assert(io.popen(cmd))
+  local out = p:read("a")
+  p:close()
+  io.write(out)
+  local td = tonumber(out:match("double block: best ([%d.]+)"))
+  local ts = tonumber(out:match("single block: best ([%d.]+)"))
+  if td and ts then
+    say("kiln bf16 / torch f32 (best): double block x%.3f, single block x%.3f (load %s)", db / td, sb / ts, loadavg())
+  end
+end
