@@ -28,6 +28,7 @@
 
 #include "lauxlib.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <png.h>
@@ -561,6 +562,28 @@ static void on_preview(void *user, int step, int total, const kiln_image *im)
     ws_send_locked(s, s->run_client[0] ? s->run_client : NULL, SERVE_WS_BINARY, (const char *)buf,
                    8 + size);
     pthread_mutex_unlock(&s->mu);
+}
+
+/* ---------------------------------------------------------------- thread stacks */
+
+/* Debian's civetweb gives its request threads 100 KiB stacks (a compile-time size).
+ * glibc refuses a stack smaller than the process's static thread-local storage, which
+ * the CUDA libraries linked into a CUDA build make larger than that (pthread_create:
+ * EINVAL, "Cannot create first worker thread"), and the sanitizers' frames overflowed
+ * it. The kiln program defines pthread_attr_setstacksize, which the dynamic linker
+ * binds civetweb's calls to: sizes under glibc's default thread stack are raised to
+ * it (address space only; pages are touched as a thread uses them). */
+#define SERVE_MIN_THREAD_STACK ((size_t)8 << 20)
+
+__attribute__((visibility("default"))) int pthread_attr_setstacksize(pthread_attr_t *attr, size_t size)
+{
+    static int (*real)(pthread_attr_t *, size_t);
+    if (!real) {
+        void *f = dlsym(RTLD_NEXT, "pthread_attr_setstacksize");
+        if (!f) return EINVAL;
+        memcpy(&real, &f, sizeof real);
+    }
+    return real(attr, size < SERVE_MIN_THREAD_STACK ? SERVE_MIN_THREAD_STACK : size);
 }
 
 /* ---------------------------------------------------------------- signals */
