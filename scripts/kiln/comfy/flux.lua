@@ -79,9 +79,16 @@ function M.text_encoders(ctx, paths)
     fail(ctx, "type flux needs a CLIP-L file and a T5-XXL file (clip_l.safetensors, t5xxl_fp16.safetensors); got " ..
       table.concat(paths, ", "))
   end
+  return M.open_with_t5(ctx, key, "flux", { clip_path }, t5_path)
+end
+
+--- The CLIP files and a T5 file of a family as one checkpoint (clip and t5), opened in
+-- the graph's context under `key` (closed with it); a T5 that fails to load closes
+-- the CLIPs again.
+function M.open_with_t5(ctx, key, family, clip_paths, t5_path)
   local o = ctx:adapter_dirs()
-  o.family = "flux"
-  c = require("kiln.checkpoint").load_text_encoders({ clip_path }, o)
+  o.family = family
+  local c = require("kiln.checkpoint").load_text_encoders(clip_paths, o)
   local ok, enc = pcall(t5.load, t5_path)
   if not ok then
     c:close()

@@ -39,18 +39,7 @@ function M.text_encoders(ctx, paths)
     fail(ctx, "TripleCLIPLoader needs CLIP-L, CLIP-G (bigG) and T5-XXL files (clip_l.safetensors, " ..
       "clip_g.safetensors, t5xxl_fp16.safetensors); got " .. table.concat(paths, ", "))
   end
-  local o = ctx:adapter_dirs()
-  o.family = "sd3"
-  c = require("kiln.checkpoint").load_text_encoders(clips, o)
-  local ok, enc = pcall(t5.load, t5_path)
-  if not ok then
-    c:close()
-    error(enc, 0)
-  end
-  c.t5 = enc
-  ctx:opened(key, c)
-  ctx.names[enc] = t5_path:match("([^/]+)$") .. " t5"
-  return c
+  return require("kiln.comfy.flux").open_with_t5(ctx, key, "sd3", clips, t5_path)
 end
 
 N.TripleCLIPLoader = {
