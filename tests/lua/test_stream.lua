@@ -152,29 +152,41 @@ test("prefetch overlaps compute: copies on the copy thread inside block spans", 
   kiln.memory_mode("low")
   ck.unet:load("sim")
   ck.unet:forward(x, t, ctx):free() -- warm up the copy thread
-  kiln.trace.start(dir)
-  local out = ck.unet:forward(x, t, ctx)
-  kiln.trace.stop()
-  out:free()
+  -- one traced forward: its block spans and prefetch copies, and how many copies ran
+  -- inside a block
+  local function traced()
+    kiln.trace.start(dir)
+    local out = ck.unet:forward(x, t, ctx)
+    kiln.trace.stop()
+    out:free()
+    local blocks, copies = {}, {}
+    for line in io.lines(dir) do
+      local name, cat, ts, dur, tid = line:match('^{"name":"([^"]*)","cat":"(%a+)","ph":"X","ts":([%d%.]+),"dur":([%d%.]+),"pid":%d+,"tid":(%d+)')
+      if name then
+        local e = { name = name, t0 = tonumber(ts), t1 = tonumber(ts) + tonumber(dur), tid = tonumber(tid) }
+        if cat == "span" and name:sub(1, 5) == "unet " then blocks[#blocks + 1] = e end
+        if cat == "prefetch" then copies[#copies + 1] = e end
+      end
+    end
+    eq(#blocks, #ck.unet.streamer.blocks, "one span per block")
+    truthy(#copies > 0, "prefetch copies in the trace")
+    local overlapping = 0
+    for _, c in ipairs(copies) do
+      truthy(c.tid ~= blocks[1].tid, "copies run on another thread than the blocks")
+      for _, b in ipairs(blocks) do
+        if c.t0 < b.t1 and c.t1 > b.t0 then overlapping = overlapping + 1; break end
+      end
+    end
+    return blocks, copies, overlapping
+  end
+  -- a machine busy with other processes can keep the copy thread off the cores for a
+  -- whole forward: up to three forwards (copies that never overlap fail all three)
+  local blocks, copies, overlapping
+  for _ = 1, 3 do
+    blocks, copies, overlapping = traced()
+    if overlapping > 0 then break end
+  end
   ck.unet:unload()
-  local blocks, copies = {}, {}
-  for line in io.lines(dir) do
-    local name, cat, ts, dur, tid = line:match('^{"name":"([^"]*)","cat":"(%a+)","ph":"X","ts":([%d%.]+),"dur":([%d%.]+),"pid":%d+,"tid":(%d+)')
-    if name then
-      local e = { name = name, t0 = tonumber(ts), t1 = tonumber(ts) + tonumber(dur), tid = tonumber(tid) }
-      if cat == "span" and name:sub(1, 5) == "unet " then blocks[#blocks + 1] = e end
-      if cat == "prefetch" then copies[#copies + 1] = e end
-    end
-  end
-  eq(#blocks, #ck.unet.streamer.blocks, "one span per block")
-  truthy(#copies > 0, "prefetch copies in the trace")
-  local overlapping = 0
-  for _, c in ipairs(copies) do
-    truthy(c.tid ~= blocks[1].tid, "copies run on another thread than the blocks")
-    for _, b in ipairs(blocks) do
-      if c.t0 < b.t1 and c.t1 > b.t0 then overlapping = overlapping + 1; break end
-    end
-  end
   truthy(overlapping > 0, "no prefetch copy overlapped a block's compute")
   report[#report + 1] = ("trace: %d block spans, %d prefetch copies, %d during a block"):format(#blocks, #copies, overlapping)
   reset()
