@@ -4,6 +4,25 @@
 local H = {}
 local failed = 0
 
+-- The names the test takes from os.tmpname (a file it may replace with a folder, or
+-- use as a prefix) are removed with whatever the test put there when the program
+-- ends, passed or failed: tests must not leave their models and pictures in /tmp.
+local temps = {}
+local tmpname = os.tmpname
+function os.tmpname()
+  local path = tmpname()
+  temps[#temps + 1] = path
+  return path
+end
+local function remove_temps()
+  for i = #temps, 1, -1 do
+    local path = temps[i]
+    temps[i] = nil
+    if path:match("^/tmp/lua_%w+$") then os.execute("rm -rf -- '" .. path .. "' '" .. path .. "'.* 2>/dev/null") end
+  end
+end
+H._temps = setmetatable({}, { __gc = remove_temps }) -- runs when the Lua state closes
+
 function H.test(name, fn)
   local skipped
   local ok, err = xpcall(fn, function(e)
@@ -83,7 +102,10 @@ end
 -- still alive (held by a global or a module) once the chunk has ended. The tests'
 -- own caches (tiny_sd's recipes) are dropped here for that.
 function H.done()
-  if failed ~= 0 then os.exit(1) end
+  if failed ~= 0 then
+    remove_temps()
+    os.exit(1)
+  end
   local tiny = package.loaded.tiny_sd
   if type(tiny) == "table" and tiny.forget then tiny.forget() end
 end
