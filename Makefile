@@ -85,7 +85,7 @@ endif
 RUNTIME_SRC  := $(wildcard runtime/*.c)
 KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_none.c
 ifeq ($(CUDA),1)
-KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_backend.c
+KERNEL_SRC   := $(wildcard kernels/*.c kernels/cpu/*.c kernels/meta/*.c) kernels/cuda/cuda_backend.c kernels/cuda/cuda_context.c
 CU_OBJ       := $(patsubst %.cu,$(BUILD)/obj/%.o,$(wildcard kernels/cuda/*.cu))
 NVCCFLAGS    := -std=c++17 -O2 -g -Xcompiler -Wall,-Wextra,-fPIC,-fvisibility=hidden \
                 $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
@@ -167,7 +167,7 @@ $(BUILD)/obj/%.o: %.cu $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/obj/kernels/cuda/cuda_backend.o: CFLAGS += -I$(CUDA_HOME)/include
+$(BUILD)/obj/kernels/cuda/cuda_backend.o $(BUILD)/obj/kernels/cuda/cuda_context.o: CFLAGS += -I$(CUDA_HOME)/include
 # kiln.h includes kiln_status.h, which is the core's (runtime/) and is installed beside it
 $(BUILD)/obj/bindings/%.o: CFLAGS += -iquote runtime
 ifeq ($(HIREDIS),1)

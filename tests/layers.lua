@@ -4,7 +4,7 @@
 -- another is a call or a data reference, exact for what links) and the `#include "..."`
 -- lines of every .c/.h/.cu. A .c and the .h of the same name in the same folder are
 -- one node ("runtime/alloc"), and so are the files of a module split around a private
--- X_internal.h, and the CUDA backend's files (see node_of). Then checks:
+-- X_internal.h (see node_of). Then checks:
 --   loops     no cycle among the nodes (each one found is named, edge by edge);
 --   lua       runtime/ and kernels/ never include lua.h (or its siblings) nor depend
 --             on anything in bindings/;
@@ -77,14 +77,7 @@ end
 -- A .c and its .h are one node; so is a module split into several files around a
 -- private header: X.c, X_<part>.c and X_internal.h (runtime/model*.c, kernels/cpu/gemm*.c)
 -- are the one node X, since the header says they are one unit and nothing else includes it.
--- The CUDA backend (kernels/cuda/) is one node too: its registration file holds the
--- per-device context and the helpers (enter, done, checks, scratch) its kernel files
--- call, while it calls their host entries for the op table. Splitting the context into
--- a file of its own (cuda_context.c/.h, included by cuda_dev.h) would make it a stack;
--- until then the backend is checked as a whole against the rest.
-local CUDA_DIR = "kernels/cuda"
 local function node_of(path)
-  if path:sub(1, #CUDA_DIR + 1) == CUDA_DIR .. "/" then return CUDA_DIR end
   local base = path:gsub("%.[ch]u?$", "")
   local dir, name = base:match("^(.*)/([^/]+)$")
   if not dir then return base end
@@ -135,7 +128,8 @@ end
 -- ---- objects --------------------------------------------------------------------
 
 -- Which objects make the library: every source's object, except that kernels/cuda
--- holds either cuda_none.c (a build without CUDA) or cuda_backend.c and the .cu files,
+-- holds either cuda_none.c (a build without CUDA) or cuda_backend.c, cuda_context.c and
+-- the .cu files,
 -- as libkiln.a's members say (both may lie in the build folder from earlier builds).
 local members = {}
 for _, m in ipairs(lines_of("ar t " .. build .. "/libkiln.a 2>/dev/null")) do members[m] = true end
@@ -152,7 +146,7 @@ for _, path in ipairs(files) do
     if in_cuda then
       if path:match("cuda_none%.c$") then keep = not cuda_built else keep = cuda_built end
     end
-    local obj = build .. "/obj/" .. node_of(path) .. ".o"
+    local obj = build .. "/obj/" .. path:gsub("%.cu?$", "") .. ".o"
     if keep and exists(obj) then objects[#objects + 1] = { obj = obj, node = node_of(path) } end
   end
 end

@@ -7,7 +7,7 @@
 #define KILN_CUDA_DEV_H
 
 #include "../kernel_formulas.h"
-#include "cuda_backend.h"
+#include "cuda_ops.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -96,6 +96,27 @@ extern "C" kiln_status kiln_cuda_copy(kiln_tensor *dst, const kiln_tensor *src)
     return kiln_cuda_done(c, op);
 }
 
+/* Over the copy, hence here and not with the context: every op that needs an operand
+ * contiguous in its compute dtype comes through it. */
+extern "C" kiln_status kiln_cuda_as(kiln_cuda_ctx *c, const kiln_tensor *t, kiln_dtype dt, kiln_tensor **tmp, const void **data)
+{
+    *tmp = NULL;
+    *data = NULL;
+    if (t->dtype == dt && kiln_tensor_is_contiguous(t)) {
+        *data = kiln_tensor_data(t);
+        return KILN_OK;
+    }
+    kiln_status st = kiln_cuda_temp(c, dt, t->ndim, t->shape, tmp);
+    if (!st) st = kiln_cuda_copy(*tmp, t);
+    if (st) {
+        kiln_tensor_free(*tmp);
+        *tmp = NULL;
+        return st;
+    }
+    *data = kiln_tensor_data(*tmp);
+    return KILN_OK;
+}
+
 /* ---- fill ---- */
 
 template <typename E>

@@ -60,7 +60,9 @@ else
     for f in runtime/*.c kernels/*.c $(ls kernels/*/*.c | grep -v '^kernels/cuda/'); do
       echo "gcc -std=c11 -Wall -Wextra -O2 -g -c $f -o $B/obj/$(echo "$f" | tr / _).o"
     done
-    echo "gcc -std=c11 -Wall -Wextra -O2 -g -I$CUDA_HOME/include -c kernels/cuda/cuda_backend.c -o $B/obj/cuda_backend.o"
+    for f in cuda_backend cuda_context; do
+      echo "gcc -std=c11 -Wall -Wextra -O2 -g -I$CUDA_HOME/include -c kernels/cuda/$f.c -o $B/obj/$f.o"
+    done
     for f in kernels/cuda/*.cu; do
       echo "$NVCC -std=c++17 -O2 -g -Xcompiler -Wall,-Wextra -gencode arch=compute_$ARCHS,code=sm_$ARCHS -c $f -o $B/obj/$(basename "$f" .cu).cu.o"
     done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/emu/run.sh - runs the CUDA backend's parity test on the CPU, against an
-# emulation of CUDA (tests/gpu/emu/emu_runtime.cpp): the real cuda_backend.c and the
+# emulation of CUDA (tests/gpu/emu/emu_runtime.cpp): the real cuda_backend.c, cuda_context.c and the
 # real kernels of kernels/cuda/*.cu, compiled as host C++ (g++) with threads as
 # coroutines. It catches indexing, launch-shape, barrier, shuffle, dtype and
 # cuBLAS/cuDNN-argument mistakes on a machine without a GPU (about a minute);
@@ -29,7 +29,9 @@ if [ -f runtime/data/gen_blob.lua ]; then
   lua5.4 runtime/data/gen_blob.lua "$B/t5_vocab.c" kiln_t5_vocab_gz runtime/data/t5_spiece.bin.gz
   gcc -std=c11 -O1 -c "$B/t5_vocab.c" -o "$B/obj/t5_vocab.o" & pids+=($!)
 fi
-gcc -std=c11 -Wall -Wextra -O1 -g -I"$CUDA_HOME/include" -c kernels/cuda/cuda_backend.c -o "$B/obj/cuda_backend.o" & pids+=($!)
+for f in cuda_backend cuda_context; do
+  gcc -std=c11 -Wall -Wextra -O1 -g -I"$CUDA_HOME/include" -c kernels/cuda/$f.c -o "$B/obj/$f.o" & pids+=($!)
+done
 g++ -std=c++17 -O1 -g -ffp-contract=off -I"$CUDA_HOME/include" -c "$E/emu_runtime.cpp" -o "$B/obj/emu_runtime.o" & pids+=($!)
 for f in kernels/cuda/*.cu; do
   b=$(basename "$f" .cu)
@@ -50,7 +52,7 @@ if [ -n "${KILN_LIB:-}" ]; then
   nm "$KILN_LIB/libkiln.a" 2>/dev/null | grep -q ' U redisConnect' && redis="-lhiredis"
   gcc -std=c11 -O1 -g $defs $(pkg-config --cflags lua5.4) -c bindings/kiln_main.c -o "$B/kiln_main.o"
   for f in bindings/repl_*.c; do gcc -std=c11 -O1 -g $defs $(pkg-config --cflags lua5.4) -c "$f" -o "$B/$(basename "$f" .c).o"; done
-  g++ -o "$B/kiln" "$B/kiln_main.o" "$B"/repl_*.o "$B/obj/cuda_backend.o" "$B"/obj/*.cu.o "$B/obj/emu_runtime.o" \
+  g++ -o "$B/kiln" "$B/kiln_main.o" "$B"/repl_*.o "$B/obj/cuda_backend.o" "$B/obj/cuda_context.o" "$B"/obj/*.cu.o "$B/obj/emu_runtime.o" \
     "$KILN_LIB/libkiln.a" $(pkg-config --libs lua5.4) -lopenblas -lpng -lz -lm -lpthread $redis $rl
   KILN_EMU=1 "$B/kiln" tests/gpu/half_networks.lua cuda:0 || rc=1
 fi

@@ -1,5 +1,5 @@
-/* cuda_backend.h - the CUDA backend's per-device context and the helpers its op
- * files share (C and C++). One context per GPU: a compute stream for every op, a
+/* cuda_context.h - the CUDA backend's per-device context and the helpers its op
+ * files share (C and C++), below them: the contexts call no op. One context per GPU: a compute stream for every op, a
  * copy stream for host<->device transfers through pinned staging buffers, cuBLAS
  * and cuDNN handles bound to the compute stream. Device memory comes only from the
  * device's kiln allocator (cudaMalloc underneath), reached through the runtime's
@@ -13,8 +13,8 @@
  * - an op whose tensors overlap a pending copy makes `compute` wait for it
  *   (kiln_cuda_enter), so a prefetch overlaps the compute it does not feed;
  * - device->host copies complete before to_host returns. */
-#ifndef KILN_CUDA_BACKEND_H
-#define KILN_CUDA_BACKEND_H
+#ifndef KILN_CUDA_CONTEXT_H
+#define KILN_CUDA_CONTEXT_H
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -26,7 +26,6 @@ extern "C" {
 #endif
 
 #include "../../runtime/backend.h"
-#include "cuda_register.h"
 
 #define KILN_CUDA_MAX_DEVICES 16
 #define KILN_CUDA_STAGE_SLOTS 8
@@ -92,9 +91,6 @@ kiln_status kiln_cuda_done(kiln_cuda_ctx *c, const char *op);
 
 /* Temporaries on the context's device (budgeted, freed with kiln_tensor_free). */
 kiln_status kiln_cuda_temp(kiln_cuda_ctx *c, kiln_dtype dt, int ndim, const int64_t *shape, kiln_tensor **out);
-/* t as contiguous data of dtype dt: t's own data when it already is, else a copy in
- * *tmp (free it with kiln_tensor_free; NULL when none was needed). */
-kiln_status kiln_cuda_as(kiln_cuda_ctx *c, const kiln_tensor *t, kiln_dtype dt, kiln_tensor **tmp, const void **data);
 /* Raw scratch from the device's memory (kiln_device_scratch_alloc: may evict as any
  * allocation). */
 kiln_status kiln_cuda_scratch(kiln_cuda_ctx *c, size_t n, void **p);
@@ -102,36 +98,18 @@ kiln_status kiln_cuda_scratch(kiln_cuda_ctx *c, size_t n, void **p);
 int kiln_cuda_try_scratch(kiln_cuda_ctx *c, size_t n, void **p);
 void kiln_cuda_scratch_free(kiln_cuda_ctx *c, void *p);
 
-/* ---- the operation table entries (backend.h semantics), one file each ---- */
-/* elementwise.cu */
-kiln_status kiln_cuda_copy(kiln_tensor *dst, const kiln_tensor *src);
-/* dequant.cu: n elements of a low-bit dtype (fp8, a ggml block type) at src to f32,
- * f16 or bf16 at dst, both contiguous on c's device (launched on c's compute stream). */
-kiln_status kiln_cuda_dequantize(kiln_cuda_ctx *c, void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, int64_t n);
-kiln_status kiln_cuda_fill(kiln_tensor *t, double v);
-kiln_status kiln_cuda_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b, double s, int swap);
-kiln_status kiln_cuda_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1);
-kiln_status kiln_cuda_geglu(kiln_tensor *out, const kiln_tensor *x);
-/* reduce.cu */
-kiln_status kiln_cuda_reduce(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased);
-/* gemm.cu */
-kiln_status kiln_cuda_matmul(kiln_tensor *out, const kiln_tensor *a, const kiln_tensor *b);
-kiln_status kiln_cuda_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias);
-/* conv2d.cu */
-kiln_status kiln_cuda_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias,
-                             const kiln_conv_opts *o);
-void kiln_cuda_conv_cache_free(kiln_cuda_ctx *c);
-/* norm.cu */
-kiln_status kiln_cuda_group_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b,
-                                 int64_t groups, double eps, int silu);
-kiln_status kiln_cuda_layer_norm(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *b, double eps);
-kiln_status kiln_cuda_softmax(kiln_tensor *out, const kiln_tensor *x, int dim);
-/* attention.cu */
-kiln_status kiln_cuda_attention(kiln_tensor *out, const kiln_tensor *q, const kiln_tensor *k, const kiln_tensor *v,
-                                double scale, int causal);
-/* resample.cu */
-kiln_status kiln_cuda_resample(kiln_resample mode, kiln_tensor *out, const kiln_tensor *x);
-kiln_status kiln_cuda_pad2d(kiln_tensor *out, const kiln_tensor *x, const int64_t *pads, int mode, double value);
+/* ---- the device table (cuda_backend.c hands in the backend's op table) ---- */
+/* Registers a "cuda:N" device per GPU, each with its context and a cudaMalloc raw
+ * memory for kiln's allocator, and sets CUDA's default precision. Called once by the
+ * device registry (its lock held). */
+void kiln_cuda_register_devices(const kiln_backend *backend);
+const char *kiln_cuda_unavailable_reason(void);
+/* backend.h's entries that concern the device rather than an op */
+kiln_status kiln_cuda_to_device(void *dst, const void *src, size_t n);
+kiln_status kiln_cuda_to_host(void *dst, const void *src, size_t n);
+uint64_t kiln_cuda_workspace_bytes(kiln_device *dev);
+void kiln_cuda_workspace_release(kiln_device *dev);
+kiln_dtype kiln_cuda_activation_dtype(kiln_device *dev, kiln_dtype dt);
 
 #ifdef __cplusplus
 }
