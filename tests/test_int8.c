@@ -242,6 +242,57 @@ static void t_int8_cached_weights(void)
     free(want); free(w_copy);
 }
 
+/* A 1x1 convolution under precision int8 (a UNet's projections): the linear layer's
+ * W8A8 product over the pixels (each image transposed, the per-call kernel's bits),
+ * then the residual and the leaky ReLU; its packed weights kept as a linear layer's. */
+static void t_int8_conv1x1(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU");
+        return;
+    }
+    const int64_t n = 2, c = 64, k = 48, h = 6, wd = 8, hw = h * wd;
+    kiln_device *dev = kiln_device_cpu();
+    kiln_tensor *x, *w, *b, *res, *y = NULL;
+    int64_t xs[4] = {n, c, h, wd}, ws[4] = {k, c, 1, 1}, rs[4] = {n, k, h, wd};
+    CHECK(kiln_tensor_new(dev, KILN_F32, 4, xs, &x) == KILN_OK, "x");
+    CHECK(kiln_tensor_new(dev, KILN_F16, 4, ws, &w) == KILN_OK, "w");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 1, &k, &b) == KILN_OK, "b");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 4, rs, &res) == KILN_OK, "residual");
+    float *xf = kiln_tensor_data(x), *bf = kiln_tensor_data(b), *rf = kiln_tensor_data(res);
+    uint16_t *wh = kiln_tensor_data(w);
+    uint64_t r = 777;
+#define NEXT() (r = r * 6364136223846793005ull + 1442695040888963407ull, (float)((int64_t)(r >> 40) - (1 << 23)) / (1 << 23))
+    for (int64_t i = 0; i < n * c * hw; i++) xf[i] = NEXT();
+    for (int64_t i = 0; i < k * c; i++) wh[i] = kiln_f32_to_f16(NEXT() / 8);
+    for (int64_t i = 0; i < k; i++) bf[i] = NEXT();
+    for (int64_t i = 0; i < n * k * hw; i++) rf[i] = NEXT();
+#undef NEXT
+    /* the expected values: per image, pixels-by-channels through the linear kernel */
+    float *xt = malloc((size_t)(hw * c) * 4), *yt = malloc((size_t)(hw * k) * 4), *want = malloc((size_t)(n * k * hw) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t ch = 0; ch < c; ch++)
+            for (int64_t p = 0; p < hw; p++) xt[p * c + ch] = xf[(i * c + ch) * hw + p];
+        CHECK(kiln_cpu_linear_int8(yt, xt, wh, KILN_F16, bf, hw, k, c) == 0, "linear int8");
+        for (int64_t o = 0; o < k; o++)
+            for (int64_t p = 0; p < hw; p++) {
+                float v = yt[p * k + o] + rf[(i * k + o) * hw + p];
+                want[(i * k + o) * hw + p] = v < 0.0f ? v * 0.25f + 0.0f : v;
+            }
+    }
+    kiln_precision_set(KILN_PREC_INT8);
+    kiln_conv_opts o = {.stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1, .upsample = 1,
+                        .act = 1, .act_slope = 0.25, .residual = res};
+    CHECK(kiln_op_conv2d(x, w, b, &o, &y) == KILN_OK, "conv2d: %s", kiln_last_error());
+    CHECK(kiln_storage_derived_bytes(w->storage) == kiln_cpu_int8_packed_bytes(k, c, KILN_F16),
+          "the packed weights are kept");
+    CHECK(y && !memcmp(kiln_tensor_data(y), want, (size_t)(n * k * hw) * 4),
+          "the linear layer's int8 product over the pixels, + residual, leaky ReLU");
+    kiln_precision_set(KILN_PREC_F32);
+    kiln_tensor_free(y); kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b); kiln_tensor_free(res);
+    free(xt); free(yt); free(want);
+}
+
 int main(void)
 {
     if (kiln_st_open(GOLDEN, &golden) != KILN_OK) {
@@ -252,6 +303,7 @@ int main(void)
     RUN(t_int8_error_bound);
     RUN(t_int8_precision_dispatch);
     RUN(t_int8_cached_weights);
+    RUN(t_int8_conv1x1);
     kiln_st_release(golden);
     kiln_precision_unset();
     return test_summary();

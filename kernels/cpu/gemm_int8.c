@@ -310,6 +310,56 @@ int kiln_cpu_linear_int8_packed(float *y, const float *x, const void *packed, co
     return linear_packed(y, x, packed, bias, M, N, K);
 }
 
+/* dst[cols][rows] = src[rows][cols], in 32 x 32 tiles (both sides read and written a
+ * cache line at a time) on the pool */
+typedef struct { float *dst; const float *src; int64_t rows, cols; } tr_ctx;
+
+static void transpose_tiles(void *vctx, int64_t begin, int64_t end)
+{
+    const tr_ctx *t = vctx;
+    int64_t tc = (t->cols + 31) / 32;
+    for (int64_t b = begin; b < end; b++) {
+        int64_t r0 = b / tc * 32, c0 = b % tc * 32;
+        int64_t r1 = r0 + 32 < t->rows ? r0 + 32 : t->rows, c1 = c0 + 32 < t->cols ? c0 + 32 : t->cols;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t r = r0; r < r1; r++) t->dst[c * t->rows + r] = t->src[r * t->cols + c];
+    }
+}
+
+static void transpose(float *dst, const float *src, int64_t rows, int64_t cols)
+{
+    tr_ctx t = {dst, src, rows, cols};
+    kiln_parallel_for(((rows + 31) / 32) * ((cols + 31) / 32), 4, transpose_tiles, &t);
+}
+
+int kiln_cpu_conv1x1_int8_packed(float *y, const float *x, const void *packed, const float *bias,
+                                 const float *residual, int act, float act_slope, int64_t n, int64_t c, int64_t hw,
+                                 int64_t k)
+{
+    if (!kiln_cpu_has_vnni() || n <= 0 || c <= 0 || hw <= 0 || k <= 0 || c % QBLK || ((uintptr_t)packed & 63)) return 1;
+    size_t xb = ((size_t)(hw * c) * 4 + 63) / 64 * 64, yb = (size_t)(hw * k) * 4;
+    float *xt = kiln_cpu_scratch_get(xb + yb);
+    if (!xt) return -1;
+    float *yt = (float *)(void *)((char *)xt + xb);
+    for (int64_t i = 0; i < n; i++) {
+        transpose(xt, x + i * c * hw, c, hw); /* pixels as rows, channels along them */
+        int r = linear_packed(yt, xt, packed, bias, hw, k, c);
+        if (r) { kiln_cpu_scratch_put(xt); return r; }
+        float *yi = y + i * k * hw;
+        transpose(yi, yt, hw, k);
+        if (residual || act) {
+            const float *ri = residual ? residual + i * k * hw : NULL;
+            for (int64_t j = 0; j < k * hw; j++) {
+                float v = yi[j] + (ri ? ri[j] : 0.0f);
+                if (act && v < 0.0f) v = v * act_slope + 0.0f; /* as conv2d.c's post1 */
+                yi[j] = v;
+            }
+        }
+    }
+    kiln_cpu_scratch_put(xt);
+    return 0;
+}
+
 int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
                          int64_t N, int64_t K)
 {
@@ -335,6 +385,15 @@ size_t kiln_cpu_int8_packed_bytes(int64_t N, int64_t K, kiln_dtype w_dtype)
 int kiln_cpu_int8_pack(void *packed, const void *w, kiln_dtype w_dtype, int64_t N, int64_t K)
 {
     (void)packed; (void)w; (void)w_dtype; (void)N; (void)K;
+    return 1;
+}
+
+int kiln_cpu_conv1x1_int8_packed(float *y, const float *x, const void *packed, const float *bias,
+                                 const float *residual, int act, float act_slope, int64_t n, int64_t c, int64_t hw,
+                                 int64_t k)
+{
+    (void)y; (void)x; (void)packed; (void)bias; (void)residual; (void)act; (void)act_slope; (void)n; (void)c;
+    (void)hw; (void)k;
     return 1;
 }
 
