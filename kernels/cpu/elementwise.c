@@ -273,6 +273,14 @@ static void load_piece(float *t, const char *p, kiln_dtype dt, int64_t st, int64
         for (int64_t i = 0; i < n; i++) t[i] = v;
         return;
     }
+    if (dt == KILN_BF16) { /* a rotary embedding's pairs: every other value */
+        const uint16_t *h = (const uint16_t *)(const void *)p;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)h[i * st] << 16;
+            memcpy(t + i, &u, 4);
+        }
+        return;
+    }
     int64_t e = (int64_t)kiln_dtype_size(dt);
     for (int64_t i = 0; i < n; i++) t[i] = (float)kiln_dtype_load(dt, p + i * st * e);
 }
