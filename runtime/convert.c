@@ -128,6 +128,19 @@ static void f32_to_f16_array(uint16_t *dst, const float *s, size_t n)
 
 void kiln_f32_to_f16_array(uint16_t *dst, const float *src, size_t n) { f32_to_f16_array(dst, src, n); }
 
+/* f32 -> bf16, nearest even, quiet nan (kiln_f32_to_bf16's rule), branch-free so the
+ * compiler vectorizes it: every bf16 activation a kernel writes passes here. */
+static void f32_to_bf16_array(uint16_t *dst, const float *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, s + i, 4);
+        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        uint32_t q = (u >> 16) | 0x40u;
+        dst[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
+    }
+}
+
 static void f16_to_f32_array(float *dst, const uint16_t *s, size_t n)
 {
 #ifdef KILN_F16_SIMD
@@ -203,6 +216,7 @@ void kiln_convert(void *dst, kiln_dtype ddt, const void *src, kiln_dtype sdt, si
     }
     if (ddt == KILN_F32) { kiln_to_f32(dst, src, sdt, n); return; }
     if (ddt == KILN_F16 && sdt == KILN_F32) { f32_to_f16_array(dst, src, n); return; }
+    if (ddt == KILN_BF16 && sdt == KILN_F32) { f32_to_bf16_array(dst, src, n); return; }
     if ((ddt == KILN_F8_E4M3FN || ddt == KILN_F8_E5M2) && (sdt == KILN_F32 || sdt == KILN_F16)) {
         /* storing weights as fp8: from f16 through a table of all 65536 inputs */
         uint8_t *d = dst;

@@ -473,6 +473,7 @@ void kiln_storage_release(kiln_storage *s)
 {
     if (!s) return;
     if (atomic_fetch_sub((atomic_int *)&s->refcount, 1) != 1) return;
+    kiln_storage_drop_derived(s);
     unlink_storage(s);
     if (s->release) s->release(s);
     else {
@@ -481,6 +482,95 @@ void kiln_storage_release(kiln_storage *s)
         kiln_storage_account(s, 0);
     }
     free(s);
+}
+
+/* ---- derived caches ---- */
+
+struct kiln_derived {
+    kiln_derived *next;
+    uint64_t key[4];
+    kiln_storage *data;
+};
+
+static pthread_mutex_t derived_lock = PTHREAD_MUTEX_INITIALIZER;
+
+kiln_storage *kiln_storage_derived_get(kiln_storage *s, const uint64_t key[4])
+{
+    kiln_storage *r = NULL;
+    pthread_mutex_lock(&derived_lock);
+    for (kiln_derived *d = s->derived; d; d = d->next)
+        if (!memcmp(d->key, key, sizeof d->key)) {
+            r = d->data;
+            kiln_storage_retain(r);
+            break;
+        }
+    pthread_mutex_unlock(&derived_lock);
+    return r;
+}
+
+kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storage **out)
+{
+    *out = NULL;
+    kiln_device *dev = s->device;
+    void *p = NULL;
+    /* taken only where it fits without evicting: a cache must never push out weights */
+    if (kiln_device_scratch_alloc(dev, nbytes, KILN_SCRATCH_NO_EVICT, &p)) return KILN_ERR_OOM;
+    kiln_mem_timeline_free(dev, p); /* accounted below as a storage, not as workspace */
+    kiln_storage *r = calloc(1, sizeof *r);
+    if (!r) { kiln_allocator_release(dev->alloc, p); return KILN_ERR_OOM; }
+    r->data = p;
+    r->nbytes = nbytes;
+    r->device = dev;
+    atomic_init((atomic_int *)&r->refcount, 1);
+    snprintf(r->owner, sizeof r->owner, "%.52s (derived)", s->owner);
+    link_storage(r);
+    kiln_mem_timeline_alloc(dev, p, r->owner);
+    kiln_storage_account(r, 1);
+    *out = r;
+    return KILN_OK;
+}
+
+void kiln_storage_derived_put(kiln_storage *s, const uint64_t key[4], kiln_storage *data)
+{
+    kiln_derived *n = malloc(sizeof *n);
+    if (!n) return;
+    memcpy(n->key, key, sizeof n->key);
+    n->data = data;
+    pthread_mutex_lock(&derived_lock);
+    for (kiln_derived *d = s->derived; d; d = d->next)
+        if (!memcmp(d->key, key, sizeof d->key)) {
+            pthread_mutex_unlock(&derived_lock);
+            free(n);
+            return;
+        }
+    kiln_storage_retain(data);
+    n->next = s->derived;
+    s->derived = n;
+    pthread_mutex_unlock(&derived_lock);
+}
+
+void kiln_storage_drop_derived(kiln_storage *s)
+{
+    if (!s) return;
+    pthread_mutex_lock(&derived_lock);
+    kiln_derived *list = s->derived;
+    s->derived = NULL;
+    pthread_mutex_unlock(&derived_lock);
+    while (list) {
+        kiln_derived *next = list->next;
+        kiln_storage_release(list->data);
+        free(list);
+        list = next;
+    }
+}
+
+size_t kiln_storage_derived_bytes(kiln_storage *s)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&derived_lock);
+    for (kiln_derived *d = s->derived; d; d = d->next) n += d->data->nbytes;
+    pthread_mutex_unlock(&derived_lock);
+    return n;
 }
 
 void kiln_storage_set_owner(kiln_storage *s, const char *owner)

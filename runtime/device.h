@@ -117,6 +117,7 @@ struct kiln_storage {
     void *ctx;                        /* for release */
     char owner[64];                   /* who the bytes are accounted to ("model:unet", "tensor") */
     kiln_storage *prev, *next;        /* live list of the device, for summaries */
+    struct kiln_derived *derived;     /* caches derived from these bytes (below); NULL: none */
 };
 
 /* New storage of nbytes from dev's allocator (may evict; KILN_ERR_OOM on failure). */
@@ -134,6 +135,30 @@ void kiln_storage_set_owner(kiln_storage *s, const char *owner);
  * change its listener sees). kiln_storage_new and kiln_storage_release call it; so
  * does a release function that gives a device block back itself (suspend.c). */
 void kiln_storage_account(const kiln_storage *s, int alive);
+
+/* ---- caches derived from a storage's bytes ----
+ * A kernel's own form of a weight kept between calls (the int8 product's quantized,
+ * packed panels): a storage of its own on the same device, from that device's
+ * allocator (so counted in its statistics and budget, named "<owner> (derived)"),
+ * found by a key the kernel chooses (its tag, the view's offset, shape, dtype). It lives
+ * as long as the storage it derives from: released with it (a model's unload, a
+ * budget's eviction, a streamed block's copy going), and dropped whenever those bytes
+ * are written (kiln_tensor_copy / fill, a patch rebuilt in place). Thread-safe. */
+typedef struct kiln_derived kiln_derived;
+/* The cache of that key, retained (the caller releases it), or NULL. */
+kiln_storage *kiln_storage_derived_get(kiln_storage *s, const uint64_t key[4]);
+/* Makes a cache of nbytes for s, taken only when it fits the device's budget without
+ * evicting anything (a refusal is KILN_ERR_OOM and leaves the thread's last error as it
+ * was: the caller computes without one); the caller fills it, then publishes it with
+ * kiln_storage_derived_put. */
+kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storage **out);
+/* Publishes d under key (s retains it; the caller keeps its own reference). When another
+ * thread published one of that key first, d is not added. */
+void kiln_storage_derived_put(kiln_storage *s, const uint64_t key[4], kiln_storage *d);
+/* Releases every cache derived from s (its bytes changed). */
+void kiln_storage_drop_derived(kiln_storage *s);
+/* Bytes of the caches derived from s. */
+size_t kiln_storage_derived_bytes(kiln_storage *s);
 
 /* Calls fn for every live storage of dev (under the registry lock). */
 void kiln_storage_foreach(kiln_device *dev, void (*fn)(void *ctx, const kiln_storage *s), void *ctx);

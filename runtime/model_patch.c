@@ -166,6 +166,7 @@ static kiln_status rebuild_copies(mtensor *t, kiln_tensor **copies, int n, const
     char msg[800] = "";
     for (int k = 0; k < n; k++) {
         if (!copies[k]) continue;
+        kiln_storage_drop_derived(copies[k]->storage); /* cached forms of the old values */
         kiln_status st = kiln_patchset_build_into(copies[k], t->mapped, ps);
         if (!st) continue;
         if (!first) {

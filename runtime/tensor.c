@@ -384,6 +384,7 @@ kiln_status kiln_tensor_copy(kiln_tensor *dst, const kiln_tensor *src)
     if (dst->storage->device != src->storage->device)
         return kiln_error(KILN_ERR_ARG, "copy: tensors on different devices (%s and %s); use :to(device)",
                           dst->storage->device->name, src->storage->device->name);
+    kiln_storage_drop_derived(dst->storage); /* a kernel's cached form of the old bytes */
     kiln_tensor *e = NULL;
     kiln_status st = kiln_tensor_expand(src, dst->ndim, dst->shape, &e);
     if (st) {
@@ -399,6 +400,7 @@ kiln_status kiln_tensor_copy(kiln_tensor *dst, const kiln_tensor *src)
 
 kiln_status kiln_tensor_fill(kiln_tensor *t, double v)
 {
+    kiln_storage_drop_derived(t->storage);
     if (kiln_dtype_is_blocked(t->dtype)) {
         /* all-zero blocks are zeros (scales of 0); other values would need quantizing */
         if (v != 0 || !kiln_tensor_is_contiguous(t))

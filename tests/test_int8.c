@@ -12,6 +12,8 @@
 #include "cpu_kernels.h"
 #include "precision.h"
 #include "safetensors.h"
+#include "ops.h"
+#include "alloc.h"
 
 #include <stdint.h>
 
@@ -166,6 +168,131 @@ static void t_int8_precision_dispatch(void)
     free(x); free(y); free(yi); free(yb);
 }
 
+/* A weight tensor in the host allocator (a model's loaded copy) under precision int8:
+ * the first product packs it into a cache derived from its storage, counted in the
+ * device's statistics; later products use it (the same bits as packing per call); a
+ * write to the weight drops it; freeing the weight frees it; a budget it would not fit
+ * in without evicting gets no cache and the same result. */
+static void t_int8_cached_weights(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU: no packed weights to keep");
+        return;
+    }
+    /* packed weights over 2 MiB (a segment of the allocator's), so a budget can refuse them */
+    const int64_t M = 256, N = 1024, K = 2048; /* rows enough for packing per call too */
+    CHECK(M >= kiln_cpu_int8_min_rows(1), "rows enough for the cached path");
+    kiln_device *dev = kiln_device_cpu();
+    kiln_tensor *x, *w, *b, *y1 = NULL, *y2 = NULL;
+    int64_t xs[2] = {M, K}, ws[2] = {N, K};
+    CHECK(kiln_tensor_new(dev, KILN_F32, 2, xs, &x) == KILN_OK, "x");
+    CHECK(kiln_tensor_new(dev, KILN_F16, 2, ws, &w) == KILN_OK, "w");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 1, &N, &b) == KILN_OK, "b");
+    float *xf = kiln_tensor_data(x), *bf = kiln_tensor_data(b);
+    uint16_t *wh = kiln_tensor_data(w);
+    uint64_t r = 12345;
+    for (int64_t i = 0; i < M * K; i++) { r = r * 6364136223846793005ull + 1442695040888963407ull; xf[i] = (float)((int64_t)(r >> 40) - (1 << 23)) / (1 << 23); }
+    for (int64_t i = 0; i < N * K; i++) { r = r * 6364136223846793005ull + 1442695040888963407ull; wh[i] = kiln_f32_to_f16((float)((int64_t)(r >> 40) - (1 << 23)) / (1 << 28)); }
+    for (int64_t i = 0; i < N; i++) bf[i] = (float)i / (float)N;
+    uint16_t *w_copy = malloc((size_t)(N * K) * 2);
+    memcpy(w_copy, wh, (size_t)(N * K) * 2);
+    float *want = malloc((size_t)(M * N) * sizeof *want);
+    CHECK(kiln_cpu_linear_int8(want, xf, wh, KILN_F16, bf, M, N, K) == 0, "the kernel packing per call");
+    size_t packed = kiln_cpu_int8_packed_bytes(N, K, KILN_F16);
+    uint64_t before = kiln_device_stats(dev).allocated;
+    kiln_precision_set(KILN_PREC_INT8);
+    CHECK(kiln_op_linear(x, w, b, &y1) == KILN_OK, "first product");
+    CHECK(kiln_storage_derived_bytes(w->storage) == packed, "the packed weights are kept: %zu bytes, want %zu",
+          kiln_storage_derived_bytes(w->storage), packed);
+    uint64_t with = kiln_device_stats(dev).allocated;
+    CHECK(with >= before + packed + kiln_tensor_nbytes(y1), "counted in the device's statistics: %llu -> %llu",
+          (unsigned long long)before, (unsigned long long)with);
+    CHECK(kiln_op_linear(x, w, b, &y2) == KILN_OK, "second product");
+    CHECK(kiln_storage_derived_bytes(w->storage) == packed, "one cache for the weight");
+    CHECK(!memcmp(kiln_tensor_data(y1), want, (size_t)(M * N) * 4), "first product: the per-call kernel's bits");
+    CHECK(!memcmp(kiln_tensor_data(y2), want, (size_t)(M * N) * 4), "cached product: the per-call kernel's bits");
+    kiln_tensor_free(y1); kiln_tensor_free(y2); y1 = y2 = NULL;
+    /* a write to the weight: the cache goes, the next product packs the new values */
+    CHECK(kiln_tensor_fill(w, 0.0) == KILN_OK, "fill");
+    CHECK(kiln_storage_derived_bytes(w->storage) == 0, "a write drops the packed weights");
+    CHECK(kiln_op_linear(x, w, b, &y2) == KILN_OK, "product over the new weight");
+    CHECK(y2 && !memcmp(kiln_tensor_data(y2), bf, (size_t)N * 4), "zero weights: the bias");
+    kiln_tensor_free(y2); y2 = NULL;
+    memcpy(wh, w_copy, (size_t)(N * K) * 2); /* a raw write, so the cache is dropped by hand */
+    kiln_storage_drop_derived(w->storage);
+    /* a budget the cache would not fit in without evicting: no cache, the same result */
+    kiln_allocator_empty_cache(dev->alloc);
+    kiln_mem_stats st = kiln_device_stats(dev);
+    kiln_allocator_set_budget(dev->alloc, st.reserved + (uint64_t)(M * N) * 4 + packed / 2);
+    CHECK(kiln_op_linear(x, w, b, &y1) == KILN_OK, "product in a tight budget");
+    CHECK(kiln_storage_derived_bytes(w->storage) == 0, "no cache where it would not fit without evicting");
+    CHECK(y1 && !memcmp(kiln_tensor_data(y1), want, (size_t)(M * N) * 4), "same bits without the cache");
+    kiln_allocator_set_budget(dev->alloc, 0);
+    kiln_tensor_free(y1); y1 = NULL;
+    CHECK(kiln_op_linear(x, w, b, &y1) == KILN_OK, "product without a budget");
+    CHECK(kiln_storage_derived_bytes(w->storage) == packed, "cached again");
+    kiln_tensor_free(y1);
+    uint64_t held = kiln_device_stats(dev).allocated;
+    kiln_tensor_free(w);
+    uint64_t after = kiln_device_stats(dev).allocated;
+    CHECK(held - after >= packed + (size_t)(N * K) * 2, "freeing the weight frees its packed form: %llu -> %llu",
+          (unsigned long long)held, (unsigned long long)after);
+    kiln_precision_set(KILN_PREC_F32);
+    kiln_tensor_free(x); kiln_tensor_free(b);
+    free(want); free(w_copy);
+}
+
+/* A 1x1 convolution under precision int8 (a UNet's projections): the linear layer's
+ * W8A8 product over the pixels (each image transposed, the per-call kernel's bits),
+ * then the residual and the leaky ReLU; its packed weights kept as a linear layer's. */
+static void t_int8_conv1x1(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU");
+        return;
+    }
+    const int64_t n = 2, c = 64, k = 48, h = 6, wd = 8, hw = h * wd;
+    kiln_device *dev = kiln_device_cpu();
+    kiln_tensor *x, *w, *b, *res, *y = NULL;
+    int64_t xs[4] = {n, c, h, wd}, ws[4] = {k, c, 1, 1}, rs[4] = {n, k, h, wd};
+    CHECK(kiln_tensor_new(dev, KILN_F32, 4, xs, &x) == KILN_OK, "x");
+    CHECK(kiln_tensor_new(dev, KILN_F16, 4, ws, &w) == KILN_OK, "w");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 1, &k, &b) == KILN_OK, "b");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 4, rs, &res) == KILN_OK, "residual");
+    float *xf = kiln_tensor_data(x), *bf = kiln_tensor_data(b), *rf = kiln_tensor_data(res);
+    uint16_t *wh = kiln_tensor_data(w);
+    uint64_t r = 777;
+#define NEXT() (r = r * 6364136223846793005ull + 1442695040888963407ull, (float)((int64_t)(r >> 40) - (1 << 23)) / (1 << 23))
+    for (int64_t i = 0; i < n * c * hw; i++) xf[i] = NEXT();
+    for (int64_t i = 0; i < k * c; i++) wh[i] = kiln_f32_to_f16(NEXT() / 8);
+    for (int64_t i = 0; i < k; i++) bf[i] = NEXT();
+    for (int64_t i = 0; i < n * k * hw; i++) rf[i] = NEXT();
+#undef NEXT
+    /* the expected values: per image, pixels-by-channels through the linear kernel */
+    float *xt = malloc((size_t)(hw * c) * 4), *yt = malloc((size_t)(hw * k) * 4), *want = malloc((size_t)(n * k * hw) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t ch = 0; ch < c; ch++)
+            for (int64_t p = 0; p < hw; p++) xt[p * c + ch] = xf[(i * c + ch) * hw + p];
+        CHECK(kiln_cpu_linear_int8(yt, xt, wh, KILN_F16, bf, hw, k, c) == 0, "linear int8");
+        for (int64_t o = 0; o < k; o++)
+            for (int64_t p = 0; p < hw; p++) {
+                float v = yt[p * k + o] + rf[(i * k + o) * hw + p];
+                want[(i * k + o) * hw + p] = v < 0.0f ? v * 0.25f + 0.0f : v;
+            }
+    }
+    kiln_precision_set(KILN_PREC_INT8);
+    kiln_conv_opts o = {.stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1, .upsample = 1,
+                        .act = 1, .act_slope = 0.25, .residual = res};
+    CHECK(kiln_op_conv2d(x, w, b, &o, &y) == KILN_OK, "conv2d: %s", kiln_last_error());
+    CHECK(kiln_storage_derived_bytes(w->storage) == kiln_cpu_int8_packed_bytes(k, c, KILN_F16),
+          "the packed weights are kept");
+    CHECK(y && !memcmp(kiln_tensor_data(y), want, (size_t)(n * k * hw) * 4),
+          "the linear layer's int8 product over the pixels, + residual, leaky ReLU");
+    kiln_precision_set(KILN_PREC_F32);
+    kiln_tensor_free(y); kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b); kiln_tensor_free(res);
+    free(xt); free(yt); free(want);
+}
+
 int main(void)
 {
     if (kiln_st_open(GOLDEN, &golden) != KILN_OK) {
@@ -175,6 +302,8 @@ int main(void)
     RUN(t_int8_vs_rule);
     RUN(t_int8_error_bound);
     RUN(t_int8_precision_dispatch);
+    RUN(t_int8_cached_weights);
+    RUN(t_int8_conv1x1);
     kiln_st_release(golden);
     kiln_precision_unset();
     return test_summary();

@@ -6,6 +6,7 @@
 #include "cpu_internal.h"
 #include "cpu_isa.h"
 #include "threadpool.h"
+#include "../../runtime/precision.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -130,13 +131,51 @@ static void wop_done(wop *o, kiln_tensor *out)
     FREE3(o->tx, o->tw, o->tb);
 }
 
+/* Precision int8: the weight's packed form (gemm_int8.c), kept as a cache derived from
+ * its storage (device.h) so a model's weights are quantized once, not at every call.
+ * Only for weights in allocator memory (a model's loaded or streamed copy, counted and
+ * freed with it; a mapped file's pages are not copied into anonymous memory behind the
+ * budget's back). Returns the packed storage, retained, or NULL: then the call takes
+ * kiln_cpu_linear's own path (packing per call, or bf16). */
+static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
+{
+    if (kiln_precision_for(NULL) != KILN_PREC_INT8 || M < kiln_cpu_int8_min_rows(1) || w->ndim < 2 ||
+        w->storage->release || !kiln_tensor_is_contiguous(w))
+        return NULL;
+    int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1); /* a 1x1 convolution's [k, c, 1, 1] too */
+    size_t bytes = kiln_cpu_int8_packed_bytes(N, K, w->dtype);
+    if (!bytes) return NULL;
+    const uint64_t key[4] = {0x696e7438u /* "int8" */, (uint64_t)w->offset, (uint64_t)N << 32 | (uint64_t)K,
+                             (uint64_t)w->dtype};
+    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
+    if (p) return p;
+    if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;
+    if (kiln_cpu_int8_pack(p->data, kiln_tensor_data(w), w->dtype, N, K)) { kiln_storage_release(p); return NULL; }
+    kiln_storage_derived_put(w->storage, key, p);
+    return p;
+}
+
 static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
 {
+    int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
+    if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
+    kiln_storage *packed = K > 0 && N > 0 ? int8_weights(w, M) : NULL;
+    if (packed) {
+        kiln_status st = KILN_OK;
+        kiln_tensor *tx, *tb = NULL, *to = NULL;
+        const float *X = f32_data(x, &tx, &st), *B = NULL;
+        if (X && bias) B = f32_data(bias, &tb, &st);
+        float *Y = X && (!bias || B) ? out_data(out, &to, &st) : NULL;
+        int r = Y ? kiln_cpu_linear_int8_packed(Y, X, packed->data, B, M, N, K) : -1;
+        kiln_storage_release(packed);
+        if (r == 0) { finish_out(out, to); FREE3(tx, tb, NULL); return KILN_OK; }
+        FREE3(tx, tb, to);
+        if (!Y) return st ? st : KILN_ERR_OOM;
+        /* no scratch for the activations: the ordinary path below */
+    }
     wop o;
     kiln_status st = wop_get(&o, out, x, w, bias, 1);
     if (st) return st;
-    int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
-    if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
     st = kiln_cpu_linear(o.Y, o.X, o.W, o.wdt, o.B, M, N, K);
     wop_done(&o, out);
     return st;
@@ -154,6 +193,27 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
     };
     kiln_status st = kiln_conv2d_out_size(&p);
     if (st) return st;
+    /* precision int8: a 1x1 convolution (a UNet's projections and skip convolutions) is
+     * a linear layer over the pixels, with the same packed weights */
+    kiln_storage *packed = p.r == 1 && p.s == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 &&
+                                   p.pad_w == 0 && p.groups == 1 && p.c > 0 && p.k > 0
+                               ? int8_weights(w, p.h * p.w)
+                               : NULL;
+    if (packed) {
+        kiln_tensor *tx, *tb = NULL, *tr = NULL, *to = NULL;
+        const float *X = f32_data(x, &tx, &st), *B = NULL, *R = NULL;
+        if (X && bias) B = f32_data(bias, &tb, &st);
+        if (X && (!bias || B) && o->residual) R = f32_data(o->residual, &tr, &st);
+        float *Y = X && (!bias || B) && (!o->residual || R) ? out_data(out, &to, &st) : NULL;
+        int r = Y ? kiln_cpu_conv1x1_int8_packed(Y, X, packed->data, B, R, p.act, p.act_slope, p.n, p.c, p.h * p.w,
+                                                 p.k)
+                  : -1;
+        kiln_storage_release(packed);
+        kiln_tensor_free(tr);
+        if (r == 0) { finish_out(out, to); FREE3(tx, tb, NULL); return KILN_OK; }
+        FREE3(tx, tb, to);
+        if (!Y) return st ? st : KILN_ERR_OOM;
+    }
     wop ops;
     if ((st = wop_get(&ops, out, x, w, bias, 0))) return st;
     kiln_tensor *tr = NULL; /* the residual as contiguous f32, like the output */

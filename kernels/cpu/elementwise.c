@@ -41,6 +41,43 @@ AVX512 static void relu_avx512(float *o, const float *a, int64_t n)
         _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_max_ps(zero, _mm512_loadu_ps(a + i)), zero));
     for (; i < n; i++) { float v = a[i], r = v > 0.0f ? v : 0.0f; o[i] = v != v ? v : r; }
 }
+
+/* 16 values of an f32 or bf16 run (stride 1, or 0: one value for all) as f32 */
+#define AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512BW static inline __m512 ld16(const char *p, kiln_dtype dt, int64_t st, int64_t i, __mmask16 k)
+{
+    if (st == 0) return _mm512_set1_ps(dt == KILN_F32 ? *(const float *)(const void *)p : kiln_bf16_to_f32(*(const uint16_t *)(const void *)p));
+    if (dt == KILN_F32) return _mm512_maskz_loadu_ps(k, (const float *)(const void *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)(const void *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* stored as f32, or as bf16 by kiln_f32_to_bf16's rule (nearest even, quiet nan) */
+AVX512BW static inline void st16(char *p, kiln_dtype dt, int64_t i, __m512 v, __mmask16 k)
+{
+    if (dt == KILN_F32) { _mm512_mask_storeu_ps((float *)(void *)p + i, k, v); return; }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_mask_storeu_epi16((uint16_t *)(void *)p + i, k, _mm512_cvtepi32_epi16(r));
+}
+
+/* + - * / over f32 / bf16 operands, each of stride 1 or 0 (b NULL: the scalar s, exact
+ * in f32), in f32: the values the element-by-element loop gives (see PIECE below). */
+AVX512BW static void arith_bf16_avx512(kiln_binop op, int swap, int64_t n, char **ptr, const int64_t *st,
+                                        const kiln_dtype *dt, int has_b, float s)
+{
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 x = ld16(ptr[1], dt[1], st[1], i, k), y = has_b ? ld16(ptr[2], dt[2], st[2], i, k) : _mm512_set1_ps(s);
+        if (swap) { __m512 t = x; x = y; y = t; }
+        __m512 r = op == KILN_BIN_ADD ? _mm512_add_ps(x, y) : op == KILN_BIN_SUB ? _mm512_sub_ps(x, y)
+                 : op == KILN_BIN_MUL ? _mm512_mul_ps(x, y) : _mm512_div_ps(x, y);
+        st16(ptr[0], dt[0], i, r, k);
+    }
+}
 #endif
 
 static inline void store(char *p, kiln_dtype dt, double v)
@@ -217,6 +254,53 @@ kiln_status kiln_cpu_fill(kiln_tensor *t, double v)
     return KILN_OK;
 }
 
+/* ---- float runs through f32 pieces ----
+ * Operands of f32, f16 and bf16 mixed (bf16 activations between bf16 products): a run is
+ * loaded in pieces into f32 buffers (a stride 0 operand is one value), computed in f32
+ * and stored rounded once to the output's dtype. For + - * / of two floats that is the
+ * value the double formula rounded to f32 gives (a double holds their exact result to
+ * within one rounding that f32's cannot see), so these paths agree bit for bit with
+ * the element-by-element loop below them; a scalar operand keeps its double value. */
+#define PIECE 256
+
+static int half_or_f32(kiln_dtype d) { return d == KILN_F32 || d == KILN_F16 || d == KILN_BF16; }
+
+static void load_piece(float *t, const char *p, kiln_dtype dt, int64_t st, int64_t n)
+{
+    if (st == 1) { kiln_to_f32(t, p, dt, (size_t)n); return; }
+    if (st == 0) {
+        float v = (float)kiln_dtype_load(dt, p);
+        for (int64_t i = 0; i < n; i++) t[i] = v;
+        return;
+    }
+    if (dt == KILN_BF16) { /* a rotary embedding's pairs: every other value */
+        const uint16_t *h = (const uint16_t *)(const void *)p;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)h[i * st] << 16;
+            memcpy(t + i, &u, 4);
+        }
+        return;
+    }
+    int64_t e = (int64_t)kiln_dtype_size(dt);
+    for (int64_t i = 0; i < n; i++) t[i] = (float)kiln_dtype_load(dt, p + i * st * e);
+}
+
+static void store_f32(char *p, kiln_dtype dt, float v);
+
+static void store_piece(char *p, kiln_dtype dt, int64_t st, const float *t, int64_t n)
+{
+    if (st == 1) { kiln_convert(p, dt, t, KILN_F32, (size_t)n); return; }
+    int64_t e = (int64_t)kiln_dtype_size(dt);
+    for (int64_t i = 0; i < n; i++) store_f32(p + i * st * e, dt, t[i]);
+}
+
+static void store_f32(char *p, kiln_dtype dt, float v)
+{
+    if (dt == KILN_F32) *(float *)(void *)p = v;
+    else if (dt == KILN_BF16) *(uint16_t *)(void *)p = kiln_f32_to_bf16(v);
+    else *(uint16_t *)(void *)p = kiln_f32_to_f16(v);
+}
+
 /* ---- binary ---- */
 typedef struct { kiln_binop op; kiln_dtype dt[3]; double s; int swap; int has_b; } bin_ctx;
 
@@ -253,6 +337,50 @@ static void bin_run(void *p, int64_t n, char **ptr, const int64_t *st)
         case KILN_BIN_MAX: BIN_F32_LOOP((x != x || y != y) ? x + y : (x > y ? x : y)); return;
         default: break;
         }
+    }
+    if (half_or_f32(c->dt[0]) && half_or_f32(c->dt[1]) && (!c->has_b || half_or_f32(c->dt[2])) &&
+        (c->op == KILN_BIN_ADD || c->op == KILN_BIN_SUB || c->op == KILN_BIN_MUL || c->op == KILN_BIN_DIV)) {
+#ifdef EW_X86
+        int fast = kiln_cpu_isa() == ISA_AVX512 && st[0] == 1 && c->dt[0] != KILN_F16 && c->dt[1] != KILN_F16 &&
+                   (st[1] == 0 || st[1] == 1) &&
+                   (c->has_b ? c->dt[2] != KILN_F16 && (st[2] == 0 || st[2] == 1) : (double)(float)c->s == c->s);
+        if (fast) { arith_bf16_avx512(c->op, c->swap, n, ptr, st, c->dt, c->has_b, (float)c->s); return; }
+#endif
+        float ta[PIECE], tb[PIECE], to[PIECE];
+        size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]), e2 = c->has_b ? kiln_dtype_size(c->dt[2]) : 0;
+        for (int64_t i0 = 0; i0 < n; i0 += PIECE) {
+            int64_t m = n - i0 < PIECE ? n - i0 : PIECE;
+            load_piece(ta, ptr[1] + i0 * st[1] * (int64_t)e1, c->dt[1], st[1], m);
+            if (c->has_b) {
+                load_piece(tb, ptr[2] + i0 * st[2] * (int64_t)e2, c->dt[2], st[2], m);
+                if (c->swap) for (int64_t i = 0; i < m; i++) { float t_ = ta[i]; ta[i] = tb[i]; tb[i] = t_; }
+                switch (c->op) {
+                case KILN_BIN_ADD: for (int64_t i = 0; i < m; i++) to[i] = ta[i] + tb[i]; break;
+                case KILN_BIN_SUB: for (int64_t i = 0; i < m; i++) to[i] = ta[i] - tb[i]; break;
+                case KILN_BIN_MUL: for (int64_t i = 0; i < m; i++) to[i] = ta[i] * tb[i]; break;
+                default: for (int64_t i = 0; i < m; i++) to[i] = ta[i] / tb[i]; break;
+                }
+            } else {
+                const double s = c->s;
+                if (!c->swap) {
+                    switch (c->op) {
+                    case KILN_BIN_ADD: for (int64_t i = 0; i < m; i++) to[i] = (float)((double)ta[i] + s); break;
+                    case KILN_BIN_SUB: for (int64_t i = 0; i < m; i++) to[i] = (float)((double)ta[i] - s); break;
+                    case KILN_BIN_MUL: for (int64_t i = 0; i < m; i++) to[i] = (float)((double)ta[i] * s); break;
+                    default: for (int64_t i = 0; i < m; i++) to[i] = (float)((double)ta[i] / s); break;
+                    }
+                } else {
+                    switch (c->op) {
+                    case KILN_BIN_ADD: for (int64_t i = 0; i < m; i++) to[i] = (float)(s + (double)ta[i]); break;
+                    case KILN_BIN_SUB: for (int64_t i = 0; i < m; i++) to[i] = (float)(s - (double)ta[i]); break;
+                    case KILN_BIN_MUL: for (int64_t i = 0; i < m; i++) to[i] = (float)(s * (double)ta[i]); break;
+                    default: for (int64_t i = 0; i < m; i++) to[i] = (float)(s / (double)ta[i]); break;
+                    }
+                }
+            }
+            store_piece(ptr[0] + i0 * st[0] * (int64_t)e0, c->dt[0], st[0], to, m);
+        }
+        return;
     }
     size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]), e2 = c->has_b ? kiln_dtype_size(c->dt[2]) : 0;
     int int_out = !kiln_dtype_is_float(c->dt[0]);
@@ -336,6 +464,26 @@ static void un_run(void *p, int64_t n, char **ptr, const int64_t *st)
         }
         default: break;
         }
+    }
+    if (half_or_f32(c->dt[0]) && half_or_f32(c->dt[1]) &&
+        (c->op == KILN_UN_SILU || c->op == KILN_UN_GELU || c->op == KILN_UN_GELU_TANH || c->op == KILN_UN_QUICK_GELU ||
+         c->op == KILN_UN_SIGMOID)) {
+        /* the activations as their f32 kernels compute them, in f32 pieces */
+        float t[PIECE];
+        size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]);
+        for (int64_t i0 = 0; i0 < n; i0 += PIECE) {
+            int64_t m = n - i0 < PIECE ? n - i0 : PIECE;
+            load_piece(t, ptr[1] + i0 * st[1] * (int64_t)e1, c->dt[1], st[1], m);
+            switch (c->op) {
+            case KILN_UN_SILU: kiln_cpu_silu(t, t, m); break;
+            case KILN_UN_GELU: kiln_cpu_gelu(t, t, m); break;
+            case KILN_UN_GELU_TANH: kiln_cpu_gelu_tanh(t, t, m); break;
+            case KILN_UN_QUICK_GELU: kiln_cpu_quick_gelu(t, t, m); break;
+            default: kiln_cpu_sigmoid(t, t, m); break;
+            }
+            store_piece(ptr[0] + i0 * st[0] * (int64_t)e0, c->dt[0], st[0], t, m);
+        }
+        return;
     }
     size_t e0 = kiln_dtype_size(c->dt[0]), e1 = kiln_dtype_size(c->dt[1]);
     for (int64_t i = 0; i < n; i++)

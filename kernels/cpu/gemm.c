@@ -20,6 +20,11 @@
  * as a hundred rows of int8 products, so the products' 2x over bf16 pays from a few
  * hundred rows (bench_int8.c); fewer rows stay bf16. */
 #define INT8_MIN_ROWS 256
+/* With the weights already packed (a model's cached copy) only the activations are
+ * quantized: a pass over M x K, paid from a few dozen rows. */
+#define INT8_MIN_ROWS_PACKED 32
+
+int64_t kiln_cpu_int8_min_rows(int packed_ready) { return packed_ready ? INT8_MIN_ROWS_PACKED : INT8_MIN_ROWS; }
 
 /* ---------- OpenBLAS fallback ---------- */
 

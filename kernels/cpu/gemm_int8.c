@@ -22,7 +22,9 @@
  * (u8) and each block's sum starts from -128 sum(q_w), precomputed with the weights
  * (exact). The weights are packed per panel of 32 columns: for each block, 8 groups of
  * 4 depths x 32 columns (two vectors of 16 columns x 4 bytes), then the 32 scales d_w
- * (f32) and the 32 starting sums (int32). */
+ * (f32) and the 32 starting sums (int32). That packed form is what a model keeps with a
+ * weight between calls (kiln_cpu_int8_pack; backend_cpu.c caches it beside the weight's
+ * storage), so only the activations are quantized per call. */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -260,32 +262,147 @@ static void tasks(void *vctx, int64_t begin, int64_t end)
     }
 }
 
-int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
-                         int64_t N, int64_t K)
+static int int8_applies(int64_t N, int64_t K, kiln_dtype w_dtype)
 {
-    if (!kiln_cpu_has_vnni() || M <= 0 || N <= 0 || K <= 0 || K % QBLK) return 1;
-    if (w_dtype != KILN_Q8_0 && w_dtype != KILN_F32 && w_dtype != KILN_F16 && w_dtype != KILN_BF16 &&
-        w_dtype != KILN_F8_E4M3FN && w_dtype != KILN_F8_E5M2)
-        return 1;
-    int8_ctx c = {.M = M, .N = N, .K = K, .nb = K / QBLK, .npanel = (N + PANEL - 1) / PANEL, .x = x, .w = w,
-                  .w_dt = w_dtype, .bias = bias, .y = y};
+    if (!kiln_cpu_has_vnni() || N <= 0 || K <= 0 || K % QBLK) return 0;
+    return w_dtype == KILN_Q8_0 || w_dtype == KILN_F32 || w_dtype == KILN_F16 || w_dtype == KILN_BF16 ||
+           w_dtype == KILN_F8_E4M3FN || w_dtype == KILN_F8_E5M2;
+}
+
+size_t kiln_cpu_int8_packed_bytes(int64_t N, int64_t K, kiln_dtype w_dtype)
+{
+    if (!int8_applies(N, K, w_dtype)) return 0;
+    return (size_t)((N + PANEL - 1) / PANEL) * (size_t)(K / QBLK) * BLK_BYTES;
+}
+
+int kiln_cpu_int8_pack(void *packed, const void *w, kiln_dtype w_dtype, int64_t N, int64_t K)
+{
+    if (!int8_applies(N, K, w_dtype)) return 1;
+    int8_ctx c = {.N = N, .K = K, .nb = K / QBLK, .npanel = (N + PANEL - 1) / PANEL, .w = w, .w_dt = w_dtype,
+                  .bp = packed};
+    kiln_parallel_for(c.npanel, 1, pack_panels, &c);
+    return 0;
+}
+
+/* The product over packed weights (bp: pack_panels' layout, 64-byte aligned). */
+static int linear_packed(float *y, const float *x, const uint8_t *bp, const float *bias, int64_t M, int64_t N,
+                         int64_t K)
+{
+    int8_ctx c = {.M = M, .N = N, .K = K, .nb = K / QBLK, .npanel = (N + PANEL - 1) / PANEL, .x = x,
+                  .bias = bias, .y = y};
     size_t a_bytes = ((size_t)M * (size_t)K + 63) / 64 * 64, d_bytes = ((size_t)M * (size_t)c.nb * 4 + 63) / 64 * 64;
-    size_t b_bytes = (size_t)c.npanel * (size_t)c.nb * BLK_BYTES;
-    uint8_t *buf = kiln_cpu_scratch_get(a_bytes + d_bytes + b_bytes);
+    uint8_t *buf = kiln_cpu_scratch_get(a_bytes + d_bytes);
     if (!buf) return -1;
     c.aq = buf;
     c.ad = (float *)(void *)(buf + a_bytes);
-    c.bp = buf + a_bytes + d_bytes;
+    c.bp = (uint8_t *)(uintptr_t)bp;
     kiln_parallel_for(M, 16, quant_rows, &c);
-    kiln_parallel_for(c.npanel, 1, pack_panels, &c);
     int64_t ntask = ((M + ROWS_PER_TASK - 1) / ROWS_PER_TASK) * ((c.npanel + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
     kiln_parallel_for(ntask, 1, tasks, &c);
     kiln_cpu_scratch_put(buf);
     return 0;
 }
 
+int kiln_cpu_linear_int8_packed(float *y, const float *x, const void *packed, const float *bias, int64_t M,
+                                int64_t N, int64_t K)
+{
+    if (!kiln_cpu_has_vnni() || M <= 0 || N <= 0 || K <= 0 || K % QBLK || ((uintptr_t)packed & 63)) return 1;
+    return linear_packed(y, x, packed, bias, M, N, K);
+}
+
+/* dst[cols][rows] = src[rows][cols], in 32 x 32 tiles (both sides read and written a
+ * cache line at a time) on the pool */
+typedef struct { float *dst; const float *src; int64_t rows, cols; } tr_ctx;
+
+static void transpose_tiles(void *vctx, int64_t begin, int64_t end)
+{
+    const tr_ctx *t = vctx;
+    int64_t tc = (t->cols + 31) / 32;
+    for (int64_t b = begin; b < end; b++) {
+        int64_t r0 = b / tc * 32, c0 = b % tc * 32;
+        int64_t r1 = r0 + 32 < t->rows ? r0 + 32 : t->rows, c1 = c0 + 32 < t->cols ? c0 + 32 : t->cols;
+        for (int64_t c = c0; c < c1; c++)
+            for (int64_t r = r0; r < r1; r++) t->dst[c * t->rows + r] = t->src[r * t->cols + c];
+    }
+}
+
+static void transpose(float *dst, const float *src, int64_t rows, int64_t cols)
+{
+    tr_ctx t = {dst, src, rows, cols};
+    kiln_parallel_for(((rows + 31) / 32) * ((cols + 31) / 32), 4, transpose_tiles, &t);
+}
+
+int kiln_cpu_conv1x1_int8_packed(float *y, const float *x, const void *packed, const float *bias,
+                                 const float *residual, int act, float act_slope, int64_t n, int64_t c, int64_t hw,
+                                 int64_t k)
+{
+    if (!kiln_cpu_has_vnni() || n <= 0 || c <= 0 || hw <= 0 || k <= 0 || c % QBLK || ((uintptr_t)packed & 63)) return 1;
+    size_t xb = ((size_t)(hw * c) * 4 + 63) / 64 * 64, yb = (size_t)(hw * k) * 4;
+    float *xt = kiln_cpu_scratch_get(xb + yb);
+    if (!xt) return -1;
+    float *yt = (float *)(void *)((char *)xt + xb);
+    for (int64_t i = 0; i < n; i++) {
+        transpose(xt, x + i * c * hw, c, hw); /* pixels as rows, channels along them */
+        int r = linear_packed(yt, xt, packed, bias, hw, k, c);
+        if (r) { kiln_cpu_scratch_put(xt); return r; }
+        float *yi = y + i * k * hw;
+        transpose(yi, yt, hw, k);
+        if (residual || act) {
+            const float *ri = residual ? residual + i * k * hw : NULL;
+            for (int64_t j = 0; j < k * hw; j++) {
+                float v = yi[j] + (ri ? ri[j] : 0.0f);
+                if (act && v < 0.0f) v = v * act_slope + 0.0f; /* as conv2d.c's post1 */
+                yi[j] = v;
+            }
+        }
+    }
+    kiln_cpu_scratch_put(xt);
+    return 0;
+}
+
+int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
+                         int64_t N, int64_t K)
+{
+    if (M <= 0 || !int8_applies(N, K, w_dtype)) return 1;
+    size_t b_bytes = kiln_cpu_int8_packed_bytes(N, K, w_dtype);
+    uint8_t *bp = kiln_cpu_scratch_get(b_bytes);
+    if (!bp) return -1;
+    kiln_cpu_int8_pack(bp, w, w_dtype, N, K);
+    int r = linear_packed(y, x, bp, bias, M, N, K);
+    kiln_cpu_scratch_put(bp);
+    return r;
+}
+
 #else
 int kiln_cpu_has_vnni(void) { return 0; }
+
+size_t kiln_cpu_int8_packed_bytes(int64_t N, int64_t K, kiln_dtype w_dtype)
+{
+    (void)N; (void)K; (void)w_dtype;
+    return 0;
+}
+
+int kiln_cpu_int8_pack(void *packed, const void *w, kiln_dtype w_dtype, int64_t N, int64_t K)
+{
+    (void)packed; (void)w; (void)w_dtype; (void)N; (void)K;
+    return 1;
+}
+
+int kiln_cpu_conv1x1_int8_packed(float *y, const float *x, const void *packed, const float *bias,
+                                 const float *residual, int act, float act_slope, int64_t n, int64_t c, int64_t hw,
+                                 int64_t k)
+{
+    (void)y; (void)x; (void)packed; (void)bias; (void)residual; (void)act; (void)act_slope; (void)n; (void)c;
+    (void)hw; (void)k;
+    return 1;
+}
+
+int kiln_cpu_linear_int8_packed(float *y, const float *x, const void *packed, const float *bias, int64_t M,
+                                int64_t N, int64_t K)
+{
+    (void)y; (void)x; (void)packed; (void)bias; (void)M; (void)N; (void)K;
+    return 1;
+}
 
 int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
                          int64_t N, int64_t K)

@@ -5,11 +5,14 @@
 -- [3072, 3072] product), from which a whole step's arithmetic time is estimated.
 --
 --   build/kiln tests/bench/bench_flux_blocks.lua [--img 1024] [--txt 512] [--repeat 3]
---       [--threads 2] [--dir /tmp/fluxbench] [--no-torch] [--step-seconds S]
+--       [--threads 2] [--dir /tmp/fluxbench] [--no-torch] [--step-seconds S] [--int8]
 --
 -- The weights (one double + one single block, bf16, 1.1 GB) are written by
 -- tests/bench/flux_weights.lua into DIR when missing. --step-seconds: a measured step
--- time (bench_flux_step.lua) to set against the step's FLOPs / the GEMM rate.
+-- time (bench_flux_step.lua) to set against the step's FLOPs / the GEMM rate. --int8: the
+-- same blocks under kiln.precision("int8") too (W8A8 products, the weights packed once
+-- and kept with the model), runs alternating with bf16's, with each one's output
+-- error against kiln's f32 blocks.
 -- Timing to report: under flock /tmp/kiln-bench.lock.
 local kiln = require "kiln"
 local util = require "kiln.util"
@@ -17,7 +20,7 @@ local flux = require "kiln.flux"
 local fw = dofile("tests/bench/flux_weights.lua")
 
 local o = util.parse_args(arg or {}, { img = 1024, txt = 512, ["repeat"] = 3, threads = 2, dir = "/tmp/fluxbench",
-  no_torch = false, step_seconds = 0 })
+  no_torch = false, step_seconds = 0, int8 = false })
 local fmt = string.format
 local function say(...) print(fmt(...)) io.stdout:flush() end
 local function loadavg()
@@ -81,6 +84,68 @@ say("kiln bf16 double block: best %.3f s, median %.3f s; single block: best %.3f
   "(%d image + %d text tokens, %d runs; load %s before, %s after)", db, dm, sb, sm, o.img, o.txt, o["repeat"], la,
   loadavg())
 
+if o.int8 then
+  -- alternating bf16 / int8 runs (a shared machine's speed drifts), then each one's
+  -- error against f32: max |out - out_f32| / max |out_f32| over both streams' outputs
+  local I = { img = img, txt = txt, vs = vs, cos = cos, sin = sin, xs = xs }
+  local function double() return dit:_double("double_blocks.0.", I.img, I.txt, I.vs, I.cos, I.sin) end
+  local function single() return dit:_single("single_blocks.0.", I.xs, I.vs, I.cos, I.sin) end
+  local mem_before = kiln.mem.stats("cpu").allocated
+  local best = { bf16 = { math.huge, math.huge }, int8 = { math.huge, math.huge } }
+  for r = 0, o["repeat"] do -- round 0: untimed (int8 packs the weights there, once)
+    for _, p in ipairs({ "bf16", "int8" }) do
+      kiln.with_precision(p, function()
+        collectgarbage(); collectgarbage()
+        local t0 = kiln.time()
+        local a, b = double()
+        local t1 = kiln.time()
+        a:free(); b:free()
+        local c = single()
+        local t2 = kiln.time()
+        c:free()
+        if r > 0 then
+          best[p][1] = math.min(best[p][1], t1 - t0)
+          best[p][2] = math.min(best[p][2], t2 - t1)
+        end
+      end)
+    end
+  end
+  local function outputs(p)
+    return kiln.with_precision(p, function()
+      local a, b = double()
+      local c = single()
+      local r = { a:to("f32"), b:to("f32"), c:to("f32") }
+      a:free(); b:free(); c:free()
+      return r
+    end)
+  end
+  -- the reference from the same (bf16) values held in f32, computed in f32 throughout
+  local keep = I
+  I = {}
+  for k, v in pairs(keep) do I[k] = v:to("f32") end
+  local ref = outputs("f32")
+  for _, v in pairs(I) do v:free() end
+  I = keep
+  local function err(p)
+    local out, e = outputs(p), {}
+    for i = 1, 3 do
+      local d = (out[i] - ref[i]):abs():max() / ref[i]:abs():max()
+      e[i] = d
+      out[i]:free()
+    end
+    return math.max(e[1], e[2]), e[3]
+  end
+  local eb_d, eb_s = err("bf16")
+  local ei_d, ei_s = err("int8")
+  for i = 1, 3 do ref[i]:free() end
+  say("kiln int8 double block: best %.3f s (bf16 %.3f s: int8 x%.2f faster; error vs f32 %.1e, bf16 %.1e); " ..
+    "single block: best %.3f s (bf16 %.3f s: x%.2f; error %.1e, bf16 %.1e) (%d alternating runs; load %s)",
+    best.int8[1], best.bf16[1], best.bf16[1] / best.int8[1], ei_d, eb_d, best.int8[2], best.bf16[2],
+    best.bf16[2] / best.int8[2], ei_s, eb_s, o["repeat"], loadavg())
+  say("  cpu memory allocated: %.2f GB before the int8 runs, %.2f GB after (the packed int8 weights kept with " ..
+    "the model)", mem_before / 1e9, kiln.mem.stats("cpu").allocated / 1e9)
+end
+
 local step, dbl, sgl = fw.step_flops(cfg, o.img, o.txt)
 step = step - dbl - sgl + 19 * dbl + 38 * sgl -- the file has one block of each: count [dev]'s 19 + 38
 step = step - 2 * 15 * H * H + 2 * (12 * 19 + 3 * 38) * H * H
@@ -93,6 +158,10 @@ if o.step_seconds > 0 then
 end
 img:free(); txt:free(); vs:free(); cos:free(); sin:free(); xs:free()
 dit:unload()
+if o.int8 then
+  collectgarbage(); collectgarbage() -- the weight views the blocks took
+  say("  after dit:unload(): %.2f GB allocated", kiln.mem.stats("cpu").allocated / 1e9)
+end
 
 if not o.no_torch then
   local cmd = fmt("/usr/bin/python3 tests/bench/torch_flux_blocks.py %s --img %d --txt %d --repeat %d --threads %d",

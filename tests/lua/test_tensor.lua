@@ -85,6 +85,45 @@ test("elementwise ops and broadcasting vs PyTorch", function()
   close(a:minimum(b), G.minimum_ab, 0, "minimum"); close(a:maximum(c), G.maximum_ac, 0, "maximum")
 end)
 
+test("bf16 elementwise: each value is the f32 result rounded once (contiguous, broadcast, strided)", function()
+  -- the vector path (bf16 / f32 operands of stride 0 or 1) and the f32-pieces path
+  -- (strided) against f32 arithmetic on the same values, then one rounding to bf16;
+  -- halfway cases, inf and nan among the values
+  local vals = {}
+  local x = kiln.randn({ 5, 37 }, { seed = 11 })
+  for i, v in ipairs(x:reshape({ 185 }):table()) do vals[i] = v end
+  vals[1], vals[2], vals[3], vals[4] = 1 / 0, -1 / 0, 0 / 0, 1 + 2 ^ -8
+  local a32 = kiln.tensor(vals):reshape({ 5, 37 })
+  local a = a32:to("bf16")
+  local b = kiln.randn({ 5, 37 }, { seed = 12 }):to("bf16")
+  local row = kiln.randn({ 1, 37 }, { seed = 13 }):to("bf16")
+  local f = function(t) return t:to("f32") end
+  local function same(got, want, what, dt)
+    eq(got.dtype, dt or "bf16", what .. " dtype")
+    local g, w = got:to("f32"):reshape({ got:numel() }):table(), want:to(got.dtype):to("f32"):reshape({ want:numel() }):table()
+    for i = 1, #g do
+      if not (g[i] == w[i] or (g[i] ~= g[i] and w[i] ~= w[i])) then
+        error(("%s: element %d is %s, want %s"):format(what, i, g[i], w[i]), 2)
+      end
+    end
+  end
+  same(a + b, f(a) + f(b), "add"); same(a - b, f(a) - f(b), "sub")
+  same(a * b, f(a) * f(b), "mul"); same(a / b, f(a) / f(b), "div")
+  same(a * row, f(a) * f(row), "mul broadcast row"); same(row - a, f(row) - f(a), "sub broadcast row")
+  same(a * 0.5, f(a) * 0.5, "mul scalar"); same(3 - a, 3 - f(a), "rsub scalar")
+  -- a scalar f32 cannot hold: the sum in double, rounded to f32 (string.pack), then bf16
+  local av, want = f(a):reshape({ 185 }):table(), {}
+  for i, v in ipairs(av) do want[i] = string.unpack("f", string.pack("f", v + 1e-6)) end
+  same(a + 1e-6, kiln.tensor(want):reshape({ 5, 37 }), "add inexact scalar")
+  local at, bt = a:transpose(1, 2), b:transpose(1, 2)
+  same(at * bt, f(at) * f(bt), "mul strided"); same(at + 2, f(at) + 2, "add strided scalar")
+  local a32t = a32:transpose(1, 2)
+  same(a:transpose(1, 2) * a32t, f(at) * a32t, "bf16 * f32, strided", "f32")
+  same(a + a32, f(a) + a32, "bf16 + f32", "f32")
+  same(kiln.nn.gelu(a, "tanh"), kiln.nn.gelu(f(a), "tanh"), "gelu tanh")
+  same(kiln.nn.silu(at), kiln.nn.silu(f(at)), "silu strided")
+end)
+
 test("reductions over each dim vs PyTorch", function()
   local a = G.a
   for d = 1, 3 do
