@@ -1710,6 +1710,19 @@ function kiln.cli.report(path, opts) end
 ---@return table opts
 function kiln.cli.check_clip_skip(opts, ckpt) end
 
+---The --reference PNGs as images [1, C, H, W] in [0, 1] (nil when none); a file that is
+---not a PNG is a usage error naming it.
+---@param paths string[]|nil
+---@return kiln.Tensor[]|nil images
+function kiln.cli.reference_images(paths) end
+
+----reference against the checkpoint: only Flux Kontext takes reference pictures; any
+---other family is a usage error naming it.
+---@param opts table
+---@param ckpt kiln.Checkpoint
+---@return table opts
+function kiln.cli.check_reference(opts, ckpt) end
+
 ---The files a run of n images writes: out for one, else out with _1, _2... before
 ---its extension.
 ---@param out string

@@ -36,6 +36,7 @@ if o.out == "" then o.out = "controlnet.png" end
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.image_size(o, ckpt)                                -- the model's size unless given; checked
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 local cn <close> = kiln.load_controlnet(o.control)
 
 -- the hint as [1, 3, H, W]: alpha dropped, grey repeated

@@ -34,6 +34,7 @@ end
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.image_size(o, ckpt, o.scale)                       -- both passes' sizes checked
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 
 -- stages unload what the next one does not need; the pipeline takes its own options of the
 -- command line's (an unknown one is an error)

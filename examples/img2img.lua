@@ -14,6 +14,7 @@ if o.denoise == 1.0 then o.denoise = 0.6 end
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 if o.width and o.height then cli.image_size(o, ckpt) end -- checked before the work starts
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 local function load_input()
   local image = kiln.load_png(o.input)
   if not (o.width and o.height) then

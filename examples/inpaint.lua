@@ -29,6 +29,7 @@ end
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 if o.width and o.height then cli.image_size(o, ckpt) end -- checked before the work starts
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 
 local image = load(o.input, "--input")
 if o.width and o.height then

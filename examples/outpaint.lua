@@ -28,6 +28,7 @@ if o.out == "" then o.out = "outpaint.png" end
 
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o))
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 
 local ok, image = pcall(kiln.load_png, o.input)
 if not ok then util.usage_error(("--input %s: not a PNG image (%s)"):format(o.input, tostring(image):gsub("^[^:]*:%d+: ", ""))) end

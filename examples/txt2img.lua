@@ -3,7 +3,7 @@
 --     [--steps N] [--cfg X] [--sampler euler] [--scheduler normal] [--negative TEXT]
 --     [--width W --height H] [--out PATH] [--model FILE] [--device cpu|sim|cuda]
 --     [--mode high|normal|low|none|auto] [--vram 6G] [--tile T] [--quiet]
---     [--batch N] [--clip-skip N] [--tileable x|y|xy]
+--     [--batch N] [--clip-skip N] [--tileable x|y|xy] [--reference IMAGE.png ...]
 -- --batch N writes N pictures, OUT with _1, _2... before the extension (txt2img_1.png...).
 -- --tileable xy draws a seamless texture: it tiles across its left/right (x) and
 -- top/bottom (y) edges without a seam.
@@ -17,6 +17,7 @@ if o.out == "" then o.out = "txt2img.png" end
 local ckpt <close> = kiln.load_checkpoint(o.model, cli.checkpoint_options(o)) -- nothing read yet: files are mapped
 cli.image_size(o, ckpt)                                -- the model's size unless given; checked
 cli.check_clip_skip(o, ckpt)
+cli.check_reference(o, ckpt)                           -- --reference: Flux Kontext only
 
 -- clip, unet, vae: each loaded, used, unloaded; the pipeline takes its own options of the
 -- command line's (--out, --model... are the script's; an unknown one is an error)

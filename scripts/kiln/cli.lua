@@ -16,7 +16,7 @@ local COMMON = {
   lora = {}, loras = "", embeddings = "", batch = 1, clip_skip = 0, weighting = "a1111",
   tileable = "",
   preview = "", preview_every = 0, previewer = "latent2rgb", vae = "", precision = "",
-  preview_precision = "", cache = "",
+  preview_precision = "", cache = "", reference = {},
 }
 
 -- Options naming a file or folder that must exist when given.
@@ -83,6 +83,8 @@ local function help_of(k)
       .. " with native bf16 products, else run)",
     vae = "a VAE file, or taesd: TAESD (beside the model, in its vae_approx/ or ../vae_approx/, or a file) as the VAE",
     cache = "step cache: fbcache[:THRESHOLD], teacache[:THRESHOLD] or deepcache[:INTERVAL] (fewer full evaluations)",
+    reference = "PNG to edit or draw from, for Flux Kontext (repeatable: several references); each is resized to"
+      .. " the nearest of Kontext's resolutions",
   })[k]
 end
 
@@ -148,6 +150,9 @@ local function check_values(o)
     local ok, err = pcall(extra_networks.parse_option, s)
     if not ok then util.usage_error(tostring(err)) end
   end
+  for _, p in ipairs(o.reference or {}) do
+    if not exists(p) then util.usage_error(("--reference %s: no such file"):format(p)) end
+  end
   for k in pairs(PATH_OPTIONS) do
     local p = o[k]
     if type(p) == "string" and p ~= "" and not exists(p) then
@@ -208,6 +213,7 @@ function M.parse(args, extra, help)
   if o.preview == "" then o.preview = nil end
   if o.preview_every == 0 then o.preview_every = nil end
   if o.preview_precision == "" then o.preview_precision = nil end
+  o.reference = M.reference_images(o.reference)
   -- --vae names the checkpoint's VAE (M.checkpoint_options), not a per-run one
   o.checkpoint_vae = o.vae ~= "" and o.vae or nil
   o.vae = nil
@@ -260,6 +266,33 @@ function M.image_size(o, ckpt, scale)
         util.usage_error(("--%s %d at --scale %g is %d pixels: must be a multiple of %d"):format(k, v, scale, s, m))
       end
     end
+  end
+  return o
+end
+
+--- The --reference PNGs as images [1, C, H, W] in [0, 1] (nil when none given); a
+-- file that is not a PNG is a usage error naming it.
+function M.reference_images(paths)
+  if not paths or #paths == 0 then return nil end
+  local list = {}
+  for i, p in ipairs(paths) do
+    local ok, t = pcall(kiln.load_png, p)
+    if not ok then
+      util.usage_error(("--reference %s: not a PNG image (%s)"):format(p, tostring(t):gsub("^[^:]*:%d+: ", "")))
+    end
+    list[i] = t
+  end
+  return list
+end
+
+--- --reference against the checkpoint: only a family that encodes reference pictures
+-- (Flux Kontext) takes them; any other is a usage error naming the family. Returns o.
+function M.check_reference(o, ckpt)
+  if not o.reference then return o end
+  local F = pipeline.flow_family(ckpt)
+  if not (F and F.reference_latents) then
+    util.usage_error(("--reference: reference pictures are for Flux Kontext checkpoints, and this one is %s")
+      :format(require("kiln.family").label(ckpt.family)))
   end
   return o
 end

@@ -26,6 +26,11 @@ local util = require "kiln.util"
 
 local M = {}
 
+--- Functions called (no arguments) as every dry run ends, before the shape-only device
+-- is given back: modules that hold shape-only tensors for the run's length (the
+-- encoding cache's stand-ins for the entries a real run would keep) free them there.
+M.ending = {}
+
 --- The device a dry run models by default: the first GPU, else sim.
 function M.default_target()
   for _, d in ipairs(kiln.devices()) do
@@ -121,6 +126,7 @@ function M.run(fn, opts, ...)
   fold()
   local where = type(err) == "table" and failed_in[err] or {}
   kiln.trace.span = span
+  for _, f in ipairs(M.ending) do pcall(f) end
   collectgarbage()
   collectgarbage()
   local scratch = kiln.mem.meta_scratch and kiln.mem.meta_scratch() or 0

@@ -90,8 +90,18 @@ local function make_room(self, bytes)
   end
 end
 
--- A dry run's tensors live on the shape-only device: nothing is looked up or kept then.
+-- A dry run's tensors live on the shape-only device: nothing is looked up then (a dry
+-- run predicts a miss), and what a miss would keep is held as the real run's entry would
+-- be, until the dry run ends (kiln.dry_run's ending hooks): a stage after the encode
+-- (the decode) holds the cached encoding in the real run, so the prediction counts it.
 local function bypass() return kiln.mem.meta_target() ~= nil end
+local dry_held = {}
+table.insert(require("kiln.dry_run").ending, function()
+  for i = #dry_held, 1, -1 do
+    dry_held[i]:free()
+    dry_held[i] = nil
+  end
+end)
 
 function Cache:get(key)
   if bypass() then return nil end
@@ -112,8 +122,9 @@ end
 --- Keeps views of the tensors given (they stay the caller's). An entry larger than the
 -- limit is not kept; nor is one holding anything but tensors and nils.
 function Cache:put(key, ...)
-  if bypass() or self.limit == 0 then return end
-  drop(self, key)
+  if self.limit == 0 then return end
+  local dry = bypass()
+  if not dry then drop(self, key) end
   local n = select("#", ...)
   local ts, bytes, device = { n = n }, 0, nil
   for i = 1, n do
@@ -125,6 +136,13 @@ function Cache:put(key, ...)
     end
   end
   if n == 0 or bytes > self.limit then return end
+  if dry then
+    for i = 1, n do
+      local t = select(i, ...)
+      if t then dry_held[#dry_held + 1] = view_of(t) end
+    end
+    return
+  end
   make_room(self, bytes)
   for i = 1, n do
     local t = select(i, ...)

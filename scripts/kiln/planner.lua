@@ -1,8 +1,9 @@
 -- kiln.planner: `--mode auto`. Before a pipeline runs, it sizes each stage against
 -- the device's budget and picks the memory mode and the VAE tiling:
 --
---   weights   the bytes each part (text encoders, UNet, VAE, and the run's
---             ControlNets, which run in the UNet's stage) takes on the device,
+--   weights   the bytes each part (text encoders, UNet or a flow family's
+--             transformer, VAE, and the run's ControlNets, which run in the UNet's
+--             stage) takes on the device,
 --             from its tensors (stored dtype), and the streaming window of "low"
 --             mode (the two largest adjacent blocks, kiln.stream);
 --   work      the activation peak of the stage at this run's size and batch
@@ -13,6 +14,9 @@
 --             small probes of its real inputs fitted and extrapolated (tiling.lua),
 --             in the device's activation dtype (kiln.activation_dtype: f16 / bf16
 --             on a GPU under a half precision halves it; plan.activation_dtype).
+--             A transformer's stage is the family's (F.plan_work: Flux's counts
+--             the run's T5 length and Kontext's reference tokens); the VAE's is the
+--             larger of the decode and the reference pictures' encode.
 --
 -- Then: "high" when every part's weights plus the largest stage's work fit (models
 -- stay resident across stages), else "normal" when each stage fits with its own
@@ -28,7 +32,8 @@
 -- pipeline, as the pipelines do, not while you hold parts loaded yourself.
 --
 --   planner.choose(ckpt, o) -> plan  {mode, vae_tile, lines = {...}, need = {high =,
---                                    normal =, low =, avail =} (bytes), ...}
+--                                    normal =, low =, avail =} (bytes), work = {part
+--                                    name = bytes}, ...}
 --   planner.apply(ckpt, o)  -> plan  chooses, sets kiln.memory_mode, o.tile and the
 --                                    UNet's resident_plan (a partial residency in low
 --                                    mode: plan.resident.unet bytes), prints
@@ -111,8 +116,11 @@ function M.choose(ckpt, o)
   local f = ckpt.vae.factor or 8
   local W, H = o.width, o.height
   local lw, lh = W // f, H // f
+  -- a flow family's transformer takes the UNet's row (its stage, its residency)
+  local F = require("kiln.pipeline").flow_family(ckpt)
+  local net_name = rawget(ckpt, "dit") and "dit" or "unet"
   local parts = {}
-  for _, name in ipairs({ "clip", "t5", "unet", "vae" }) do
+  for _, name in ipairs({ "clip", "t5", net_name, "vae" }) do
     local p = ckpt[name]
     if p then
       local bytes, window = M.part_bytes(p)
@@ -129,9 +137,18 @@ function M.choose(ckpt, o)
   end
   -- the work of each stage at this run's size: the batch (o.batch images) and, with
   -- CFG, cond and uncond in one call (the larger of the two ways a run may call it)
-  local ucfg = ckpt.unet.config
   local batch = math.tointeger(o.batch or 1) or 1
-  if by.unet then
+  if net_name == "dit" then
+    by.unet = by.dit
+    if not (F and F.plan_work) then
+      by.dit.why = "the family has no work measure"
+    else
+      local fn, inputs = F.plan_work(ckpt, o, lw, lh, dev)
+      by.dit.work, by.dit.why = work_of({ ckpt.dit }, dev, fn, inputs)
+      for i = 1, inputs.n do inputs[i]:free() end
+    end
+  elseif by.unet then
+    local ucfg = ckpt.unet.config
     local B = ((o.cfg or 1) ~= 1 and 2 or 1) * batch
     local x = kiln.zeros({ B, ucfg.in_channels, lh, lw }):to(dev)
     local t = kiln.full({ B }, 999)
@@ -166,12 +183,24 @@ function M.choose(ckpt, o)
     if y then y:free() end
   end
   if by.vae then
-    local z = kiln.zeros({ 1, ckpt.vae.config.embed_dim or 4, lh, lw }):to(dev)
+    local z = kiln.zeros({ 1, ckpt.vae.config.embed_dim or ckpt.vae.latent_channels or 4, lh, lw }):to(dev)
     by.vae.work, by.vae.why = work_of({ ckpt.vae }, dev, function(zz)
       local r = ckpt.vae:decode(zz, { retry = false })
       r:free()
     end, { z })
     z:free()
+    -- Kontext: the reference pictures go through the encoder first, with the same tiling
+    local sizes = F and F.reference_sizes and F.reference_sizes(o.reference, o.reference_scale) or {}
+    for _, s in ipairs(sizes) do
+      if by.vae.work == nil then break end
+      local img = kiln.zeros({ 1, 3, s[2], s[1] }):to(dev)
+      local w, why = work_of({ ckpt.vae }, dev, function(ii)
+        local r = ckpt.vae:encode(ii)
+        r:free()
+      end, { img })
+      img:free()
+      if w then by.vae.work = math.max(by.vae.work, w) else by.vae.work, by.vae.why = nil, why end
+    end
   end
   if by.clip then by.clip.work = 0 end -- 77 tokens: negligible next to its weights
   -- T5: one encode of 512 tokens (the longest a pipeline pads its prompt to), measured
@@ -199,15 +228,18 @@ function M.choose(ckpt, o)
       worst_low = math.max(worst_low, stage_window[p.name] + w)
     end
   end
-  -- what each mode needs, for callers that size budgets from it (tests, tools)
+  -- what each mode needs, for callers that size budgets from it (tests, tools), and
+  -- each part's work (nil where it could not be measured)
   plan.need = { high = all + worst_work, normal = worst_stage, low = worst_low, avail = avail }
+  plan.work = {}
+  for _, p in ipairs(parts) do plan.work[p.name] = p.work end
   if all + worst_work <= avail then plan.mode = "high"
   elseif worst_stage <= avail then plan.mode = "normal"
   else plan.mode = "low" end
   -- low mode: what the UNet's stage leaves free keeps that many bytes of the UNet on the
   -- device (its largest blocks), so each evaluation copies only the rest
   if plan.mode == "low" and by.unet and by.unet.work then
-    local spare = avail - (stage_window.unet + by.unet.work)
+    local spare = avail - (stage_window[net_name] + by.unet.work)
     if spare > 0 then
       plan.resident = { unet = math.floor(math.min(spare, by.unet.bytes)) }
     end
@@ -238,7 +270,7 @@ function M.choose(ckpt, o)
   line("  -> mode %s%s", plan.mode, plan.vae_tile and ", VAE tiled (tile auto)" or "")
   if plan.resident then
     local r = plan.resident.unet
-    line("     unet: %s of %s resident (its largest blocks), about %s streamed per evaluation", human(r),
+    line("     %s: %s of %s resident (its largest blocks), about %s streamed per evaluation", net_name, human(r),
       human(by.unet.bytes), human(math.max(0, by.unet.bytes - r)))
   end
   return plan
@@ -247,7 +279,7 @@ end
 function M.apply(ckpt, o)
   local plan = M.choose(ckpt, o)
   kiln.memory_mode(plan.mode)
-  ckpt.unet.resident_plan = plan.resident and plan.resident.unet or nil
+  require("kiln.pipeline").net(ckpt).resident_plan = plan.resident and plan.resident.unet or nil
   if plan.vae_tile and not o.tile then o.tile = plan.vae_tile end
   if not kiln.quiet() then
     for _, l in ipairs(plan.lines) do io.stderr:write("kiln: ", l, "\n") end

@@ -1,95 +1,62 @@
 -- tests/bench/bench_flux_schnell.lua - a 4-step Flux.1 [schnell] txt2img end to end
--- (kiln.pipeline.txt2img: T5-XXL and CLIP-L encode, then unload; the transformer
--- samples 4 euler steps; the 16-channel autoencoder decodes) on random full-size
--- weights: time per stage, the device's peak (sim, inside --budget MiB in memory mode
--- --mode) and the process's peak RSS.
+-- (kiln.pipeline.txt2img: T5-XXL encodes and unloads, CLIP-L encodes and unloads, the
+-- transformer samples 4 euler steps, the 16-channel autoencoder decodes) on random
+-- full-size-shaped weights: the time of each stage, the device's peak beside the meta
+-- device's prediction of it (a dry run of the same call, run first), and the process's
+-- peak RSS, its anonymous part (the memory it holds) and its mapped file pages (the
+-- weight files read through, which the kernel drops under pressure) sampled every 0.5 s.
 --
---   build/kiln tests/bench/bench_flux_schnell.lua [--size 512] [--mode low] [--budget 2048]
---       [--double 19] [--single 38] [--t5_blocks 24] [--threads 2] [--dir DIR] [--fresh] [--clean]
+--   build/kiln tests/bench/bench_flux_schnell.lua [--size 512] [--device sim] [--mode low]
+--       [--budget 2048] [--dit q8_0] [--t5 fp8] [--double 19] [--single 38] [--t5_blocks 24]
+--       [--threads 2] [--dir DIR] [--fresh] [--clean] [--no-dry] [--write-only]
 --
--- The weights (BFL's flux1-schnell / ae.safetensors names and shapes, ComfyUI's clip_l and
--- t5xxl_fp16 names; bf16 for the transformer, f16 for the rest) are written once into
--- DIR (default $TMPDIR/kiln-bench-flux: about 24 GB for the transformer, 9.5 GB for T5,
--- 0.25 GB for CLIP-L, 0.1 GB for the decoder at full size) tensor by tensor, so writing
--- never holds more than one tensor; --double / --single / --t5_blocks make a smaller
--- model of the same widths (a quick run of this script). Run full-size benchmarks under
--- flock /tmp/kiln-bigmem.lock.
+-- The weights are written once into DIR (default $TMPDIR/kiln-bench-flux) by
+-- tests/bench/flux_weights.lua's pool writer, at the disk's speed: the transformer
+-- [schnell]-shaped (no guidance_in; --dit q8_0: city96's GGUF, 12.6 GB; fp8: e4m3fn
+-- safetensors, 11.9 GB; bf16: 23.8 GB), T5-XXL with ComfyUI's t5xxl names (--t5 fp8:
+-- t5xxl_fp8_e4m3fn-shaped, 4.8 GB; f16: t5xxl_fp16-shaped, 9.5 GB), CLIP-L (f16,
+-- 0.25 GB) and the autoencoder's decoder (f16, 0.1 GB). --double / --single /
+-- --t5_blocks make a smaller model of the same widths (a quick run of this script);
+-- --write-only writes the files and stops (write them outside the benchmark's locks).
+-- --device cpu with --budget runs inside a cpu budget instead of a sim one. Run
+-- full-size benchmarks under flock /tmp/kiln-bigmem.lock, timed ones under flock
+-- /tmp/kiln-bench.lock.
 local kiln = require "kiln"
 local util = require "kiln.util"
-local flux = require "kiln.flux"
 local vae = require "kiln.vae"
 local clip = require "kiln.clip"
 local pipeline = require "kiln.pipeline"
-local rw = dofile("tests/bench/random_weights.lua")
+local fw = dofile("tests/bench/flux_weights.lua")
 
-local o = util.parse_args(arg or {}, { size = 512, mode = "low", budget = 2048, double = 19, single = 38,
-  t5_blocks = 24, threads = 2, dir = "", fresh = false, clean = false })
+local o = util.parse_args(arg or {}, { size = 512, device = "sim", mode = "low", budget = 2048, dit = "q8_0",
+  t5 = "fp8", double = 19, single = 38, t5_blocks = 24, threads = 2, dir = "", fresh = false, clean = false,
+  no_dry = false, write_only = false })
 local fmt = string.format
 local MiB = 1024 * 1024
 local function say(...) print(fmt(...)) io.stdout:flush() end
+if o.device ~= "sim" and o.device ~= "cpu" then error("bench_flux_schnell: --device must be sim or cpu", 0) end
+local T5_MATRIX = { fp8 = "F8_E4M3", f16 = "F16" }
+if not T5_MATRIX[o.t5] then error("bench_flux_schnell: --t5 must be fp8 or f16", 0) end
 
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)
 local dir = o.dir ~= "" and o.dir or ((os.getenv("TMPDIR") or "/tmp") .. "/kiln-bench-flux")
 os.execute("mkdir -p '" .. dir .. "'")
 
-local function rss_peak()
+local function status()
+  local r = {}
   for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s*(%d+)")
-    if kb then return tonumber(kb) * 1024 end
+    local k, kb = line:match("^(%a+):%s*(%d+) kB")
+    if k then r[k] = tonumber(kb) * 1024 end
   end
-  return 0
+  return r
 end
 
--- ---------------------------------------------------------------- writing tensor by tensor
-
-local DT = { bf16 = "BF16", f16 = "F16" }
-local SIZE = { bf16 = 2, f16 = 2 }
-
--- The bytes of one tensor as safetensors stores them (through a one-tensor file).
-local TMP = dir .. "/one.safetensors"
-local function raw(t)
-  kiln.save_safetensors(TMP, { x = t })
-  local f = assert(io.open(TMP, "rb"))
-  local n = string.unpack("<I8", f:read(8))
-  f:seek("cur", n)
-  local data = f:read("a")
-  f:close()
-  return data
-end
-
--- Writes a safetensors file of `list` ({name, shape}) in dtype dt, each tensor made by
--- rw.tensor when its turn comes (seeded by its position), with metadata meta.
-local function write(path, list, dt, meta)
-  local t0 = kiln.time()
-  local parts, off = {}, 0
-  local m = { '"__metadata__":{' }
-  local mk = {}
-  for k, v in pairs(meta or {}) do mk[#mk + 1] = fmt("%q:%q", k, v) end
-  m[1] = m[1] .. table.concat(mk, ",") .. "}"
-  for i, e in ipairs(list) do
-    local n = 1
-    for _, d in ipairs(e[2]) do n = n * d end
-    local b = n * SIZE[dt]
-    parts[i] = fmt('%q:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}', e[1], DT[dt], table.concat(e[2], ","),
-      off, off + b)
-    off = off + b
-  end
-  local header = "{" .. m[1] .. (#parts > 0 and "," or "") .. table.concat(parts, ",") .. "}"
-  header = header .. string.rep(" ", (8 - #header % 8) % 8)
-  local f = assert(io.open(path .. ".part", "wb"))
-  f:write(string.pack("<I8", #header), header)
-  for i, e in ipairs(list) do
-    local t = rw.tensor(e[1], e[2], 7000 + i)
-    local c = dt ~= t.dtype and t:to(dt) or t
-    if c ~= t then t:free() end
-    f:write(raw(c))
-    c:free()
-    if i % 50 == 0 then collectgarbage() end
-  end
-  f:close()
-  os.rename(path .. ".part", path)
-  say("wrote %s: %.2f GB in %.0f s", path, off / 1e9, kiln.time() - t0)
+local function loadavg()
+  local f = io.open("/proc/loadavg")
+  local s = f and f:read("l") or "?"
+  if f then f:close() end
+  return s:match("^(%S+ %S+ %S+)") or s
 end
 
 local function exists(p)
@@ -98,24 +65,31 @@ local function exists(p)
   return f ~= nil
 end
 
-local DIT = fmt("%s/flux1-schnell-%d-%d.safetensors", dir, o.double, o.single)
-local AE = dir .. "/ae-decoder.safetensors"
-local CLIP = dir .. "/clip_l.safetensors"
-local T5 = fmt("%s/t5xxl-%d.safetensors", dir, o.t5_blocks)
+-- ---------------------------------------------------------------- the files
+
+local EXT = { q8_0 = "gguf", fp8 = "safetensors", bf16 = "safetensors" }
+if not EXT[o.dit] then error("bench_flux_schnell: --dit must be q8_0, fp8 or bf16", 0) end
+local DIT = fmt("%s/flux1-schnell-%s-%d-%d.%s", dir, o.dit, o.double, o.single, EXT[o.dit])
+local AE = dir .. "/ae-decoder-f16.safetensors"
+local CLIP = dir .. "/clip_l-f16.safetensors"
+local T5 = fmt("%s/t5xxl-%s-%d.safetensors", dir, o.t5, o.t5_blocks)
+
+local function wrote(path, bytes, s) say("wrote %s: %.2f GB in %.1f s", path, bytes / 1e9, s) end
 
 if o.fresh or not exists(DIT) then
-  local cfg = { hidden = 3072, in_channels = 64, context_dim = 4096, vec_dim = 768, depth = o.double,
-    depth_single = o.single, mlp_hidden = 12288, head_dim = 128, guidance = false, qkv_bias = true, out_channels = 64 }
-  write(DIT, flux.expected(cfg), "bf16")
+  wrote(DIT, fw.write(o.dit, DIT, fw.config(o.double, o.single, true)))
+end
+local function write_st(path, list, matrix, vector, meta)
+  local t0 = kiln.time()
+  wrote(path, fw.write_safetensors(path, list, { matrix = matrix, vector = vector, meta = meta }), kiln.time() - t0)
 end
 if o.fresh or not exists(AE) then
-  write(AE, vae.expected({ has_decoder = true, quant = false, ch = 128, ch_mult = { 1, 2, 4, 4 }, num_res_blocks = 2,
-    z_channels = 16, embed_dim = 16, out_ch = 3, levels = 4 }), "f16")
+  write_st(AE, vae.expected({ has_decoder = true, quant = false, ch = 128, ch_mult = { 1, 2, 4, 4 },
+    num_res_blocks = 2, z_channels = 16, embed_dim = 16, out_ch = 3, levels = 4 }), "F16", "F16")
 end
 if o.fresh or not exists(CLIP) then
-  local list = clip.expected({ layout = "hf", width = 768, layers = 12, mlp = 3072, vocab = 49408, positions = 77,
-    heads = 12 })
-  write(CLIP, list, "f16")
+  write_st(CLIP, clip.expected({ layout = "hf", width = 768, layers = 12, mlp = 3072, vocab = 49408,
+    positions = 77, heads = 12 }), "F16", "F16")
 end
 if o.fresh or not exists(T5) then
   local D, HEADS, FF = 4096, 64, 10240
@@ -131,32 +105,124 @@ if o.fresh or not exists(T5) then
     list[#list + 1] = { p .. "1.layer_norm.weight", { D } }
   end
   list[#list + 1] = { "encoder.final_layer_norm.weight", { D } }
-  write(T5, list, "f16", { num_heads = tostring(HEADS) })
+  write_st(T5, list, T5_MATRIX[o.t5], o.t5 == "fp8" and "BF16" or "F16", { num_heads = tostring(HEADS) })
 end
+
+if o.write_only then return end
 
 -- ---------------------------------------------------------------- the run
 
-kiln.memory_mode(o.mode)
-kiln.mem.set_budget("sim", o.budget * MiB)
-local ck <close> = kiln.load_checkpoint(DIT, { vae = AE, clip = CLIP, t5 = T5 })
-say("Flux.1 [schnell]-shaped (%s: %d double + %d single blocks, T5 %d blocks), %dx%d, 4 euler steps, mode %s, " ..
-  "sim budget %d MiB, %d threads", ck.variant, o.double, o.single, o.t5_blocks, o.size, o.size, o.mode, o.budget,
-  kiln.threads())
-kiln.mem.reset_peak("sim")
-local stages, last = {}, kiln.time()
-local t0 = last
-local img = pipeline.txt2img(ck, { prompt = "a photo of a cat on a red sofa", seed = 1, width = o.size,
-  height = o.size, device = "sim", callback = function(st)
-    local now = kiln.time()
-    stages[#stages + 1] = fmt("%sstep %d: %.1f s", st.i == 1 and "encode + " or "", st.i, now - last)
-    last = now
-  end })
-local total = kiln.time() - t0
-img:free()
-for _, s in ipairs(stages) do say("  %s", s) end
-say("total %.1f s (encode, 4 steps, decode); sim peak %.0f MiB (budget %d); peak RSS %.0f MiB", total,
-  kiln.mem.stats("sim").peak / MiB, o.budget, rss_peak() / MiB)
-if o.clean then
-  for _, p in ipairs({ DIT, AE, CLIP, T5, TMP }) do os.remove(p) end
+-- The process's RssAnon and RssFile every 0.5 s, from a shell loop that ends with the process.
+local pid = io.open("/proc/self/stat"):read("l"):match("^(%d+)")
+local SAMPLES = fmt("%s/rss-%s.txt", dir, pid)
+os.execute(fmt("sh -c 'while [ -d /proc/%s ]; do grep -E \"^Rss(Anon|File):\" /proc/%s/status 2>/dev/null; " ..
+  "sleep 0.5; done' > '%s' 2>/dev/null &", pid, pid, SAMPLES))
+local function sampled_peaks()
+  local anon, file, total, a = 0, 0, 0, 0
+  for line in io.lines(SAMPLES) do
+    local k, kb = line:match("^Rss(%a+):%s*(%d+)")
+    local v = tonumber(kb or 0) * 1024
+    if k == "Anon" then a = v; anon = math.max(anon, v)
+    elseif k == "File" then file = math.max(file, v); total = math.max(total, a + v) end
+  end
+  return anon, file, total
 end
-os.remove(TMP)
+
+kiln.memory_mode(o.mode)
+kiln.set_default_device(o.device)
+local budget = o.budget > 0 and o.budget * MiB or nil
+if budget then kiln.mem.set_budget(o.device, budget) end
+local ck <close> = kiln.load_checkpoint(DIT, { vae = AE, clip = CLIP, t5 = T5, variant = "schnell" })
+say("Flux.1 [schnell]-shaped, %dx%d, 4 euler steps; %s transformer (%d double + %d single blocks), T5-XXL %s " ..
+  "(%d blocks), CLIP-L f16, AE f16; memory mode %s on %s, budget %s; %d threads", o.size, o.size, o.dit, o.double,
+  o.single, o.t5, o.t5_blocks, o.mode, o.device, budget and fmt("%d MiB", o.budget) or "none", kiln.threads())
+
+local prompt = "a photo of a cat on a red sofa"
+local function run(callback)
+  return pipeline.txt2img(ck, { prompt = prompt, seed = 1, width = o.size, height = o.size, device = o.device,
+    callback = callback })
+end
+
+local predicted, predicted_stage = nil, {}
+if not o.no_dry then
+  local r = kiln.dry_run(function()
+    local img = run(function() end) -- a callback as the real run's: the pipeline hands it the step's tensors
+    img:free()
+  end, { device = o.device, budget = budget, mode = o.mode })
+  predicted = r.peak
+  say("  dry run (meta): predicted peak %.1f MiB (reserved %.1f), %s, %.2f s", r.peak / MiB, r.peak_reserved / MiB,
+    r.fits and "fits" or ("does not fit: " .. tostring(r.oom)), r.seconds)
+  for _, s in ipairs(r.stages or {}) do predicted_stage[s.name] = s.peak end
+  collectgarbage(); collectgarbage()
+  kiln.mem.empty_cache(o.device)
+end
+
+-- The stages' times: T5's and CLIP's encodes (their streamed loads included), each
+-- sampling step (the first with the transformer's placement), the decode.
+local times, t_encode = {}, {}
+local function timed(obj, method, key)
+  local f = obj[method]
+  obj[method] = function(...)
+    local t0 = kiln.time()
+    local r = table.pack(f(...))
+    t_encode[key] = (t_encode[key] or 0) + kiln.time() - t0
+    return table.unpack(r, 1, r.n)
+  end
+end
+timed(ck.t5, "encode", "T5-XXL encode")
+timed(ck.clip, "encode", "CLIP-L encode")
+local span = kiln.trace.span
+local stage_t, stage_peak, step_t, last, run_peak = {}, {}, {}, nil, 0
+kiln.trace.span = function(name, f, ...)
+  if name ~= "encode" and name ~= "sample" and name ~= "decode" then return span(name, f, ...) end
+  -- each stage's own peak: the counter restarts with the stage (the run's peak kept aside)
+  run_peak = math.max(run_peak, kiln.mem.stats(o.device).peak)
+  kiln.mem.reset_peak(o.device)
+  local t0 = kiln.time()
+  if name == "sample" then last = t0 end
+  return (function(...)
+    stage_t[name] = kiln.time() - t0
+    stage_peak[name] = kiln.mem.stats(o.device).peak
+    run_peak = math.max(run_peak, stage_peak[name])
+    return ...
+  end)(span(name, f, ...))
+end
+local function on_step(st)
+  local now = kiln.time()
+  step_t[#step_t + 1] = now - last
+  last = now
+end
+
+kiln.mem.reset_peak(o.device)
+local la0 = loadavg()
+local t0 = kiln.time()
+local ok, err = pcall(function()
+  local img = run(on_step)
+  img:free()
+end)
+local total = kiln.time() - t0
+kiln.trace.span = span
+if not ok then error(err, 0) end
+local peak = math.max(run_peak, kiln.mem.stats(o.device).peak)
+local st = status()
+local anon, file, both = sampled_peaks()
+local function peaks(name)
+  local p = predicted_stage[name]
+  return fmt("; %s peak %.1f MiB%s", o.device, (stage_peak[name] or 0) / MiB,
+    p and fmt(", predicted %.1f MiB", p / MiB) or "")
+end
+say("  T5-XXL encode  %7.1f s", t_encode["T5-XXL encode"] or 0)
+say("  CLIP-L encode  %7.1f s", t_encode["CLIP-L encode"] or 0)
+say("  encode stage   %7.1f s (both, with their loads and unloads)%s", stage_t.encode or 0, peaks("encode"))
+for i, s in ipairs(step_t) do say("  step %d         %7.1f s%s", i, s, i == 1 and " (with the transformer's placement)" or "") end
+say("  sample stage   %7.1f s%s", stage_t.sample or 0, peaks("sample"))
+say("  AE decode      %7.1f s%s", stage_t.decode or 0, peaks("decode"))
+say("total %.1f s; %s peak %.1f MiB%s (budget %s); peak RSS %.0f MiB (VmHWM); sampled every 0.5 s: anonymous " ..
+  "%.0f MiB, mapped file pages %.0f MiB, both %.0f MiB; load average %s before, %s after", total, o.device,
+  peak / MiB, predicted and fmt(", dry run predicted %.1f MiB (x%.4f)", predicted / MiB, predicted / peak) or "",
+  budget and fmt("%d MiB", o.budget) or "none", (st.VmHWM or 0) / MiB, anon / MiB, file / MiB, both / MiB, la0,
+  loadavg())
+os.remove(SAMPLES)
+if o.clean then
+  for _, p in ipairs({ DIT, AE, CLIP, T5 }) do os.remove(p) end
+end

@@ -102,9 +102,10 @@ local function numel(shape)
   return n
 end
 
--- 1-D tensors: norm scales (Flux's *.scale, T5's *layer_norm.weight) 1, biases 0.
+-- 1-D tensors: norm scales (Flux's *.scale; T5's, CLIP's and the autoencoder's
+-- *norm*.weight: layer_norm, layer_norm1, final_layer_norm, norm1, norm_out) 1, biases 0.
 local function const_1d(name, n, dtype)
-  local one = name:match("scale$") ~= nil or name:match("norm%.weight$") ~= nil
+  local one = name:match("scale$") ~= nil or name:match("norm[%w_]*%.weight$") ~= nil
   if dtype == "F32" then return string.rep(string.pack("<f", one and 1 or 0), n) end
   if dtype == "F16" then return string.rep(string.pack("<I2", one and 0x3C00 or 0), n) end
   return string.rep(string.pack("<I2", one and 0x3F80 or 0), n) -- bf16

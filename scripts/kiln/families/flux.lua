@@ -203,4 +203,54 @@ function M.reference_latents(ckpt, refs, scale, dev, tile)
   return out
 end
 
+-- ---------------------------------------------------------------- planning
+
+--- The {width, height} of each reference picture as reference_latents will encode it
+-- (the nearest Kontext resolution, or as given with scale == false); entries that are
+-- not images are left to reference_latents to refuse.
+function M.reference_sizes(refs, scale)
+  if type(refs) == "userdata" then refs = { refs } end
+  local out = {}
+  for _, img in ipairs(type(refs) == "table" and refs or {}) do
+    if type(img) == "userdata" and img.shape and #img.shape == 4 then
+      local W, H = img.shape[4], img.shape[3]
+      if scale ~= false then W, H = M.kontext_size(W, H) end
+      out[#out + 1] = { W, H }
+    end
+  end
+  return out
+end
+
+--- The transformer's stage for kiln.planner: fn and its inputs (every tensor an
+-- argument, made on dev, for the dry run to replace) for one evaluation at this run's
+-- size: the latent [B, 16, lh, lw], the run's T5 length of text tokens and, with
+-- Kontext references, their latents as extra image tokens at the size the reference
+-- stage will give them. B: the batch, twice with true CFG (the larger of the two ways
+-- the denoiser may call it).
+function M.plan_work(ckpt, o, lw, lh, dev)
+  local kiln = require "kiln"
+  local dit = ckpt.dit
+  local cfg = dit.config
+  local B = ((o.cfg or 1) ~= 1 and 2 or 1) * (math.tointeger(o.batch or 1) or 1)
+  local flow = o._flow or M.run_options(ckpt, o)
+  local f = ckpt.vae.factor or 8
+  local inputs = {
+    kiln.zeros({ B, cfg.latent_channels, lh, lw }):to(dev),
+    kiln.full({ B }, 0.5),
+    kiln.zeros({ B, flow.t5_length, cfg.context_dim }):to(dev),
+    kiln.zeros({ B, cfg.vec_dim }):to(dev),
+  }
+  for _, s in ipairs(M.reference_sizes(o.reference, o.reference_scale)) do
+    inputs[#inputs + 1] = kiln.zeros({ 1, cfg.latent_channels, s[2] // f, s[1] // f }):to(dev)
+  end
+  inputs.n = #inputs
+  local function fn(x, t, ctx, y, ...)
+    local refs = { ... }
+    local v = dit:forward(x, t, ctx, y, (flow.guidance or #refs > 0) and
+      { guidance = flow.guidance, reference = #refs > 0 and refs or nil } or nil)
+    v:free()
+  end
+  return fn, inputs
+end
+
 return M
