@@ -4,7 +4,7 @@
 -- loader reads them), and the FLOPs of one evaluation.
 --
 --   build/kiln tests/bench/sd3_weights.lua --variant large|medium --format f16|bf16|fp8
---       --out PATH [--depth N]
+--       --out PATH [--depth N] [--sparse]
 --
 -- Large: 38 joint blocks of width 2432 (38 heads of 64), position table 192x192.
 -- Medium: 24 blocks of width 1536, position table 384x384, MMDiT-X's second attention in
@@ -12,6 +12,7 @@
 -- norms, the last block's context stream pre_only. f16 / bf16: every tensor in that
 -- dtype. fp8: ComfyUI-style, the linear weights F8_E4M3, the patch convolution and the
 -- position table F16, vectors F16. Norm scales (ln_q / ln_k) are 1, biases 0.
+-- --sparse: the header only, the data a hole (for bench_sd3_step.lua --dry-only).
 -- As a module: local sw = dofile("tests/bench/sd3_weights.lua"); sw.write(fmt, path, sw.config("large")).
 local kiln = require "kiln"
 local util = require "kiln.util"
@@ -49,11 +50,11 @@ end
 local function is_qk_norm(name) return name:match("%.ln_[qk]%.weight$") ~= nil end
 
 --- Writes the file (through PATH.part, renamed when complete); returns bytes, seconds.
-function M.write(format, path, cfg)
+function M.write(format, path, cfg, sparse)
   local t0 = kiln.time()
   local list = mmdit.expected(cfg)
   local meta = { ["kiln.bench"] = "sd3_weights", ["kiln.variant"] = cfg.variant }
-  local opts = { vector = "F16", ones = is_qk_norm, meta = meta }
+  local opts = { vector = "F16", ones = is_qk_norm, meta = meta, sparse = sparse }
   if format == "f16" then opts.matrix = "F16"
   elseif format == "bf16" then opts.matrix, opts.vector = "BF16", "BF16"
   elseif format == "fp8" then
@@ -86,10 +87,10 @@ function M.step_flops(cfg, n_img, n_ctx)
 end
 
 if arg and arg[0] and arg[0]:match("sd3_weights%.lua$") then
-  local o = util.parse_args(arg, { variant = "large", format = "f16", out = "", depth = 0 })
+  local o = util.parse_args(arg, { variant = "large", format = "f16", out = "", depth = 0, sparse = false })
   if o.out == "" then error("sd3_weights: --out PATH is required", 0) end
   local cfg = M.config(o.variant, o.depth > 0 and o.depth or nil)
-  local bytes, s = M.write(o.format, o.out, cfg)
+  local bytes, s = M.write(o.format, o.out, cfg, o.sparse)
   print(fmt("wrote %s: %.2f GB in %.1f s (%.2f s/GB)", o.out, bytes / 1e9, s, s / (bytes / 1e9)))
 end
 
