@@ -799,10 +799,26 @@ function Text:tokenize(text)
   return ids
 end
 
+--- The width of the pooled vector encode gives (0 when no encoder gives one): each
+-- pooled encoder's projection, or its width where it gives the unprojected vector.
+function Text:pooled_width()
+  local n = 0
+  for _, e in ipairs(self.encoders) do
+    local cfg = e.enc.config
+    if e.pooled == "unprojected" then n = n + cfg.width
+    elseif e.pooled then n = n + (cfg.projection or cfg.width) end
+  end
+  return n
+end
+
 -- Encodes already-split weighted pieces ({{text, weight}, ...}, as M.parse_emphasis
--- gives) with the A1111 chunking and weighting. Returns cond [1, 77k, dim] (, pooled).
+-- gives) with the A1111 chunking and weighting, or per encoder ({[role] = pieces}: each
+-- encoder its own; an encoder with fewer chunks than another gets the empty prompt's
+-- window after its own, as ComfyUI's CLIPTextEncodeSDXL / SD3 pad the shorter token
+-- list, so the states still go side by side). Returns cond [1, 77k, dim] (, pooled).
 function Text:encode_pieces(pieces, opts)
   opts = opts or {}
+  local per_role = pieces[1] == nil and next(pieces) ~= nil and pieces or nil
   local t = self:_tok()
   local bos, eos = special_ids(t)
   local comma = t.token_id and t:token_id(",</w>") or nil
@@ -831,9 +847,27 @@ function Text:encode_pieces(pieces, opts)
     error(fmt("clip:encode: max_chunks %s: must be a whole number from 1 (math.huge: no limit)",
       tostring(max_chunks)), 3)
   end
+  local all_chunks, most = {}, 0
   for ei, e in ipairs(self.encoders) do
-    local chunks = M.chunks(pieces, tok, { bos = bos, eos = eos, pad = e.pad or eos, comma = comma,
+    local own = pieces
+    if per_role then
+      own = per_role[e.enc.config.role or "l"]
+      if not own then
+        error(fmt("clip:encode: no text for the %s encoder (texts are given per encoder role: %s)",
+          tostring(e.enc.config.role), table.concat(self:roles(), ", ")), 3)
+      end
+    end
+    local chunks = M.chunks(own, tok, { bos = bos, eos = eos, pad = e.pad or eos, comma = comma,
       backtrack = opts.comma_backtrack, embedding = resolve })
+    all_chunks[ei] = chunks
+    most = math.max(most, #chunks)
+  end
+  for ei, e in ipairs(self.encoders) do
+    local chunks = all_chunks[ei]
+    if #chunks < most then
+      local empty = M.chunks({ { "", 1.0 } }, tok, { bos = bos, eos = eos, pad = e.pad or eos })[1]
+      for i = #chunks + 1, most do chunks[i] = empty end
+    end
     if #chunks > max_chunks then
       local n = 0
       for _, c in ipairs(chunks) do
@@ -910,18 +944,44 @@ end
 -- prompt is an error naming the limit). `embedding:NAME` (or NAME.safetensors) puts a
 -- textual-inversion embedding's vectors in the prompt, weighted like any token
 -- ("(embedding:NAME:1.2)"); see kiln.embedding for where names are found.
+-- `text` may also be a table of one text per encoder role ({l = "...", g = "..."}: SDXL's
+-- and SD 3.5's CLIP-L and bigG, as ComfyUI's CLIPTextEncodeSDXL / CLIPTextEncodeSD3 give
+-- them): each encoder reads its own, the pooled vector is each one's own first window's,
+-- and an encoder with fewer 75-token windows is padded with the empty prompt's.
 function Text:encode(text, opts)
-  if type(text) ~= "string" then error("clip:encode: text must be a string, got " .. type(text), 2) end
   opts = opts or {}
-  local pieces
-  if opts.emphasis == false then
-    pieces = { { text, 1.0 } }
-  elseif opts.weighting == "comfy" then
-    pieces = M.parse_comfy(text)
-  else
-    pieces = M.parse_emphasis(text)
+  local function parse(s)
+    if opts.emphasis == false then return { { s, 1.0 } } end
+    if opts.weighting == "comfy" then return M.parse_comfy(s) end
+    return M.parse_emphasis(s)
   end
-  return self:encode_pieces(pieces, opts)
+  if type(text) == "table" then
+    local by_role = {}
+    for _, role in ipairs(self:roles()) do
+      local s = text[role]
+      if type(s) ~= "string" then
+        error(fmt("clip:encode: text.%s must be a string (one text per encoder: %s), got %s", role,
+          table.concat(self:roles(), ", "), type(s)), 2)
+      end
+      by_role[role] = parse(s)
+    end
+    for k in pairs(text) do
+      if not by_role[k] then
+        error(fmt("clip:encode: text.%s: no encoder of that role (this CLIP's: %s)", tostring(k),
+          table.concat(self:roles(), ", ")), 2)
+      end
+    end
+    return self:encode_pieces(by_role, opts)
+  end
+  if type(text) ~= "string" then error("clip:encode: text must be a string, got " .. type(text), 2) end
+  return self:encode_pieces(parse(text), opts)
+end
+
+--- The encoders' roles in order ("l", "g"), the keys clip:encode's per-encoder texts take.
+function Text:roles()
+  local r = {}
+  for _, e in ipairs(self.encoders) do r[#r + 1] = e.enc.config.role or "l" end
+  return r
 end
 
 return M

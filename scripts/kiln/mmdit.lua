@@ -293,7 +293,10 @@ function MMDiT:_in(x, context, t, y, dev, dt)
 end
 
 -- One joint block (the reference's block_mixing): context [B, Lc, H] (nil after a
--- pre_only block), x [B, Lx, H] -> context', x'.
+-- pre_only block), x [B, Lx, H] -> context', x'. Every temporary is freed at its last
+-- use, not at the block's end: at 1024x1024 a block's image-stream temporaries held
+-- together would outweigh the block's weights several times over, so the peak is what
+-- one MLP needs (its input, hidden states and their GELU) beside the streams.
 function MMDiT:_joint(b, context, x, cs)
   local cfg = self.config
   local S = scope()
@@ -306,35 +309,75 @@ function MMDiT:_joint(b, context, x, cs)
   local xm = self:_mod(xn .. "adaLN_modulation.1", cs, x2 and 9 or 6)
   for _, v in ipairs(cm) do k(v) end
   for _, v in ipairs(xm) do k(v) end
-  local cnorm = k(layer_norm(context))
-  local cq, ck, cv = self:_qkv(cn .. "attn", k(modulate(cnorm, cm[1], cm[2])))
-  k(cq); k(ck); k(cv)
-  local xnorm = k(layer_norm(x))
-  local xq, xk, xv = self:_qkv(xn .. "attn", k(modulate(xnorm, xm[1], xm[2])))
-  k(xq); k(xk); k(xv)
-  local a = k(attend(k(kiln.cat({ cq, xq }, 3)), k(kiln.cat({ ck, xk }, 3)), k(kiln.cat({ cv, xv }, 3))))
+  local function free(...) for i = 1, select("#", ...) do select(i, ...):free() end end
+  -- modulate(layer_norm(v), shift, scale), the norm kept when `keep` (MMDiT-X reads it twice)
+  local function norm_mod(v, shift, scale, keep)
+    local nv = layer_norm(v)
+    local r = modulate(nv, shift, scale)
+    if keep then return r, nv end
+    nv:free()
+    return r
+  end
+  local function qkv_of(n, h)
+    local q, kk, v = self:_qkv(n, h)
+    h:free()
+    return q, kk, v
+  end
+  local cq, ck, cv = qkv_of(cn .. "attn", norm_mod(context, cm[1], cm[2]))
+  local xh, xnorm = norm_mod(x, xm[1], xm[2], x2)
+  local xq, xk, xv = qkv_of(xn .. "attn", xh)
+  local q = kiln.cat({ cq, xq }, 3); free(cq, xq)
+  local kc = kiln.cat({ ck, xk }, 3); free(ck, xk)
+  local v = kiln.cat({ cv, xv }, 3); free(cv, xv)
+  local a = attend(q, kc, v)
+  free(q, kc, v)
   local nc, nx = context.shape[2], x.shape[2]
+  local function part(first, n)
+    local view = a:narrow(2, first, n)
+    local r = view:contiguous()
+    view:free()
+    return r
+  end
+  local ca = not pre_only and part(1, nc) or nil
+  local xa = part(nc + 1, nx)
+  a:free()
+  -- the reference's post_attention: s + gate * proj(at) (+ MMDiT-X's term), then
+  -- s1 + gate2 * mlp(modulate(layer_norm(s1)))
   local function post(n, s, m, at, extra)
-    local pr = k(nn.linear(at, self:w(n .. "attn.proj.weight"), self:w(n .. "attn.proj.bias")))
-    local s1 = k(s + k(m[3] * pr))
-    if extra then s1 = k(s1 + extra) end
-    local h = k(modulate(k(layer_norm(s1)), m[4], m[5]))
-    local f = k(nn.linear(h, self:w(n .. "mlp.fc1.weight"), self:w(n .. "mlp.fc1.bias")))
-    local o = k(nn.linear(k(nn.gelu(f, "tanh")), self:w(n .. "mlp.fc2.weight"), self:w(n .. "mlp.fc2.bias")))
-    return s1 + k(m[6] * o)
+    local pr = nn.linear(at, self:w(n .. "attn.proj.weight"), self:w(n .. "attn.proj.bias"))
+    at:free()
+    local g = m[3] * pr; pr:free()
+    local s1 = s + g; g:free()
+    if extra then
+      local s2 = s1 + extra
+      free(s1, extra)
+      s1 = s2
+    end
+    local h = norm_mod(s1, m[4], m[5])
+    local f = nn.linear(h, self:w(n .. "mlp.fc1.weight"), self:w(n .. "mlp.fc1.bias")); h:free()
+    local gl = nn.gelu(f, "tanh"); f:free()
+    local o = nn.linear(gl, self:w(n .. "mlp.fc2.weight"), self:w(n .. "mlp.fc2.bias")); gl:free()
+    local go = m[6] * o; o:free()
+    local r = s1 + go
+    free(s1, go)
+    return r
   end
   local ctx2 = nil
-  if not pre_only then ctx2 = post(cn, context, cm, k(k(a:narrow(2, 1, nc)):contiguous())) end
+  if not pre_only then ctx2 = k(post(cn, context, cm, ca)) end
   local extra = nil
   if x2 then
     -- MMDiT-X: an image-only attention over the same normalised x, its own modulation
-    local q2, k2, v2 = self:_qkv(xn .. "attn2", k(modulate(xnorm, xm[7], xm[8])))
-    k(q2); k(k2); k(v2)
-    local a2 = k(attend(q2, k2, v2))
-    local p2 = k(nn.linear(a2, self:w(xn .. "attn2.proj.weight"), self:w(xn .. "attn2.proj.bias")))
-    extra = k(xm[9] * p2)
+    local h2 = modulate(xnorm, xm[7], xm[8])
+    xnorm:free()
+    local q2, k2, v2 = qkv_of(xn .. "attn2", h2)
+    local a2 = attend(q2, k2, v2)
+    free(q2, k2, v2)
+    local p2 = nn.linear(a2, self:w(xn .. "attn2.proj.weight"), self:w(xn .. "attn2.proj.bias"))
+    a2:free()
+    extra = xm[9] * p2
+    p2:free()
   end
-  local x2o = post(xn, x, xm, k(k(a:narrow(2, nc + 1, nx)):contiguous()), extra)
+  local x2o = k(post(xn, x, xm, xa, extra))
   if ctx2 then return S.done(ctx2, x2o) end
   return nil, S.done(x2o)
 end

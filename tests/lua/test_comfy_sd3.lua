@@ -170,6 +170,134 @@ test("ComfyUI SD 3.5: CheckpointLoaderSimple on an all-in-one file gives the sam
   truthy(err:find("TripleCLIPLoader", 1, true) and err:find("T5", 1, true), err)
 end)
 
+-- CLIPTextEncodeSD3's conditioning against ComfyUI's SD3ClipModel arithmetic, assembled
+-- here from each encoder run alone on the ids ComfyUI's tokenizers give: CLIP-L reads
+-- clip_l, bigG clip_g, T5 t5xxl (texts of ids under the tiny T5's 100).
+local captured
+comfy.add_node("KilnTestCaptureSD3", {
+  category = "kiln/test",
+  inputs = { { "conditioning", "CONDITIONING" } },
+  outputs = {},
+  output = true,
+  run = function(_, a)
+    local e = a.conditioning.entries[1]
+    captured = { cond = e.cond:to("cpu"):contiguous(), pooled = e.pooled:to("cpu"):contiguous() }
+    return {}
+  end,
+})
+
+local held = {}
+local function encode_sd3(l, g, t5text, padding)
+  captured = nil
+  local gr = {
+    ["2"] = { class_type = "TripleCLIPLoader", inputs = { clip_name1 = "t5xxl_tiny.safetensors",
+      clip_name2 = "clip_g.safetensors", clip_name3 = "clip_l.safetensors" } },
+    ["3"] = { class_type = "CLIPTextEncodeSD3", inputs = { clip = { "2", 0 }, clip_l = l, clip_g = g, t5xxl = t5text,
+      empty_padding = padding } },
+    ["4"] = { class_type = "KilnTestCaptureSD3", inputs = { conditioning = { "3", 0 } } },
+  }
+  comfy.run(gr, { models = MODELS, output = OUT, quiet = true })
+  held[#held + 1] = captured
+  return captured
+end
+
+test("ComfyUI SD 3.5: CLIPTextEncodeSD3 gives each encoder its own text, empty_padding as ComfyUI", function()
+  local ck <close> = kiln.load_checkpoint(DIT, { vae = AE, clip_l = CLIP_L, clip_g = CLIP_G, t5 = T5 })
+  ck.clip:load("cpu")
+  ck.t5:load("cpu")
+  local BOS, EOS = 49406, 49407
+  -- one encoder alone on ComfyUI's ids: start, the text, end, then CLIP-L's end token or
+  -- bigG's 0 up to 77 per window; windows after the text's are the empty prompt's
+  local function clip_alone(role, text, windows)
+    for _, e in ipairs(ck.clip.encoders) do
+      if e.enc.config.role == role then
+        local pad = e.pad or EOS
+        local toks = ck.clip:tokenize(text)
+        local n = 0
+        for _, id in ipairs(toks) do if id ~= BOS and id ~= EOS then n = n + 1 end end
+        local zs, pooled = {}, nil
+        for w = 1, windows do
+          local ids = { BOS }
+          local first = (w - 1) * 75
+          local inside = w == 1 or first < n
+          if inside then
+            local ti = 0
+            for _, id in ipairs(toks) do
+              if id ~= BOS and id ~= EOS then
+                ti = ti + 1
+                if ti > first and ti <= first + 75 then ids[#ids + 1] = id end
+              end
+            end
+          end
+          ids[#ids + 1] = EOS
+          while #ids < 77 do ids[#ids + 1] = pad end
+          if #ids == 78 then table.remove(ids, 77) end
+          local z, p = e.enc:forward(ids, { layer = e.layer, final_norm = e.final_norm, pooled = w == 1 and e.pooled or nil })
+          zs[w] = z
+          pooled = pooled or p
+        end
+        local z = #zs == 1 and zs[1] or kiln.cat(zs, 2)
+        return z, pooled
+      end
+    end
+  end
+  local function t5_alone(text)
+    if text == nil then return ck.t5:forward(kiln.tensor({ { 1 } }, "i64")) end
+    local ids = require("kiln.t5").tokenize(text)
+    while #ids < 77 do ids[#ids + 1] = 0 end
+    return ck.t5:forward(kiln.tensor({ ids }, "i64"))
+  end
+  local function want(l, g, t5text, windows)
+    local parts = {}
+    local pooled
+    if l or g then
+      local zl, pl = clip_alone("l", l or "", windows or 1)
+      local zg, pg = clip_alone("g", g or "", windows or 1)
+      local w = zl.shape[3] + zg.shape[3]
+      parts[1] = kiln.cat({ zl, zg, kiln.zeros({ 1, zl.shape[2], 4096 - w }) }, 3)
+      pooled = kiln.cat({ pl, pg }, 2)
+    else
+      pooled = kiln.zeros({ 1, ck.clip:pooled_width() })
+    end
+    parts[#parts + 1] = t5_alone(t5text)
+    return #parts == 1 and parts[1] or kiln.cat(parts, 2), pooled
+  end
+  local function same(got, l, g, t5text, windows)
+    local c, p = want(l, g, t5text, windows)
+    eq(H.shape_of(got.cond), H.shape_of(c))
+    eq(H.shape_of(got.pooled), H.shape_of(p))
+    truthy((got.cond - c):abs():max() < 1e-5, "context as ComfyUI's")
+    truthy((got.pooled - p):abs():max() < 1e-5, "pooled as ComfyUI's")
+  end
+
+  -- three different texts: CLIP-L, bigG and T5 each read their own
+  local got = encode_sd3("a red circle", "a blue square on a green field", "the and of", "none")
+  same(got, "a red circle", "a blue square on a green field", "the and of")
+  eq(H.shape_of(got.cond), "1,154,4096")
+  local swapped = encode_sd3("a blue square on a green field", "a red circle", "the and of", "none")
+  truthy((swapped.cond - got.cond):abs():max() > 1e-3, "clip_l and clip_g are not the same input")
+  -- "none": both CLIP texts empty leave the CLIP block out (pooled zeros); an empty T5
+  -- text runs T5 on its end token alone
+  same(encode_sd3("", "", "a, the. to", "none"), nil, nil, "a, the. to")
+  got = encode_sd3("", "", "", "none")
+  eq(H.shape_of(got.cond), "1,1,4096")
+  same(got, nil, nil, nil)
+  -- one CLIP text empty: that encoder reads the empty prompt, with either padding
+  same(encode_sd3("", "a blue square", "", "none"), "", "a blue square", nil)
+  same(encode_sd3("", "a blue square", "", "empty_prompt"), "", "a blue square", "")
+  -- "empty_prompt": the empty texts are the empty prompt's tokens
+  got = encode_sd3("", "", "", "empty_prompt")
+  eq(H.shape_of(got.cond), "1,154,4096")
+  same(got, "", "", "")
+  -- a clip_l of two windows: bigG's one window is followed by the empty prompt's
+  local long = string.rep("a red circle and ", 22)
+  got = encode_sd3(long, "a blue square", "the", "none")
+  eq(H.shape_of(got.cond), "1,231,4096")
+  same(got, long, "a blue square", "the", 2)
+  for _, c in ipairs(held) do c.cond:free(); c.pooled:free() end
+  held, captured = {}, nil
+end)
+
 local dirs = {}
 for i = #DIRS, 1, -1 do dirs[#dirs + 1] = "/comfysd3" .. DIRS[i] end
 T.cleanup(dirs)

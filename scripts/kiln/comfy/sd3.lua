@@ -6,6 +6,7 @@
 -- as ComfyUI), ModelSamplingSD3 (the flow's shift) and SkipLayerGuidanceSD3. Sampling
 -- goes through kiln.comfy.flux's flow path (KSampler, SamplerCustomAdvanced), which
 -- reads the shift and the skip-layer guidance these nodes put on the MODEL value.
+local kiln = require "kiln"
 local pipeline = require "kiln.pipeline"
 local registry = require "kiln.comfy.registry"
 local sd3 = require "kiln.families.sd3"
@@ -58,20 +59,42 @@ local function has_t5(ckpt)
   return t ~= nil and not tostring(t):match("^missing")
 end
 
--- the conditioning entry of an SD 3.5 prompt: text to both CLIPs (nil: none, with
--- empty_padding "none"), t5_text to T5 (nil: none)
-local function sd3_entry(ctx, clip, text, t5_text)
+-- The conditioning entry of an SD 3.5 prompt as ComfyUI's SD3ClipModel builds it from
+-- per-encoder texts (texts.l, texts.g for the two CLIPs, texts.t5; nil: no tokens, what
+-- CLIPTextEncodeSD3's empty_padding "none" gives an empty text):
+-- - CLIP-L and bigG: each its own text; when both have none the CLIP block is left out
+--   and the pooled vector is zeros; when only one has none it reads the empty prompt (the
+--   node pads the shorter token list with the empty prompt's windows);
+-- - T5: its text's states, padded to at least 77 tokens; with no tokens ComfyUI's
+--   encoder still runs its empty sequence, the end token alone: one token of states;
+-- - the context: the CLIP states side by side zero-padded to 4096 features, then T5's
+--   (either alone when the other is left out; zeros [1, 77, 4096] when both are).
+local function sd3_entry(ctx, clip, texts)
   local ckpt = clip.ckpt
   local states
-  if t5_text and has_t5(ckpt) then
+  if has_t5(ckpt) then
     ctx:use(ckpt.t5, { device = clip.device })
-    local n = #t5.tokenize(t5_text)
-    states = ckpt.t5:encode(t5_text, { length = math.max(M.T5_MIN_LENGTH, n) })
+    if texts.t5 then
+      local n = #t5.tokenize(texts.t5)
+      states = ckpt.t5:encode(texts.t5, { length = math.max(M.T5_MIN_LENGTH, n) })
+    else
+      local ids = kiln.tensor({ { 1 } }, "i64")
+      local ok, r = pcall(ckpt.t5.forward, ckpt.t5, ids)
+      ids:free()
+      if not ok then error(r, 0) end
+      states = r
+    end
+  end
+  local width = states and states.shape[3] or M.WIDTH
+  if texts.l == nil and texts.g == nil then
+    local cond = states or kiln.zeros({ 1, 77, width })
+    return { cond = cond, pooled = kiln.zeros({ 1, clip.part:pooled_width() }) }
   end
   local hs = {}
   for _, l in ipairs(clip.loras) do hs[#hs + 1] = V.add_lora(ckpt, l.path, { unet = 0, clip = l.strength }) end
   ctx:use(clip.part, { device = clip.device })
-  local ok, lg, pooled = pcall(clip.part.encode, clip.part, text, { weighting = "comfy" })
+  local ok, lg, pooled = pcall(clip.part.encode, clip.part, { l = texts.l or "", g = texts.g or "" },
+    { weighting = "comfy" })
   for i = #hs, 1, -1 do hs[i]:remove() end
   if not ok then
     if states then states:free() end
@@ -82,13 +105,12 @@ local function sd3_entry(ctx, clip, text, t5_text)
     if states then states:free() end
     fail(ctx, "this CLIP gave no pooled vector: SD 3.5 needs CLIP-L and bigG (TripleCLIPLoader)")
   end
-  local width = states and states.shape[3] or M.WIDTH
   local cond
   if states then
     cond = sd3.context(lg, states, { width = width })
     states:free()
   else
-    -- ComfyUI without T5 tokens: the CLIP block alone, zero-padded
+    -- ComfyUI without a T5: the CLIP block alone, zero-padded
     local full = sd3.context(lg, nil, { width = width, t5_tokens = 1 })
     local head = full:narrow(2, 1, lg.shape[2])
     cond = head:contiguous()
@@ -99,8 +121,11 @@ local function sd3_entry(ctx, clip, text, t5_text)
 end
 
 --- CLIPTextEncode on an SD 3.5 CLIP: the same text to the three encoders.
-function M.encode_text(ctx, clip, text) return sd3_entry(ctx, clip, text, text) end
+function M.encode_text(ctx, clip, text) return sd3_entry(ctx, clip, { l = text, g = text, t5 = text }) end
 
+-- ComfyUI's CLIPTextEncodeSD3: each encoder its own text; with empty_padding "none" an
+-- empty text gives that encoder no tokens (sd3_entry says what that does), with
+-- "empty_prompt" the empty prompt's tokens as any text.
 N.CLIPTextEncodeSD3 = {
   category = "advanced/conditioning",
   inputs = { { "clip", "CLIP" }, { "clip_l", "STRING", multiline = true }, { "clip_g", "STRING", multiline = true },
@@ -108,15 +133,9 @@ N.CLIPTextEncodeSD3 = {
   outputs = { "CONDITIONING" },
   run = function(ctx, a)
     if not is_sd3(a.clip.ckpt) then fail(ctx, "CLIPTextEncodeSD3 needs an SD 3.5 CLIP (TripleCLIPLoader)") end
-    if a.clip_l ~= a.clip_g then
-      fail(ctx, "different clip_l and clip_g texts are not supported yet (kiln encodes one text with both CLIPs)")
-    end
-    if a.clip_l == "" and a.empty_padding == "none" then
-      fail(ctx, "empty clip_l / clip_g with empty_padding \"none\" is not supported yet (use empty_prompt)")
-    end
-    local t5_text = a.t5xxl
-    if t5_text == "" and a.empty_padding == "none" then t5_text = nil end
-    return { cond_value(ctx, { sd3_entry(ctx, a.clip, a.clip_l, t5_text) }) }
+    local none = a.empty_padding == "none"
+    local function own(text) if text == "" and none then return nil end return text end
+    return { cond_value(ctx, { sd3_entry(ctx, a.clip, { l = own(a.clip_l), g = own(a.clip_g), t5 = own(a.t5xxl) }) }) }
   end,
 }
 
