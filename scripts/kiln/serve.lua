@@ -194,12 +194,47 @@ function Server:run_next()
   local fok, ferr = pcall(job.finish, self, job, ok, err, cancelled)
   if not fok then io.stderr:write("kiln serve: finishing ", tostring(job.id), ": ", tostring(ferr), "\n") end
   -- the memory timeline and event log grow by each run's stages and events (they are
-  -- for one run's picture and trace): a server keeps neither across requests
+  -- for one run's picture and trace): a server keeps neither across requests, only the
+  -- last run's curve, a few hundred numbers (/system_stats, the status page)
+  self.last_memory = M.memory_curve(job)
   if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
   if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
   -- what the run left to the collector (views, copies, strings) goes now, not later
   collectgarbage("collect")
   self:status()
+end
+
+-- ------------------------------------------------------------------ the last run's memory
+
+local CURVE_POINTS = 120
+
+--- The run's memory over time per device that recorded any, from kiln.mem.timeline:
+-- the highest bytes in each of CURVE_POINTS equal stretches of the run, with the
+-- budget and the stages (the status page draws it). A fixed size whatever the run.
+function M.memory_curve(job)
+  local out = { prompt_id = job and job.id or nil, devices = {} }
+  for _, name in ipairs(kiln.devices()) do
+    local ok, tl = pcall(kiln.mem.timeline, name)
+    if name ~= "meta" and ok and tl and tl.peak > 0 and #tl.frames > 0 and tl.stop > tl.start then
+      local bytes = {}
+      for i = 1, CURVE_POINTS do bytes[i] = 0 end
+      local span = tl.stop - tl.start
+      for _, f in ipairs(tl.frames) do
+        local a = math.max(1, math.min(CURVE_POINTS, math.floor((f.t0 - tl.start) / span * CURVE_POINTS) + 1))
+        local b = math.max(a, math.min(CURVE_POINTS, math.floor((f.t1 - tl.start) / span * CURVE_POINTS) + 1))
+        for i = a, b do if f.peak > bytes[i] then bytes[i] = f.peak end end
+      end
+      local stages = {}
+      for _, st in ipairs(tl.stages) do
+        if st.depth == 0 or st.depth == 1 then
+          stages[#stages + 1] = { name = st.name, t0 = st.t0 - tl.start, t1 = (st.t1 or tl.stop) - tl.start, peak = st.peak }
+        end
+        if #stages >= 16 then break end
+      end
+      out.devices[name] = { seconds = span, peak = tl.peak, budget = tl.budget, bytes = bytes, stages = stages }
+    end
+  end
+  return out
 end
 
 -- ------------------------------------------------------------------ limits

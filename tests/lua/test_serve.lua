@@ -285,7 +285,7 @@ end)
 test("serve: the status page at / is HTML from the binary that polls the server's own endpoints", function()
   local st, page = request("GET", "/")
   eq(st, 200)
-  truthy(page:find("<!doctype html>", 1, true) and page:find("<canvas", 1, true), "an HTML page with the memory curve")
+  truthy(page:find("<!doctype html>", 1, true) and page:find("<svg", 1, true), "an HTML page with the memory curves")
   for _, ep in ipairs({ "/queue", "/sdapi/v1/progress", "/system_stats", "/history" }) do
     truthy(page:find(ep, 1, true), "the page reads " .. ep)
   end
@@ -293,6 +293,52 @@ test("serve: the status page at / is HTML from the binary that polls the server'
   eq(st, 401)
   st = request("GET", "/?token=" .. TOKEN, nil, { headers = {} })
   eq(st, 200)
+end)
+
+-- Debian's chromium, headless: the page's own JavaScript fetches the endpoints and builds
+-- the DOM that --dump-dom prints after the virtual time budget (a few of its one-second
+-- ticks). --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+local function chromium()
+  for _, name in ipairs({ "chromium", "chromium-browser" }) do
+    local p = sh("command -v " .. name):match("^(/%S+)")
+    if p then return p end
+  end
+end
+
+test("serve: the status page in headless Chromium shows the last run's picture and its memory curve", function()
+  local browser = chromium()
+  if not browser then H.skip("no chromium on PATH (Debian's chromium; make deps installs it)") end
+  truthy(first_prompt, "a ComfyUI prompt ran")
+  local _, _, h = request("GET", "/history?max_items=1")
+  local id = next(h)
+  local want
+  for _, o in pairs(h[id].outputs) do want = want or (o.images or {})[1] end
+  truthy(want, "the last prompt saved a picture")
+  local dom = sh(("timeout 60 %s --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir=%s "
+    .. "--virtual-time-budget=2500 --dump-dom %s 2>/dev/null"):format(q(browser), q(TMP .. "/chromium"),
+    q(S.base .. "/?token=" .. TOKEN)))
+  truthy(dom:find('<h1>kiln serve</h1>', 1, true), "the page did not load: " .. dom:sub(1, 400))
+  -- the picture: an <img> whose src is /view of the last run's file, decoded by the browser
+  local img = dom:match('<img id="last"[^>]*>') or ""
+  truthy(img:find('src="/view?filename=' .. want.filename, 1, true), "the last picture's <img>: " .. img)
+  local caption = dom:match('<div id="lastname">([^<]*)</div>') or ""
+  eq(caption, want.filename .. ", 64\u{d7}64", "the caption gives the size the browser decoded")
+  -- the last run's memory: an SVG polyline of the cpu's bytes, not flat
+  local run = dom:match('<svg id="runmem".-</svg>') or ""
+  local pts = run:match('<polyline points="([^"]*)"[^>]*class="run" data%-device="cpu"')
+  truthy(pts, "no memory curve of the last run: " .. run:sub(1, 300))
+  local ys, n = {}, 0
+  for _, y in pts:gmatch("([%d.]+),([%d.]+)") do n = n + 1; ys[tonumber(y)] = true end
+  eq(n, 120, "points in the last run's curve")
+  local distinct = 0
+  for _ in pairs(ys) do distinct = distinct + 1 end
+  truthy(distinct > 3, "the curve is flat: " .. pts:sub(1, 200))
+  truthy(dom:match('<div id="runinfo">cpu: peak [%d.]+ MiB'), "the run's peak under the curve")
+  -- the live curve: one point per tick the page made
+  local live = (dom:match('<svg id="mem".-</svg>') or ""):match('<polyline points="([^"]*)"[^>]*class="live"') or ""
+  local ticks = select(2, live:gsub(",", ","))
+  truthy(ticks >= 2, "the live curve has points from several ticks: " .. live)
+  truthy(dom:find('<div id="queue">0 running, 0 waiting', 1, true), "the queue")
 end)
 
 test("serve: malformed JSON, unknown nodes, wrong types, bad links are 400 in ComfyUI's error shape", function()

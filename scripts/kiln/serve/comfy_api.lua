@@ -461,7 +461,7 @@ route("GET", "/system_stats", function(s, ev)
     devices = devices,
     kiln = { devices = kdev, default_device = kiln.default_device(), memory_mode = kiln.memory_mode(),
       live = { tensors = live.tensors, models = array(live.models) }, queue_remaining = s:queue_remaining(),
-      checkpoints_open = array({ table.unpack(s.ckpt_order) }) },
+      checkpoints_open = array({ table.unpack(s.ckpt_order) }), last_run_memory = s.last_memory or null },
   })
 end)
 
