@@ -12,7 +12,9 @@
 -- them (kiln.comfy's lifetimes, the pipelines' stages), the answer's strings are
 -- handed to C and dropped, and the history keeps the last --history entries. What
 -- stays between requests is the checkpoints opened (the A1111 one, and the files the
--- graphs name, up to --keep-checkpoints of them), whose weights the budget governs.
+-- graphs name), their weights resident on a device with a budget until an allocation
+-- the budget cannot hold evicts them (Server:checkpoint), and the last run's memory
+-- curve.
 local kiln = require "kiln"
 local util = require "kiln.util"
 local lfs = require "lfs"
@@ -37,7 +39,8 @@ usage: kiln serve --models DIR --output DIR [--listen 127.0.0.1] [--port 8188] [
   --max-steps N       most sampling steps (default 200)
   --max-tokens N      most CLIP tokens in one prompt (default 1024)
   --max-queue N       most prompts waiting (default 256)
-  --keep-checkpoints N  checkpoints kept open between requests (default 2)
+  --keep-checkpoints N  checkpoints kept open with no weights resident (default 2);
+                      those with weights resident stay open until the budget evicts them
   --device D --mode M --vram SIZE --quiet   as for every kiln command
 Prints "kiln serve: listening on http://HOST:PORT" once it accepts connections.]]
 
@@ -174,6 +177,7 @@ function Server:run_next()
   self.interrupt = false
   kiln.cancel(false)
   self.srv:running(true, job.client or "")
+  local copied0 = M.copied_in()
   local prev = kiln.on_progress(function(step, total, what)
     if job.progress then job.progress(self, job, step, total, what) end
     self:pump()
@@ -196,7 +200,8 @@ function Server:run_next()
   -- the memory timeline and event log grow by each run's stages and events (they are
   -- for one run's picture and trace): a server keeps neither across requests, only the
   -- last run's curve, a few hundred numbers (/system_stats, the status page)
-  self.last_memory = M.memory_curve(job)
+  self.last_memory = M.memory_curve(job, copied0)
+  self:trim_checkpoints()
   if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
   if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
   -- what the run left to the collector (views, copies, strings) goes now, not later
@@ -206,13 +211,25 @@ end
 
 -- ------------------------------------------------------------------ the last run's memory
 
+--- kiln.mem.stats' copied_in of every device but the shape-only one.
+function M.copied_in()
+  local out = {}
+  for _, name in ipairs(kiln.devices()) do
+    if name ~= "meta" then out[name] = kiln.mem.stats(name).copied_in or 0 end
+  end
+  return out
+end
+
 local CURVE_POINTS = 120
 
 --- The run's memory over time per device that recorded any, from kiln.mem.timeline:
 -- the highest bytes in each of CURVE_POINTS equal stretches of the run, with the
 -- budget and the stages (the status page draws it). A fixed size whatever the run.
-function M.memory_curve(job)
-  local out = { prompt_id = job and job.id or nil, devices = {} }
+function M.memory_curve(job, copied0)
+  local out = { prompt_id = job and job.id or nil, devices = {}, copied_in = {} }
+  -- the bytes copied onto each device during the run (weights loaded, inputs): 0 for
+  -- the weights when the models were still resident from an earlier request
+  for dev, n in pairs(M.copied_in()) do out.copied_in[dev] = n - ((copied0 or {})[dev] or 0) end
   for _, name in ipairs(kiln.devices()) do
     local ok, tl = pcall(kiln.mem.timeline, name)
     if name ~= "meta" and ok and tl and tl.peak > 0 and #tl.frames > 0 and tl.stop > tl.start then
@@ -263,8 +280,52 @@ end
 
 -- ------------------------------------------------------------------ checkpoints kept
 
---- A checkpoint file opened once and kept between requests (the oldest closed past
--- --keep-checkpoints); the runners do not close it.
+local PARTS = { "clip", "t5", "unet", "dit", "vae" }
+
+-- Whether a part's weights may stay where they are when a run is done with them: on a
+-- device with a budget, in memory mode "normal" (the one that evicts), loaded whole
+-- (a streamed part's blocks are the streamer's). There an allocation the budget cannot
+-- hold evicts them, least recently used first (kiln's model eviction), so keeping them
+-- costs no run its memory; on a device without a budget nothing would ever evict them.
+local function may_stay(part)
+  local ok, dev = pcall(function() return part.device end)
+  if not ok or not dev or kiln.memory_mode() ~= "normal" then return false end
+  local sok, streamed = pcall(function() return part.streamed end)
+  if not sok or streamed then return false end
+  local st = kiln.mem.stats(dev)
+  return (st.budget or 0) > 0
+end
+
+-- A part of a checkpoint the server keeps: its unload (the pipelines' and the graph
+-- runner's "done with it for now") leaves the weights resident where may_stay allows,
+-- so the next request that needs them copies nothing.
+local function keep_resident(part)
+  if type(part) ~= "table" then return end
+  local ok, real = pcall(function() return part.unload end)
+  if not ok or type(real) ~= "function" then return end
+  rawset(part, "unload", function(self, ...)
+    if may_stay(self) then return self end
+    return real(self, ...)
+  end)
+end
+
+--- Bytes of checkpoint c's weights on each device (nil when none anywhere).
+function M.resident_bytes(c)
+  local out, any = {}, false
+  for _, name in ipairs(PARTS) do
+    local p = rawget(c, name)
+    if type(p) == "table" then
+      for _, dev in ipairs(kiln.devices()) do
+        local ok, n = pcall(function() return p:bytes(dev) end)
+        if ok and type(n) == "number" and n > 0 then out[dev] = (out[dev] or 0) + n; any = true end
+      end
+    end
+  end
+  return any and out or nil
+end
+
+--- A checkpoint file opened once and kept between requests (the runners do not close
+-- it); its parts' weights stay resident while the budget allows (keep_resident).
 function Server:checkpoint(path, opts)
   local c = self.ckpts[path]
   if c then
@@ -272,16 +333,31 @@ function Server:checkpoint(path, opts)
     self.ckpt_order[#self.ckpt_order + 1] = path
     return c
   end
-  while #self.ckpt_order >= self.o.keep_checkpoints and #self.ckpt_order > 0 do
-    local old = table.remove(self.ckpt_order, 1)
-    local oc = self.ckpts[old]
-    self.ckpts[old] = nil
-    if oc then pcall(oc.close, oc) end
-  end
   c = kiln.load_checkpoint(path, opts)
+  for _, name in ipairs(PARTS) do keep_resident(rawget(c, name)) end
   self.ckpts[path] = c
   self.ckpt_order[#self.ckpt_order + 1] = path
   return c
+end
+
+--- After a run: a checkpoint with weights resident stays open (the budget's eviction
+-- decides when they go); of those with nothing resident, the --keep-checkpoints most
+-- recently used stay open (their files mapped, their tokenizers read) and older ones
+-- are closed.
+function Server:trim_checkpoints()
+  local idle = 0
+  for i = #self.ckpt_order, 1, -1 do
+    local path = self.ckpt_order[i]
+    local c = self.ckpts[path]
+    if not (c and M.resident_bytes(c)) then
+      idle = idle + 1
+      if idle > self.o.keep_checkpoints then
+        table.remove(self.ckpt_order, i)
+        self.ckpts[path] = nil
+        if c then pcall(c.close, c) end
+      end
+    end
+  end
 end
 
 function Server:close_checkpoints()

@@ -350,8 +350,8 @@ route("POST", "/sdapi/v1/options", function(s, ev)
       refuse(400, "invalid_checkpoint", fmt("sd_model_checkpoint '%s' is not in %s/checkpoints (GET /sdapi/v1/sd-models lists them)",
         tostring(b.sd_model_checkpoint), s.o.models))
     end
-    -- the next generation opens it; the checkpoints kept open are closed by their own
-    -- limit (--keep-checkpoints), oldest first
+    -- the next generation opens it; the one before stays open while its weights are
+    -- resident (the budget evicts them as the new one loads), then by --keep-checkpoints
     s.a1111.checkpoint = f
   end
   s:reply(ev, 200, null)
