@@ -246,7 +246,7 @@ $(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(wildcard t
 # the HTTP + WebSocket client of tests/lua/test_serve.lua (no kiln code in it)
 $(BUILD)/tests/serve_client: tests/serve_client.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $<
+	$(CC) $(CFLAGS) -pthread -o $@ $<
 
 # T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
 test: all $(C_TESTS) $(FUZZ_REPLAY) $(BUILD)/tests/serve_client

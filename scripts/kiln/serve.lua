@@ -82,10 +82,27 @@ function Server:status(client)
   self:ws(client, "status", data)
 end
 
+-- The Server-Timing header of an answer (milliseconds, the standard header browsers'
+-- tools show): wait, from the request's arrival until this thread took it (during a
+-- run, until its next progress report); queue, from the arrival until its generation
+-- started (behind the generations before it); run, its own generation's pipeline calls
+-- (ev.run_s); total, arrival to answer.
+local function server_timing(ev)
+  if not ev.arrived then return nil end
+  local now = kiln.time()
+  local t = { fmt("wait;dur=%.3f", ((ev.taken or now) - ev.arrived) * 1e3) }
+  if ev.started then t[#t + 1] = fmt("queue;dur=%.3f", (ev.started - ev.arrived) * 1e3) end
+  if ev.run_s then t[#t + 1] = fmt("run;dur=%.3f", ev.run_s * 1e3) end
+  t[#t + 1] = fmt("total;dur=%.3f", (now - ev.arrived) * 1e3)
+  return "Server-Timing: " .. table.concat(t, ", ") .. "\r\n"
+end
+
 --- Answers request ev: a table is sent as JSON, a string as is.
 function Server:reply(ev, status, body, ctype, headers)
   if type(body) == "table" then body, ctype = kiln.json.encode(body), "application/json"
   elseif body == kiln.json.null then body, ctype = "null", "application/json" end
+  local timing = server_timing(ev)
+  if timing then headers = (headers or "") .. timing end
   self.srv:respond(ev.id, status, ctype or "application/json", body or "", headers)
 end
 
@@ -123,6 +140,7 @@ end
 --- Handles one event (a request, a WebSocket opening or closing, a stop); never
 -- starts a generation (the loop does that), so it may run inside one.
 function Server:handle(ev)
+  ev.taken = kiln.time()
   if ev.kind == "stop" then
     self.stopping = true
     if self.running then self.interrupt = true; kiln.cancel() end
@@ -174,9 +192,19 @@ M.is_cancel = is_cancel
 function Server:run_next()
   local job = table.remove(self.queue, 1)
   self.running = job
+  if job.ev then job.ev.started = kiln.time() end
   self.interrupt = false
   kiln.cancel(false)
   self.srv:running(true, job.client or "")
+  -- the memory timeline and event log are one run's (its picture and trace): the last
+  -- run's are dropped as this one starts, its curve kept first if the status page asked
+  -- for one lately (computing it costs a few ms a run that nobody needs otherwise)
+  if self.last_run and not self.last_run.curve and kiln.time() - (self.curve_asked or -1e9) < 10 then
+    self:last_run_memory()
+  end
+  if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
+  if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
+  self.last_run = nil
   local copied0 = M.copied_in()
   local prev = kiln.on_progress(function(step, total, what)
     if job.progress then job.progress(self, job, step, total, what) end
@@ -197,16 +225,28 @@ function Server:run_next()
   end
   local fok, ferr = pcall(job.finish, self, job, ok, err, cancelled)
   if not fok then io.stderr:write("kiln serve: finishing ", tostring(job.id), ": ", tostring(ferr), "\n") end
-  -- the memory timeline and event log grow by each run's stages and events (they are
-  -- for one run's picture and trace): a server keeps neither across requests, only the
-  -- last run's curve, a few hundred numbers (/system_stats, the status page)
-  self.last_memory = M.memory_curve(job, copied0)
+  local copied = M.copied_in()
+  for dev, n in pairs(copied) do copied[dev] = n - (copied0[dev] or 0) end
+  self.last_run = { id = job.id, copied_in = copied }
   self:trim_checkpoints()
-  if kiln.mem.clear_timeline then pcall(kiln.mem.clear_timeline) end
-  if kiln.mem.clear_events then pcall(kiln.mem.clear_events) end
-  -- what the run left to the collector (views, copies, strings) goes now, not later
-  collectgarbage("collect")
+  -- what the run left to the collector (views, copies, strings) goes once the server is
+  -- idle (the main loop), not in the way of the next request: the pipelines' stages
+  -- collect at each stage already
+  self.collect = true
   self:status()
+end
+
+--- The last run's memory curve (M.memory_curve) with the bytes it copied onto each
+-- device, computed once when asked; nil before the first run and while one runs.
+function Server:last_run_memory()
+  self.curve_asked = kiln.time()
+  local r = self.last_run
+  if not r then return nil end
+  if not r.curve then
+    r.curve = M.memory_curve(r.id)
+    r.curve.copied_in = r.copied_in
+  end
+  return r.curve
 end
 
 -- ------------------------------------------------------------------ the last run's memory
@@ -222,14 +262,11 @@ end
 
 local CURVE_POINTS = 120
 
---- The run's memory over time per device that recorded any, from kiln.mem.timeline:
+--- The last run's memory over time per device that recorded any, from kiln.mem.timeline:
 -- the highest bytes in each of CURVE_POINTS equal stretches of the run, with the
 -- budget and the stages (the status page draws it). A fixed size whatever the run.
-function M.memory_curve(job, copied0)
-  local out = { prompt_id = job and job.id or nil, devices = {}, copied_in = {} }
-  -- the bytes copied onto each device during the run (weights loaded, inputs): 0 for
-  -- the weights when the models were still resident from an earlier request
-  for dev, n in pairs(M.copied_in()) do out.copied_in[dev] = n - ((copied0 or {})[dev] or 0) end
+function M.memory_curve(id)
+  local out = { prompt_id = id, devices = {} }
   for _, name in ipairs(kiln.devices()) do
     local ok, tl = pcall(kiln.mem.timeline, name)
     if name ~= "meta" and ok and tl and tl.peak > 0 and #tl.frames > 0 and tl.stop > tl.start then
@@ -449,7 +486,11 @@ function M.main(...)
   io.stdout:flush()
   local ok, err = pcall(function()
     while not s.stopping do
-      local ev = srv:next(#s.queue > 0 and 0 or 0.25)
+      local ev = srv:next(#s.queue > 0 and 0 or s.collect and 0.05 or 0.25)
+      if not ev and s.collect and #s.queue == 0 then
+        collectgarbage("collect")   -- idle for a moment after a run
+        s.collect = false
+      end
       if ev then
         -- a cancel requested just as a run ended would raise here: harmless, cleared
         local hok, herr = pcall(s.handle, s, ev)

@@ -464,6 +464,8 @@ route("GET", "/system_stats", function(s, ev)
       kdev[name] = st
     end
   end
+  -- what is alive, not what waits for the collector the loop runs once idle
+  if s.collect then collectgarbage("collect"); s.collect = false end
   local live = kiln.mem.live()
   s:reply(ev, 200, {
     system = { os = "posix", ram_total = total, ram_free = free, comfyui_version = "kiln " .. kiln.version,
@@ -472,7 +474,7 @@ route("GET", "/system_stats", function(s, ev)
     kiln = { devices = kdev, default_device = kiln.default_device(), memory_mode = kiln.memory_mode(),
       live = { tensors = live.tensors, models = array(live.models) }, queue_remaining = s:queue_remaining(),
       checkpoints_open = array({ table.unpack(s.ckpt_order) }), checkpoints_resident = resident(s),
-      last_run_memory = s.last_memory or null },
+      last_run_memory = s:last_run_memory() or null },
   })
 end)
 
