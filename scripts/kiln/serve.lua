@@ -4,9 +4,10 @@
 -- C); everything here runs on the context's one thread: a loop takes the requests as
 -- events, answers what needs no generation at once, and queues the rest. One
 -- generation runs at a time; while it runs, every progress report (each sampler step,
--- each node of a graph) answers the requests that came in meanwhile, so /queue,
--- /history, /sdapi/v1/progress and /interrupt are served during a run, and an
--- interrupt or SIGTERM cancels it through kiln.cancel at that point.
+-- each node of a graph) and a count hook between the networks' ops every 20 ms answer
+-- the requests that came in meanwhile, so /queue, /history, /sdapi/v1/progress and
+-- /interrupt are served during a run, and an interrupt or SIGTERM cancels it through
+-- kiln.cancel at the next progress report.
 --
 -- Nothing of a request outlives it: its tensors are freed by the runner that made
 -- them (kiln.comfy's lifetimes, the pipelines' stages), the answer's strings are
@@ -174,12 +175,39 @@ end
 
 --- Handles every event waiting (a progress report's turn; no waiting).
 function Server:pump()
-  while true do
-    local ev = self.srv:next(0)
-    if not ev then break end
-    self:handle(ev)
-  end
+  if self.pumping then return end   -- a handler's own Lua met the run's hook
+  self.pumping = true
+  local ok, err = pcall(function()
+    while true do
+      local ev = self.srv:next(0)
+      if not ev then break end
+      self:handle(ev)
+    end
+  end)
+  self.pumping = false
+  if not ok then error(err, 0) end
   if (self.interrupt or self.stopping) and self.running then kiln.cancel() end
+end
+
+-- Between two progress reports a sampler step or a stage (a VAE decode at a large
+-- size) can take seconds. The networks are Lua over C ops, so a count hook runs between
+-- the ops all through a run: every PUMP_INTERVAL seconds of it the requests that came
+-- in meanwhile are answered (those that need a generation are queued), as at a
+-- progress report. A single C op still runs to its end first.
+local HOOK_COUNT, PUMP_INTERVAL = 10000, 0.02
+
+local function pump_hook(self)
+  local last = kiln.time()
+  return function()
+    local t = kiln.time()
+    if t - last < PUMP_INTERVAL then return end
+    last = t
+    -- an error here would be raised in the run's code: what went wrong is the request's
+    local ok, err = pcall(self.pump, self)
+    if not ok then
+      io.stderr:write("kiln serve: answering during a run: ", tostring(err), "\n")
+    end
+  end
 end
 
 local function is_cancel(err)
@@ -210,10 +238,14 @@ function Server:run_next()
     if job.progress then job.progress(self, job, step, total, what) end
     self:pump()
   end)
+  -- a hook of someone else's (a debugger, Ctrl-C's) is left alone
+  local hooked = debug.gethook() == nil
+  if hooked then debug.sethook(pump_hook(self), "", HOOK_COUNT) end
   local ok, err = xpcall(job.run, function(e)
     if is_cancel(e) or H.is_refusal(e) then return e end
     return debug.traceback(tostring(e), 2)
   end, self, job)
+  if hooked then debug.sethook() end
   kiln.on_progress(prev)
   self.srv:running(false)
   local cancelled = not ok and (self.interrupt or is_cancel(err))
