@@ -351,29 +351,54 @@ end
 
 local PARTS = { "clip", "t5", "unet", "dit", "vae" }
 
+-- The share of a budget the parts kept between requests may fill: the rest is the next
+-- run's working room, so that its first allocations do not evict what it needs next.
+local KEEP_SHARE = 0.85
+
 -- Whether a part's weights may stay where they are when a run is done with them: on a
 -- device with a budget, in memory mode "normal" (the one that evicts), loaded whole
--- (a streamed part's blocks are the streamer's). There an allocation the budget cannot
--- hold evicts them, least recently used first (kiln's model eviction), so keeping them
--- costs no run its memory; on a device without a budget nothing would ever evict them.
-local function may_stay(part)
+-- (a streamed part's blocks are the streamer's), and among the checkpoint's parts that
+-- fit in KEEP_SHARE of the budget, largest first. Least-recently-used eviction in a
+-- budget that holds the networks but not them and a run (SD 1.5's 2 GiB in a 2 GiB
+-- budget) would evict the UNet for the text encoder at each request and copy it all
+-- again; keeping the largest that fit keeps the costliest copy away. Where kept parts
+-- stand in the way, an allocation the budget cannot hold evicts them (kiln's model
+-- eviction); on a device without a budget nothing would ever evict them.
+local function may_stay(part, ckpt)
   local ok, dev = pcall(function() return part.device end)
   if not ok or not dev or kiln.memory_mode() ~= "normal" then return false end
   local sok, streamed = pcall(function() return part.streamed end)
   if not sok or streamed then return false end
-  local st = kiln.mem.stats(dev)
-  return (st.budget or 0) > 0
+  local budget = kiln.mem.stats(dev).budget or 0
+  if budget <= 0 then return false end
+  local sizes = {}
+  for _, name in ipairs(PARTS) do
+    local p = rawget(ckpt, name)
+    local bok, n = pcall(function() return p and p:bytes() end)
+    if type(p) == "table" and bok and type(n) == "number" then sizes[#sizes + 1] = { part = p, bytes = n } end
+  end
+  table.sort(sizes, function(a, b) return a.bytes > b.bytes end)
+  local room = KEEP_SHARE * budget
+  for _, e in ipairs(sizes) do
+    if e.bytes <= room then
+      room = room - e.bytes
+      if e.part == part then return true end
+    elseif e.part == part then
+      return false
+    end
+  end
+  return false
 end
 
 -- A part of a checkpoint the server keeps: its unload (the pipelines' and the graph
 -- runner's "done with it for now") leaves the weights resident where may_stay allows,
 -- so the next request that needs them copies nothing.
-local function keep_resident(part)
+local function keep_resident(part, ckpt)
   if type(part) ~= "table" then return end
   local ok, real = pcall(function() return part.unload end)
   if not ok or type(real) ~= "function" then return end
   rawset(part, "unload", function(self, ...)
-    if may_stay(self) then return self end
+    if may_stay(self, ckpt) then return self end
     return real(self, ...)
   end)
 end
@@ -403,7 +428,7 @@ function Server:checkpoint(path, opts)
     return c
   end
   c = kiln.load_checkpoint(path, opts)
-  for _, name in ipairs(PARTS) do keep_resident(rawget(c, name)) end
+  for _, name in ipairs(PARTS) do keep_resident(rawget(c, name), c) end
   self.ckpts[path] = c
   self.ckpt_order[#self.ckpt_order + 1] = path
   return c

@@ -93,10 +93,10 @@ else
       /^REQ/ { n++; if ($4 == 200) ok++
         q = 0; r = 0; w = 0
         for (i = 6; i <= NF; i++) {
-          split($i, kv, ";dur="); gsub(/,/, "", kv[2])
-          if (kv[1] == "queue") q = kv[2]; else if (kv[1] == "run") r = kv[2]; else if (kv[1] == "wait") w = kv[2]
+          split($i, kv, ";dur="); gsub(/,/, "", kv[2]); v = kv[2] + 0   # numbers, not strings, for the sort
+          if (kv[1] == "queue") q = v; else if (kv[1] == "run") r = v; else if (kv[1] == "wait") w = v
         }
-        over[n] = $5 - r - (alone ? 0 : q); waits[n] = w; runs[n] = r; sumrun += r }
+        over[n] = $5 - r - (alone ? 0 : q) + 0; waits[n] = w; runs[n] = r; sumrun += r }
       /^WALL/ { wall = $2 }
       function pct(a, p,   k, m, i, j, t) { m = n; for (i = 1; i <= m; i++) s[i] = a[i]
         for (i = 2; i <= m; i++) { t = s[i]; for (j = i - 1; j >= 1 && s[j] > t; j--) s[j + 1] = s[j]; s[j + 1] = t }
