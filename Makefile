@@ -121,8 +121,9 @@ all: $(BUILD)/libkiln.a $(BUILD)/libkiln.so $(BUILD)/kiln $(BUILD)/lua/kiln.so $
 # ---- dependencies -------------------------------------------------------------
 # Debian packages: build (gcc make pkg-config), Lua, libpng, OpenBLAS, readline,
 # LuaFileSystem (the scripts' files and folders), hiredis and redis-server (`kiln batch`
-# and its tests), civetweb (the HTTP and WebSocket server of `kiln serve`).
-DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server libcivetweb-dev
+# and its tests), civetweb (the HTTP and WebSocket server of `kiln serve`), chromium
+# (the headless browser that tests kiln serve's status page).
+DEB_PKGS := gcc make pkg-config liblua5.4-dev lua5.4 libpng-dev zlib1g-dev libopenblas-dev libreadline-dev lua-filesystem libhiredis-dev redis-server libcivetweb-dev chromium
 # The check, for `make deps` and for a missing $(DEPS_OK); run in this make, not in a
 # sub-make, which would warn about -j when started while make remakes build/flags.mk.
 define deps_check
@@ -245,7 +246,7 @@ $(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c $(wildcard t
 # the HTTP + WebSocket client of tests/lua/test_serve.lua (no kiln code in it)
 $(BUILD)/tests/serve_client: tests/serve_client.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $<
+	$(CC) $(CFLAGS) -pthread -o $@ $<
 
 # T=PATTERN runs only the tests whose name contains PATTERN (make test T=png)
 test: all $(C_TESTS) $(FUZZ_REPLAY) $(BUILD)/tests/serve_client

@@ -229,6 +229,12 @@ function kiln.load_png(path) end
 ---@return string path
 function kiln.save_png(image, path, opts) end
 
+---The bytes kiln.save_png would write for the same arguments, made in memory (no file).
+---@param image kiln.Tensor
+---@param opts? {text?: table<string, string|number>}
+---@return string png
+function kiln.encode_png(image, opts) end
+
 ---The SHA-256 of a file as 64 hex digits (A1111's "Model hash" is the first 10).
 ---@param path string
 ---@return string

@@ -192,31 +192,38 @@ static int l_load_png(lua_State *L)
     return 1;
 }
 
-/* kiln.save_png(tensor [B=1, C, H, W] or [C, H, W], path [, {text = {k = v}}]) */
-static int l_save_png(lua_State *L)
+/* The image and text chunks of save_png / encode_png: the tensor at index 1, the
+ * options table at index opt; keys and values sorted by key, anchored on the stack.
+ * Returns the picture as f32 on the cpu (the caller frees it). */
+typedef struct {
+    int c, h, w, n_text;
+    const char **keys, **vals;
+} png_args;
+
+static kiln_tensor *check_png_args(lua_State *L, const char *fname, int opt, png_args *a)
 {
     kiln_tensor *t = l_check_tensor(L, 1);
-    const char *path = luaL_checkstring(L, 2);
     char b[128];
     int ndim = t->ndim;
     if (!((ndim == 4 && t->shape[0] == 1) || ndim == 3) || t->shape[ndim - 3] < 1 || t->shape[ndim - 3] > 4)
-        return luaL_error(L, "save_png: expected an image tensor [1, C, H, W] or [C, H, W] with C = 1..4, got %s",
-                          kiln_shape_str(t, b, sizeof b));
-    int c = (int)t->shape[ndim - 3], h = (int)t->shape[ndim - 2], w = (int)t->shape[ndim - 1];
-    int n_text = 0;
-    const char **keys = NULL, **vals = NULL;
-    if (lua_istable(L, 3) && lua_getfield(L, 3, "text") == LUA_TTABLE) {
+        luaL_error(L, "%s: expected an image tensor [1, C, H, W] or [C, H, W] with C = 1..4, got %s", fname,
+                   kiln_shape_str(t, b, sizeof b));
+    a->c = (int)t->shape[ndim - 3], a->h = (int)t->shape[ndim - 2], a->w = (int)t->shape[ndim - 1];
+    a->n_text = 0;
+    a->keys = a->vals = NULL;
+    if (lua_istable(L, opt) && lua_getfield(L, opt, "text") == LUA_TTABLE) {
         int ti = lua_gettop(L);
+        int n_text = 0;
         lua_pushnil(L);
         while (lua_next(L, ti)) { n_text++; lua_pop(L, 1); }
-        keys = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
-        vals = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
+        const char **keys = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
+        const char **vals = lua_newuserdatauv(L, sizeof(char *) * (size_t)(n_text + 1), 0);
         lua_newtable(L); /* anchors the converted strings */
         int ai = lua_gettop(L);
         int i = 0;
         lua_pushnil(L);
         while (lua_next(L, ti)) {
-            if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "save_png: text keys must be strings");
+            if (lua_type(L, -2) != LUA_TSTRING) luaL_error(L, "%s: text keys must be strings", fname);
             keys[i] = lua_tostring(L, -2);
             vals[i] = luaL_tolstring(L, -1, NULL); /* numbers become text */
             lua_rawseti(L, ai, i + 1);
@@ -225,19 +232,65 @@ static int l_save_png(lua_State *L)
         }
         /* chunks in key order: a table's traversal order differs from one Lua state to
            the next, and the same picture with the same text must be the same bytes */
-        for (int a = 1; a < n_text; a++)
-            for (int k = a; k > 0 && strcmp(keys[k - 1], keys[k]) > 0; k--) {
+        for (int x = 1; x < n_text; x++)
+            for (int k = x; k > 0 && strcmp(keys[k - 1], keys[k]) > 0; k--) {
                 const char *tk = keys[k], *tv = vals[k];
                 keys[k] = keys[k - 1]; vals[k] = vals[k - 1];
                 keys[k - 1] = tk; vals[k - 1] = tv;
             }
+        a->n_text = n_text, a->keys = keys, a->vals = vals;
     }
     kiln_tensor *c32;
     L_TRY(L, kiln_tensor_to(t, kiln_device_cpu(), KILN_F32, &c32));
-    kiln_status st = kiln_png_write(path, kiln_tensor_data(c32), c, h, w, n_text, keys, vals);
+    return c32;
+}
+
+/* kiln.save_png(tensor [B=1, C, H, W] or [C, H, W], path [, {text = {k = v}}]) */
+static int l_save_png(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 2);
+    lua_settop(L, 3);
+    png_args a;
+    kiln_tensor *c32 = check_png_args(L, "save_png", 3, &a);
+    kiln_status st = kiln_png_write(path, kiln_tensor_data(c32), a.c, a.h, a.w, a.n_text, a.keys, a.vals);
     kiln_tensor_free(c32);
     if (st) l_raise(L, st);
     lua_pushstring(L, path);
+    return 1;
+}
+
+#define PNG_BOX_MT "kiln.png_bytes"
+
+static int png_box_gc(lua_State *L)
+{
+    unsigned char **box = luaL_checkudata(L, 1, PNG_BOX_MT);
+    free(*box);
+    *box = NULL;
+    return 0;
+}
+
+/* kiln.encode_png(tensor [, {text = {k = v}}]) -> string: the bytes save_png would
+ * write, made in memory [-0, +1, e] */
+static int l_encode_png(lua_State *L)
+{
+    lua_settop(L, 2);
+    png_args a;
+    kiln_tensor *c32 = check_png_args(L, "encode_png", 2, &a);
+    /* the bytes wait in a box the collector frees, should pushing them raise */
+    unsigned char **box = lua_newuserdatauv(L, sizeof *box, 0);
+    *box = NULL;
+    if (luaL_newmetatable(L, PNG_BOX_MT)) {
+        lua_pushcfunction(L, png_box_gc);
+        lua_setfield(L, -2, "__gc");
+    }
+    lua_setmetatable(L, -2);
+    size_t len;
+    kiln_status st = kiln_png_encode(kiln_tensor_data(c32), a.c, a.h, a.w, a.n_text, a.keys, a.vals, box, &len);
+    kiln_tensor_free(c32);
+    if (st) l_raise(L, st);
+    lua_pushlstring(L, (const char *)*box, len);
+    free(*box);
+    *box = NULL;
     return 1;
 }
 
@@ -258,7 +311,7 @@ static const luaL_Reg io_funcs[] = {
     {"sha256_file", l_sha256_file},
     {"load_safetensors", l_load_safetensors}, {"save_safetensors", l_save_safetensors},
     {"load_gguf", l_load_gguf}, {"save_gguf", l_save_gguf},
-    {"load_png", l_load_png}, {"save_png", l_save_png},
+    {"load_png", l_load_png}, {"save_png", l_save_png}, {"encode_png", l_encode_png},
     {NULL, NULL},
 };
 

@@ -136,6 +136,7 @@ typedef struct event {
     long id;
     char *method, *path, *query, *ctype, *body, *auth;
     size_t blen;
+    double arrived; /* CLOCK_MONOTONIC seconds (kiln.time's clock) when the body was read */
     char client[72];
 } event;
 
@@ -365,6 +366,9 @@ static int on_request(struct mg_connection *conn, void *cbdata)
         return 503;
     }
     e->kind = EV_HTTP;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    e->arrived = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
     e->method = dups(ri->request_method);
     e->path = dups(ri->local_uri);
     e->query = dups(ri->query_string ? ri->query_string : "");
@@ -774,7 +778,8 @@ static void set_str(lua_State *L, const char *k, const char *v, size_t n)
 }
 
 /* srv:next([timeout_s = 0]) -> event | nil [-0, +1, m]: {kind = "http", id, method,
- * path, query, content_type, body} | {kind = "ws_open" | "ws_close", client} |
+ * path, query, content_type, body, arrived (kiln.time() when its body was read)} |
+ * {kind = "ws_open" | "ws_close", client} |
  * {kind = "stop"} (SIGTERM / SIGINT). */
 static int l_next(lua_State *L)
 {
@@ -809,6 +814,8 @@ static int l_next(lua_State *L)
         set_str(L, "query", e->query, e->query ? strlen(e->query) : 0);
         set_str(L, "content_type", e->ctype, e->ctype ? strlen(e->ctype) : 0);
         set_str(L, "body", e->body ? e->body : "", e->blen);
+        lua_pushnumber(L, e->arrived);
+        lua_setfield(L, -2, "arrived");
     } else if (e->client[0]) {
         lua_pushstring(L, e->client);
         lua_setfield(L, -2, "client");

@@ -1,6 +1,6 @@
 /* png.c - PNG files through libpng: reading to planar f32 [C, H, W] with the
- * sample values as stored, reading text chunks, and one atomic 8-bit writer with
- * tEXt/iTXt chunks. Every libpng call runs under a setjmp kept inside the function
+ * sample values as stored, reading text chunks, and one 8-bit writer with tEXt/iTXt
+ * chunks, into an atomic file or into memory. Every libpng call runs under a setjmp kept inside the function
  * that made it, so errors come back as kiln_status values. */
 #define _POSIX_C_SOURCE 200809L
 #include "atomic_file.h"
@@ -385,20 +385,38 @@ static int is_plain_text(const char *v)
     return 1;
 }
 
-/* libpng writes through these into the atomic file; a failed write stops libpng
- * through png_error, and the writer reports the atomic file's message. */
+/* libpng writes through these into the atomic file or a growing buffer; a failed write
+ * stops libpng through png_error, and the writer reports the atomic file's message. */
 typedef struct {
-    kiln_atomic_file *file;
+    kiln_atomic_file *file; /* NULL: into buf */
+    unsigned char *buf;
+    size_t len, cap;
     volatile int failed; /* set under libpng, read after its longjmp */
 } png_sink;
 
 static void sink_write(png_structp png, png_bytep data, size_t n)
 {
     png_sink *s = png_get_io_ptr(png);
-    if (kiln_atomic_file_write(s->file, data, n)) {
-        s->failed = 1;
-        png_error(png, "write failed");
+    if (s->file) {
+        if (kiln_atomic_file_write(s->file, data, n)) {
+            s->failed = 1;
+            png_error(png, "write failed");
+        }
+        return;
     }
+    if (s->len + n > s->cap) {
+        size_t cap = s->cap ? s->cap : 4096;
+        while (cap < s->len + n) cap *= 2;
+        unsigned char *nb = realloc(s->buf, cap);
+        if (!nb) {
+            s->failed = 2;
+            png_error(png, "out of memory");
+        }
+        s->buf = nb;
+        s->cap = cap;
+    }
+    memcpy(s->buf + s->len, data, n);
+    s->len += n;
 }
 
 static void sink_flush(png_structp png)
@@ -406,28 +424,30 @@ static void sink_flush(png_structp png)
     (void)png; /* commit fsyncs once at the end */
 }
 
-kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w, int n_text,
-                           const char *const *keys, const char *const *values)
+/* The checks every writer makes; what names the destination in messages. */
+static kiln_status check_image(const char *what, const float *pixels, int c, int h, int w, int n_text,
+                               const char *const *keys, const char *const *values)
 {
-    if (!path) return kiln_error(KILN_ERR_ARG, "kiln_png_write: path is NULL");
-    if (!pixels) return kiln_error(KILN_ERR_ARG, "%s: pixels are NULL", path);
-    if (c < 1 || c > 4) return kiln_error(KILN_ERR_ARG, "%s: %d channels (PNG takes 1 to 4)", path, c);
+    if (!pixels) return kiln_error(KILN_ERR_ARG, "%s: pixels are NULL", what);
+    if (c < 1 || c > 4) return kiln_error(KILN_ERR_ARG, "%s: %d channels (PNG takes 1 to 4)", what, c);
     if (h < 1 || w < 1 || (size_t)w * (size_t)c > ((size_t)1 << 30))
-        return kiln_error(KILN_ERR_ARG, "%s: invalid image size %dx%d", path, w, h);
+        return kiln_error(KILN_ERR_ARG, "%s: invalid image size %dx%d", what, w, h);
     if (n_text < 0 || (n_text > 0 && (!keys || !values)))
-        return kiln_error(KILN_ERR_ARG, "%s: invalid text list (n_text = %d)", path, n_text);
+        return kiln_error(KILN_ERR_ARG, "%s: invalid text list (n_text = %d)", what, n_text);
     for (int i = 0; i < n_text; i++) {
-        if (!keys[i] || !values[i]) return kiln_error(KILN_ERR_ARG, "%s: text entry %d is NULL", path, i);
+        if (!keys[i] || !values[i]) return kiln_error(KILN_ERR_ARG, "%s: text entry %d is NULL", what, i);
         const char *why = key_problem(keys[i]);
-        if (why) return kiln_error(KILN_ERR_ARG, "%s: text key '%s' %s", path, keys[i], why);
+        if (why) return kiln_error(KILN_ERR_ARG, "%s: text key '%s' %s", what, keys[i], why);
         if (!kiln_unicode_utf8_valid(values[i]))
-            return kiln_error(KILN_ERR_ARG, "%s: text value of '%s' is not valid UTF-8", path, keys[i]);
+            return kiln_error(KILN_ERR_ARG, "%s: text value of '%s' is not valid UTF-8", what, keys[i]);
     }
+    return KILN_OK;
+}
 
-    kiln_atomic_file out = {0};
-    kiln_status st = kiln_atomic_file_open(&out, path);
-    if (st) return st;
-    png_sink sink = {&out, 0};
+/* The one classic-API writer (it keeps setjmp inside): the checked image into sink. */
+static kiln_status encode(const char *what, png_sink *sink, const float *pixels, int c, int h, int w, int n_text,
+                          const char *const *keys, const char *const *values)
+{
     png_err err = {{0}};
     png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &err, on_error, on_warning);
     png_infop info = png ? png_create_info_struct(png) : NULL;
@@ -437,21 +457,21 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
         png_destroy_write_struct(&png, &info);
         free(row);
         free(text);
-        kiln_atomic_file_abort(&out);
-        return kiln_error(KILN_ERR_OOM, "%s: out of memory creating the PNG writer", path);
+        return kiln_error(KILN_ERR_OOM, "%s: out of memory creating the PNG writer", what);
     }
     /* nothing below is assigned after setjmp, so nothing needs volatile */
     if (setjmp(png_jmpbuf(png))) {
         png_destroy_write_struct(&png, &info);
         free(row);
         free(text);
-        kiln_atomic_file_abort(&out);
-        /* a failed write already left its own message (with errno's reason) */
-        return sink.failed ? KILN_ERR_IO : kiln_error(KILN_ERR_IO, "%s: cannot write PNG (libpng: %s)", path, err.msg);
+        /* a failed file write already left its own message (with errno's reason) */
+        if (sink->failed == 1) return KILN_ERR_IO;
+        if (sink->failed == 2) return kiln_error(KILN_ERR_OOM, "%s: out of memory encoding the PNG", what);
+        return kiln_error(KILN_ERR_IO, "%s: cannot write PNG (libpng: %s)", what, err.msg);
     }
     static const int color_types[5] = {0, PNG_COLOR_TYPE_GRAY, PNG_COLOR_TYPE_GRAY_ALPHA, PNG_COLOR_TYPE_RGB,
                                        PNG_COLOR_TYPE_RGB_ALPHA};
-    png_set_write_fn(png, &sink, sink_write, sink_flush);
+    png_set_write_fn(png, sink, sink_write, sink_flush);
     png_set_IHDR(png, info, (png_uint_32)w, (png_uint_32)h, 8, color_types[c], PNG_INTERLACE_NONE,
                  PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
     for (int i = 0; i < n_text; i++) {
@@ -478,6 +498,39 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
     png_destroy_write_struct(&png, &info);
     free(row);
     free(text);
+    return KILN_OK;
+}
 
+kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w, int n_text,
+                           const char *const *keys, const char *const *values)
+{
+    if (!path) return kiln_error(KILN_ERR_ARG, "kiln_png_write: path is NULL");
+    kiln_status st = check_image(path, pixels, c, h, w, n_text, keys, values);
+    if (st) return st;
+    kiln_atomic_file out = {0};
+    if ((st = kiln_atomic_file_open(&out, path))) return st;
+    png_sink sink = {&out, NULL, 0, 0, 0};
+    if ((st = encode(path, &sink, pixels, c, h, w, n_text, keys, values))) {
+        kiln_atomic_file_abort(&out);
+        return st;
+    }
     return kiln_atomic_file_commit(&out);
+}
+
+kiln_status kiln_png_encode(const float *pixels, int c, int h, int w, int n_text, const char *const *keys,
+                            const char *const *values, unsigned char **out, size_t *len)
+{
+    if (!out || !len) return kiln_error(KILN_ERR_ARG, "kiln_png_encode: out or len is NULL");
+    *out = NULL;
+    *len = 0;
+    kiln_status st = check_image("PNG", pixels, c, h, w, n_text, keys, values);
+    if (st) return st;
+    png_sink sink = {NULL, NULL, 0, 0, 0};
+    if ((st = encode("PNG", &sink, pixels, c, h, w, n_text, keys, values))) {
+        free(sink.buf);
+        return st;
+    }
+    *out = sink.buf;
+    *len = sink.len;
+    return KILN_OK;
 }

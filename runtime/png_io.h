@@ -16,6 +16,12 @@ kiln_status kiln_png_read(const char *path, float **out, int *c, int *h, int *w)
 kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, int w,
                            int n_text, const char *const *keys, const char *const *values);
 
+/* The same PNG as kiln_png_write would write, into memory: *out (malloc'd, the caller
+ * frees) holds *len bytes. For answers sent over the network, where a file (and its
+ * fsync) would only be written to be read back. */
+kiln_status kiln_png_encode(const float *pixels, int c, int h, int w, int n_text, const char *const *keys,
+                            const char *const *values, unsigned char **out, size_t *len);
+
 /* Reads the text chunks of a PNG (for tests and metadata tools): arrays malloc'd,
  * free with kiln_png_free_text. */
 kiln_status kiln_png_read_text(const char *path, int *n, char ***keys, char ***values);

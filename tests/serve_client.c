@@ -11,13 +11,20 @@
  *       request once the socket is open (its answer printed as "POSTED n BODY");
  *       stops after a text message containing --until, or closes the socket at once
  *       after one containing --close-after; --preview writes the first binary
- *       frame's image bytes. Exit status 0, or 1 with a message on stderr. */
+ *       frame's image bytes.
+ *   serve_client load METHOD URL CLIENTS REQUESTS [-H HEADER]... [-d BODY | -f FILE] [--timeout S]
+ *       CLIENTS threads at once, each sending REQUESTS requests one after the other;
+ *       prints "REQ client n status latency_ms server-timing" per request (the latency
+ *       from connecting to the answer's last byte, the answer's Server-Timing header)
+ *       and "WALL s" at the end.
+ * Exit status 0, or 1 with a message on stderr. */
 #define _GNU_SOURCE /* strcasestr */
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,7 +190,7 @@ static char *read_file(const char *path, size_t *len)
  * the connection after the answer (Connection: close), so the body is read to EOF
  * when no Content-Length is given. */
 static int http_request(const char *method, const char *target, const char **headers, int nh, const char *body,
-                        size_t blen, char **out, size_t *outlen)
+                        size_t blen, char **out, size_t *outlen, char *timing, size_t tcap)
 {
     url u;
     parse_url(target, &u);
@@ -215,6 +222,16 @@ static int http_request(const char *method, const char *target, const char **hea
     if (!end || len < 12 || strncmp(buf, "HTTP/1.", 7) != 0) die("not an HTTP answer");
     int status = atoi(buf + 9);
     size_t hl = (size_t)(end - buf) + 4;
+    if (timing && tcap) { /* the Server-Timing header's value, if any */
+        timing[0] = 0;
+        *end = 0;
+        const char *t = strcasestr(buf, "\r\nServer-Timing:");
+        if (t) {
+            t += 16;
+            while (*t == ' ') t++;
+            snprintf(timing, tcap, "%.*s", (int)strcspn(t, "\r\n"), t);
+        }
+    }
     *outlen = len - hl;
     *out = malloc(*outlen + 1);
     memcpy(*out, buf + hl, *outlen);
@@ -246,6 +263,65 @@ static void ws_send_frame(int fd, int opcode, const unsigned char *data, size_t 
     free(m);
 }
 
+/* ---------------------------------------------------------------- load */
+
+typedef struct loader {
+    pthread_t th;
+    int index, requests;
+    const char *method, *url, *body;
+    const char **headers;
+    int nh;
+    size_t blen;
+    char *lines; /* the REQ lines, printed once every thread is done */
+    size_t len, cap;
+} loader;
+
+static void *load_thread(void *arg)
+{
+    loader *l = arg;
+    for (int i = 0; i < l->requests; i++) {
+        char timing[512], line[700];
+        char *out;
+        size_t olen;
+        double t0 = now_s();
+        int st = http_request(l->method, l->url, l->headers, l->nh, l->body, l->blen, &out, &olen, timing, sizeof timing);
+        double ms = (now_s() - t0) * 1e3;
+        free(out);
+        int n = snprintf(line, sizeof line, "REQ %d %d %d %.3f %s\n", l->index, i + 1, st, ms, timing[0] ? timing : "-");
+        if (l->len + (size_t)n + 1 > l->cap) {
+            l->cap = (l->cap + (size_t)n + 1) * 2;
+            l->lines = realloc(l->lines, l->cap);
+            if (!l->lines) die("out of memory");
+        }
+        memcpy(l->lines + l->len, line, (size_t)n + 1);
+        l->len += (size_t)n;
+    }
+    return NULL;
+}
+
+static int load(const char *method, const char *url, int clients, int requests, const char **headers, int nh,
+                const char *body, size_t blen)
+{
+    if (clients < 1 || requests < 1) die("load: CLIENTS and REQUESTS must be at least 1");
+    loader *ls = calloc((size_t)clients, sizeof *ls);
+    if (!ls) die("out of memory");
+    double t0 = now_s();
+    for (int c = 0; c < clients; c++) {
+        ls[c] = (loader){.index = c + 1, .requests = requests, .method = method, .url = url, .body = body,
+                         .headers = headers, .nh = nh, .blen = blen};
+        if (pthread_create(&ls[c].th, NULL, load_thread, &ls[c]) != 0) die("load: cannot start a thread");
+    }
+    for (int c = 0; c < clients; c++) pthread_join(ls[c].th, NULL);
+    double wall = now_s() - t0;
+    for (int c = 0; c < clients; c++) {
+        if (ls[c].lines) fputs(ls[c].lines, stdout);
+        free(ls[c].lines);
+    }
+    printf("WALL %.6f\n", wall);
+    free(ls);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) die("usage: serve_client http METHOD URL ... | ws URL ...");
@@ -254,9 +330,9 @@ int main(int argc, char **argv)
     const char *body = NULL, *body_file = NULL, *outpath = NULL, *post_url = NULL, *post_file = NULL;
     const char *until = NULL, *close_after = NULL, *preview = NULL;
     double timeout = 60;
-    int is_http = strcmp(argv[1], "http") == 0;
-    if (!is_http && strcmp(argv[1], "ws") != 0) die("the first argument is http or ws");
-    int pos = is_http ? 4 : 3;
+    int is_http = strcmp(argv[1], "http") == 0, is_load = strcmp(argv[1], "load") == 0;
+    if (!is_http && !is_load && strcmp(argv[1], "ws") != 0) die("the first argument is http, ws or load");
+    int pos = is_load ? 6 : is_http ? 4 : 3;
     if (argc < pos) die("missing arguments");
     for (int i = pos; i < argc; i++) {
         const char *a = argv[i];
@@ -279,13 +355,21 @@ int main(int argc, char **argv)
         i++;
     }
     deadline = now_s() + timeout;
+    if (is_load) {
+        size_t blen = body ? strlen(body) : 0;
+        char *fbody = NULL;
+        if (body_file) { fbody = read_file(body_file, &blen); body = fbody; }
+        int rc = load(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]), headers, nh, body, blen);
+        free(fbody);
+        return rc;
+    }
     if (is_http) {
         size_t blen = body ? strlen(body) : 0;
         char *fbody = NULL;
         if (body_file) { fbody = read_file(body_file, &blen); body = fbody; }
         char *out;
         size_t olen;
-        int st = http_request(argv[2], argv[3], headers, nh, body, blen, &out, &olen);
+        int st = http_request(argv[2], argv[3], headers, nh, body, blen, &out, &olen, NULL, 0);
         printf("STATUS %d\n", st);
         if (outpath) {
             FILE *f = fopen(outpath, "wb");
@@ -347,7 +431,7 @@ int main(int argc, char **argv)
         size_t blen;
         char *b = read_file(post_file, &blen), *out;
         size_t olen;
-        int st = http_request("POST", post_url, headers, nh, b, blen, &out, &olen);
+        int st = http_request("POST", post_url, headers, nh, b, blen, &out, &olen, NULL, 0);
         printf("POSTED %d %s\n", st, out);
         fflush(stdout);
         free(b);

@@ -473,6 +473,33 @@ static void t_declared_size(void)
     free(b);
 }
 
+/* kiln_png_encode gives the bytes kiln_png_write puts in the file, text chunks included */
+static void t_encode_memory(void)
+{
+    int c = 3, h = 5, w = 7;
+    float px[3 * 5 * 7];
+    for (int i = 0; i < c * h * w; i++) px[i] = (float)i / (float)(c * h * w);
+    const char *keys[] = {"parameters", "prompt"}, *vals[] = {"Steps: 4, Seed: 7", "a caf\xc3\xa9"};
+    const char *path = tmp_path("encode.png");
+    CHECK(kiln_png_write(path, px, c, h, w, 2, keys, vals) == KILN_OK, "%s", kiln_last_error());
+    FILE *f = fopen(path, "rb");
+    CHECK(f != NULL, "cannot open %s", path);
+    if (!f) return;
+    unsigned char file[4096];
+    size_t flen = fread(file, 1, sizeof file, f);
+    fclose(f);
+    unsigned char *mem = NULL;
+    size_t mlen = 0;
+    CHECK(kiln_png_encode(px, c, h, w, 2, keys, vals, &mem, &mlen) == KILN_OK, "%s", kiln_last_error());
+    CHECK(mlen == flen && mem && memcmp(mem, file, flen) == 0, "%zu bytes in memory, %zu in the file", mlen, flen);
+    free(mem);
+    /* the same checks as the file writer's, with no buffer left behind */
+    mem = (unsigned char *)1;
+    CHECK(kiln_png_encode(px, 5, h, w, 0, NULL, NULL, &mem, &mlen) == KILN_ERR_ARG && mem == NULL,
+          "5 channels refused");
+    CHECK(strstr(kiln_last_error(), "channels") != NULL, "%s", kiln_last_error());
+}
+
 static void t_speed(void)
 {
     int c = 3, h = 512, w = 512;
@@ -506,6 +533,7 @@ int main(void)
     RUN(t_gamma1);
     RUN(t_bad_files);
     RUN(t_declared_size);
+    RUN(t_encode_memory);
     RUN(t_speed);
     test_tmpdir_remove();
     return test_summary();

@@ -360,13 +360,7 @@ local function temp_png(env)
 end
 
 local function png_bytes(img)
-  local path = temp_png()
-  kiln.save_png(img, path)
-  local f = assert(io.open(path, "rb"))
-  local data = f:read("a")
-  f:close()
-  os.remove(path)
-  return data
+  return kiln.encode_png(img)
 end
 
 --- The kitty graphics protocol's escape sequences for a PNG: base64 in chunks of

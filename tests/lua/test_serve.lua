@@ -57,13 +57,13 @@ assert(os.execute(("ln -s %s %s"):format(q(DEMO), q(TMP .. "/models/checkpoints/
 -- ------------------------------------------------------------------ servers
 
 local servers = 0
-local function start(extra)
+local function start(extra, models)
   servers = servers + 1
   local dir = TMP .. "/srv" .. servers
   lfs.mkdir(dir)
   local s = { dir = dir, log = dir .. "/log", pidf = dir .. "/pid", rcf = dir .. "/rc", out = dir .. "/out" }
   write(dir .. "/run.sh", (os.getenv("KILN_SERVE_WRAP") or "") .. ("%s serve --models %s --output %s --port 0 %s >%s 2>&1 &\necho $! >%s\nwait $!\necho $? >%s\n")
-    :format(q(exe), q(TMP .. "/models"), q(s.out), extra or "", q(s.log), q(s.pidf), q(s.rcf)))
+    :format(q(exe), q(models or TMP .. "/models"), q(s.out), extra or "", q(s.log), q(s.pidf), q(s.rcf)))
   os.execute("sh " .. q(dir .. "/run.sh") .. " &")
   for _ = 1, 300 do
     local log = read(s.log) or ""
@@ -285,7 +285,7 @@ end)
 test("serve: the status page at / is HTML from the binary that polls the server's own endpoints", function()
   local st, page = request("GET", "/")
   eq(st, 200)
-  truthy(page:find("<!doctype html>", 1, true) and page:find("<canvas", 1, true), "an HTML page with the memory curve")
+  truthy(page:find("<!doctype html>", 1, true) and page:find("<svg", 1, true), "an HTML page with the memory curves")
   for _, ep in ipairs({ "/queue", "/sdapi/v1/progress", "/system_stats", "/history" }) do
     truthy(page:find(ep, 1, true), "the page reads " .. ep)
   end
@@ -293,6 +293,52 @@ test("serve: the status page at / is HTML from the binary that polls the server'
   eq(st, 401)
   st = request("GET", "/?token=" .. TOKEN, nil, { headers = {} })
   eq(st, 200)
+end)
+
+-- Debian's chromium, headless: the page's own JavaScript fetches the endpoints and builds
+-- the DOM that --dump-dom prints after the virtual time budget (a few of its one-second
+-- ticks). --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+local function chromium()
+  for _, name in ipairs({ "chromium", "chromium-browser" }) do
+    local p = sh("command -v " .. name):match("^(/%S+)")
+    if p then return p end
+  end
+end
+
+test("serve: the status page in headless Chromium shows the last run's picture and its memory curve", function()
+  local browser = chromium()
+  if not browser then H.skip("no chromium on PATH (Debian's chromium; make deps installs it)") end
+  truthy(first_prompt, "a ComfyUI prompt ran")
+  local _, _, h = request("GET", "/history?max_items=1")
+  local id = next(h)
+  local want
+  for _, o in pairs(h[id].outputs) do want = want or (o.images or {})[1] end
+  truthy(want, "the last prompt saved a picture")
+  local dom = sh(("timeout 60 %s --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir=%s "
+    .. "--virtual-time-budget=2500 --dump-dom %s 2>/dev/null"):format(q(browser), q(TMP .. "/chromium"),
+    q(S.base .. "/?token=" .. TOKEN)))
+  truthy(dom:find('<h1>kiln serve</h1>', 1, true), "the page did not load: " .. dom:sub(1, 400))
+  -- the picture: an <img> whose src is /view of the last run's file, decoded by the browser
+  local img = dom:match('<img id="last"[^>]*>') or ""
+  truthy(img:find('src="/view?filename=' .. want.filename, 1, true), "the last picture's <img>: " .. img)
+  local caption = dom:match('<div id="lastname">([^<]*)</div>') or ""
+  eq(caption, want.filename .. ", 64\u{d7}64", "the caption gives the size the browser decoded")
+  -- the last run's memory: an SVG polyline of the cpu's bytes, not flat
+  local run = dom:match('<svg id="runmem".-</svg>') or ""
+  local pts = run:match('<polyline points="([^"]*)"[^>]*class="run" data%-device="cpu"')
+  truthy(pts, "no memory curve of the last run: " .. run:sub(1, 300))
+  local ys, n = {}, 0
+  for _, y in pts:gmatch("([%d.]+),([%d.]+)") do n = n + 1; ys[tonumber(y)] = true end
+  eq(n, 120, "points in the last run's curve")
+  local distinct = 0
+  for _ in pairs(ys) do distinct = distinct + 1 end
+  truthy(distinct > 3, "the curve is flat: " .. pts:sub(1, 200))
+  truthy(dom:match('<div id="runinfo">cpu: peak [%d.]+ MiB'), "the run's peak under the curve")
+  -- the live curve: one point per tick the page made
+  local live = (dom:match('<svg id="mem".-</svg>') or ""):match('<polyline points="([^"]*)"[^>]*class="live"') or ""
+  local ticks = select(2, live:gsub(",", ","))
+  truthy(ticks >= 2, "the live curve has points from several ticks: " .. live)
+  truthy(dom:find('<div id="queue">0 running, 0 waiting', 1, true), "the queue")
 end)
 
 test("serve: malformed JSON, unknown nodes, wrong types, bad links are 400 in ComfyUI's error shape", function()
@@ -554,6 +600,50 @@ test("serve: between requests nothing grows: no live tensor, the same checkpoint
   eq(#b.kiln.live.models, #a.kiln.live.models, "models open")
   eq(table.concat(b.kiln.checkpoints_open, ","), table.concat(a.kiln.checkpoints_open, ","))
   eq(b.kiln.devices.cpu.allocated, 0, "no bytes held on the cpu between requests")
+end)
+
+test("serve: on a device with a budget the models stay resident between requests (a second request copies "
+  .. "no weights) and another checkpoint's load evicts them by the budget, not by a count", function()
+  -- two checkpoints (two names of the demo file: two models to kiln) on sim with room
+  -- for one checkpoint's weights and a run, not for two
+  local models = TMP .. "/models_sim"
+  assert(os.execute("mkdir -p " .. q(models .. "/checkpoints")))
+  for _, n in ipairs({ "a", "b" }) do
+    assert(os.execute(("ln -s %s %s"):format(q(DEMO), q(models .. "/checkpoints/" .. n .. ".safetensors"))))
+  end
+  local s3 = start("--device sim --vram 16M --quiet --keep-checkpoints 0", models)
+  local weights = lfs.attributes(DEMO, "size")
+  local function run(ck)
+    local st, text = request("POST", "/sdapi/v1/options", { sd_model_checkpoint = ck }, { server = s3, headers = {} })
+    eq(st, 200, text)
+    st, text = request("POST", "/sdapi/v1/txt2img", { prompt = "a red circle", steps = 1, seed = 1 },
+      { server = s3, headers = {} })
+    eq(st, 200, text)
+    local _, _, j = request("GET", "/system_stats", nil, { server = s3, headers = {} })
+    local r = j.kiln.checkpoints_resident
+    return j.kiln.last_run_memory.copied_in.sim, (r["a.safetensors"] or {}).sim or 0, (r["b.safetensors"] or {}).sim or 0
+  end
+  local copied, a, b = run("a")
+  truthy(copied > 0.9 * weights, ("the first request copies a's weights: %d of %d bytes"):format(copied, weights))
+  truthy(a > 0.9 * weights and b == 0, ("a resident: %d, b: %d"):format(a, b))
+  copied, a = run("a")
+  truthy(copied < 0.01 * weights, ("the second request copied %d bytes (weights %d)"):format(copied, weights))
+  truthy(a > 0.9 * weights, "a still resident")
+  -- b's weights and a's together are over the budget: loading b evicts a's
+  copied, a, b = run("b")
+  truthy(copied > 0.9 * weights, ("b's weights copied: %d"):format(copied))
+  truthy(b > 0.9 * weights, "b resident")
+  truthy(a < 0.5 * weights, ("the budget evicted a's weights: %d of %d bytes left"):format(a, weights))
+  copied = run("b")
+  truthy(copied < 0.01 * weights, ("b again copied %d bytes"):format(copied))
+  -- with --keep-checkpoints 0 a checkpoint is closed once nothing of it is resident;
+  -- a keeps some (its VAE fits beside b), so both stay open
+  local _, _, j = request("GET", "/system_stats", nil, { server = s3, headers = {} })
+  eq(#j.kiln.checkpoints_open, 2)
+  eq(j.kiln.devices.sim.budget, 16 * 1024 * 1024)
+  truthy(j.kiln.devices.sim.allocated <= j.kiln.devices.sim.budget, "within the budget")
+  os.execute("kill -TERM " .. s3.pid)
+  eq(wait_exit(s3), 0, read(s3.log))
 end)
 
 test("serve: SIGTERM ends the server cleanly (exit 0, no leak under KILN_CHECK_LEAKS)", function()

@@ -194,7 +194,7 @@ local function init_image(s, b)
 end
 
 local function b64png(s, img, text)
-  return require("kiln.serve_http").b64encode(H.png_bytes(img, s.o.temp, text and { text = { parameters = text } } or nil))
+  return require("kiln.serve_http").b64encode(H.png_bytes(img, text and { text = { parameters = text } } or nil))
 end
 
 -- one A1111 generation: the images as base64 PNGs and the info
@@ -208,6 +208,7 @@ local function generate(s, job)
     local po = { prompt = o.prompt, negative = o.negative, steps = o.steps, cfg = o.cfg, sampler = o.sampler,
       scheduler = o.scheduler, width = o.width, height = o.height, batch = o.batch, seed = seed, device = dev }
     local img, lat
+    local t0 = kiln.time()
     if job.img2img then
       po.width, po.height = nil, nil
       po.denoise = o.denoise
@@ -224,6 +225,7 @@ local function generate(s, job)
     else
       img, lat = pipeline.txt2img(ckpt, po)
     end
+    job.ev.run_s = (job.ev.run_s or 0) + (kiln.time() - t0)  -- the bare pipeline's time (Server-Timing)
     if lat then lat:free() end
     local ok, err = pcall(function()
       po.width, po.height = img.shape[4], img.shape[3]
@@ -350,8 +352,8 @@ route("POST", "/sdapi/v1/options", function(s, ev)
       refuse(400, "invalid_checkpoint", fmt("sd_model_checkpoint '%s' is not in %s/checkpoints (GET /sdapi/v1/sd-models lists them)",
         tostring(b.sd_model_checkpoint), s.o.models))
     end
-    -- the next generation opens it; the checkpoints kept open are closed by their own
-    -- limit (--keep-checkpoints), oldest first
+    -- the next generation opens it; the one before stays open while its weights are
+    -- resident (the budget evicts them as the new one loads), then by --keep-checkpoints
     s.a1111.checkpoint = f
   end
   s:reply(ev, 200, null)

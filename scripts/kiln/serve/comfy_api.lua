@@ -441,6 +441,16 @@ local function host_memory()
   return (total or 0) * 1024, (free or 0) * 1024
 end
 
+-- the open checkpoints' weights on each device: file name -> {device -> bytes}
+local function resident(s)
+  local out = {}
+  for _, path in ipairs(s.ckpt_order) do
+    local c = s.ckpts[path]
+    out[path:match("[^/]*$")] = c and serve.resident_bytes(c) or {}
+  end
+  return out
+end
+
 route("GET", "/system_stats", function(s, ev)
   local total, free = host_memory()
   local devices, kdev = array(), {}
@@ -454,6 +464,8 @@ route("GET", "/system_stats", function(s, ev)
       kdev[name] = st
     end
   end
+  -- what is alive, not what waits for the collector the loop runs once idle
+  if s.collect then collectgarbage("collect"); s.collect = false end
   local live = kiln.mem.live()
   s:reply(ev, 200, {
     system = { os = "posix", ram_total = total, ram_free = free, comfyui_version = "kiln " .. kiln.version,
@@ -461,7 +473,8 @@ route("GET", "/system_stats", function(s, ev)
     devices = devices,
     kiln = { devices = kdev, default_device = kiln.default_device(), memory_mode = kiln.memory_mode(),
       live = { tensors = live.tensors, models = array(live.models) }, queue_remaining = s:queue_remaining(),
-      checkpoints_open = array({ table.unpack(s.ckpt_order) }) },
+      checkpoints_open = array({ table.unpack(s.ckpt_order) }), checkpoints_resident = resident(s),
+      last_run_memory = s:last_run_memory() or null },
   })
 end)
 

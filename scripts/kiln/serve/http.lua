@@ -107,17 +107,9 @@ function M.load_png_bytes(bytes, what, tmpdir)
   return t
 end
 
---- A picture [1, C, H, W] (or the first of a batch) as PNG bytes (kiln.save_png
--- through a temporary file, removed after).
-function M.png_bytes(img, tmpdir, opts)
-  local path = fmt("%s/kiln-serve-%d-%d.png", tmpdir, os.time(), math.random(1, 1 << 30))
-  local ok, err = pcall(kiln.save_png, img, path, opts)
-  if not ok then os.remove(path); error(err, 0) end
-  local f = assert(io.open(path, "rb"))
-  local data = f:read("a")
-  f:close()
-  os.remove(path)
-  return data
+--- A picture [1, C, H, W] as PNG bytes (opts.text: its text chunks), made in memory.
+function M.png_bytes(img, opts)
+  return kiln.encode_png(img, opts)
 end
 
 --- The content type of a file name.
