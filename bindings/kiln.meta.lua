@@ -997,6 +997,12 @@ function kiln.mem.live() end
 ---@return boolean
 function kiln.mem.prefetch_at_once(on) end
 
+---Tests: the copy thread waits `seconds` after each prefetch copy before installing it
+---(a copy thread that gets no core); 0 turns it off. The copies' memory is taken when
+---the prefetch is queued, so the peak does not depend on it.
+---@param seconds number
+function kiln.mem.copy_delay(seconds) end
+
 ---The memory events (loads, offloads, evictions, OOMs, ...) after seq `since`, oldest first.
 ---@param since? integer
 ---@return kiln.MemEvent[]

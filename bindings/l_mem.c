@@ -178,6 +178,16 @@ static int mem_prefetch_at_once(lua_State *L)
     return 1;
 }
 
+/* kiln.mem.copy_delay(seconds): tests; the copy thread waits that long after each
+ * prefetch copy before installing it (a copy thread that gets no core); 0 turns it off */
+static int mem_copy_delay(lua_State *L)
+{
+    double s = luaL_checknumber(L, 1);
+    if (!(s >= 0 && s <= 60)) luaL_argerror(L, 1, "seconds in [0, 60]");
+    kiln_model_set_copy_delay(s);
+    return 0;
+}
+
 /* kiln.mem.live() -> {tensors = n, models = {name, ...}, storages = {"owner on device", ...}}:
  * tensor headers alive in the process, the open models (one name per model) and the
  * owners of the allocators' live storages, for the test runner's leak check. */
@@ -216,6 +226,7 @@ static const luaL_Reg mem_funcs[] = {
     {"live", mem_live},
     {"stats", mem_stats}, {"reset_peak", mem_reset_peak}, {"empty_cache", mem_empty_cache},
     {"set_budget", mem_set_budget}, {"summary", mem_summary}, {"prefetch_at_once", mem_prefetch_at_once},
+    {"copy_delay", mem_copy_delay},
     {NULL, NULL},
 };
 

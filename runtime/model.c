@@ -305,6 +305,34 @@ kiln_status kiln_model_make_copy(const kiln_tensor *src, const patchset *ps, kil
     return KILN_OK;
 }
 
+/* Fills dst (a copy's storage already allocated on its device, in the dtype and shape
+ * of the copy) from what kiln_model_source_locked gave: the copy thread's half of a
+ * prefetch whose memory the caller took when it queued the copy. */
+kiln_status kiln_model_fill_copy(const kiln_tensor *src, const patchset *ps, kiln_tensor *dst)
+{
+    kiln_status st;
+    if ((st = kiln_model_check_source(src))) return st;
+    kiln_device *dev = tensor_device(dst);
+    double t0 = kiln_events_now();
+    if (ps) {
+        st = kiln_patchset_build_into(dst, src, ps);
+    } else if (tensor_device(src)->type != KILN_DEV_CPU) {
+        kiln_tensor *r;
+        if ((st = kiln_tensor_to(src, dev, dst->dtype, &r))) return st;
+        st = kiln_tensor_copy(dst, r);
+        kiln_tensor_free(r);
+    } else if (!kiln_tensor_is_contiguous(src)) {
+        kiln_tensor *c;
+        if ((st = kiln_tensor_contiguous(src, &c))) return st;
+        st = kiln_model_fill_from_host(dst, kiln_tensor_data(c), c->dtype, NULL);
+        kiln_tensor_free(c);
+    } else {
+        st = kiln_model_fill_from_host(dst, kiln_tensor_data(src), src->dtype, kiln_model_mapped_path(src));
+    }
+    if (!st) count_transfer(dev, 1, kiln_tensor_nbytes(dst), kiln_events_now() - t0);
+    return st;
+}
+
 /* ---- eviction ---- */
 
 static int evictable_on(const kiln_model *m, const kiln_device *dev)
@@ -342,7 +370,10 @@ static size_t evict_locked(kiln_device *dev, size_t need, int one_step)
             if (m->pinned || m->busy || !evictable_on(m, dev)) continue;
             if (!victim || m->last_used < victim->last_used) victim = m;
         }
-        if (!victim) break;
+        if (!victim) {
+            freed += kiln_model_drop_queued_locked(dev);
+            break;
+        }
         uint64_t bytes = 0;
         size_t really = 0;
         int count = 0;

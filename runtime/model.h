@@ -99,8 +99,10 @@ kiln_status kiln_model_where(kiln_model *m, const char *name, kiln_residency *ou
 /* Streaming (any mode; needs a load target). fetch copies the named tensors to the
  * target device now (waiting for a prefetch of the same tensor in flight) and marks
  * them in use; release frees the device copies that fetch/prefetch made; prefetch
- * queues the copies on the target device's copy thread and returns at once (in a dry
- * run, or with kiln_model_set_prefetch_at_once(1), it makes them before returning). */
+ * takes the copies' memory on the target device, queues the copying on the device's
+ * copy thread and returns (in a dry run, or with kiln_model_set_prefetch_at_once(1),
+ * it makes the copies before returning): the memory is held from the prefetch on in
+ * both, so a dry run's peak is the real run's. */
 kiln_status kiln_model_fetch(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_release(kiln_model *m, const char *const *names, int n);
 kiln_status kiln_model_prefetch(kiln_model *m, const char *const *names, int n);
@@ -113,6 +115,9 @@ void kiln_model_wait_copies(void);
  * peak with a dry run's without the copy thread's timing in it. Process-wide. */
 void kiln_model_set_prefetch_at_once(int on);
 int kiln_model_prefetch_at_once(void);
+/* Tests: the copy thread waits this many seconds after each copy before installing it
+ * (a copy thread that gets no core); 0 (the default) turns it off. Process-wide. */
+void kiln_model_set_copy_delay(double seconds);
 
 /* Adds a patch to tensor `target` (a floating-point tensor of m): the store keeps
  * views of a's factors (their storages stay alive until the patch goes). row_count

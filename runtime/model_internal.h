@@ -115,6 +115,10 @@ kiln_tensor *kiln_model_source_locked(const mtensor *t, kiln_dtype want, patchse
 kiln_status kiln_model_make_copy(const kiln_tensor *src, const patchset *ps, kiln_device *dev, kiln_dtype dt,
                                  const char *owner, kiln_tensor **out);
 
+/* Fills dst, allocated beforehand on its device in the copy's dtype and shape, from
+ * what kiln_model_source_locked gave; without kiln_model_mu. */
+kiln_status kiln_model_fill_copy(const kiln_tensor *src, const patchset *ps, kiln_tensor *dst);
+
 /* ---- model_stream.c ---- */
 
 typedef struct worker worker; /* a device's copy thread */
@@ -124,6 +128,9 @@ void kiln_model_stream_init(void);
 /* Under kiln_model_mu: takes the queued prefetches of m off the queues and waits for a
  * running one. */
 void kiln_model_cancel_prefetches_locked(kiln_model *m);
+/* Under kiln_model_mu: the prefetches queued for dev (not yet copying) give back the
+ * memory they took and leave the queue; returns the bytes freed. */
+size_t kiln_model_drop_queued_locked(kiln_device *dev);
 /* Under kiln_model_mu: waits until no prefetch of t is queued or copying. */
 void kiln_model_wait_tensor_locked(mtensor *t);
 /* Under kiln_model_mu, once the last model is gone: tells every copy thread to quit and

@@ -26,7 +26,13 @@ local MODEL_PROPS = { name = true, residency = true, device = true, pinned = tru
 -- the streaming window is lowered, with a note. Without `resident` a load takes the
 -- part's resident_plan (set by --mode auto, kiln.planner) or else clears an earlier
 -- residency (the memory mode decides again).
+-- A load starts with a full collection, as a dry run and each pipeline stage do: tensors
+-- the caller left to the collector on the device (a probe's temporaries) would
+-- otherwise stay allocated through the run, which can no longer use them, counting
+-- against the budget (the resident room below) and in the run's peak, while the dry
+-- run that predicted it started from a device without them.
 local function load_part(self, store, kind, dev, opts)
+  collectgarbage()
   local streamer = rawget(self, "streamer")
   local resident
   local asked
