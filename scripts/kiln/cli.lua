@@ -180,8 +180,8 @@ local function apply_runtime(o)
   end
 end
 
---- True when args set option k (--k VALUE or a boolean --k).
-function M.given(args, k)
+-- True when args set option k (--k VALUE or a boolean --k).
+local function given(args, k)
   local f = flag(k)
   for _, a in ipairs(args or {}) do
     if a == f then return true end
@@ -210,7 +210,7 @@ function M.parse(args, extra, help)
   -- steps, sampler and scheduler not given are the model's to choose (the family's, or
   -- a few-step model's: kiln.few_step_kind); the defaults above are what SD runs with
   for _, k in ipairs({ "steps", "sampler", "scheduler" }) do
-    if defaults[k] == COMMON[k] and not M.given(args, k) then o[k] = nil end
+    if defaults[k] == COMMON[k] and not given(args, k) then o[k] = nil end
   end
   if o.model == "" then o.model = M.default_model() end
   for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg", "clip_skip" }) do

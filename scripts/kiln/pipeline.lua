@@ -118,7 +118,7 @@ end
 --- A few-step model's sampling (kiln.few_step_kind: an LCM-LoRA applied, an SDXL-Turbo
 -- checkpoint...) in o where the caller's opts give none; o.info.few_step names the kind
 -- and where it was read. Called again once a run's own LoRAs are applied.
-function M.few_step_defaults(o, opts, ckpt)
+local function few_step_defaults(o, opts, ckpt)
   local p, from = few_step_kind.fill(o, opts, ckpt, M.flow_family(ckpt) ~= nil)
   if o.info then o.info.few_step = p and ("%s (%s: %s)"):format(p.label, from, p.evidence) or nil end
 end
@@ -142,7 +142,7 @@ local function opts_with_defaults(opts, ckpt)
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
   M.cache_spec(o, ckpt)
-  M.few_step_defaults(o, opts, ckpt)
+  few_step_defaults(o, opts, ckpt)
   return o
 end
 
@@ -671,7 +671,7 @@ local function run_loras(ckpt, o, opts)
   local prompt, list = extra_networks.of_run(o)
   o.prompt = prompt
   local applied = extra_networks.apply(ckpt, list)
-  if #list > 0 then M.few_step_defaults(o, opts, ckpt) end -- an LCM-LoRA named in the prompt
+  if #list > 0 then few_step_defaults(o, opts, ckpt) end -- an LCM-LoRA named in the prompt
   return applied
 end
 
