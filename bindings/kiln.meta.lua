@@ -668,6 +668,15 @@ function kiln.preview.latent2rgb(z, family, opts) end
 ---@field parts {unet: integer, clip: integer} adapted modules per part
 ---@field keys integer tensors in the file
 ---@field modules integer adapted modules
+---@field few_step? kiln.FewStepKind what few-step LoRA the file says it is (LCM, TCD, Hyper-SD, Lightning)
+
+---A few-step model's kind as its file says it (kiln.few_step_kind): the sampling the
+---pipelines take as defaults under the caller's options.
+---@class kiln.FewStepKind
+---@field name "lcm"|"tcd"|"hyper"|"lightning"|"turbo"
+---@field label string
+---@field defaults {sampler?: string, scheduler?: string, steps?: integer, cfg?: number}
+---@field evidence string what told it ("__metadata__ modelspec.title ...", "the file name ...")
 
 kiln.lora = {}
 
@@ -2191,6 +2200,7 @@ function Tokenizer:free() end
 ---@field lora_dir? string the {loras = DIR} folder
 ---@field embedding_dir? string the {embeddings = DIR} folder
 ---@field loras_applied? kiln.Lora[] the LoRAs added and not removed
+---@field few_step? kiln.FewStepKind an SD-Turbo / SDXL-Turbo / LCM... checkpoint as its file says
 local Checkpoint = {}
 
 ---Closes clip, unet and vae (also <close>).
@@ -2220,6 +2230,7 @@ function Checkpoint:find_lora(name) end
 ---@field unmatched string[] its keys that match no weight
 ---@field unet number
 ---@field clip number
+---@field few_step? kiln.FewStepKind an LCM-LoRA...: the pipelines sample as its kind unless told
 local Lora = {}
 
 ---Takes the LoRA's patches off (the weights come back bit for bit); idempotent.

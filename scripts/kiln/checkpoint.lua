@@ -12,7 +12,9 @@
 --
 -- __metadata__ keys read: kiln.family, kiln.heads.unet, kiln.head_dim.unet,
 -- kiln.heads.clip, kiln.heads.clip_g, kiln.clip.activation, kiln.clip_g.activation,
--- kiln.clip.layer, kiln.scale_factor, kiln.shift_factor, kiln.prediction, kiln.zsnr.
+-- kiln.clip.layer, kiln.scale_factor, kiln.shift_factor, kiln.prediction, kiln.zsnr;
+-- kiln.few_step, modelspec.architecture, modelspec.title, ss_output_name (what few-step
+-- model it is: kiln.few_step_kind).
 local kiln = require "kiln"
 local util = require "kiln.util"
 local mf = require "kiln.model_files"
@@ -28,6 +30,7 @@ local embedding = require "kiln.embedding"
 local taesd = require "kiln.taesd"
 local t5 = require "kiln.t5"
 local dit_files = require "kiln.dit_files"
+local few_step_kind = require "kiln.few_step_kind"
 
 local M = {}
 local fmt = string.format
@@ -240,6 +243,13 @@ end
 -- The adapter side of a checkpoint: ckpt:add_lora / ckpt:find_lora (kiln.lora) and
 -- the folders LoRAs and embeddings are found in by name (opts.loras, opts.embeddings).
 local function with_adapters(ckpt, opts)
+  -- a few-step checkpoint (SDXL-Turbo...) as its file says: the pipelines' defaults
+  local fs, why = few_step_kind.of_file(rawget(ckpt, "metadata"), rawget(ckpt, "path"))
+  if fs == false then
+    ckpt:close()
+    fail(rawget(ckpt, "path"), why)
+  end
+  ckpt.few_step = fs
   ckpt.add_lora = function(self, path, o) return lora.add(self, path, o) end
   ckpt.find_lora = function(self, name) return lora.find(self, name) end
   ckpt.lora_dir, ckpt.embedding_dir = opts.loras, opts.embeddings

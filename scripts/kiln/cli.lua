@@ -60,7 +60,8 @@ local function help_of(k)
   if k == "sampler" then return table.concat(sample.names(), ", ") end
   if k == "scheduler" then return table.concat(sample.scheduler_names(), ", ") end
   return ({
-    prompt = "what to draw", negative = "what not to draw", seed = "noise seed", steps = "sampling steps",
+    prompt = "what to draw", negative = "what not to draw", seed = "noise seed",
+    steps = "sampling steps (default: the model's: 20 for SD, 4 for an LCM-LoRA, Flux [schnell]...)",
     cfg = "classifier-free guidance scale (default: the model's kiln.cfg, else 7)",
     width = "image width in pixels (default: the model's size)",
     height = "image height in pixels (default: the model's size)",
@@ -184,6 +185,15 @@ local function apply_runtime(o)
   end
 end
 
+-- True when args set option k (--k VALUE or a boolean --k).
+local function given(args, k)
+  local f = flag(k)
+  for _, a in ipairs(args or {}) do
+    if a == f then return true end
+  end
+  return false
+end
+
 --- Parses args with the common options plus `extra` defaults; checks their values
 -- (a mistake is a usage error: kiln prints "kiln: <message>" and exits with 2),
 -- applies --device, --mode, --vram, --precision and --quiet to the runtime. Returns
@@ -202,6 +212,11 @@ function M.parse(args, extra, help)
   local o = util.parse_args(args or {}, defaults)
   check_values(o)
   apply_runtime(o)
+  -- steps, sampler and scheduler not given are the model's to choose (the family's, or
+  -- a few-step model's: kiln.few_step_kind); the defaults above are what SD runs with
+  for _, k in ipairs({ "steps", "sampler", "scheduler" }) do
+    if defaults[k] == COMMON[k] and not given(args, k) then o[k] = nil end
+  end
   if o.model == "" then o.model = M.default_model() end
   for _, k in ipairs({ "width", "height", "tile", "overlap", "cfg", "clip_skip" }) do
     if o[k] == 0 then o[k] = nil end

@@ -20,6 +20,7 @@ local mf = require "kiln.model_files"
 local families = require "kiln.family"
 local unet = require "kiln.unet"
 local clip = require "kiln.clip"
+local few_step_kind = require "kiln.few_step_kind"
 
 local M = {}
 -- the key mapping's parts, for the tests and for tools that inspect a mapping
@@ -680,8 +681,18 @@ local function count_parts(modules)
   return parts
 end
 
+-- The few-step kind a LoRA file says it is (kiln.few_step_kind; nil for an ordinary
+-- LoRA); an unknown kiln.few_step is an error naming the file.
+local function few_step_of(who, path)
+  local ok, _, meta = pcall(kiln.load_safetensors, path)
+  local fs, why = few_step_kind.of_file(ok and meta or nil, path)
+  if fs == false then lora_fail(who, path, why) end
+  return fs
+end
+
 -- kiln.lora.inspect(path) -> {format, family, family_reason, parts = {unet = n, clip =
--- n}, keys = n, modules = n}, without a checkpoint.
+-- n}, keys = n, modules = n, few_step = nil or {name, label, defaults, evidence}},
+-- without a checkpoint.
 function M.inspect(path)
   local who = "kiln.lora.inspect"
   check_path(who, path)
@@ -692,7 +703,8 @@ function M.inspect(path)
   local fam, why = K.family_of(modules, function(k) return tensors[k].shape end)
   local n = 0
   for _, m in pairs(modules) do if m.kind then n = n + 1 end end
-  return { format = fmt_, family = fam, family_reason = why, parts = count_parts(modules), keys = #names, modules = n }
+  return { format = fmt_, family = fam, family_reason = why, parts = count_parts(modules), keys = #names, modules = n,
+    few_step = few_step_of(who, path) }
 end
 
 -- ---------------------------------------------------------------- handles
@@ -797,6 +809,11 @@ function M.add(ckpt, path, opts)
     not_a_lora(who, path, names)
   end
   local fam, why = K.family_of(modules, src.shape)
+  local ok_fs, few_step = pcall(few_step_of, who, path)
+  if not ok_fs then
+    store:close()
+    error(few_step, 0)
+  end
   local family = rawget(ckpt, "family")
   local function family_error()
     return fmt("this is an %s LoRA (%s) on an %s checkpoint", families.label(fam), why,
@@ -842,6 +859,7 @@ function M.add(ckpt, path, opts)
   local h = setmetatable({
     name = name, path = path, format = format, family = fam, patched = patched, unmatched = unmatched,
     unet = strengths.unet, clip = strengths.clip, _ids = ids, _file = store, _ckpt = ckpt,
+    few_step = few_step, -- an LCM-LoRA...: the pipelines sample as its kind (kiln.few_step_kind)
   }, Handle)
   if #unmatched > 0 then
     local ex = {}

@@ -16,6 +16,7 @@ local family = require "kiln.family"
 local flow = require "kiln.flow"
 local guidance = require "kiln.guidance"
 local step_cache = require "kiln.step_cache"
+local few_step_kind = require "kiln.few_step_kind"
 
 local M = {}
 
@@ -114,6 +115,14 @@ local function flow_defaults(o, opts, ckpt, F)
   flow.check_sampler(o.sampler)
 end
 
+--- A few-step model's sampling (kiln.few_step_kind: an LCM-LoRA applied, an SDXL-Turbo
+-- checkpoint...) in o where the caller's opts give none; o.info.few_step names the kind
+-- and where it was read. Called again once a run's own LoRAs are applied.
+local function few_step_defaults(o, opts, ckpt)
+  local p, from = few_step_kind.fill(o, opts, ckpt, M.flow_family(ckpt) ~= nil)
+  if o.info then o.info.few_step = p and ("%s (%s: %s)"):format(p.label, from, p.evidence) or nil end
+end
+
 local function opts_with_defaults(opts, ckpt)
   local o = {}
   for k, v in pairs(DEFAULTS) do o[k] = v end
@@ -133,6 +142,7 @@ local function opts_with_defaults(opts, ckpt)
   check_controls(o.control, ckpt)
   o.tileable = seamless.check(o.tileable, "kiln.pipeline: tileable")
   M.cache_spec(o, ckpt)
+  few_step_defaults(o, opts, ckpt)
   return o
 end
 
@@ -657,10 +667,12 @@ end
 
 -- The run's LoRAs (opts.lora and the prompt's <lora:NAME:W> tags) applied for the
 -- run: o.prompt loses the tags; closing the result removes them.
-local function run_loras(ckpt, o)
+local function run_loras(ckpt, o, opts)
   local prompt, list = extra_networks.of_run(o)
   o.prompt = prompt
-  return extra_networks.apply(ckpt, list)
+  local applied = extra_networks.apply(ckpt, list)
+  if #list > 0 then few_step_defaults(o, opts, ckpt) end -- an LCM-LoRA named in the prompt
+  return applied
 end
 
 local function free_y(o)
@@ -737,7 +749,7 @@ function M.txt2img(ckpt, opts)
   local lw, lh = latent_size(ckpt, W, H)
   local dev = device_of(o)
   local vae <close> = run_vae(ckpt, o)
-  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local loras <close> = run_loras(ckpt, o, opts)  -- before the plan: it lists them
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
@@ -768,7 +780,7 @@ function M.img2img(ckpt, image, opts)
   local H, W = image.shape[3], image.shape[4]
   latent_size(ckpt, W, H)
   local vae <close> = run_vae(ckpt, o)
-  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local loras <close> = run_loras(ckpt, o, opts)  -- before the plan: it lists them
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W, H)
@@ -823,7 +835,7 @@ function M.hires_fix(ckpt, opts)
   local W2, H2 = math.floor(W * scale), math.floor(H * scale)
   local lw2, lh2 = latent_size(ckpt, W2, H2)
   local vae <close> = run_vae(ckpt, o)
-  local loras <close> = run_loras(ckpt, o)  -- before the plan: it lists them
+  local loras <close> = run_loras(ckpt, o, opts)  -- before the plan: it lists them
   local tileable <close> = run_tileable(ckpt, o)
   local parts <close> = unload_on_error(ckpt)
   plan_memory(ckpt, o, W2, H2)             -- sized for the larger pass
@@ -900,12 +912,45 @@ end
 -- The A1111 label of a registry entry (kiln.sample), else the name as given.
 local function label_of(info, name) return info and info.label or tostring(name) end
 
+-- The steps, sampler, scheduler and cfg a run with these opts sampled with where opts
+-- give none, found again after the run (its own LoRAs are removed by then: the files
+-- the run named are asked what they are): the family's or its variant's, the model's
+-- kiln.cfg, a few-step kind's.
+local function run_sampling(opts, ckpt)
+  local r = { steps = opts.steps, sampler = opts.sampler, scheduler = opts.scheduler, cfg = opts.cfg }
+  local F = M.flow_family(ckpt)
+  if F then
+    local v = F.variants and F.variants[ckpt.variant] or {}
+    for _, k in ipairs(FLOW_DEFAULTS) do
+      if r[k] == nil then
+        r[k] = v[k]
+        if r[k] == nil then r[k] = F.defaults[k] end
+      end
+    end
+  end
+  if r.cfg == nil then r.cfg = M.default_cfg(ckpt) end
+  local later = {}
+  if ckpt and ckpt.find_lora ~= nil and (opts.lora or (opts.prompt or ""):find("<lora:", 1, true)) then
+    local _, list = extra_networks.of_run(opts)
+    for _, e in ipairs(list) do
+      local ok, path = pcall(function() return e.path or ckpt:find_lora(e.name) end)
+      local okm, _, meta = pcall(kiln.load_safetensors, ok and path or "")
+      local fs = okm and few_step_kind.of_file(meta, path) or nil
+      later[#later + 1] = { name = e.name, unet = e.unet, few_step = fs or nil }
+    end
+  end
+  few_step_kind.fill(r, opts, ckpt, F ~= nil, later)
+  for k, v in pairs(DEFAULTS) do if r[k] == nil then r[k] = v end end
+  return r
+end
+
 --- The A1111 "parameters" text for a PNG (other tools read it).
 function M.parameters(opts, ckpt, extra)
+  local sampling = run_sampling(opts, ckpt)
   local o = setmetatable({}, { __index = function(_, k)
     local v = opts[k]
+    if v == nil then v = sampling[k] end
     if v == nil then v = DEFAULTS[k] end
-    if v == nil and k == "cfg" then v = M.default_cfg(ckpt) end
     return v
   end })
   local lines = { o.prompt or "" }
