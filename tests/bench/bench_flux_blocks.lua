@@ -22,13 +22,8 @@ local fw = dofile("tests/bench/flux_weights.lua")
 local o = util.parse_args(arg or {}, { img = 1024, txt = 512, ["repeat"] = 3, threads = 2, dir = "/tmp/fluxbench",
   no_torch = false, step_seconds = 0, int8 = false })
 local fmt = string.format
-local function say(...) print(fmt(...)) io.stdout:flush() end
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  local s = f and f:read("l") or "?"
-  if f then f:close() end
-  return s:match("^(%S+ %S+ %S+)") or s
-end
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, loadavg = ps.say, ps.loadavg
 
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)

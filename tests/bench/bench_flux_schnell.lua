@@ -32,8 +32,9 @@ local o = util.parse_args(arg or {}, { size = 512, device = "sim", mode = "low",
   t5 = "fp8", double = 19, single = 38, t5_blocks = 24, threads = 2, dir = "", fresh = false, clean = false,
   no_dry = false, write_only = false })
 local fmt = string.format
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, loadavg = ps.say, ps.loadavg
 local MiB = 1024 * 1024
-local function say(...) print(fmt(...)) io.stdout:flush() end
 if o.device ~= "sim" and o.device ~= "cpu" then error("bench_flux_schnell: --device must be sim or cpu", 0) end
 local T5_MATRIX = { fp8 = "F8_E4M3", f16 = "F16" }
 if not T5_MATRIX[o.t5] then error("bench_flux_schnell: --t5 must be fp8 or f16", 0) end
@@ -50,13 +51,6 @@ local function status()
     if k then r[k] = tonumber(kb) * 1024 end
   end
   return r
-end
-
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  local s = f and f:read("l") or "?"
-  if f then f:close() end
-  return s:match("^(%S+ %S+ %S+)") or s
 end
 
 local function exists(p)

@@ -21,34 +21,9 @@ local o = util.parse_args(arg or {}, { file = "", size = 512, txt = 512, budget 
   precision = "bf16", threads = 2, no_dry = false, dry_only = false, variant = "dev" })
 if o.file == "" then error("bench_flux_step: --file PATH is required", 0) end
 local fmt = string.format
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, rss_peak, rss_parts, loadavg = ps.say, ps.rss_peak, ps.rss_parts, ps.loadavg
 local MiB = 1024 * 1024
-local function say(...) print(fmt(...)) io.stdout:flush() end
-
-local function rss_peak()
-  for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s*(%d+)")
-    if kb then return tonumber(kb) * 1024 end
-  end
-  return 0
-end
-
--- Resident anonymous and file-backed (the mapped weight file's pages, which the kernel
--- can drop) memory now.
-local function rss_parts()
-  local r = {}
-  for line in io.lines("/proc/self/status") do
-    local k, kb = line:match("^(Rss%a+):%s*(%d+)")
-    if k then r[k] = tonumber(kb) * 1024 end
-  end
-  return r.RssAnon or 0, r.RssFile or 0
-end
-
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  local s = f and f:read("l") or "?"
-  if f then f:close() end
-  return s:match("^(%S+ %S+ %S+)") or s
-end
 
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)

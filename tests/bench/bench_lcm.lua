@@ -27,8 +27,9 @@ local rw = dofile("tests/bench/random_weights.lua")
 local o = util.parse_args(arg or {}, { size = 512, steps = 4, weights = "", lora = "", rank = 64, threads = 2,
   ["repeat"] = 1, precision = "f32", no_euler = false })
 local fmt = string.format
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, rss_peak, loadavg = ps.say, ps.rss_peak, ps.loadavg
 local MiB = 1024 * 1024
-local function say(...) print(fmt(...)) io.stdout:flush() end
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)
 kiln.precision(o.precision)
@@ -38,25 +39,9 @@ local tmp = os.getenv("TMPDIR") or "/tmp"
 local CKPT = o.weights ~= "" and o.weights or (tmp .. "/kiln-bench-sd15-f16.safetensors")
 local LORA = o.lora ~= "" and o.lora or fmt("%s/kiln-bench-lcm-lora-sd15-r%d.safetensors", tmp, o.rank)
 
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  if not f then return "?" end
-  local s = f:read("l")
-  f:close()
-  return s:match("^(%S+ %S+ %S+)") or "?"
-end
-
 local function rss_reset()
   local f = io.open("/proc/self/clear_refs", "w")
   if f then f:write("5"); f:close() end
-end
-
-local function rss_peak()
-  for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s*(%d+)")
-    if kb then return tonumber(kb) * 1024 end
-  end
-  return 0
 end
 
 -- ---------------------------------------------------------------- files

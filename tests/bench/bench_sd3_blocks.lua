@@ -23,13 +23,8 @@ local sw = dofile("tests/bench/sd3_weights.lua")
 local o = util.parse_args(arg or {}, { variant = "large", img = 4096, txt = 333, ["repeat"] = 3, threads = 2,
   dir = "/tmp/sd3bench", ref = "/tmp/sd3.5-ref", block = 0, no_torch = false, no_ops = false })
 local fmt = string.format
-local function say(...) print(fmt(...)) io.stdout:flush() end
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  local s = f and f:read("l") or "?"
-  if f then f:close() end
-  return s:match("^(%S+ %S+ %S+)") or s
-end
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, loadavg = ps.say, ps.loadavg
 
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)
