@@ -26,7 +26,8 @@ local o = util.parse_args(arg or {}, { blocks = 24, tokens = 256, threads = 2, b
   fresh = false, clean = false, no_torch = false, pool = false, ["repeat"] = 1, warmup = 1, only = "f16,stream,quant" })
 local fmt = string.format
 local MiB = 1024 * 1024
-local function say(...) print(fmt(...)) io.stdout:flush() end
+local ps = dofile("tests/bench/proc_stats.lua")
+local say, rss_peak = ps.say, ps.rss_peak
 local only = {}
 for w in o.only:gmatch("[^,]+") do only[w] = true end
 
@@ -38,14 +39,6 @@ local dir = o.dir ~= "" and o.dir or ((os.getenv("TMPDIR") or "/tmp") .. "/kiln-
 os.execute("mkdir -p '" .. dir .. "'")
 local function file(name) return fmt("%s/%s-%d.%s", dir, name, NB, name == "q8_0" and "gguf" or "safetensors") end
 local F16, Q8, FP8, FP8S, IDS = file("f16"), file("q8_0"), file("fp8"), file("fp8_scaled"), dir .. "/ids.safetensors"
-
-local function rss_peak()
-  for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s*(%d+)")
-    if kb then return tonumber(kb) * 1024 end
-  end
-  return 0
-end
 
 -- ---------------------------------------------------------------- weights
 
