@@ -545,16 +545,17 @@ void kiln_storage_derived_put(kiln_storage *s, const uint64_t key[4], kiln_stora
         }
     kiln_storage_retain(data);
     n->next = s->derived;
-    s->derived = n;
+    __atomic_store_n(&s->derived, n, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&derived_lock);
 }
 
 void kiln_storage_drop_derived(kiln_storage *s)
 {
-    if (!s) return;
+    /* every copy and fill comes here: most storages have no cache, and need no lock */
+    if (!s || !__atomic_load_n(&s->derived, __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&derived_lock);
     kiln_derived *list = s->derived;
-    s->derived = NULL;
+    __atomic_store_n(&s->derived, NULL, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&derived_lock);
     while (list) {
         kiln_derived *next = list->next;
