@@ -263,9 +263,11 @@ comfy-examples: all
 # `make fuzz FUZZ_SECONDS=N` builds the library and every tests/fuzz/fuzz_*.c harness
 # with clang (-fsanitize=fuzzer,address,undefined) in FUZZ_BUILD, runs each N seconds
 # on one core and prints the executions per harness and in total (tests/fuzz/run.sh;
-# FUZZ_ONLY=json,png picks harnesses). Crashing inputs land in FUZZ_BUILD/crashes/.
+# FUZZ_ONLY=json,png picks harnesses; FUZZ_RUNS=N runs each until N executions).
+# Crashing inputs land in FUZZ_BUILD/crashes/.
 FUZZ_BUILD   ?= build-fuzz
-FUZZ_SECONDS ?= 10
+FUZZ_SECONDS ?=
+FUZZ_RUNS    ?=
 FUZZ_CC      ?= clang
 FUZZ_OPT     := -O1 -g -fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 FUZZ_BINS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
@@ -273,7 +275,7 @@ FUZZ_BINS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 .PHONY: fuzz fuzz-bins
 fuzz:
 	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) CUDA=0 OPT='$(FUZZ_OPT)' fuzz-bins
-	@FUZZ_BUILD=$(FUZZ_BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run.sh
+	@FUZZ_BUILD=$(FUZZ_BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_RUNS=$(FUZZ_RUNS) bash tests/fuzz/run.sh
 
 # (called by `make fuzz` with BUILD=$(FUZZ_BUILD) and the fuzzing flags)
 fuzz-bins: $(FUZZ_BINS)

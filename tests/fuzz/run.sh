@@ -6,11 +6,13 @@
 # leaves its input as $FUZZ_BUILD/crashes/<name>-crash-* and fails the run: fix the
 # parser, then copy the input to tests/fuzz/regressions/<name>/ so `make test`
 # replays it. FUZZ_ONLY=json,png runs only those harnesses; tests/fuzz/<name>.options
-# holds extra libFuzzer flags for one harness.
+# holds extra libFuzzer flags for one harness. FUZZ_RUNS=N stops each harness after N
+# executions instead (with $FUZZ_SECONDS, default then a day, as the time limit).
 set -u
 cd "$(dirname "$0")/../.."
 B=${FUZZ_BUILD:-build-fuzz}
-N=${FUZZ_SECONDS:-10}
+RUNS=${FUZZ_RUNS:-}
+if [ -n "$RUNS" ]; then N=${FUZZ_SECONDS:-86400}; else N=${FUZZ_SECONDS:-10}; fi
 ONLY=${FUZZ_ONLY:-}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
@@ -24,6 +26,8 @@ for bin in "$B"/fuzz/fuzz_*; do
   mkdir -p "$B/corpus/$name"
   opts=()
   [ -f "tests/fuzz/$name.options" ] && read -r -a opts < "tests/fuzz/$name.options"
+  [ -n "$RUNS" ] && opts+=("-runs=$RUNS")
+  start=$SECONDS
   log="$B/fuzz_$name.log"
   "$bin" -max_total_time="$N" -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
     -artifact_prefix="$B/crashes/$name-" "${opts[@]}" "$B/corpus/$name" "tests/fuzz/corpus/$name" >"$log" 2>&1
@@ -33,7 +37,7 @@ for bin in "$B"/fuzz/fuzz_*; do
   execs=${execs:-0}
   total=$((total + execs))
   if [ "$rc" = 0 ]; then
-    printf 'fuzz %-12s %12d executions in %ss\n' "$name" "$execs" "$N"
+    printf 'fuzz %-12s %12d executions in %ss\n' "$name" "$execs" "$((SECONDS - start))"
   else
     failed+=("$name")
     printf 'fuzz %-12s %12d executions, CRASH (exit %d): see %s\n' "$name" "$execs" "$rc" "$log"
