@@ -135,18 +135,29 @@ static void wop_done(wop *o, kiln_tensor *out)
  * its storage (device.h) so a model's weights are quantized once, not at every call.
  * Only for weights in allocator memory (a model's loaded or streamed copy, counted and
  * freed with it; a mapped file's pages are not copied into anonymous memory behind the
- * budget's back). Returns the packed storage, retained, or NULL: then the call takes
- * kiln_cpu_linear's own path (packing per call, or bf16). */
-static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
+ * budget's back). The meta device takes the same cache through this plan, so a dry run
+ * counts it where the real run keeps it (cpu_backend.h). */
+size_t kiln_cpu_int8_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4])
 {
     if (kiln_precision_for(NULL) != KILN_PREC_INT8 || M < kiln_cpu_int8_min_rows(1) || w->ndim < 2 ||
         w->storage->release || !kiln_tensor_is_contiguous(w))
-        return NULL;
+        return 0;
     int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1); /* a 1x1 convolution's [k, c, 1, 1] too */
-    size_t bytes = kiln_cpu_int8_packed_bytes(N, K, w->dtype);
+    key[0] = 0x696e7438u; /* "int8" */
+    key[1] = (uint64_t)w->offset;
+    key[2] = (uint64_t)N << 32 | (uint64_t)K;
+    key[3] = (uint64_t)w->dtype;
+    return kiln_cpu_int8_packed_bytes(N, K, w->dtype);
+}
+
+/* The packed storage, retained, or NULL: then the call takes kiln_cpu_linear's own path
+ * (packing per call, or bf16). */
+static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
+{
+    uint64_t key[4];
+    size_t bytes = kiln_cpu_int8_cache_plan(w, M, key);
     if (!bytes) return NULL;
-    const uint64_t key[4] = {0x696e7438u /* "int8" */, (uint64_t)w->offset, (uint64_t)N << 32 | (uint64_t)K,
-                             (uint64_t)w->dtype};
+    int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1);
     kiln_storage *p = kiln_storage_derived_get(w->storage, key);
     if (p) return p;
     if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;

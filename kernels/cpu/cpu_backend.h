@@ -16,4 +16,11 @@ kiln_status kiln_cpu_binary(kiln_binop op, kiln_tensor *out, const kiln_tensor *
 kiln_status kiln_cpu_unary(kiln_unop op, kiln_tensor *out, const kiln_tensor *a, double p0, double p1);
 kiln_status kiln_cpu_reduce(kiln_redop op, kiln_tensor *out, const kiln_tensor *a, int dim, int unbiased);
 
+/* Precision int8's packed form of weight w for a product over M rows (a linear layer's
+ * rows, a 1x1 convolution's pixels), kept as a cache derived from w's storage: its
+ * bytes and its key (device.h's kiln_storage_derived_*), or 0 where the product keeps
+ * none (another precision, too few rows, no VNNI, a mapped weight). The meta device
+ * models the cache from the same plan. */
+size_t kiln_cpu_int8_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4]);
+
 #endif

@@ -11,6 +11,7 @@
 #include "meta_backend.h"
 #include "../../runtime/backend.h"
 #include "../../runtime/meta.h"
+#include "../cpu/cpu_backend.h"
 #include "../cpu/cpu_kernels.h"
 #include "../cuda/cuda_workspace.h"
 
@@ -228,11 +229,25 @@ static kiln_status meta_matmul(kiln_tensor *out, const kiln_tensor *a, const kil
     return mirror(out, in, 2, -1, 0);
 }
 
+/* Precision int8 on the CPU: the weight's packed cache, taken where the CPU backend
+ * takes it (the same plan: rows, precision, where the weight lives; refused where it
+ * does not fit without evicting, as there) and kept with the weight's storage. */
+static void int8_cache(const kiln_tensor *w, int64_t M)
+{
+    uint64_t key[4];
+    size_t bytes = models_cpu() ? kiln_cpu_int8_cache_plan(w, M, key) : 0;
+    if (!bytes) return;
+    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
+    if (!p && kiln_storage_derived_new(w->storage, bytes, &p) == KILN_OK) kiln_storage_derived_put(w->storage, key, p);
+    if (p) kiln_storage_release(p);
+}
+
 static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
 {
     cuda_op();
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
     note_scratch(kiln_cpu_gemm_scratch_bound(M, N, K, cpu_weight_dtype(w->dtype, 1), 0));
+    if (K > 0 && N > 0) int8_cache(w, M);
     const kiln_tensor *in[] = {x, w, bias};
     return mirror(out, in, 3, 1, 1);
 }
@@ -252,6 +267,9 @@ static kiln_status meta_conv2d(kiln_tensor *out, const kiln_tensor *x, const kil
             .dil_h = o->dilation[0], .dil_w = o->dilation[1], .groups = o->groups,
         };
         note_scratch(kiln_cpu_conv2d_scratch_bound(&p, cpu_weight_dtype(w->dtype, 0)));
+        if (p.r == 1 && p.s == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
+            p.groups == 1 && p.c > 0 && p.k > 0)
+            int8_cache(w, p.h * p.w);
     }
     const kiln_tensor *in[] = {x, w, bias, o->residual};
     return mirror(out, in, 4, 1, 0);
