@@ -50,24 +50,22 @@
 #define SCALE_BYTES (PANEL * 4 + PANEL * 4) /* a group's d_w and starting sums in a panel */
 #define PANELS_PER_TASK 4                   /* panels a task sweeps for each 4 rows */
 #define ROWS_PER_TASK 64
-/* the longest group the int32 sums hold: |start| + |running sum| <= (128 + 255) 127 G < 2^31 */
-#define GROUP_MAX 32768
+/* (a group's int32 sum holds |start| + |running sum| <= (128 + 255) 127 G < 2^31 for G
+ * up to 44000) */
 
 static atomic_int vnni_off; /* tests: the kernel reported absent */
 
 void kiln_cpu_int8_set_disabled(int off) { atomic_store(&vnni_off, off != 0); }
 
-/* Depths per scale for a product over K: a multiple of 4 (vpdpbusd's depth) */
+/* Depths per scale: the group length. 256 keeps the scaling off the inner loop (one
+ * convert, multiply and FMA per 64 vpdpbusd) while an outlier coarsens only the 256
+ * depths around it; all of K was little faster and less accurate (README: int8). */
+#define GROUP 256
+
 int64_t kiln_cpu_int8_group(int64_t K)
 {
-    static int64_t g = -1;
-    if (g < 0) {
-        const char *e = getenv("KILN_INT8_GROUP");
-        g = e ? atoll(e) : 0;
-    }
-    int64_t Kp = (K + 3) / 4 * 4, G = g > 0 ? (g + 31) / 32 * 32 : Kp; /* q8_0 rows convert 32 at a time */
-    if (G > GROUP_MAX) G = GROUP_MAX;
-    return G < Kp ? G : Kp;
+    int64_t Kp = (K + 3) / 4 * 4;
+    return GROUP < Kp ? GROUP : Kp;
 }
 
 /* The shapes of a product's quantized operands */
@@ -242,55 +240,52 @@ VNNI static inline __m256i to_bf16(__m512 v)
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-/* Rows [i0, i0 + m) (m <= 4) times panel p, all of K, with the bias, stored from yt (row
+#define TILE_ROWS 8
+
+/* Rows [i0, i0 + m) (m <= 8) times panel p, all of K, with the bias, stored from yt (row
  * i0's column p * PANEL) at ldy values a row, in f32 or (bf16 set) bf16. Rows past m
- * repeat row i0 (their sums are dropped). */
-VNNI static void tile4(const int8_ctx *c, int64_t i0, int m, int64_t p, void *yt, int64_t ldy, int bf16)
+ * repeat row i0 (their sums are dropped). 16 int32 accumulators (8 rows x 32 columns)
+ * stay in registers over a group; the f32 sums of the groups wait in memory. */
+VNNI static void tile8(const int8_ctx *c, int64_t i0, int m, int64_t p, void *yt, int64_t ldy, int bf16)
 {
     const int8_shape *s = &c->s;
-    const uint8_t *ar[4];
-    const float *dr[4];
-    for (int r = 0; r < 4; r++) {
+    const uint8_t *ar[TILE_ROWS];
+    const float *dr[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) {
         int64_t i = i0 + (r < m ? r : 0);
         ar[r] = c->aq + i * s->Kp;
         dr[r] = c->ad + i * s->ng;
     }
-    __m512 f00 = _mm512_setzero_ps(), f01 = f00, f10 = f00, f11 = f00, f20 = f00, f21 = f00, f30 = f00, f31 = f00;
+    __m512 f[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     const uint8_t *blk = c->bp + (size_t)p * s->panel_bytes;
     for (int64_t g = 0; g < s->ng; g++) {
         const int64_t k0 = g * s->G, steps = (s->Kp - k0 < s->G ? s->Kp - k0 : s->G) / 4;
         const uint8_t *sc = blk + steps * 128;
         const __m512i s0 = _mm512_load_si512(sc + PANEL * 4), s1 = _mm512_load_si512(sc + PANEL * 4 + 64);
         __m512i a00 = s0, a01 = s1, a10 = s0, a11 = s1, a20 = s0, a21 = s1, a30 = s0, a31 = s1;
+        __m512i a40 = s0, a41 = s1, a50 = s0, a51 = s1, a60 = s0, a61 = s1, a70 = s0, a71 = s1;
         const uint8_t *x0p = ar[0] + k0, *x1p = ar[1] + k0, *x2p = ar[2] + k0, *x3p = ar[3] + k0;
+        const uint8_t *x4p = ar[4] + k0, *x5p = ar[5] + k0, *x6p = ar[6] + k0, *x7p = ar[7] + k0;
         for (int64_t t = 0; t < steps; t++) {
             const __m512i w0 = _mm512_load_si512(blk + t * 128), w1 = _mm512_load_si512(blk + t * 128 + 64);
-            int32_t v0, v1, v2, v3;
-            memcpy(&v0, x0p + 4 * t, 4);
-            memcpy(&v1, x1p + 4 * t, 4);
-            memcpy(&v2, x2p + 4 * t, 4);
-            memcpy(&v3, x3p + 4 * t, 4);
-            __m512i x0 = _mm512_set1_epi32(v0), x1 = _mm512_set1_epi32(v1);
-            __m512i x2 = _mm512_set1_epi32(v2), x3 = _mm512_set1_epi32(v3);
-            DPBUSD(a00, x0, w0); DPBUSD(a01, x0, w1);
-            DPBUSD(a10, x1, w0); DPBUSD(a11, x1, w1);
-            DPBUSD(a20, x2, w0); DPBUSD(a21, x2, w1);
-            DPBUSD(a30, x3, w0); DPBUSD(a31, x3, w1);
+            int32_t v;
+            __m512i x;
+#define ROW(r)                                        \
+    memcpy(&v, x##r##p + 4 * t, 4);                   \
+    x = _mm512_set1_epi32(v);                         \
+    DPBUSD(a##r##0, x, w0); DPBUSD(a##r##1, x, w1);
+            ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+#undef ROW
         }
         const __m512 d0 = _mm512_load_ps(sc), d1 = _mm512_load_ps(sc + 64);
         __m512 e;
-        e = _mm512_set1_ps(dr[0][g]);
-        f00 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a00), _mm512_mul_ps(e, d0), f00);
-        f01 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a01), _mm512_mul_ps(e, d1), f01);
-        e = _mm512_set1_ps(dr[1][g]);
-        f10 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a10), _mm512_mul_ps(e, d0), f10);
-        f11 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a11), _mm512_mul_ps(e, d1), f11);
-        e = _mm512_set1_ps(dr[2][g]);
-        f20 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a20), _mm512_mul_ps(e, d0), f20);
-        f21 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a21), _mm512_mul_ps(e, d1), f21);
-        e = _mm512_set1_ps(dr[3][g]);
-        f30 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a30), _mm512_mul_ps(e, d0), f30);
-        f31 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a31), _mm512_mul_ps(e, d1), f31);
+#define SCALE(r)                                                                        \
+    e = _mm512_set1_ps(dr[r][g]);                                                       \
+    f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r##0), _mm512_mul_ps(e, d0), f[r][0]); \
+    f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r##1), _mm512_mul_ps(e, d1), f[r][1]);
+        SCALE(0) SCALE(1) SCALE(2) SCALE(3) SCALE(4) SCALE(5) SCALE(6) SCALE(7)
+#undef SCALE
         blk = sc + SCALE_BYTES;
     }
     const int64_t n0 = p * PANEL;
@@ -299,17 +294,16 @@ VNNI static void tile4(const int8_ctx *c, int64_t i0, int m, int64_t p, void *yt
     __mmask16 k1m = nv >= 32 ? (__mmask16)0xffff : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
     __m512 b0 = c->bias ? _mm512_maskz_loadu_ps(k0m, c->bias + n0) : _mm512_setzero_ps();
     __m512 b1 = c->bias && k1m ? _mm512_maskz_loadu_ps(k1m, c->bias + n0 + 16) : _mm512_setzero_ps();
-    __m512 out[4][2] = {{f00, f01}, {f10, f11}, {f20, f21}, {f30, f31}};
     for (int r = 0; r < m; r++) {
         if (bf16) {
             uint16_t *yr = (uint16_t *)yt + r * ldy;
-            _mm256_mask_storeu_epi16(yr, k0m, to_bf16(_mm512_add_ps(out[r][0], b0)));
-            if (k1m) _mm256_mask_storeu_epi16(yr + 16, k1m, to_bf16(_mm512_add_ps(out[r][1], b1)));
+            _mm256_mask_storeu_epi16(yr, k0m, to_bf16(_mm512_add_ps(f[r][0], b0)));
+            if (k1m) _mm256_mask_storeu_epi16(yr + 16, k1m, to_bf16(_mm512_add_ps(f[r][1], b1)));
             continue;
         }
         float *yr = (float *)yt + r * ldy;
-        _mm512_mask_storeu_ps(yr, k0m, _mm512_add_ps(out[r][0], b0));
-        if (k1m) _mm512_mask_storeu_ps(yr + 16, k1m, _mm512_add_ps(out[r][1], b1));
+        _mm512_mask_storeu_ps(yr, k0m, _mm512_add_ps(f[r][0], b0));
+        if (k1m) _mm512_mask_storeu_ps(yr + 16, k1m, _mm512_add_ps(f[r][1], b1));
     }
 }
 
@@ -328,13 +322,13 @@ static void tasks(void *vctx, int64_t begin, int64_t end)
         int64_t p0 = q * PANELS_PER_TASK, p1 = (q + 1) * PANELS_PER_TASK < c->s.npanel ? (q + 1) * PANELS_PER_TASK : c->s.npanel;
         int64_t n0 = p0 * PANEL, nn = (p1 * PANEL < N ? p1 * PANEL : N) - n0;
         const int direct = c->y_dt != KILN_F16, bf16 = c->y_dt == KILN_BF16;
-        for (int64_t i = i0; i < i1; i += 4)
+        for (int64_t i = i0; i < i1; i += TILE_ROWS)
             for (int64_t p = p0; p < p1; p++) {
-                int m = i1 - i < 4 ? (int)(i1 - i) : 4;
+                int m = i1 - i < TILE_ROWS ? (int)(i1 - i) : TILE_ROWS;
                 if (direct)
-                    tile4(c, i, m, p, (char *)c->y + (size_t)(i * N + p * PANEL) * (bf16 ? 2 : 4), N, bf16);
+                    tile8(c, i, m, p, (char *)c->y + (size_t)(i * N + p * PANEL) * (bf16 ? 2 : 4), N, bf16);
                 else
-                    tile4(c, i, m, p, tb + (i - i0) * (PANELS_PER_TASK * PANEL) + (p - p0) * PANEL,
+                    tile8(c, i, m, p, tb + (i - i0) * (PANELS_PER_TASK * PANEL) + (p - p0) * PANEL,
                           PANELS_PER_TASK * PANEL, 0);
             }
         if (!direct)

@@ -5,8 +5,8 @@ reimplemented from its stated rule, in numpy.
 Run from anywhere:  /usr/bin/python3 tests/golden/gen_int8.py
 Writes tests/golden/int8/linear.safetensors (u64 LE header length, JSON header, raw data).
 
-The rule (both operands, groups of G along K, G = the kernel's group length: all of K
-rounded up to 4 when GROUP is 0, else GROUP; the last group takes what is left): amax =
+The rule (both operands, groups of G along K, G = the kernel's group length: GROUP, or
+all of K rounded up to 4 when that is shorter; the last group takes what is left): amax =
 max |v| of the group (float32), d = amax / 127 (float32), q = rint(v * (127 / amax))
 (float32 product, ties to even), clipped to [-127, 127]; q = 0, d = 0 for an all-zero
 group. A q8_0 weight (ggml's block: f16 d, 32 int8 q) is first dequantized (f32 d q) and
@@ -30,7 +30,7 @@ import numpy as np
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8")
 rng = np.random.default_rng(8)
-GROUP = 0  # the kernel's group length (gemm_int8.c's group_len): 0 = all of K
+GROUP = 256  # the kernel's group length (gemm_int8.c's GROUP): 0 = all of K
 # (name, M, N, K): edges (rows not a multiple of 4, columns not of 32), a zero group,
 # one outlier channel in x (the activations of DiTs have some), K not a multiple of 4
 # (f16 weights only), and a K of several groups when GROUP is set
@@ -40,7 +40,7 @@ CASES = [("edges", 37, 45, 96), ("square", 64, 64, 128), ("outlier", 8, 96, 160)
 
 def group_len(K):
     Kp = (K + 3) // 4 * 4
-    return min(Kp, (GROUP + 31) // 32 * 32) if GROUP else Kp
+    return min(Kp, GROUP) if GROUP else Kp
 
 
 def quant(v, G):
