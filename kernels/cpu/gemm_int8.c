@@ -48,7 +48,7 @@
 
 #define PANEL 32                            /* columns per packed panel */
 #define SCALE_BYTES (PANEL * 4 + PANEL * 4) /* a group's d_w and starting sums in a panel */
-#define PANELS_PER_TASK 4                   /* panels a task sweeps for each 4 rows */
+#define PANELS_PER_TASK 4                   /* panels a task sweeps for each tile of rows */
 #define ROWS_PER_TASK 64
 /* (a group's int32 sum holds |start| + |running sum| <= (128 + 255) 127 G < 2^31 for G
  * up to 44000) */
@@ -68,6 +68,8 @@ int64_t kiln_cpu_int8_group(int64_t K)
     return GROUP < Kp ? GROUP : Kp;
 }
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9)
+
 /* The shapes of a product's quantized operands */
 typedef struct {
     int64_t K, Kp, G, ng, npanel;
@@ -82,7 +84,6 @@ static int8_shape shape_of(int64_t N, int64_t K)
     return s;
 }
 
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9)
 #define INT8_X86 1
 #include <immintrin.h>
 #include "cpu_isa.h"
@@ -307,7 +308,7 @@ VNNI static void tile8(const int8_ctx *c, int64_t i0, int m, int64_t p, void *yt
     }
 }
 
-/* Task t: rows [64 r, +64) x panels [4 q, +4); for each 4 rows the 4 panels in turn, so
+/* Task t: rows [64 r, +64) x panels [4 q, +4); for each 8 rows the 4 panels in turn, so
  * the rows' bytes stay in L1 while the panels (4 x 96 KB for K = 3072) stay in L2. A
  * bf16 output is rounded in the tile, an f16 one converted from the task's f32 results
  * while they are in cache. */
