@@ -175,7 +175,6 @@ static inline void weight_values(const int8_ctx *c, int64_t n, int64_t k, int64_
     kiln_to_f32(dst, (const uint8_t *)c->w + kiln_dtype_nbytes(c->w_dt, at), c->w_dt, (size_t)cnt);
 }
 
-#define CHUNK 256 /* weight values converted at a time */
 
 /* Panel p: for each group, column j's dwords (4 depths each) go to lane j % 16 of
  * vector j / 16 of each depth step; then the group's 32 d_w (f32) and 32 starting sums
@@ -184,7 +183,7 @@ VNNI static void pack_panels(void *vctx, int64_t begin, int64_t end)
 {
     const int8_ctx *c = vctx;
     const int8_shape *s = &c->s;
-    float v[CHUNK + 16];
+    float v[GROUP];
     for (int64_t p = begin; p < end; p++) {
         uint8_t *pp = c->bp + (size_t)p * s->panel_bytes;
         int64_t nj = c->N - p * PANEL < PANEL ? c->N - p * PANEL : PANEL;
@@ -195,26 +194,17 @@ VNNI static void pack_panels(void *vctx, int64_t begin, int64_t end)
                 const int64_t k0 = g * s->G, len = s->K - k0 < s->G ? s->K - k0 : s->G;
                 const int64_t lenp = s->Kp - k0 < s->G ? s->Kp - k0 : s->G;
                 uint8_t *gb = pp + (size_t)g * ((size_t)s->G * PANEL + SCALE_BYTES);
-                float amax = 0.0f;
-                for (int64_t t = 0; t < len; t += CHUNK) {
-                    int64_t cnt = len - t < CHUNK ? len - t : CHUNK;
-                    weight_values(c, n, k0 + t, cnt, v);
-                    float m = max_abs(v, KILN_F32, cnt);
-                    amax = m > amax ? m : amax;
-                }
+                weight_values(c, n, k0, len, v);
+                const float amax = max_abs(v, KILN_F32, len);
                 const __m512 vi = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
                 __m512i sum = _mm512_setzero_si512();
-                for (int64_t t = 0; t < lenp; t += CHUNK) { /* the values again, now quantized */
-                    int64_t cnt = len - t < CHUNK ? len - t : CHUNK, cntp = lenp - t < CHUNK ? lenp - t : CHUNK;
-                    weight_values(c, n, k0 + t, cnt, v);
-                    for (int64_t u = 0; u < cntp; u += 16) {
-                        __m512i q = quant16(v, KILN_F32, u, lanes(cnt, u), vi);
-                        sum = _mm512_add_epi32(sum, q);
-                        int8_t qb[16];
-                        _mm_storeu_si128((__m128i *)(void *)qb, _mm512_cvtepi32_epi8(q));
-                        for (int64_t e = 0; e < 16 && u + e < cntp; e += 4) /* depth step (t + u + e) / 4, lane j */
-                            memcpy(gb + (size_t)((t + u + e) / 4) * 128 + (size_t)j * 4, qb + e, 4);
-                    }
+                for (int64_t u = 0; u < lenp; u += 16) {
+                    __m512i q = quant16(v, KILN_F32, u, lanes(len, u), vi);
+                    sum = _mm512_add_epi32(sum, q);
+                    int8_t qb[16];
+                    _mm_storeu_si128((__m128i *)(void *)qb, _mm512_cvtepi32_epi8(q));
+                    for (int64_t e = 0; e < 16 && u + e < lenp; e += 4) /* depth step (u + e) / 4, lane j */
+                        memcpy(gb + (size_t)((u + e) / 4) * 128 + (size_t)j * 4, qb + e, 4);
                 }
                 float *dw = (float *)(void *)(gb + (size_t)lenp * PANEL);
                 int32_t *st = (int32_t *)(void *)(gb + (size_t)lenp * PANEL + PANEL * 4);
