@@ -50,16 +50,16 @@
 #define SCALE_BYTES (PANEL * 4 + PANEL * 4) /* a group's d_w and starting sums in a panel */
 #define PANELS_PER_TASK 4                   /* panels a task sweeps for each tile of rows */
 #define ROWS_PER_TASK 64
-/* (a group's int32 sum holds |start| + |running sum| <= (128 + 255) 127 G < 2^31 for G
- * up to 44000) */
 
 static atomic_int vnni_off; /* tests: the kernel reported absent */
 
 void kiln_cpu_int8_set_disabled(int off) { atomic_store(&vnni_off, off != 0); }
 
 /* Depths per scale: the group length. 256 keeps the scaling off the inner loop (one
- * convert, multiply and FMA per 64 vpdpbusd) while an outlier coarsens only the 256
- * depths around it; all of K was little faster and less accurate (README: int8). */
+ * convert, multiply and FMA per 64 vpdpbusd of an accumulator) while an outlier
+ * coarsens only the 256 depths around it; all of K was little faster and less accurate
+ * (README: int8). A group's int32 sum holds |start| + |running sum| <= (128 + 255) 127
+ * G, below 2^31 up to G = 44000. */
 #define GROUP 256
 
 int64_t kiln_cpu_int8_group(int64_t K)
