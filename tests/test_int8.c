@@ -1,8 +1,9 @@
 /* test_int8.c - the W8A8 linear layer (kernels/cpu/gemm_int8.c) against the rule it
  * states, reimplemented in numpy (tests/golden/gen_int8.py -> tests/golden/int8/): for
- * f16 weights (quantized by the kernel) and q8_0 weights (ggml's blocks, used as they
- * are), the outputs within the f32 summation's rounding of the exact integer sums; the
- * error against the unquantized product within the bound the kernel's header derives;
+ * f16 weights and q8_0 weights (ggml's blocks, dequantized and quantized again per
+ * group), the outputs within the f32 summation's rounding of the exact integer sums
+ * (K not a multiple of 4 or 32 too); the error against the unquantized product within
+ * the bound the kernel's header derives;
  * and kiln_cpu_linear under kiln.precision "int8" taking the int8 path where VNNI is
  * and falling back to the bf16 products where it is not (or is turned off). */
 #define _POSIX_C_SOURCE 200809L
@@ -40,19 +41,40 @@ static const float *f32(const char *c, const char *t)
     return p && dt == KILN_F32 ? p : NULL;
 }
 
+static int has(const char *c, const char *t)
+{
+    char name[64];
+    snprintf(name, sizeof name, "%s.%s", c, t);
+    return kiln_st_find(golden, name) >= 0;
+}
+
 /* max over outputs of |y - want| / tol; > 1 fails */
-static double worst(const float *y, const float *want, const float *mag, int64_t n, int64_t nb)
+static double worst(const float *y, const float *want, const float *mag, int64_t n, int64_t ng)
 {
     double r = 0;
     for (int64_t i = 0; i < n; i++) {
-        /* the f32 sum of nb scaled block sums: each product d_a d_w rounded (2^-24),
-         * each FMA rounding (2^-24 of the partial sum): a few 2^-24 (nb + 2) of the
-         * sum of magnitudes; the golden's own f32 storage 2^-24 |want| */
-        double tol = 4.0 * (double)(nb + 2) * 0x1p-24 * mag[i] + 0x1p-23 * fabs(want[i]) + 1e-30;
+        /* the f32 sum of ng scaled group sums: each sum's conversion to f32, the product
+         * d_a d_w and the FMA rounded (2^-24 each, of the term or the partial sum): a few
+         * 2^-24 (ng + 2) of the sum of magnitudes; the golden's own f32 storage 2^-24 |want| */
+        double tol = 4.0 * (double)(ng + 2) * 0x1p-24 * mag[i] + 0x1p-23 * fabs(want[i]) + 1e-30;
         double e = fabs((double)y[i] - want[i]) / tol;
         if (e > r || isnan(e)) r = isnan(e) ? INFINITY : e;
     }
     return r;
+}
+
+#define NCASES 5
+static const char *cases[NCASES] = {"edges", "square", "outlier", "oddk", "long"};
+
+/* The case's sizes [M, N, K, G]; NULL (and a failure) when the golden was made for
+ * another group length than the kernel's */
+static const int64_t *sizes(const char *c)
+{
+    const int64_t *p = raw(c, "p", NULL);
+    if (!p) return NULL;
+    CHECK(p[3] == kiln_cpu_int8_group(p[2]), "%s: golden made for groups of %lld, the kernel takes %lld: rerun "
+          "tests/golden/gen_int8.py", c, (long long)p[3], (long long)kiln_cpu_int8_group(p[2]));
+    return p[3] == kiln_cpu_int8_group(p[2]) ? p : NULL;
 }
 
 static void t_int8_vs_rule(void)
@@ -61,70 +83,97 @@ static void t_int8_vs_rule(void)
         SKIP("no AVX512-VNNI on this CPU: the int8 products do not run");
         return;
     }
-    const char *cases[] = {"edges", "square", "outlier"};
-    for (int ci = 0; ci < 3; ci++) {
+    for (int ci = 0; ci < NCASES; ci++) {
         const char *c = cases[ci];
-        const int64_t *p = raw(c, "p", NULL);
-        const float *x = f32(c, "x"), *b = f32(c, "b"), *y16 = f32(c, "y16"), *yq = f32(c, "yq");
-        const float *m16 = f32(c, "mag16"), *mq = f32(c, "magq");
-        const void *w16 = raw(c, "w16", NULL), *wq = raw(c, "wq", NULL);
-        if (!p || !x || !b || !y16 || !yq || !m16 || !mq || !w16 || !wq) return;
-        int64_t M = p[0], N = p[1], K = p[2];
+        const int64_t *p = sizes(c);
+        const float *x = f32(c, "x"), *b = f32(c, "b"), *y16 = f32(c, "y16"), *m16 = f32(c, "mag16");
+        const void *w16 = raw(c, "w16", NULL);
+        if (!p || !x || !b || !y16 || !m16 || !w16) return;
+        int64_t M = p[0], N = p[1], K = p[2], ng = (K + p[3] - 1) / p[3];
         float *y = malloc((size_t)(M * N) * sizeof *y);
         int rc = kiln_cpu_linear_int8(y, x, w16, KILN_F16, b, M, N, K);
         CHECK(rc == 0, "%s: f16 weights: rc %d", c, rc);
-        double r = worst(y, y16, m16, M * N, K / 32);
+        double r = worst(y, y16, m16, M * N, ng);
         CHECK(r <= 1.0, "%s: f16 weights: off the rule's result by %.2fx the tolerance", c, r);
-        rc = kiln_cpu_linear_int8(y, x, wq, KILN_Q8_0, b, M, N, K);
-        CHECK(rc == 0, "%s: q8_0 weights: rc %d", c, rc);
-        r = worst(y, yq, mq, M * N, K / 32);
-        CHECK(r <= 1.0, "%s: q8_0 weights: off the rule's result by %.2fx the tolerance", c, r);
-        if (getenv("KILN_TEST_VERBOSE")) printf("  %s: q8_0 weights, difference / tolerance %.3f\n", c, r);
+        if (getenv("KILN_TEST_VERBOSE")) printf("  %s: f16 weights, difference / tolerance %.3f\n", c, r);
+        if (has(c, "wq")) { /* K a multiple of 32: the same weights as q8_0, requantized per group */
+            const float *yq = f32(c, "yq"), *mq = f32(c, "magq");
+            const void *wq = raw(c, "wq", NULL);
+            if (!yq || !mq || !wq) { free(y); return; }
+            rc = kiln_cpu_linear_int8(y, x, wq, KILN_Q8_0, b, M, N, K);
+            CHECK(rc == 0, "%s: q8_0 weights: rc %d", c, rc);
+            r = worst(y, yq, mq, M * N, ng);
+            CHECK(r <= 1.0, "%s: q8_0 weights: off the rule's result by %.2fx the tolerance", c, r);
+            if (getenv("KILN_TEST_VERBOSE")) printf("  %s: q8_0 weights, difference / tolerance %.3f\n", c, r);
+        }
         free(y);
     }
 }
 
-/* The header's bound against the product of the unquantized operands:
- * sum_b (W_b/254 sum|x_k| + A_b/254 sum|w_k| + 32 A_b W_b / 254^2), plus the f32 sums. */
+/* The header's bound against the product of the unquantized operands (for q8_0 weights:
+ * their dequantized values): sum_g (W_g/254 sum|x_k| + A_g/254 sum|w_k| + L_g A_g W_g /
+ * 254^2), plus the f32 sums. */
+static double bound_ratio(const char *c, const int64_t *p, const float *x, const float *w, const float *y,
+                          const float *ye, double *mean_ratio)
+{
+    int64_t M = p[0], N = p[1], K = p[2], G = p[3];
+    double ratio = 0, mean_err = 0, mean_bound = 0;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t n = 0; n < N; n++) {
+            double bound = 0, mag = 0;
+            for (int64_t k0 = 0; k0 < K; k0 += G) {
+                int64_t len = K - k0 < G ? K - k0 : G;
+                double A = 0, W = 0, sx = 0, sw = 0;
+                for (int64_t k = k0; k < k0 + len; k++) {
+                    double xv = fabs(x[i * K + k]), wv = fabs(w[n * K + k]);
+                    A = xv > A ? xv : A; W = wv > W ? wv : W;
+                    sx += xv; sw += wv;
+                    mag += xv * wv;
+                }
+                bound += W / 254 * sx + A / 254 * sw + (double)len * A * W / (254.0 * 254.0);
+            }
+            int64_t ng = (K + G - 1) / G;
+            bound += (double)(ng + 4) * 0x1p-22 * (mag + bound) + 0x1p-23 * fabs(ye[i * N + n]);
+            double e = fabs((double)y[i * N + n] - ye[i * N + n]);
+            if (e / bound > ratio) ratio = e / bound;
+            mean_err += e; mean_bound += bound;
+        }
+    (void)c;
+    *mean_ratio = mean_err / mean_bound;
+    return ratio;
+}
+
 static void t_int8_error_bound(void)
 {
     if (!kiln_cpu_has_vnni()) {
         SKIP("no AVX512-VNNI on this CPU");
         return;
     }
-    const char *cases[] = {"edges", "square", "outlier"};
-    for (int ci = 0; ci < 3; ci++) {
+    for (int ci = 0; ci < NCASES; ci++) {
         const char *c = cases[ci];
-        const int64_t *p = raw(c, "p", NULL);
+        const int64_t *p = sizes(c);
         const float *x = f32(c, "x"), *b = f32(c, "b"), *ye = f32(c, "yexact");
         const void *w16 = raw(c, "w16", NULL);
         if (!p || !x || !b || !ye || !w16) return;
-        int64_t M = p[0], N = p[1], K = p[2], nb = K / 32;
+        int64_t M = p[0], N = p[1], K = p[2];
         float *w = malloc((size_t)(N * K) * sizeof *w), *y = malloc((size_t)(M * N) * sizeof *y);
         kiln_to_f32(w, w16, KILN_F16, (size_t)(N * K));
         CHECK(kiln_cpu_linear_int8(y, x, w16, KILN_F16, b, M, N, K) == 0, "%s: rc", c);
-        double ratio = 0, mean_err = 0, mean_bound = 0;
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) {
-                double bound = 0, mag = 0;
-                for (int64_t bb = 0; bb < nb; bb++) {
-                    double A = 0, W = 0, sx = 0, sw = 0;
-                    for (int k = 0; k < 32; k++) {
-                        double xv = fabs(x[i * K + bb * 32 + k]), wv = fabs(w[n * K + bb * 32 + k]);
-                        A = xv > A ? xv : A; W = wv > W ? wv : W;
-                        sx += xv; sw += wv;
-                        mag += xv * wv;
-                    }
-                    bound += W / 254 * sx + A / 254 * sw + 32 * A * W / (254.0 * 254.0);
-                }
-                bound += (double)(nb + 4) * 0x1p-22 * (mag + bound) + 0x1p-23 * fabs(ye[i * N + n]);
-                double e = fabs((double)y[i * N + n] - ye[i * N + n]);
-                if (e / bound > ratio) ratio = e / bound;
-                mean_err += e; mean_bound += bound;
-            }
+        double mean, ratio = bound_ratio(c, p, x, w, y, ye, &mean);
         CHECK(ratio <= 1.0, "%s: error %.2fx the bound", c, ratio);
         if (getenv("KILN_TEST_VERBOSE"))
-            printf("  %s: worst error / bound %.3f, mean error / mean bound %.3f\n", c, ratio, mean_err / mean_bound);
+            printf("  %s: worst error / bound %.3f, mean error / mean bound %.3f\n", c, ratio, mean);
+        if (has(c, "wq")) { /* q8_0: against its own dequantized values, the requantization's error */
+            const float *yqe = f32(c, "yqexact");
+            const void *wq = raw(c, "wq", NULL);
+            if (!yqe || !wq) { free(w); free(y); return; }
+            kiln_to_f32(w, wq, KILN_Q8_0, (size_t)(N * K));
+            CHECK(kiln_cpu_linear_int8(y, x, wq, KILN_Q8_0, b, M, N, K) == 0, "%s: q8_0 rc", c);
+            ratio = bound_ratio(c, p, x, w, y, yqe, &mean);
+            CHECK(ratio <= 1.0, "%s: q8_0 weights: error %.2fx the bound", c, ratio);
+            if (getenv("KILN_TEST_VERBOSE"))
+                printf("  %s: q8_0 weights: worst error / bound %.3f, mean error / mean bound %.3f\n", c, ratio, mean);
+        }
         free(w); free(y);
     }
 }
@@ -293,6 +342,52 @@ static void t_int8_conv1x1(void)
     free(xt); free(yt); free(want);
 }
 
+/* bf16 / f16 activations (a DiT's under precision int8) into a linear layer with packed
+ * weights: quantized as read and the output written in their dtype, the same bits as the
+ * f32 product of the same values rounded by kiln_convert (K not a multiple of 4 too) */
+static void half_activations(kiln_dtype dt)
+{
+    const int64_t M = 70, N = 150, K = 203;
+    kiln_device *dev = kiln_device_cpu();
+    kiln_tensor *x, *w, *b, *y = NULL;
+    int64_t xs[2] = {M, K}, ws[2] = {N, K};
+    CHECK(kiln_tensor_new(dev, dt, 2, xs, &x) == KILN_OK, "x");
+    CHECK(kiln_tensor_new(dev, KILN_BF16, 2, ws, &w) == KILN_OK, "w");
+    CHECK(kiln_tensor_new(dev, KILN_F32, 1, &N, &b) == KILN_OK, "b");
+    uint16_t *xh = kiln_tensor_data(x), *wh = kiln_tensor_data(w);
+    float *bf = kiln_tensor_data(b), *xf = malloc((size_t)(M * K) * 4), *yf = malloc((size_t)(M * N) * 4);
+    uint16_t *want = malloc((size_t)(M * N) * 2);
+    uint64_t r = 4242;
+#define NEXT() (r = r * 6364136223846793005ull + 1442695040888963407ull, (float)((int64_t)(r >> 40) - (1 << 23)) / (1 << 23))
+    for (int64_t i = 0; i < M * K; i++) xf[i] = NEXT() * 3;
+    kiln_convert(xh, dt, xf, KILN_F32, (size_t)(M * K));
+    for (int64_t i = 0; i < N * K; i++) wh[i] = kiln_f32_to_bf16(NEXT() / 16);
+    for (int64_t i = 0; i < N; i++) bf[i] = NEXT();
+#undef NEXT
+    kiln_to_f32(xf, xh, dt, (size_t)(M * K));
+    CHECK(kiln_cpu_linear_int8(yf, xf, wh, KILN_BF16, bf, M, N, K) == 0, "the f32 product");
+    kiln_convert(want, dt, yf, KILN_F32, (size_t)(M * N));
+    kiln_precision_set(KILN_PREC_INT8);
+    CHECK(kiln_op_linear(x, w, b, &y) == KILN_OK, "linear: %s", kiln_last_error());
+    CHECK(kiln_storage_derived_bytes(w->storage) == kiln_cpu_int8_packed_bytes(N, K, KILN_BF16), "packed weights kept");
+    CHECK(y && y->dtype == dt, "a %s output", kiln_dtype_name(dt));
+    CHECK(y && !memcmp(kiln_tensor_data(y), want, (size_t)(M * N) * 2), "%s: the f32 product's bits rounded",
+          kiln_dtype_name(dt));
+    kiln_precision_set(KILN_PREC_F32);
+    kiln_tensor_free(y); kiln_tensor_free(x); kiln_tensor_free(w); kiln_tensor_free(b);
+    free(xf); free(yf); free(want);
+}
+
+static void t_int8_half_activations(void)
+{
+    if (!kiln_cpu_has_vnni()) {
+        SKIP("no AVX512-VNNI on this CPU");
+        return;
+    }
+    half_activations(KILN_BF16);
+    half_activations(KILN_F16);
+}
+
 int main(void)
 {
     if (kiln_st_open(GOLDEN, &golden) != KILN_OK) {
@@ -304,6 +399,7 @@ int main(void)
     RUN(t_int8_precision_dispatch);
     RUN(t_int8_cached_weights);
     RUN(t_int8_conv1x1);
+    RUN(t_int8_half_activations);
     kiln_st_release(golden);
     kiln_precision_unset();
     return test_summary();

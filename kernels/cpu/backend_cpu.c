@@ -166,18 +166,29 @@ static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
     return p;
 }
 
+/* An activation the int8 product reads or writes as it is */
+static int direct_act(const kiln_tensor *t)
+{
+    return (t->dtype == KILN_F32 || t->dtype == KILN_BF16 || t->dtype == KILN_F16) && kiln_tensor_is_contiguous(t);
+}
+
 static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
 {
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
     if (K == 0) M = kiln_tensor_numel(out) / (N ? N : 1);
     kiln_storage *packed = K > 0 && N > 0 ? int8_weights(w, M) : NULL;
     if (packed) {
+        /* f32, bf16 or f16 activations are quantized as they are, and the output written
+         * in its dtype: no f32 copies of either */
         kiln_status st = KILN_OK;
-        kiln_tensor *tx, *tb = NULL, *to = NULL;
-        const float *X = f32_data(x, &tx, &st), *B = NULL;
+        kiln_tensor *tx = NULL, *tb = NULL, *to = NULL;
+        const void *X = direct_act(x) ? kiln_tensor_data(x) : f32_data(x, &tx, &st);
+        const float *B = NULL;
         if (X && bias) B = f32_data(bias, &tb, &st);
-        float *Y = X && (!bias || B) ? out_data(out, &to, &st) : NULL;
-        int r = Y ? kiln_cpu_linear_int8_packed(Y, X, packed->data, B, M, N, K) : -1;
+        void *Y = X && (!bias || B) ? (direct_act(out) ? kiln_tensor_data(out) : out_data(out, &to, &st)) : NULL;
+        int r = Y ? kiln_cpu_linear_int8_packed(Y, to ? KILN_F32 : out->dtype, X, tx ? KILN_F32 : x->dtype,
+                                                packed->data, B, M, N, K)
+                  : -1;
         kiln_storage_release(packed);
         if (r == 0) { finish_out(out, to); FREE3(tx, tb, NULL); return KILN_OK; }
         FREE3(tx, tb, to);

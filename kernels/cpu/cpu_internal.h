@@ -64,18 +64,19 @@ int kiln_cpu_has_vnni(void);
 void kiln_cpu_int8_set_disabled(int off);
 /* y[M,N] = x[M,K] w[N,K]^T + bias in W8A8 (gemm_int8.c's header: the quantization and
  * its error bound); w q8_0, f32, f16, bf16 or fp8. 0 done, 1 not applicable (no VNNI,
- * K not a multiple of 32, another dtype: the caller takes another path), -1 out of
+ * q8_0 with K not a multiple of 32, another dtype: the caller takes another path), -1 out of
  * scratch. */
 int kiln_cpu_linear_int8(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias, int64_t M,
                          int64_t N, int64_t K);
 /* The weights' packed form (quantized, in the kernel's panels): its bytes (0 when the
  * int8 product does not apply to N, K, w_dtype or this CPU), the packing into a 64-byte
  * aligned buffer of that size (0 done, 1 not applicable), and the product over it (as
- * kiln_cpu_linear_int8, the same result). */
+ * kiln_cpu_linear_int8, the same result; x and y f32, bf16 or f16, contiguous: a bf16
+ * x is quantized as read, a bf16 y rounded from the f32 result as kiln_convert does). */
 size_t kiln_cpu_int8_packed_bytes(int64_t N, int64_t K, kiln_dtype w_dtype);
 int kiln_cpu_int8_pack(void *packed, const void *w, kiln_dtype w_dtype, int64_t N, int64_t K);
-int kiln_cpu_linear_int8_packed(float *y, const float *x, const void *packed, const float *bias, int64_t M,
-                                int64_t N, int64_t K);
+int kiln_cpu_linear_int8_packed(void *y, kiln_dtype y_dt, const void *x, kiln_dtype x_dt, const void *packed,
+                                const float *bias, int64_t M, int64_t N, int64_t K);
 /* A 1x1 convolution (stride 1, no padding, one group) over packed weights [k, c]:
  * y[n, k, hw] = w x[n, c, hw] + bias (+ residual, then leaky ReLU when act), each image
  * turned to pixels-by-channels and back around the same product (the same result as
@@ -83,6 +84,9 @@ int kiln_cpu_linear_int8_packed(float *y, const float *x, const void *packed, co
 int kiln_cpu_conv1x1_int8_packed(float *y, const float *x, const void *packed, const float *bias,
                                  const float *residual, int act, float act_slope, int64_t n, int64_t c, int64_t hw,
                                  int64_t k);
+/* Depths per scale of the int8 product over K (gemm_int8.c's header; the tests check
+ * their goldens were made for it) */
+int64_t kiln_cpu_int8_group(int64_t K);
 /* Fewest rows for which precision int8 takes the W8A8 product: with the weights packed
  * at the call (packed_ready 0) or already packed (1). */
 int64_t kiln_cpu_int8_min_rows(int packed_ready);

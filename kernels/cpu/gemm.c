@@ -15,8 +15,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
-/* Fewest rows for which precision int8 takes the W8A8 kernel: its weights are packed
- * (and quantized, unless q8_0) at each call, a pass over N x K that costs about as much
+/* Fewest rows for which precision int8 takes the W8A8 kernel: its weights are quantized
+ * and packed at each call, a pass over N x K that costs about as much
  * as a hundred rows of int8 products, so the products' 2x over bf16 pays from a few
  * hundred rows (bench_int8.c); fewer rows stay bf16. */
 #define INT8_MIN_ROWS 256

@@ -87,20 +87,30 @@ if o.int8 then
   local function single() return dit:_single("single_blocks.0.", I.xs, I.vs, I.cos, I.sin) end
   local mem_before = kiln.mem.stats("cpu").allocated
   local best = { bf16 = { math.huge, math.huge }, int8 = { math.huge, math.huge } }
+  -- each round's bf16 / int8 time, double and single block, wall and process CPU time
+  -- (os.clock: on a machine shared with other work the CPU time is the steadier)
+  local last, ratios, cpu_ratios = {}, { {}, {} }, { {}, {} }
   for r = 0, o["repeat"] do -- round 0: untimed (int8 packs the weights there, once)
     for _, p in ipairs({ "bf16", "int8" }) do
       kiln.with_precision(p, function()
         collectgarbage(); collectgarbage()
-        local t0 = kiln.time()
+        local t0, c0 = kiln.time(), os.clock()
         local a, b = double()
-        local t1 = kiln.time()
+        local t1, c1 = kiln.time(), os.clock()
         a:free(); b:free()
         local c = single()
-        local t2 = kiln.time()
+        local t2, c2 = kiln.time(), os.clock()
         c:free()
         if r > 0 then
           best[p][1] = math.min(best[p][1], t1 - t0)
           best[p][2] = math.min(best[p][2], t2 - t1)
+          if p == "bf16" then last = { t1 - t0, t2 - t1, c1 - c0, c2 - c1 }
+          else
+            ratios[1][#ratios[1] + 1] = last[1] / (t1 - t0)
+            ratios[2][#ratios[2] + 1] = last[2] / (t2 - t1)
+            cpu_ratios[1][#cpu_ratios[1] + 1] = last[3] / (c1 - c0)
+            cpu_ratios[2][#cpu_ratios[2] + 1] = last[4] / (c2 - c1)
+          end
         end
       end)
     end
@@ -133,10 +143,14 @@ if o.int8 then
   local eb_d, eb_s = err("bf16")
   local ei_d, ei_s = err("int8")
   for i = 1, 3 do ref[i]:free() end
-  say("kiln int8 double block: best %.3f s (bf16 %.3f s: int8 x%.2f faster; error vs f32 %.1e, bf16 %.1e); " ..
-    "single block: best %.3f s (bf16 %.3f s: x%.2f; error %.1e, bf16 %.1e) (%d alternating runs; load %s)",
-    best.int8[1], best.bf16[1], best.bf16[1] / best.int8[1], ei_d, eb_d, best.int8[2], best.bf16[2],
-    best.bf16[2] / best.int8[2], ei_s, eb_s, o["repeat"], loadavg())
+  local function median(t) table.sort(t); return t[(#t + 1) // 2] end
+  say("kiln int8 double block: best %.3f s (bf16 %.3f s: int8 x%.2f faster, median of the rounds' ratios x%.2f; " ..
+    "error vs f32 %.1e, bf16 %.1e); single block: best %.3f s (bf16 %.3f s: x%.2f, median x%.2f; error %.1e, " ..
+    "bf16 %.1e) (%d alternating runs; load %s)",
+    best.int8[1], best.bf16[1], best.bf16[1] / best.int8[1], median(ratios[1]), ei_d, eb_d, best.int8[2],
+    best.bf16[2], best.bf16[2] / best.int8[2], median(ratios[2]), ei_s, eb_s, o["repeat"], loadavg())
+  say("  process CPU time, median of the rounds' bf16 / int8 ratios: double block x%.2f, single block x%.2f",
+    median(cpu_ratios[1]), median(cpu_ratios[2]))
   say("  cpu memory allocated: %.2f GB before the int8 runs, %.2f GB after (the packed int8 weights kept with " ..
     "the model)", mem_before / 1e9, kiln.mem.stats("cpu").allocated / 1e9)
 end

@@ -81,7 +81,7 @@ static double run(layer *ls, int n, kiln_precision p)
     double t0 = now();
     for (int i = 0; i < n; i++)
         if (p == PACKED) {
-            if (!ls[i].packed || kiln_cpu_linear_int8_packed(ls[i].y, ls[i].x, ls[i].packed, ls[i].bias, ls[i].M, ls[i].N,
+            if (!ls[i].packed || kiln_cpu_linear_int8_packed(ls[i].y, KILN_F32, ls[i].x, KILN_F32, ls[i].packed, ls[i].bias, ls[i].M, ls[i].N,
                                                              ls[i].K) != 0) {
                 fprintf(stderr, "bench_int8: the packed int8 product does not run here\n");
                 exit(1);
