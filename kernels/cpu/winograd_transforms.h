@@ -3,9 +3,9 @@
  * Networks", 2016) on 16 lanes of AVX-512: U = G g G^T (weights), V = B^T d B (input
  * tiles of 8x8 / 6x6 / 4x4 / 5x5), y = A^T m A (outputs 6x6 / 4x4 / 2x2 / 4x4). F(6,3)
  * interpolates at 0, +-1, +-2, +-1/2 and infinity, F(4,3) at 0, +-3/2, +-5/8 and
- * infinity (below: why not Lavin's 0, +-1, +-2), F(2,3) at 0, +-1 and infinity, F(4,2) at 0, +-1, 1/2 and infinity (the least f32
- * error of the sets tried: 2.3e-6 of the output range over 256 channels, against 4.5e-6
- * with 2 in place of 1/2). Shared by the two Winograd paths (conv2d_winograd.c: tiles in
+ * infinity (below: why not Lavin's 0, +-1, +-2), F(2,3) at 0, +-1 and infinity, F(4,2)
+ * at 0, +-1, 1/2 and infinity (the least f32 error of the sets tried: 2.3e-6 of the
+ * output range over 256 channels, against 4.5e-6 with 2 in place of 1/2). Shared by the two Winograd paths (conv2d_winograd.c: tiles in
  * lanes, F(6,3), F(4,3) and F(4,2); conv2d_winograd_few.c: channels in lanes, F(4,3)
  * and F(2,3)). Private to kernels/cpu; include inside an x86 GCC/Clang section. */
 #ifndef KILN_WINOGRAD_TRANSFORMS_H
@@ -38,9 +38,9 @@ static inline __attribute__((always_inline, target("avx512f"))) void wino_f16_ro
  * convolution for deep neural networks", 2020). Chosen by simulating bf16-rounded U and V
  * over random operands (a grid of symmetric pairs; the root-mean-square error against the
  * exact convolution, relative to that of a direct convolution of bf16 operands): these
- * two are near the grid's best, the least error of the symmetric sets tried, and keep
- * Lavin's even/odd structure (one add and one subtract per pair). f32 gains too (the
- * same simulation in f32: a third of the error of 0, +-1, +-2). The constants that are
+ * two are near the grid's best, and keep Lavin's even/odd structure (one add and one
+ * subtract per pair of points). f32 gains too: its error falls as well (README: bf16
+ * accuracy; tests/bench/JOURNAL.md has the simulation's table). The constants that are
  * not dyadic (1 / prod (p - q)) are rounded to f32: an f32-level error, far below bf16's. */
 #define WINO_PA 1.5
 #define WINO_PB 0.625
