@@ -322,18 +322,31 @@ static void t_conv_gemm_bf16(void)
     unsetenv("KILN_CONV_PATH");
 }
 
-/* Winograd F(4x4, 3x3): the transforms of winograd_transforms.h, in absolute value */
-static const double AT4[4][6] = {{1, 1, 1, 1, 1, 0}, {0, 1, 1, 2, 2, 0}, {0, 1, 1, 4, 4, 0}, {0, 1, 1, 8, 8, 1}};
-static const double G4[6][3] = {{0.25, 0, 0}, {1.0 / 6, 1.0 / 6, 1.0 / 6}, {1.0 / 6, 1.0 / 6, 1.0 / 6},
-                                {1.0 / 24, 1.0 / 12, 1.0 / 6}, {1.0 / 24, 1.0 / 12, 1.0 / 6}, {0, 0, 1}};
-static const double BT4[6][6] = {{4, 0, 5, 0, 1, 0}, {0, 4, 4, 1, 1, 0}, {0, 4, 4, 1, 1, 0},
-                                 {0, 2, 1, 2, 1, 0}, {0, 2, 1, 2, 1, 0}, {0, 4, 0, 5, 0, 1}};
+/* Winograd F(4x4, 3x3): the transforms of winograd_transforms.h, in absolute value, at
+ * its points 0, +-a, +-b and infinity (a = 3/2, b = 5/8) */
+static double AT4[4][6], G4[6][3], BT4[6][6];
+
+static void winograd_abs_init(void)
+{
+    const double a = 1.5, b = 0.625, a2 = a * a, b2 = b * b;
+    const double ga = 1 / fabs(2 * a2 * (a2 - b2)), gb = 1 / fabs(2 * b2 * (b2 - a2));
+    const double at[4][6] = {{1, 1, 1, 1, 1, 0}, {0, a, a, b, b, 0}, {0, a2, a2, b2, b2, 0},
+                             {0, a2 * a, a2 * a, b2 * b, b2 * b, 1}};
+    const double g[6][3] = {{1 / (a2 * b2), 0, 0}, {ga, ga * a, ga * a2}, {ga, ga * a, ga * a2},
+                            {gb, gb * b, gb * b2}, {gb, gb * b, gb * b2}, {0, 0, 1}};
+    const double bt[6][6] = {{a2 * b2, 0, a2 + b2, 0, 1, 0}, {0, a * b2, b2, a, 1, 0}, {0, a * b2, b2, a, 1, 0},
+                             {0, b * a2, a2, b, 1, 0}, {0, b * a2, a2, b, 1, 0}, {0, a2 * b2, 0, a2 + b2, 0, 1}};
+    memcpy(AT4, at, sizeof at);
+    memcpy(G4, g, sizeof g);
+    memcpy(BT4, bt, sizeof bt);
+}
 
 static void check_winograd(const char *path, int64_t C, int64_t H, int64_t W, int64_t K)
 {
     kiln_conv2d_params p = {.n = 1, .c = C, .h = H, .w = W, .k = K, .r = 3, .s = 3, .stride_h = 1, .stride_w = 1,
                             .pad_h = 1, .pad_w = 1, .dil_h = 1, .dil_w = 1, .groups = 1};
     kiln_conv2d_out_size(&p);
+    winograd_abs_init();
     size_t ny = (size_t)(K * p.oh * p.ow);
     float *x = rand_buf((size_t)(C * H * W), 1.0f), *w = rand_buf((size_t)(K * C * 9), 0.3f);
     float *y32 = malloc(ny * 4), *y16 = malloc(ny * 4);

@@ -7,13 +7,11 @@
  * Why the bound is a multiple of PyTorch's error: oneDNN's bf16 convolution is direct
  * (each tap rounded once, f32 sums), so its error is that of a dot product of 9C bf16
  * terms. F(4x4, 3x3) rounds the transformed tiles instead, and the output transform
- * (rows up to 1, 2, 4, 8 at the points 0, +-1, +-2, infinity) magnifies the roundings at
- * the large points: with random operands the error of a tile's worst output is about
- * 30x the direct one when every point is rounded, about 6x with the points that touch
- * +-2 or infinity kept in f32 (winograd_transforms.h, wino_f32_point; the spread of the
- * rounding over the points is computed from the transform matrices). The bound, 8x,
- * lies between: it fails the all-bf16 transforms (17x and 27x here) and passes the
- * kept points. */
+ * magnifies those roundings: with Lavin's points 0, +-1, +-2 (A^T's rows up to 1, 2, 4, 8)
+ * the two cases here were 17x and 27x PyTorch's error with every point rounded; at the
+ * points of winograd_transforms.h (0, +-3/2, +-5/8) they are within 6x on both paths
+ * (the many-tiles path keeps 12 points in f32, wino_f32_point; the few-tiles path none).
+ * The bound, 8x, fails Lavin's points rounded and passes these. */
 #define _POSIX_C_SOURCE 200809L
 #include "test.h"
 
@@ -87,6 +85,7 @@ static void one_case(const kiln_st_file *f, const char *c)
             CHECK(rc == 0, "%s, %s: f32 path not taken (%d)", c, pname[pa], rc);
             double ef = rel_err(y, ref, ny);
             CHECK(ef < 1e-5, "%s, %s: f32 error %.3e", c, pname[pa], ef);
+            if (getenv("KILN_TEST_VERBOSE")) printf("  %s, %s: f32 error %.3e\n", c, pname[pa], ef);
             for (int emu = 0; emu < 2; emu++) {
                 kiln_precision_set(KILN_PREC_BF16);
                 kiln_cpu_bf16_set_emulation(emu);
@@ -113,6 +112,48 @@ out:
     free(x); free(b); free(ref); free(e); free(y); free(pp);
 }
 
+/* The F(4,3) matrices of winograd_transforms.h, rebuilt in double from the formulas in
+ * its comment (points 0, +-a, +-b, infinity), give the 3-tap correlation of 6 values
+ * exactly (the SIMD transforms, with f32 constants, are checked against the direct
+ * convolution by the f32 cases above and by test_cpu_gemm_conv) */
+static void t_f43_points_exact(void)
+{
+    const double a = 1.5, b = 0.625, a2 = a * a, b2 = b * b;
+    const double pt[5] = {0, a, -a, b, -b};
+    double AT[4][6] = {{0}}, G[6][3] = {{0}}, BT[6][6] = {{0}};
+    for (int k = 0; k < 5; k++) {
+        double N = 1;
+        for (int l = 0; l < 5; l++)
+            if (l != k) N *= pt[k] - pt[l];
+        for (int i = 0; i < 4; i++) AT[i][k] = pow(pt[k], i);
+        for (int j = 0; j < 3; j++) G[k][j] = pow(pt[k], j) / N;
+    }
+    AT[3][5] = 1;
+    G[5][2] = 1;
+    const double bt[6][6] = {{a2 * b2, 0, -(a2 + b2), 0, 1, 0}, {0, -a * b2, -b2, a, 1, 0}, {0, a * b2, -b2, -a, 1, 0},
+                             {0, -b * a2, -a2, b, 1, 0}, {0, b * a2, -a2, -b, 1, 0}, {0, a2 * b2, 0, -(a2 + b2), 0, 1}};
+    memcpy(BT, bt, sizeof bt);
+    double worst = 0;
+    for (int trial = 0; trial < 100; trial++) {
+        double g[3], d[6], m[6];
+        for (int j = 0; j < 3; j++) g[j] = sin(trial * 7.1 + j * 1.3);
+        for (int j = 0; j < 6; j++) d[j] = cos(trial * 3.7 + j * 2.9);
+        for (int k = 0; k < 6; k++) {
+            double u = 0, v = 0;
+            for (int j = 0; j < 3; j++) u += G[k][j] * g[j];
+            for (int j = 0; j < 6; j++) v += BT[k][j] * d[j];
+            m[k] = u * v;
+        }
+        for (int i = 0; i < 4; i++) {
+            double y = 0, ref = 0;
+            for (int k = 0; k < 6; k++) y += AT[i][k] * m[k];
+            for (int j = 0; j < 3; j++) ref += g[j] * d[i + j];
+            if (fabs(y - ref) > worst) worst = fabs(y - ref);
+        }
+    }
+    CHECK(worst < 1e-12, "F(4,3) at 0, +-3/2, +-5/8: off the correlation by %.3g", worst);
+}
+
 static void t_winograd_bf16_vs_torch(void)
 {
     kiln_st_file *f = NULL;
@@ -127,6 +168,7 @@ static void t_winograd_bf16_vs_torch(void)
 
 int main(void)
 {
+    RUN(t_f43_points_exact);
     RUN(t_winograd_bf16_vs_torch);
     kiln_precision_unset();
     return test_summary();

@@ -4,13 +4,13 @@
  * become P = a^2 independent GEMMs U[P][K][C] x V[P][C][tiles] (gemm.c).
  *  - F(4x4, 3x3): 36 products for 16 outputs, 4x fewer multiply-adds than the direct
  *    convolution;
- *  - F(6x6, 3x3): 64 for 36, 5.06x fewer (edges aside), at somewhat larger rounding
- *    error (f32, random 512-channel tiles: 2.9e-5 of the output range against 1.0e-5),
- *    where it is faster (see pick_tile());
+ *  - F(6x6, 3x3): 64 for 36, 5.06x fewer (edges aside), at a larger rounding error
+ *    than F(4,3)'s, where it is faster (see pick_tile());
  *  - F(4x4, 2x2) for a nearest 2x upsampling fused with a 3x3 convolution (the decoders'
  *    Upsample blocks, kiln_cpu_conv2d_up2): one 2x2 kernel per output parity on the small
  *    image, 25 products per 16 outputs, the outputs written to every other pixel.
- * Under kiln.precision("bf16") the weight transform writes U as the GEMM's bf16 pairs.
+ * Under kiln.precision("bf16") the weight transform writes U as the GEMM's bf16 pairs,
+ * but for the points F(4,3) keeps in f32 (wino_f32_point).
  * Scratch is bounded (about 32 MB for F(4,3)): output channels go in blocks and tiles
  * in strips (see plan()). */
 #define _GNU_SOURCE
@@ -70,6 +70,17 @@ typedef struct wino_ctx {
     float *wbuf;                /* kiln_cpu_threads() x 12*144 floats: converted weights */
     blk_setup *blk;             /* tp/16 blocks of the strip */
 } wino_ctx;
+
+/* bf16 products (kiln.precision "bf16") keep 12 of F(4,3)'s 36 points in f32: xi = 6i + j
+ * with i = 0 or i = 5 (the first coordinate at 0 or infinity: xi 0..5 and 30..35, two
+ * runs, so two batched f32 calls beside one bf16 call). Their U and V stay unrounded and
+ * their products run in f32 (twice a bf16 product's time). With the points of
+ * winograd_transforms.h the rounding error spreads about evenly over the 36 points, so
+ * which 12 matters little (a simulation of random operands: each row of 6 removes about
+ * a tenth of the error); these two rows are contiguous. Only this path keeps them: the
+ * UNet's bf16 error against f32 comes from its 64x64 level, which runs here; every point
+ * of the few-tiles path in f32 bought almost nothing (README: bf16 accuracy). */
+static inline int wino_f32_point(int A, int xi) { return A == 6 && (xi < 6 || xi >= 30); }
 
 /* ---- weight transform: U[xi] = (G g G^T)[xi] for every (k, c), in A sliver layout ---- */
 
@@ -745,8 +756,7 @@ static int pick_tile(const kiln_conv2d_params *p)
     const char *e = kiln_tunable_str("KILN_WINOGRAD_TILE");
     if (e && (!strcmp(e, "4") || !strcmp(e, "6"))) return e[0] - '0';
     /* bf16: F(6,3)'s output transform (rows up to 32 at +-2) magnifies the rounding of
-     * its tiles about 2.5x more than F(4,3)'s does, and no few points carry most of it
-     * (wino_f32_point) */
+     * its tiles more than F(4,3)'s does, and no few points carry most of it */
     if (kiln_cpu_bf16_active()) return 4;
     double t4 = (double)((p->oh + 3) / 4) * (double)((p->ow + 3) / 4);
     double t6 = (double)((p->oh + 5) / 6) * (double)((p->ow + 5) / 6);

@@ -22,8 +22,10 @@
  *
  * Under kiln.precision("bf16") the weight transform writes its U chunk as the GEMM's
  * bf16 pairs, V is rounded into pair slivers once per convolution, and the products run
- * on vdpbf16ps (kiln_cpu_gemm_serial_bf16), but for the points F(4,3) keeps in f32
- * (wino_f32_point), whose U and V stay f32 and whose products are f32 ones. */
+ * on vdpbf16ps (kiln_cpu_gemm_serial_bf16), every point of F(4,3) included: the UNet's
+ * error in bf16 comes from its 64x64 level, which takes the other path (whose
+ * wino_f32_point keeps some points in f32); f32 points here bought no accuracy that
+ * counts (README: bf16 accuracy). */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -141,7 +143,7 @@ static void pack_v_fn(void *vctx, int64_t begin, int64_t end)
 {
     const few_ctx *c = vctx;
     for (int64_t xi = begin; xi < end; xi++)
-        if (!wino_f32_point(c->a, (int)xi)) kiln_cpu_bf16_pack_rows(c->Vp + xi * c->svp, c->Cp * 6, c->V + xi * c->NT * c->Cp, c->Cp, c->NT, c->Cp);
+        kiln_cpu_bf16_pack_rows(c->Vp + xi * c->svp, c->Cp * 6, c->V + xi * c->NT * c->Cp, c->Cp, c->NT, c->Cp);
 }
 
 /* n <= 16 weights as f32 (zero past n), converted in registers */
@@ -275,14 +277,7 @@ BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float
                 g_apply(A, to[0][i], to[1][i], to[2][i], oo);
                 uint32_t *row = dst + i * A * su + 16 * h;
 #pragma GCC unroll 8
-                for (int j = 0; j < A; j++) {
-                    if (wino_f32_point(A, i * A + j)) { /* f32 rows ci, ci+1, as weight_points writes them */
-                        float *f = U + (ks * c->cc + ci) * 32 + (i * A + j) * su + 16 * h;
-                        _mm512_storeu_ps(f, oe[j]);
-                        if (odd) _mm512_storeu_ps(f + 32, oo[j]);
-                    } else
-                        _mm512_storeu_si512(row + j * su, native ? bf16_pair_native(oe[j], oo[j], ilv) : bf16_pair(oe[j], oo[j]));
-                }
+                for (int j = 0; j < A; j++) _mm512_storeu_si512(row + j * su, native ? bf16_pair_native(oe[j], oo[j], ilv) : bf16_pair(oe[j], oo[j]));
             }
         }
     }
@@ -373,7 +368,7 @@ AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
                 if (c->bf16) weight_chunk_pairs(c, U, taps, k0, c0, cn);
                 else weight_chunk(c, U, taps, k0, c0, cn);
                 for (int xi = 0; xi < c->P; xi++) {
-                    if (c->bf16 && !wino_f32_point(c->a, xi))
+                    if (c->bf16)
                         kiln_cpu_gemm_serial_bf16(NT, kn, cn, c->Vp + xi * c->svp + c0 * 6, Cp * 6,
                                                   (const uint32_t *)(const void *)(U + xi * c->su), cc * 32,
                                                   M + xi * c->sm, c->kb, c0 > 0);

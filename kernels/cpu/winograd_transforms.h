@@ -2,10 +2,10 @@
  * F(2x2, 3x3) and F(4x4, 2x2) (Lavin & Gray, "Fast Algorithms for Convolutional Neural
  * Networks", 2016) on 16 lanes of AVX-512: U = G g G^T (weights), V = B^T d B (input
  * tiles of 8x8 / 6x6 / 4x4 / 5x5), y = A^T m A (outputs 6x6 / 4x4 / 2x2 / 4x4). F(6,3)
- * interpolates at 0, +-1, +-2, +-1/2 and infinity, F(4,3) at 0, +-1, +-2 and infinity,
- * F(2,3) at 0, +-1 and infinity, F(4,2) at 0, +-1, 1/2 and infinity (the least f32
- * error of the sets tried: 2.3e-6 of the output range over 256 channels, against 4.5e-6
- * with 2 in place of 1/2). Shared by the two Winograd paths (conv2d_winograd.c: tiles in
+ * interpolates at 0, +-1, +-2, +-1/2 and infinity, F(4,3) at 0, +-3/2, +-5/8 and
+ * infinity (below: why not Lavin's 0, +-1, +-2), F(2,3) at 0, +-1 and infinity, F(4,2)
+ * at 0, +-1, 1/2 and infinity (the least f32 error of the sets tried: 2.3e-6 of the
+ * output range over 256 channels, against 4.5e-6 with 2 in place of 1/2). Shared by the two Winograd paths (conv2d_winograd.c: tiles in
  * lanes, F(6,3), F(4,3) and F(4,2); conv2d_winograd_few.c: channels in lanes, F(4,3)
  * and F(2,3)). Private to kernels/cpu; include inside an x86 GCC/Clang section. */
 #ifndef KILN_WINOGRAD_TRANSFORMS_H
@@ -14,18 +14,6 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
-
-/* bf16 products (kiln.precision "bf16") keep some points in f32. The output transform
- * multiplies the products at F(4,3)'s points +-2 and infinity by up to 8 in each
- * direction (A^T's rows 1, 2, 4, 8 at +-2), so a rounding of U or V there reaches the
- * output up to 64-fold: with every point rounded, the error of a tile's worst output
- * was about 30x the direct convolution's (random operands; the spread computed from
- * the transform matrices). Kept in f32: the points xi = 6i + j with i or j among
- * {+-2, inf} (3, 4, 5) and neither 0, 21 of 36 (about 6x the direct error; the 9 with
- * both coordinates there alone left 10x, and one SD 1.5 UNet evaluation 1.35x
- * PyTorch's bf16 error instead of 1.08x). Their U and V stay unrounded and their
- * products run in f32 (twice a bf16 product's time); the other 15 points stay bf16. */
-static inline int wino_f32_point(int A, int xi) { int i = xi / 6, j = xi % 6; return A == 6 && (i >= 3 || j >= 3) && i >= 1 && j >= 1; }
 
 /* Rows [0, kn) of 16 f16 weight taps each (rows rstride bytes apart) widened to f32 as
  * they are loaded, zero past kn: the weight transforms' common case, unrolled so that
@@ -39,45 +27,72 @@ static inline __attribute__((always_inline, target("avx512f"))) void wino_f16_ro
                       : _mm512_setzero_ps();
 }
 
+/* F(4,3) at the points 0, +-a, +-b and infinity, a = 3/2 (xi index 1, 2) and b = 5/8
+ * (3, 4), in place of Lavin's 0, +-1, +-2: with M(x) = x (x^2 - a^2)(x^2 - b^2),
+ *   G's row at p: (1, p, p^2) / prod_{q != p} (p - q), at 0: (1, 0, 0) / (a^2 b^2);
+ *   B^T's row at p: the coefficients of M(x) / (x - p), at infinity those of M(x);
+ *   A^T's column at p: (1, p, p^2, p^3), at infinity (0, 0, 0, 1).
+ * Lavin's points put 2^3 = 8 into A^T, so a rounding of U or V at +-2 reached the output
+ * up to 64-fold; a point and (near) the reciprocal of the other spread the magnification
+ * evenly (Barabasz et al., "Error analysis and improving the accuracy of Winograd
+ * convolution for deep neural networks", 2020). Chosen by simulating bf16-rounded U and V
+ * over random operands (a grid of symmetric pairs; the root-mean-square error against the
+ * exact convolution, relative to that of a direct convolution of bf16 operands): these
+ * two are near the grid's best, and keep Lavin's even/odd structure (one add and one
+ * subtract per pair of points). f32 gains too: its error falls as well (README: bf16
+ * accuracy; tests/bench/JOURNAL.md has the simulation's table). The constants that are
+ * not dyadic (1 / prod (p - q)) are rounded to f32: an f32-level error, far below bf16's. */
+#define WINO_PA 1.5
+#define WINO_PB 0.625
+#define WINO_PA2 (WINO_PA * WINO_PA)
+#define WINO_PB2 (WINO_PB * WINO_PB)
+#define WINO_GA (1.0 / (2 * WINO_PA2 * (WINO_PA2 - WINO_PB2))) /* 1 / prod (a - q) = 1 / prod (-a - q) */
+#define WINO_GB (1.0 / (2 * WINO_PB2 * (WINO_PB2 - WINO_PA2)))
+
 /* G (6x3) applied to the 3 values of one column, for 16 lanes. */
 #define G_APPLY(g0, g1, g2, o)                                                                                  \
     do {                                                                                                        \
-        __m512 s02_ = _mm512_add_ps(g0, g2);                                                                     \
-        o[0] = _mm512_mul_ps(g0, _mm512_set1_ps(0.25f));                                                        \
-        o[1] = _mm512_mul_ps(_mm512_add_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        o[2] = _mm512_mul_ps(_mm512_sub_ps(s02_, g1), _mm512_set1_ps(-1.0f / 6));                                \
-        __m512 e_ = _mm512_fmadd_ps(g0, _mm512_set1_ps(1.0f / 24), _mm512_mul_ps(g2, _mm512_set1_ps(1.0f / 6))); \
-        __m512 f_ = _mm512_mul_ps(g1, _mm512_set1_ps(1.0f / 12));                                                \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
+        o[0] = _mm512_mul_ps(g0, _mm512_set1_ps((float)(1.0 / (WINO_PA2 * WINO_PB2))));                        \
+        __m512 ea_ = _mm512_fmadd_ps(g0, _mm512_set1_ps((float)WINO_GA),                                        \
+                                     _mm512_mul_ps(g2, _mm512_set1_ps((float)(WINO_GA * WINO_PA2))));           \
+        __m512 fa_ = _mm512_mul_ps(g1, _mm512_set1_ps((float)(WINO_GA * WINO_PA)));                             \
+        o[1] = _mm512_add_ps(ea_, fa_);                                                                         \
+        o[2] = _mm512_sub_ps(ea_, fa_);                                                                         \
+        __m512 eb_ = _mm512_fmadd_ps(g0, _mm512_set1_ps((float)WINO_GB),                                        \
+                                     _mm512_mul_ps(g2, _mm512_set1_ps((float)(WINO_GB * WINO_PB2))));           \
+        __m512 fb_ = _mm512_mul_ps(g1, _mm512_set1_ps((float)(WINO_GB * WINO_PB)));                             \
+        o[3] = _mm512_add_ps(eb_, fb_);                                                                         \
+        o[4] = _mm512_sub_ps(eb_, fb_);                                                                         \
         o[5] = g2;                                                                                              \
     } while (0)
 
-/* B^T (6x6) applied to 6 values, for 16 lanes. */
+/* B^T (6x6) applied to 6 values, for 16 lanes: rows a^2 b^2 d0 - (a^2 + b^2) d2 + d4 (at 0),
+ * (d4 - b^2 d2) +- a (d3 - b^2 d1) (at +-a), the same with a and b swapped (at +-b),
+ * a^2 b^2 d1 - (a^2 + b^2) d3 + d5 (at infinity). */
 #define BT_APPLY(d, o)                                                                                          \
     do {                                                                                                        \
-        __m512 four_ = _mm512_set1_ps(4.0f), five_ = _mm512_set1_ps(5.0f), two_ = _mm512_set1_ps(2.0f);             \
-        o[0] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[2], _mm512_mul_ps(four_, d[0])), d[4]);                    \
-        __m512 a_ = _mm512_fnmadd_ps(four_, d[2], d[4]);   /* d4 - 4 d2 */                                        \
-        __m512 b_ = _mm512_fnmadd_ps(four_, d[1], d[3]);   /* d3 - 4 d1 */                                        \
-        o[1] = _mm512_add_ps(a_, b_);                                                                             \
-        o[2] = _mm512_sub_ps(a_, b_);                                                                             \
-        __m512 e_ = _mm512_sub_ps(d[4], d[2]);                                                                   \
-        __m512 f_ = _mm512_mul_ps(two_, _mm512_sub_ps(d[3], d[1]));                                               \
-        o[3] = _mm512_add_ps(e_, f_);                                                                           \
-        o[4] = _mm512_sub_ps(e_, f_);                                                                           \
-        o[5] = _mm512_add_ps(_mm512_fnmadd_ps(five_, d[3], _mm512_mul_ps(four_, d[1])), d[5]);                    \
+        const __m512 ab2_ = _mm512_set1_ps((float)(WINO_PA2 * WINO_PB2)), s2_ = _mm512_set1_ps((float)(WINO_PA2 + WINO_PB2)); \
+        const __m512 a2_ = _mm512_set1_ps((float)WINO_PA2), b2_ = _mm512_set1_ps((float)WINO_PB2);             \
+        o[0] = _mm512_fmadd_ps(ab2_, d[0], _mm512_fnmadd_ps(s2_, d[2], d[4]));                                  \
+        o[5] = _mm512_fmadd_ps(ab2_, d[1], _mm512_fnmadd_ps(s2_, d[3], d[5]));                                  \
+        __m512 pa_ = _mm512_fnmadd_ps(b2_, d[2], d[4]), qa_ = _mm512_fnmadd_ps(b2_, d[1], d[3]);               \
+        o[1] = _mm512_fmadd_ps(_mm512_set1_ps((float)WINO_PA), qa_, pa_);                                       \
+        o[2] = _mm512_fnmadd_ps(_mm512_set1_ps((float)WINO_PA), qa_, pa_);                                      \
+        __m512 pb_ = _mm512_fnmadd_ps(a2_, d[2], d[4]), qb_ = _mm512_fnmadd_ps(a2_, d[1], d[3]);               \
+        o[3] = _mm512_fmadd_ps(_mm512_set1_ps((float)WINO_PB), qb_, pb_);                                       \
+        o[4] = _mm512_fnmadd_ps(_mm512_set1_ps((float)WINO_PB), qb_, pb_);                                      \
     } while (0)
 
 /* A^T (4x6) applied to 6 values, for 16 lanes. */
 #define AT_APPLY(m, o)                                                                                          \
     do {                                                                                                        \
-        __m512 s12_ = _mm512_add_ps(m[1], m[2]), d12_ = _mm512_sub_ps(m[1], m[2]);                                \
-        __m512 s34_ = _mm512_add_ps(m[3], m[4]), d34_ = _mm512_sub_ps(m[3], m[4]);                                \
-        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], s12_), s34_);                                                    \
-        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), d34_, d12_);                                                 \
-        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(4.0f), s34_, s12_);                                                 \
-        o[3] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0f), d34_, d12_), m[5]);                            \
+        __m512 sa_ = _mm512_add_ps(m[1], m[2]), da_ = _mm512_sub_ps(m[1], m[2]);                                  \
+        __m512 sb_ = _mm512_add_ps(m[3], m[4]), db_ = _mm512_sub_ps(m[3], m[4]);                                  \
+        o[0] = _mm512_add_ps(_mm512_add_ps(m[0], sa_), sb_);                                                      \
+        o[1] = _mm512_fmadd_ps(_mm512_set1_ps((float)WINO_PA), da_, _mm512_mul_ps(_mm512_set1_ps((float)WINO_PB), db_)); \
+        o[2] = _mm512_fmadd_ps(_mm512_set1_ps((float)WINO_PA2), sa_, _mm512_mul_ps(_mm512_set1_ps((float)WINO_PB2), sb_)); \
+        o[3] = _mm512_fmadd_ps(_mm512_set1_ps((float)(WINO_PA2 * WINO_PA)), da_,                                 \
+                               _mm512_fmadd_ps(_mm512_set1_ps((float)(WINO_PB2 * WINO_PB)), db_, m[5]));        \
     } while (0)
 
 /* F(2,3): G (4x3), B^T (4x4), A^T (2x4). */
