@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include "atomic_file.h"
 #include "fault.h"
+#include "meta.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -48,15 +49,31 @@ kiln_status kiln_atomic_file_open(kiln_atomic_file *f, const char *path)
 {
     f->path = path;
     f->tmp = NULL;
+    f->discard = 0;
     f->fd = open_temp(path, &f->tmp);
     if (f->fd < 0)
         return kiln_error(KILN_ERR_IO, "%s: cannot create a temporary file next to it: %s", path, strerror(errno));
     return KILN_OK;
 }
 
+kiln_status kiln_atomic_file_open_output(kiln_atomic_file *f, const char *path)
+{
+    kiln_status st = kiln_atomic_file_open(f, path);
+    if (st || !kiln_meta_target()) return st;
+    /* a dry run: the folder took the temporary file; nothing more reaches the disk */
+    close(f->fd);
+    f->fd = -1;
+    unlink(f->tmp);
+    f->discard = 1;
+    return KILN_OK;
+}
+
+int kiln_atomic_file_discards(const kiln_atomic_file *f) { return f->discard; }
+
 kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t n)
 {
     if (!f->tmp) return kiln_error(KILN_ERR_STATE, "%s: write to a closed save", f->path);
+    if (f->discard) return KILN_OK;
     if (kiln_fault_hit(KILN_FAULT_WRITE))   /* a test's injected failure: as if the disk were full */
         return kiln_error(KILN_ERR_IO, "%s: write failed: %s (injected fault)", f->path, strerror(ENOSPC));
     const char *p = buf;
@@ -77,6 +94,7 @@ kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t 
 kiln_status kiln_atomic_file_commit(kiln_atomic_file *f)
 {
     if (!f->tmp) return kiln_error(KILN_ERR_STATE, "%s: commit of a closed save", f->path);
+    if (f->discard) { free(f->tmp); f->tmp = NULL; f->discard = 0; return KILN_OK; }
     kiln_status st = KILN_OK;
     if (fsync(f->fd) != 0) st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", f->path, strerror(errno));
     int rc = close(f->fd);
@@ -96,7 +114,8 @@ void kiln_atomic_file_abort(kiln_atomic_file *f)
     if (!f->tmp) return;
     if (f->fd >= 0) close(f->fd);
     f->fd = -1;
-    unlink(f->tmp);
+    if (!f->discard) unlink(f->tmp);
+    f->discard = 0;
     free(f->tmp);
     f->tmp = NULL;
 }

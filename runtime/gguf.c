@@ -397,7 +397,7 @@ kiln_status kiln_gguf_save(const char *path, int n, const kiln_st_item *items,
     }
     if (st) { free(size); return st; }
     writer w = {{0}, KILN_OK};
-    if ((st = kiln_atomic_file_open(&w.af, path))) { free(size); return st; }
+    if ((st = kiln_atomic_file_open_output(&w.af, path))) { free(size); return st; }
     uint64_t pos = 0;
     w_bytes(&w, GGUF_MAGIC, 4);
     w_u32(&w, 3);

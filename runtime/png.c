@@ -508,7 +508,7 @@ kiln_status kiln_png_write(const char *path, const float *pixels, int c, int h, 
     kiln_status st = check_image(path, pixels, c, h, w, n_text, keys, values);
     if (st) return st;
     kiln_atomic_file out = {0};
-    if ((st = kiln_atomic_file_open(&out, path))) return st;
+    if ((st = kiln_atomic_file_open_output(&out, path))) return st;
     png_sink sink = {&out, NULL, 0, 0, 0};
     if ((st = encode(path, &sink, pixels, c, h, w, n_text, keys, values))) {
         kiln_atomic_file_abort(&out);

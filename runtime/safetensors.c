@@ -666,7 +666,7 @@ static kiln_status save_write(const char *path, const strbuf *hb, int n, const k
                               const uint64_t *nbytes, const int *order)
 {
     kiln_atomic_file out;
-    kiln_status st = kiln_atomic_file_open(&out, path);
+    kiln_status st = kiln_atomic_file_open_output(&out, path);
     if (st) return st;
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)hb->n >> (8 * i));

@@ -352,7 +352,11 @@ end
 --- Prints what a run wrote and where the memory went (unless quiet).
 function M.report(path, o)
   if type(path) == "table" then path = table.concat(path, ", ") end
-  print(("wrote %s"):format(path))
+  if kiln.mem.meta_target() then
+    print(("dry run: %s not written (its pixels would be the dry run's zeros)"):format(path))
+  else
+    print(("wrote %s"):format(path))
+  end
   if not kiln.quiet() then
     if o and o._seconds_per_step then print(("%.3f s per step"):format(o._seconds_per_step)) end
     print(kiln.mem.summary())

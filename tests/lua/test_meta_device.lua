@@ -264,6 +264,41 @@ print("device of the picture: " .. img.device)
   os.remove(script)
 end)
 
+test("a dry run's saves leave the user's files as they were, and still check the folder", function()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p '" .. dir .. "'"))
+  local png, st = dir .. "/picture.png", dir .. "/weights.safetensors"
+  for _, p in ipairs({ png, st }) do
+    local f = assert(io.open(p, "wb"))
+    f:write("the user's own file")
+    f:close()
+  end
+  local ck <close> = kiln.load_checkpoint(MODEL)
+  local r = kiln.dry_run(function()
+    local o = opts()
+    local img = pipeline.txt2img(ck, o)
+    pipeline.save(img, png, o, ck)
+    kiln.save_png(img:to("cpu"), dir .. "/new.png")
+    kiln.save_safetensors(st, { w = kiln.zeros({ 4, 4 }) })
+    H.raises(function() kiln.save_png(img:to("cpu"), dir .. "/no/such/folder.png") end, "no/such/folder.png")
+  end, { device = "sim", budget = "1G" })
+  truthy(r.fits)
+  for _, p in ipairs({ png, st }) do
+    local f = assert(io.open(p, "rb"))
+    eq(f:read("a"), "the user's own file", p)
+    f:close()
+  end
+  local lfs = require "lfs"
+  local left = {}
+  for name in lfs.dir(dir) do if name ~= "." and name ~= ".." then left[#left + 1] = name end end
+  table.sort(left)
+  eq(table.concat(left, " "), "picture.png weights.safetensors", "no new file, no temporary left")
+  os.remove(png)
+  os.remove(st)
+  os.remove(dir)
+end)
+
 test("a PNG the pipelines write carries the measured peak (kiln.peak)", function()
   local ck <close> = kiln.load_checkpoint(MODEL)
   kiln.mem.reset_peak("sim")
