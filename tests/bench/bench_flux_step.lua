@@ -20,10 +20,8 @@ local fw = dofile("tests/bench/flux_weights.lua")
 local o = util.parse_args(arg or {}, { file = "", size = 512, txt = 512, budget = 2048, mode = "low",
   precision = "bf16", threads = 2, no_dry = false, dry_only = false, variant = "dev" })
 if o.file == "" then error("bench_flux_step: --file PATH is required", 0) end
-local fmt = string.format
-local ps = dofile("tests/bench/proc_stats.lua")
-local say, rss_peak, rss_parts, loadavg = ps.say, ps.rss_peak, ps.rss_parts, ps.loadavg
-local MiB = 1024 * 1024
+local say = dofile("tests/bench/proc_stats.lua").say
+local ss = dofile("tests/bench/sim_step.lua")
 
 kiln.set_quiet(true)
 kiln.set_threads(o.threads)
@@ -49,18 +47,7 @@ end
 kiln.set_default_device("sim")
 kiln.memory_mode(o.mode)
 if not o.no_dry then
-  local r = kiln.dry_run(function()
-    collectgarbage("stop")
-    local ok, err = pcall(step)
-    collectgarbage("restart")
-    if not ok then error(err, 0) end
-  end, { device = "sim", budget = o.budget * MiB, mode = o.mode })
-  say("  dry run (meta): predicted peak %.1f MiB (allocated %.1f, reserved %.1f), %s, %.2f s", r.peak / MiB,
-    r.peak_allocated / MiB, r.peak_reserved / MiB, r.fits and "fits" or ("does not fit: " .. tostring(r.oom)),
-    r.seconds)
-  ck.dit:unload()
-  collectgarbage(); collectgarbage()
-  kiln.mem.empty_cache("sim")
+  ss.dry(step, ck.dit, o)
 end
 
 if o.dry_only then return end
@@ -69,18 +56,4 @@ local rate, g = fw.gemm_rate(n_img + o.txt, 5)
 local flops = fw.step_flops(cfg, n_img, o.txt)
 say("  bf16 GEMM [%d, 3072] x [3072, 3072]: %.1f ms = %.1f GFLOP/s; the step: %.2f TFLOP = %.1f s at that rate",
   n_img + o.txt, g * 1e3, rate / 1e9, flops / 1e12, flops / rate)
-kiln.mem.set_budget("sim", o.budget * MiB)
-kiln.mem.reset_peak("sim")
-local la0 = loadavg()
-collectgarbage("stop")
-local t0 = kiln.time()
-step()
-local s = kiln.time() - t0
-collectgarbage("restart")
-local st = kiln.mem.stats("sim")
-local anon, file = rss_parts()
-ck.dit:unload()
-say("  measured: %.1f s; sim peak %.1f MiB (budget %d); peak RSS %.0f MiB; load average %s before, %s after", s,
-  st.peak / MiB, o.budget, rss_peak() / MiB, la0, loadavg())
-say("  step / (FLOPs / GEMM rate) = x%.2f", s / (flops / rate))
-say("  after the step: RSS %.0f MiB anonymous + %.0f MiB of mapped file pages", anon / MiB, file / MiB)
+ss.measure(step, ck.dit, o, flops, rate)
