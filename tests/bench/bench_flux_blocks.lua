@@ -36,17 +36,7 @@ if f then f:close() else
   say("wrote %s: %.2f GB in %.1f s", path, bytes / 1e9, s)
 end
 
-local function best_of(n, fn)
-  local ts = {}
-  for i = 1, n do
-    collectgarbage(); collectgarbage()
-    local t0 = kiln.time()
-    fn()
-    ts[i] = kiln.time() - t0
-  end
-  table.sort(ts)
-  return ts[1], ts[(n + 1) // 2]
-end
+local best_of = ps.best_of
 
 -- ---------------------------------------------------------------- the GEMM rate
 

@@ -1,7 +1,10 @@
 -- tests/bench/proc_stats.lua - what the benches print about the process and the machine
 -- beside their numbers: peak and current RSS (anonymous and file-backed) from
--- /proc/self/status, the load average, and a flushed printf.
+-- /proc/self/status, the load average, a flushed printf, and the best and median time
+-- of repeated runs.
 --   local ps = dofile("tests/bench/proc_stats.lua")
+local kiln = require "kiln"
+
 local M = {}
 
 function M.say(...) print(string.format(...)) io.stdout:flush() end
@@ -32,6 +35,19 @@ function M.loadavg()
   local s = f and f:read("l") or "?"
   if f then f:close() end
   return s:match("^(%S+ %S+ %S+)") or s
+end
+
+--- fn() run n times, each after a full collection: its best and median seconds.
+function M.best_of(n, fn)
+  local ts = {}
+  for i = 1, n do
+    collectgarbage(); collectgarbage()
+    local t0 = kiln.time()
+    fn()
+    ts[i] = kiln.time() - t0
+  end
+  table.sort(ts)
+  return ts[1], ts[(n + 1) // 2]
 end
 
 return M
