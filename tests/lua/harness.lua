@@ -124,4 +124,17 @@ function H.demo_model(what)
   os.exit(0, true) -- the rest of the file needs the model (H.done returns when nothing failed)
 end
 
+-- Each named device is present (kiln.devices()); else the whole test file is one SKIP
+-- line named `what` and ends here.
+function H.need_devices(what, ...)
+  local have = {}
+  for _, d in ipairs(require("kiln").devices()) do have[d] = true end
+  local missing = {}
+  for _, d in ipairs({ ... }) do if not have[d] then missing[#missing + 1] = d end end
+  if #missing == 0 then return end
+  H.test(what, function() H.skip("no " .. table.concat(missing, " or no ") .. " device") end)
+  H.done()
+  os.exit(0, true)
+end
+
 return H

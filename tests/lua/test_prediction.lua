@@ -10,15 +10,7 @@ local kiln = require "kiln"
 local test, truthy = H.test, H.truthy
 
 H.demo_model("prediction table")
-local has_sim, has_meta = false, false
-for _, d in ipairs(kiln.devices()) do
-  has_sim = has_sim or d == "sim"
-  has_meta = has_meta or d == "meta"
-end
-if not (has_sim and has_meta) then
-  test("prediction table", function() H.skip("no sim or no meta device") end)
-  H.done()
-end
+H.need_devices("prediction table", "sim", "meta")
 kiln.set_quiet(true)
 local P = require "prediction"
 

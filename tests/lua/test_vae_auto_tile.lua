@@ -9,15 +9,7 @@ local kiln = require "kiln"
 local test, truthy = H.test, H.truthy
 
 local path = H.demo_model("vae auto tile")
-local has_sim, has_meta = false, false
-for _, d in ipairs(kiln.devices()) do
-  has_sim = has_sim or d == "sim"
-  has_meta = has_meta or d == "meta"
-end
-if not (has_sim and has_meta) then
-  test("vae auto tile through meta", function() H.skip("no sim or no meta device") end)
-  H.done()
-end
+H.need_devices("vae auto tile through meta", "sim", "meta")
 kiln.set_quiet(true)
 local tiling = require "kiln.tiling"
 local MiB = 1024 * 1024

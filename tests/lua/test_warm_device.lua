@@ -10,15 +10,7 @@ local kiln = require "kiln"
 local T = require "tiny_sd"
 local test, eq, truthy = H.test, H.eq, H.truthy
 
-local has_sim, has_meta = false, false
-for _, d in ipairs(kiln.devices()) do
-  has_sim = has_sim or d == "sim"
-  has_meta = has_meta or d == "meta"
-end
-if not (has_sim and has_meta) then
-  test("warm device", function() H.skip("no sim or no meta device") end)
-  H.done()
-end
+H.need_devices("warm device", "sim", "meta")
 kiln.set_quiet(true)
 
 local MiB = 1024 * 1024
