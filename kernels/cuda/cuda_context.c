@@ -344,6 +344,15 @@ static kiln_status slot_take(kiln_cuda_ctx *c, const char *op, int *slot)
     return kiln_cuda_check(c, op, "cudaEventSynchronize", cudaEventSynchronize(c->stage_ev[s]));
 }
 
+/* Without a staging buffer: one copy on the copy stream, waited for. */
+static kiln_status copy_unstaged(kiln_cuda_ctx *c, const char *op, void *dst, const void *src, size_t n,
+                                 enum cudaMemcpyKind kind)
+{
+    kiln_status st = kiln_cuda_check(c, op, "cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, kind, c->copy));
+    if (!st) st = kiln_cuda_check(c, op, "cudaStreamSynchronize", cudaStreamSynchronize(c->copy));
+    return st;
+}
+
 /* Returns once src may be reused (staged or copied); the device side completes on
  * the copy stream and is ordered before any op touching dst. */
 kiln_status kiln_cuda_to_device(void *dst, const void *src, size_t n)
@@ -355,8 +364,7 @@ kiln_status kiln_cuda_to_device(void *dst, const void *src, size_t n)
     kiln_status st = xfer_begin(c, op);
     if (st) return st;
     if (!c->stage) {
-        if (!(st = kiln_cuda_check(c, op, "cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->copy))))
-            st = kiln_cuda_check(c, op, "cudaStreamSynchronize", cudaStreamSynchronize(c->copy));
+        st = copy_unstaged(c, op, dst, src, n, cudaMemcpyHostToDevice);
         pthread_mutex_unlock(&c->xfer_mu);
         return st;
     }
@@ -388,8 +396,7 @@ kiln_status kiln_cuda_to_host(void *dst, const void *src, size_t n)
     kiln_status st = xfer_begin(c, op);
     if (st) return st;
     if (!c->stage) {
-        if (!(st = kiln_cuda_check(c, op, "cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->copy))))
-            st = kiln_cuda_check(c, op, "cudaStreamSynchronize", cudaStreamSynchronize(c->copy));
+        st = copy_unstaged(c, op, dst, src, n, cudaMemcpyDeviceToHost);
         pthread_mutex_unlock(&c->xfer_mu);
         return st;
     }
