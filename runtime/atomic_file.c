@@ -68,8 +68,6 @@ kiln_status kiln_atomic_file_open_output(kiln_atomic_file *f, const char *path)
     return KILN_OK;
 }
 
-int kiln_atomic_file_discards(const kiln_atomic_file *f) { return f->discard; }
-
 kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t n)
 {
     if (!f->tmp) return kiln_error(KILN_ERR_STATE, "%s: write to a closed save", f->path);

@@ -31,8 +31,6 @@ kiln_status kiln_atomic_file_open(kiln_atomic_file *f, const char *path);
 /* The same for a save of computed data; during a dry run, a save that writes nothing
  * (above): write and commit succeed and leave path untouched. */
 kiln_status kiln_atomic_file_open_output(kiln_atomic_file *f, const char *path);
-/* 1 when f is such a discarded save (its callers may skip the work of encoding). */
-int kiln_atomic_file_discards(const kiln_atomic_file *f);
 /* Appends n bytes; KILN_ERR_IO with errno's reason on failure (f stays open: the
  * caller aborts). */
 kiln_status kiln_atomic_file_write(kiln_atomic_file *f, const void *buf, size_t n);
