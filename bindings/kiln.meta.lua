@@ -871,6 +871,8 @@ function kiln.nn.pad(x, pads, mode, value) end
 ---@field largest_free integer
 ---@field workspace integer kernel scratch held outside the allocator now (cpu: the host scratch of cpu and sim)
 ---@field workspace_peak integer the most of it in use at once since kiln.mem.reset_peak
+---@field weight_caches integer bytes of the kernels' caches of weights held now (in allocated too)
+---@field weight_cache_limit integer the most they may hold (kiln.mem.set_weight_cache_limit; -1: the budget alone)
 ---@field bytes_to_device integer
 ---@field bytes_to_host integer
 ---@field copied_in integer host -> device bytes since kiln.mem.reset_peak
@@ -911,6 +913,17 @@ function kiln.mem.empty_cache(device) end
 ---@param bytes integer
 ---@param opts? {live: boolean}
 function kiln.mem.set_budget(device, bytes, opts) end
+
+---Limits the kernels' caches of weights on a device: the CPU's forms of the weights its
+---products read (precision bf16's pair slivers and few-tiles Winograd transforms,
+---int8's packed panels), named "(derived)" in kiln.mem.summary and counted in its
+---statistics. They are taken only where they fit the budget without evicting and are
+---the first memory given back when an allocation does not fit; without a budget this
+---limit is what bounds them (the cpu's default: a quarter of physical memory). 0 takes
+---none; -1 leaves only the budget. Caches over a lowered limit go at once.
+---@param device kiln.DeviceName
+---@param bytes integer
+function kiln.mem.set_weight_cache_limit(device, bytes) end
 
 ---@class kiln.BudgetWatch
 ---@field changes integer budget changes of the device

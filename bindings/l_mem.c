@@ -33,6 +33,11 @@ static int mem_stats(lua_State *L)
      * now (cache included), and the most in use at once since reset_peak */
     SET_INT(L, "workspace", s.workspace);
     SET_INT(L, "workspace_peak", s.workspace_peak);
+    /* kernels' caches of weights (counted in allocated too) and their limit (-1: none
+     * but the budget) */
+    SET_INT(L, "weight_caches", __atomic_load_n(&d->derived_bytes, __ATOMIC_RELAXED));
+    lua_pushinteger(L, d->derived_limit == UINT64_MAX ? -1 : (lua_Integer)d->derived_limit);
+    lua_setfield(L, -2, "weight_cache_limit");
     kiln_transfer_stats x = kiln_device_transfers(d);
     SET_INT(L, "bytes_to_device", x.bytes_to_device);
     /* host -> device bytes since kiln.mem.reset_peak (weights streamed in, inputs) */
@@ -68,6 +73,18 @@ static int mem_set_budget(lua_State *L)
                        .budget_live = l_opt_bool_field(L, 3, "live", 0)};
     kiln_status st = kiln_settings_apply(&s, NULL);
     if (st != KILN_OK) l_raise(L, st);
+    return 0;
+}
+
+/* kiln.mem.set_weight_cache_limit(device, bytes): kernels' caches of weights (bf16's
+ * and int8's forms of them, "(derived)" in the summary) on that device take at most
+ * bytes from now on (0: none; -1: no limit but the budget); those over it go at once. */
+static int mem_set_weight_cache_limit(lua_State *L)
+{
+    kiln_device *d = l_check_device(L, 1);
+    lua_Integer b = luaL_checkinteger(L, 2);
+    if (b < -1) luaL_argerror(L, 2, "limit must be >= 0 bytes, or -1 for none but the budget");
+    kiln_device_set_derived_limit(d, b < 0 ? UINT64_MAX : (uint64_t)b);
     return 0;
 }
 
@@ -226,7 +243,7 @@ static const luaL_Reg mem_funcs[] = {
     {"live", mem_live},
     {"stats", mem_stats}, {"reset_peak", mem_reset_peak}, {"empty_cache", mem_empty_cache},
     {"set_budget", mem_set_budget}, {"summary", mem_summary}, {"prefetch_at_once", mem_prefetch_at_once},
-    {"copy_delay", mem_copy_delay},
+    {"copy_delay", mem_copy_delay}, {"set_weight_cache_limit", mem_set_weight_cache_limit},
     {NULL, NULL},
 };
 

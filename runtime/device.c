@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/mman.h>
 
 #define MAX_DEVICES 16
@@ -60,6 +61,21 @@ static void host_raw_free(void *ctx, void *p, size_t n)
     free(p);
 }
 
+static kiln_device_evict_fn evictor; /* atomic */
+
+void kiln_device_set_evictor(kiln_device_evict_fn fn) { __atomic_store_n(&evictor, fn, __ATOMIC_RELEASE); }
+
+/* The allocators' evict hook (called without the allocator's lock) */
+static size_t evict_hook(void *ctx, kiln_allocator *a, size_t need)
+{
+    (void)a;
+    /* the allocator asks again while it is short: one kind of memory at a time */
+    size_t freed = kiln_device_drop_derived(ctx, need ? need : 1);
+    if (freed) return freed;
+    kiln_device_evict_fn fn = __atomic_load_n(&evictor, __ATOMIC_ACQUIRE);
+    return fn ? fn(ctx, need) : 0;
+}
+
 static kiln_device *add_device(kiln_device_type type, int index, const char *name,
                                int caching, uint64_t budget, const kiln_backend *backend)
 {
@@ -71,6 +87,8 @@ static kiln_device *add_device(kiln_device_type type, int index, const char *nam
     kiln_raw_memory raw = {host_raw_alloc, host_raw_free, NULL};
     d->alloc = kiln_allocator_new(name, raw, budget, caching);
     d->backend = backend;
+    d->derived_limit = UINT64_MAX;
+    kiln_allocator_set_evict_hook(d->alloc, evict_hook, d);
     devices[n_devices++] = d;
     kiln_mem_timeline_add_device(d, d->alloc, d->name);
     return d;
@@ -132,6 +150,11 @@ static void init_devices_locked(void)
     if (cpu) {
         kiln_allocator_set_grain(cpu->alloc, (size_t)4 << 10);
         kiln_allocator_set_cache_limit(cpu->alloc, (uint64_t)2 << 30);
+        /* without a budget, "fits without evicting" bounds nothing: kernels' caches of
+         * the weights (bf16's transformed Winograd weights are 4x an f16 layer) get a
+         * quarter of the machine's memory */
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && psz > 0) cpu->derived_limit = (uint64_t)pages * (uint64_t)psz / 4;
     }
     add_device(KILN_DEV_SIM, 0, "sim", 1, SIM_DEFAULT_BUDGET, host);
     for (int i = 0; i < n_backends; i++)
@@ -159,6 +182,8 @@ kiln_device *kiln_device_register(kiln_device_type type, int index, const char *
     d->alloc = kiln_allocator_new(name, raw, 0, 1);
     d->backend = backend;
     d->total_memory = total;
+    d->derived_limit = UINT64_MAX;
+    kiln_allocator_set_evict_hook(d->alloc, evict_hook, d);
     devices[n_devices++] = d;
     kiln_mem_timeline_add_device(d, d->alloc, d->name);
     return d;
@@ -475,6 +500,7 @@ void kiln_storage_release(kiln_storage *s)
     if (atomic_fetch_sub((atomic_int *)&s->refcount, 1) != 1) return;
     kiln_storage_drop_derived(s);
     unlink_storage(s);
+    if (s->is_derived) __atomic_fetch_sub(&s->device->derived_bytes, (uint64_t)s->nbytes, __ATOMIC_RELAXED);
     if (s->release) s->release(s);
     else {
         kiln_mem_timeline_free(s->device, s->data);
@@ -513,14 +539,29 @@ kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storag
     *out = NULL;
     kiln_device *dev = s->device;
     void *p = NULL;
+    /* within the device's limit for caches, claimed before the allocation so that two
+     * threads cannot both pass it */
+    uint64_t held = __atomic_add_fetch(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
+    if (held > dev->derived_limit || held < nbytes) {
+        __atomic_fetch_sub(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
+        return KILN_ERR_OOM;
+    }
     /* taken only where it fits without evicting: a cache must never push out weights */
-    if (kiln_device_scratch_alloc(dev, nbytes, KILN_SCRATCH_NO_EVICT, &p)) return KILN_ERR_OOM;
+    if (kiln_device_scratch_alloc(dev, nbytes, KILN_SCRATCH_NO_EVICT, &p)) {
+        __atomic_fetch_sub(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
+        return KILN_ERR_OOM;
+    }
     kiln_mem_timeline_free(dev, p); /* accounted below as a storage, not as workspace */
     kiln_storage *r = calloc(1, sizeof *r);
-    if (!r) { kiln_allocator_release(dev->alloc, p); return KILN_ERR_OOM; }
+    if (!r) {
+        kiln_allocator_release(dev->alloc, p);
+        __atomic_fetch_sub(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
+        return KILN_ERR_OOM;
+    }
     r->data = p;
     r->nbytes = nbytes;
     r->device = dev;
+    r->is_derived = 1;
     atomic_init((atomic_int *)&r->refcount, 1);
     snprintf(r->owner, sizeof r->owner, "%.52s (derived)", s->owner);
     link_storage(r);
@@ -563,6 +604,52 @@ void kiln_storage_drop_derived(kiln_storage *s)
         free(list);
         list = next;
     }
+}
+
+/* A reference to s unless its last one is already gone (a release under way: it will
+ * drop the caches and unlink s itself). Called with storage_lock held, which keeps s
+ * in the list, so its memory, until then. */
+static int retain_live(kiln_storage *s)
+{
+    int n = atomic_load((atomic_int *)&s->refcount);
+    while (n > 0)
+        if (atomic_compare_exchange_weak((atomic_int *)&s->refcount, &n, n + 1)) return 1;
+    return 0;
+}
+
+size_t kiln_device_drop_derived(kiln_device *dev, size_t need)
+{
+    size_t freed = 0;
+    while (freed < need) {
+        kiln_storage *s = NULL;
+        pthread_mutex_lock(&storage_lock);
+        for (kiln_storage *p = live_heads[device_slot(dev)]; p && !s; p = p->next)
+            if (__atomic_load_n(&p->derived, __ATOMIC_ACQUIRE) && retain_live(p)) s = p;
+        pthread_mutex_unlock(&storage_lock);
+        if (!s) break;
+        size_t bytes = 0, idle = 0;
+        pthread_mutex_lock(&derived_lock);
+        for (kiln_derived *d = s->derived; d; d = d->next) {
+            bytes += d->data->nbytes;
+            /* one in a kernel's hands goes when the kernel lets it go, not now */
+            if (atomic_load((atomic_int *)&d->data->refcount) == 1) idle += d->data->nbytes;
+        }
+        pthread_mutex_unlock(&derived_lock);
+        kiln_storage_drop_derived(s);
+        kiln_event_emit(KILN_EV_EVICT, dev->name, bytes, s->owner,
+                        "caches derived from its bytes (a kernel's form of the weights), given back");
+        kiln_storage_release(s);
+        freed += idle;
+    }
+    return freed;
+}
+
+void kiln_device_set_derived_limit(kiln_device *dev, uint64_t limit)
+{
+    if (!dev) return;
+    dev->derived_limit = limit;
+    uint64_t held = __atomic_load_n(&dev->derived_bytes, __ATOMIC_RELAXED);
+    if (held > limit) kiln_device_drop_derived(dev, (size_t)(held - limit));
 }
 
 size_t kiln_storage_derived_bytes(kiln_storage *s)

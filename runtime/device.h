@@ -38,6 +38,11 @@ struct kiln_device {
      * worth reading). NULL: none. */
     void (*storage_added)(kiln_device *dev);
     kiln_storage *(*host_zeros)(size_t nbytes);
+    /* Caches derived from weights (below): bytes held now (atomic), and the most they
+     * may hold, budget or not (UINT64_MAX: the budget alone bounds them; the cpu's
+     * default is a quarter of physical memory, since it has no budget by default;
+     * kiln_device_set_derived_limit) */
+    uint64_t derived_bytes, derived_limit;
 };
 
 typedef struct {
@@ -118,6 +123,7 @@ struct kiln_storage {
     char owner[64];                   /* who the bytes are accounted to ("model:unet", "tensor") */
     kiln_storage *prev, *next;        /* live list of the device, for summaries */
     struct kiln_derived *derived;     /* caches derived from these bytes (below); NULL: none */
+    int is_derived;                   /* 1: itself such a cache (counted in device->derived_bytes) */
 };
 
 /* New storage of nbytes from dev's allocator (may evict; KILN_ERR_OOM on failure). */
@@ -148,7 +154,7 @@ typedef struct kiln_derived kiln_derived;
 /* The cache of that key, retained (the caller releases it), or NULL. */
 kiln_storage *kiln_storage_derived_get(kiln_storage *s, const uint64_t key[4]);
 /* Makes a cache of nbytes for s, taken only when it fits the device's budget without
- * evicting anything (a refusal is KILN_ERR_OOM and leaves the thread's last error as it
+ * evicting anything and its derived_limit (a refusal is KILN_ERR_OOM and leaves the thread's last error as it
  * was: the caller computes without one); the caller fills it, then publishes it with
  * kiln_storage_derived_put. */
 kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storage **out);
@@ -157,6 +163,19 @@ kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storag
 void kiln_storage_derived_put(kiln_storage *s, const uint64_t key[4], kiln_storage *d);
 /* Releases every cache derived from s (its bytes changed). */
 void kiln_storage_drop_derived(kiln_storage *s);
+/* Gives back caches derived from dev's storages until need bytes are freed (an EVICT
+ * event each): what an allocation that does not fit frees first, before any model, in
+ * every memory mode, so a cache only ever holds memory nothing else asked for. Returns
+ * the bytes freed now (a cache a kernel is reading goes when it lets go). */
+size_t kiln_device_drop_derived(kiln_device *dev, size_t need);
+/* Every device's allocator asks, for an allocation that does not fit, first
+ * kiln_device_drop_derived, then fn (model.c's eviction of models, registered when
+ * models start; NULL: nothing more), which returns the bytes it freed. */
+typedef size_t (*kiln_device_evict_fn)(kiln_device *dev, size_t need);
+void kiln_device_set_evictor(kiln_device_evict_fn fn);
+/* At most limit bytes of caches derived from dev's storages from now on (0: none
+ * taken; UINT64_MAX: no limit but the budget); those over it go at once. */
+void kiln_device_set_derived_limit(kiln_device *dev, uint64_t limit);
 /* Bytes of the caches derived from s. */
 size_t kiln_storage_derived_bytes(kiln_storage *s);
 

@@ -118,6 +118,7 @@ kiln_status kiln_meta_begin(kiln_device *dev, uint64_t budget)
     kiln_allocator_set_grain(meta->alloc, kiln_allocator_grain(dev->alloc));
     kiln_allocator_set_cache_limit(meta->alloc, kiln_allocator_cache_limit(dev->alloc));
     kiln_allocator_set_budget(meta->alloc, budget);
+    meta->derived_limit = dev->derived_limit;
     kiln_device_reset_peak(meta);
     uint64_t a, r;
     kiln_meta_mark(&a, &r);
@@ -156,6 +157,7 @@ uint64_t kiln_meta_end(void)
     kiln_allocator_set_grain(meta->alloc, kiln_allocator_grain(sim ? sim->alloc : NULL));
     kiln_allocator_set_cache_limit(meta->alloc, sim ? kiln_allocator_cache_limit(sim->alloc) : 0);
     meta->total_memory = 0;
+    meta->derived_limit = sim ? sim->derived_limit : UINT64_MAX;
     kiln_allocator_empty_cache(meta->alloc);
     uint64_t left = kiln_allocator_stats(meta->alloc).allocated;
     return left;

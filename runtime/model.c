@@ -410,13 +410,13 @@ size_t kiln_model_evict(kiln_device *dev, size_t need)
     return freed;
 }
 
-/* The allocators' evict hook (called without the allocator's lock). */
-static size_t evict_hook(void *ctx, kiln_allocator *a, size_t need)
+/* The devices' evictor, after the kernels' caches of weights (device.c; called without
+ * the allocator's lock). */
+static size_t evict_hook(kiln_device *dev, size_t need)
 {
-    (void)a;
     if (kiln_memory_mode_get() == KILN_MEM_HIGH) return 0;
     pthread_mutex_lock(&kiln_model_mu);
-    size_t freed = evict_locked(ctx, need ? need : 1, 1);
+    size_t freed = evict_locked(dev, need ? need : 1, 1);
     pthread_mutex_unlock(&kiln_model_mu);
     return freed;
 }
@@ -426,8 +426,7 @@ static void drop_dry_copies(kiln_device *meta);
 static void init_runtime(void)
 {
     kiln_model_stream_init();
-    for (int i = 0; i < kiln_device_count(); i++)
-        kiln_allocator_set_evict_hook(kiln_device_at(i)->alloc, evict_hook, kiln_device_at(i));
+    kiln_device_set_evictor(evict_hook);
     kiln_meta_set_end_hook(drop_dry_copies);
 }
 

@@ -458,7 +458,7 @@ static void conv_golden(const char *path)
             CHECK(0, "%s: golden tensors missing", c);
         } else {
             kiln_conv2d_params p = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12],
-                                    v[13], 0, 0, 0, 0.0f, NULL};
+                                    v[13], 0, 0, 0, 0.0f, NULL, NULL};
             kiln_status st = kiln_conv2d_out_size(&p);
             CHECK(st == KILN_OK && p.n * p.k * p.oh * p.ow == ny, "%s: out size %s", c, kiln_last_error());
             if (st == KILN_OK && p.n * p.k * p.oh * p.ow == ny && (path_applies(path, &p) || !strcmp(path, "auto"))) {
@@ -547,7 +547,7 @@ static void t_conv_winograd_blocks(void)
     static const int64_t cfg[][4] = {{448, 448, 36, 36}, {1024, 192, 48, 48}};
     for (int ci = 0; ci < 2; ci++) {
         kiln_conv2d_params p = {1, cfg[ci][0], cfg[ci][2], cfg[ci][3], cfg[ci][1], 3, 3, 1, 1, 1, 1, 1, 1, 1,
-                                0, 0, 0, 0.0f, NULL};
+                                0, 0, 0, 0.0f, NULL, NULL};
         kiln_conv2d_out_size(&p);
         int64_t nx = p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.k * p.oh * p.ow;
         float *x = rand_buf(nx), *w = rand_buf(nw), *b = rand_buf(p.k), *y1 = guarded(ny), *y2 = guarded(ny);
@@ -578,7 +578,7 @@ static void winograd_vs_gemm(const int64_t *q, int with_bias, const char *path, 
                              const char *const *vals, int nvals)
 {
     static const kiln_dtype dts[3] = {KILN_F32, KILN_F16, KILN_BF16};
-    kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0, 0, 0.0f, NULL};
+    kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, q[5], q[5], 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
     kiln_conv2d_out_size(&p);
     int64_t nx = p.n * p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.n * p.k * p.oh * p.ow;
     float *x = rand_buf(nx), *w = rand_buf(nw), *b = with_bias ? rand_buf(p.k) : NULL;
@@ -648,7 +648,7 @@ static void t_conv_up2(void)
         double *R = malloc((size_t)ny * sizeof *R);
         if (!x || !w || (!b && ci % 2 == 0) || !u || !y1 || !y2 || !wh || !R) { CHECK(0, "out of memory"); return; }
         kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
-        kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL};
+        kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
         kiln_conv2d_out_size(&p);
         for (int d = 0; d < 3; d++) {
             const void *wp = w;
@@ -699,7 +699,7 @@ static void *conc_fn(void *v)
 
 static void t_conv_concurrent(void)
 {
-    kiln_conv2d_params p = {1, 64, 40, 40, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL};
+    kiln_conv2d_params p = {1, 64, 40, 40, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
     kiln_conv2d_out_size(&p);
     int64_t nx = p.c * p.h * p.w, nw = p.k * p.c * 9, ny = p.k * p.oh * p.ow;
     float *x = rand_buf(nx), *w = rand_buf(nw), *b = rand_buf(p.k), *ref = rand_buf(ny);
@@ -745,7 +745,7 @@ static void t_conv_residual(void)
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const int64_t *v = cases[ci];
         kiln_conv2d_params base = {v[0], v[1], v[2], v[3], v[4], v[5], v[5], v[8], v[8], v[7], v[7], 1, 1, v[6],
-                                   0, 0, 0, 0.0f, NULL};
+                                   0, 0, 0, 0.0f, NULL, NULL};
         if (kiln_conv2d_out_size(&base) != KILN_OK) { CHECK(0, "case %zu: %s", ci, kiln_last_error()); continue; }
         int64_t nx = base.n * base.c * base.h * base.w, nw = base.k * (base.c / base.groups) * base.r * base.s;
         int64_t ny = base.n * base.k * base.oh * base.ow;
@@ -793,7 +793,7 @@ static void t_conv_residual(void)
 
 static void t_conv_errors(void)
 {
-    kiln_conv2d_params base = {1, 4, 8, 8, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL};
+    kiln_conv2d_params base = {1, 4, 8, 8, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
     kiln_conv2d_params p = base;
     CHECK(kiln_conv2d_out_size(&p) == KILN_OK && p.oh == 8 && p.ow == 8, "3x3 pad 1 on 8x8: %lldx%lld",
           (long long)p.oh, (long long)p.ow);

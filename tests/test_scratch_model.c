@@ -46,7 +46,7 @@ static void t_cpu_conv_bounds(void)
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kiln_conv2d_params p = {cases[i].n, cases[i].c, cases[i].h, cases[i].w, cases[i].k, cases[i].r, cases[i].r,
                                 cases[i].stride, cases[i].stride, cases[i].pad, cases[i].pad, 1, 1, cases[i].groups,
-                                0, 0, 0, 0.0f, NULL};
+                                0, 0, 0, 0.0f, NULL, NULL};
         if (kiln_conv2d_out_size(&p)) { CHECK(0, "case %zu: %s", i, kiln_last_error()); continue; }
         size_t nx = (size_t)(p.n * p.c * p.h * p.w), nw = (size_t)(p.k * (p.c / p.groups) * p.r * p.s);
         size_t ny = (size_t)(p.n * p.k * p.oh * p.ow);

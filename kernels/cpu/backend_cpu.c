@@ -6,6 +6,7 @@
 #include "cpu_internal.h"
 #include "cpu_isa.h"
 #include "threadpool.h"
+#include "../../runtime/model.h"
 #include "../../runtime/precision.h"
 
 #include <math.h>
@@ -133,14 +134,16 @@ static void wop_done(wop *o, kiln_tensor *out)
 
 /* Precision int8: the weight's packed form (gemm_int8.c), kept as a cache derived from
  * its storage (device.h) so a model's weights are quantized once, not at every call.
- * Only for weights in allocator memory (a model's loaded or streamed copy, counted and
- * freed with it; a mapped file's pages are not copied into anonymous memory behind the
- * budget's back). The meta device takes the same cache through this plan, so a dry run
- * counts it where the real run keeps it (cpu_backend.h). */
+ * Counted in the device's budget and its limit for caches, taken only where it fits
+ * without evicting, and the first memory given back when an allocation does not fit
+ * (device.h), so it holds spare memory only. In memory mode low only for streamed
+ * copies (it goes with the copy), not for a mapped file's weights: low's point is to
+ * hold no second copy of them. The meta device takes the same cache through this plan,
+ * so a dry run counts it where the real run keeps it (cpu_backend.h). */
 size_t kiln_cpu_int8_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4])
 {
     if (kiln_precision_for(NULL) != KILN_PREC_INT8 || M < kiln_cpu_int8_min_rows(1) || w->ndim < 2 ||
-        w->storage->release || !kiln_tensor_is_contiguous(w))
+        (w->storage->release && kiln_memory_mode_get() == KILN_MEM_LOW) || !kiln_tensor_is_contiguous(w))
         return 0;
     int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1); /* a 1x1 convolution's [k, c, 1, 1] too */
     key[0] = 0x696e7438u; /* "int8" */
@@ -164,6 +167,65 @@ static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
     if (kiln_cpu_int8_pack(p->data, kiln_tensor_data(w), w->dtype, N, K)) { kiln_storage_release(p); return NULL; }
     kiln_storage_derived_put(w->storage, key, p);
     return p;
+}
+
+/* Precision bf16: a linear layer's weight rounded into the product's pair slivers once
+ * (gemm_bf16.c), kept as a cache derived from its storage like int8's, instead of
+ * rounding it again at every call (about as long as the bf16 products of a UNet's
+ * 256-token layers). Mapped weights too: the cache is counted in the device's budget,
+ * taken only where it fits without evicting, and the first thing an allocation that
+ * does not fit gives back (kiln_device_drop_derived), so it uses spare memory only. Not
+ * in memory mode low, whose point is to hold no second copy of the weights. */
+size_t kiln_cpu_bf16_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4])
+{
+    if (kiln_precision_for(NULL) != KILN_PREC_BF16 || kiln_memory_mode_get() == KILN_MEM_LOW || w->ndim != 2 ||
+        (w->dtype != KILN_F32 && w->dtype != KILN_F16 && w->dtype != KILN_BF16) || !kiln_tensor_is_contiguous(w))
+        return 0;
+    int64_t N = w->shape[0], K = w->shape[1];
+    int mode = M > 8 ? kiln_cpu_bf16_active() : 0; /* how the product of M rows runs (gemm.c) */
+    if (!mode || !kiln_cpu_gemm_have_simd() || N <= 0 || K <= 0 || (double)M * (double)N * (double)K < 32768.0)
+        return 0;
+    key[0] = 0x62663136u; /* "bf16" */
+    key[1] = (uint64_t)w->offset;
+    key[2] = (uint64_t)N << 32 | (uint64_t)K;
+    key[3] = (uint64_t)w->dtype | (uint64_t)mode << 8;
+    return kiln_cpu_bf16_weight_pairs_bytes(N, K);
+}
+
+static kiln_storage *bf16_weights(const kiln_tensor *w, int64_t M)
+{
+    uint64_t key[4];
+    size_t bytes = kiln_cpu_bf16_cache_plan(w, M, key);
+    if (!bytes) return NULL;
+    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
+    if (p) return p;
+    if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;
+    if (kiln_cpu_bf16_weight_pairs(p->data, kiln_tensor_data(w), w->dtype, w->shape[0], w->shape[1])) {
+        kiln_storage_release(p);
+        return NULL;
+    }
+    kiln_storage_derived_put(w->storage, key, p);
+    return p;
+}
+
+/* bf16 products: a 3x3 convolution's weights transformed as the few-tiles Winograd path
+ * multiplies them (conv2d_winograd_few.c), kept like the linear layers' pairs above:
+ * that transform was as long as the products it feeds at a UNet's 8x8 and 16x16
+ * levels. Four times the f16 weights' bytes at F(4,3) (36 points for 9 taps, in bf16),
+ * 1.8 times at F(2,3). */
+size_t kiln_cpu_conv2d_cache_plan(const kiln_tensor *w, const kiln_conv2d_params *p, uint64_t key[4])
+{
+    int variant = 0;
+    if (kiln_memory_mode_get() == KILN_MEM_LOW || w->ndim != 4 || !kiln_tensor_is_contiguous(w) ||
+        (w->dtype != KILN_F32 && w->dtype != KILN_F16 && w->dtype != KILN_BF16))
+        return 0;
+    size_t bytes = kiln_cpu_conv2d_weight_cache_plan(p, w->dtype, &variant);
+    if (!bytes) return 0;
+    key[0] = 0x77696e6fu; /* "wino" */
+    key[1] = (uint64_t)w->offset;
+    key[2] = (uint64_t)p->k << 32 | (uint64_t)p->c;
+    key[3] = (uint64_t)w->dtype | (uint64_t)variant << 8;
+    return bytes;
 }
 
 /* An activation the int8 product reads or writes as it is */
@@ -195,10 +257,14 @@ static kiln_status cpu_linear(kiln_tensor *out, const kiln_tensor *x, const kiln
         if (!Y) return st ? st : KILN_ERR_OOM;
         /* no scratch for the activations: the ordinary path below */
     }
+    /* a weight the plan takes is contiguous in its float dtype: wop reads it in place */
+    kiln_storage *pairs = K > 0 && N > 0 ? bf16_weights(w, M) : NULL;
     wop o;
     kiln_status st = wop_get(&o, out, x, w, bias, 1);
-    if (st) return st;
-    st = kiln_cpu_linear(o.Y, o.X, o.W, o.wdt, o.B, M, N, K);
+    if (st) { kiln_storage_release(pairs); return st; }
+    if (!pairs || kiln_cpu_linear_bf16_pairs(o.Y, o.X, pairs->data, o.B, M, N, K))
+        st = kiln_cpu_linear(o.Y, o.X, o.W, o.wdt, o.B, M, N, K);
+    kiln_storage_release(pairs);
     wop_done(&o, out);
     return st;
 }
@@ -244,7 +310,23 @@ static kiln_status cpu_conv2d(kiln_tensor *out, const kiln_tensor *x, const kiln
         wop_done(&ops, out);
         return st;
     }
+    /* the layer's transformed weights: read from the cache, or written into a new one
+     * by this call and kept when the kernel did fill it */
+    uint64_t key[4];
+    size_t cache_bytes = kiln_cpu_conv2d_cache_plan(w, &p, key);
+    kiln_conv2d_cache wc = {0};
+    kiln_storage *cache = cache_bytes ? kiln_storage_derived_get(w->storage, key) : NULL;
+    int cached = cache != NULL; /* wc.ready also turns 1 after a batch's first group fills it */
+    if (cache) wc.ready = 1;
+    else if (cache_bytes && kiln_storage_derived_new(w->storage, cache_bytes, &cache)) cache = NULL;
+    if (cache) {
+        wc.data = cache->data;
+        wc.variant = (int)(key[3] >> 8);
+        p.cache = &wc;
+    }
     st = kiln_cpu_conv2d(ops.Y, ops.X, ops.W, ops.wdt, ops.B, &p);
+    if (cache && !cached && wc.filled && !st) kiln_storage_derived_put(w->storage, key, cache);
+    kiln_storage_release(cache);
     kiln_tensor_free(tr);
     wop_done(&ops, out);
     return st;

@@ -587,7 +587,7 @@ kiln_status kiln_cpu_conv2d_up2(float *y, const float *x, const void *w, kiln_dt
     float *u = kiln_cpu_scratch_get(nu * sizeof(float));
     if (!u) return kiln_error_oom("cpu", nu * sizeof(float), 0, 0, "conv2d (upsample 2): no memory for the upsampled input");
     kiln_cpu_upsample_nearest(u, x, N * C, H, W, 2);
-    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL};
+    kiln_conv2d_params p = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL, NULL};
     kiln_status st = kiln_cpu_conv2d(y, u, w, w_dtype, bias, &p);
     kiln_cpu_scratch_put(u);
     return st;
@@ -642,17 +642,32 @@ size_t kiln_cpu_conv2d_scratch_bound(const kiln_conv2d_params *p, kiln_dtype w_d
     return n > best ? n : best;
 }
 
+size_t kiln_cpu_conv2d_weight_cache_plan(const kiln_conv2d_params *p, kiln_dtype w_dt, int *variant)
+{
+    if (!p || p->groups < 1 || p->c % p->groups || p->k % p->groups) return 0;
+    kiln_conv2d_params q = *p;
+    if (kiln_conv2d_out_size(&q)) return 0;
+    int64_t cg = q.c / q.groups, kg = q.k / q.groups;
+    conv_path path = forced_path();
+    /* the paths before the few-tiles one, as kiln_cpu_conv2d tries them */
+    if ((path == PATH_AUTO && cg == 1) || path == PATH_DIRECT) return 0;
+    if (path == PATH_AUTO && kiln_cpu_gemm_have_simd() && kg <= SMALLK && q.stride_w == 1) return 0;
+    if ((path == PATH_AUTO && q.c >= 64 && q.k >= 64) || path == PATH_WINOGRAD_FEW)
+        return kiln_cpu_conv2d_winograd_few_cache(&q, w_dt, path == PATH_WINOGRAD_FEW, variant);
+    return 0;
+}
+
 /* The fused path's buffer where it takes the shape, else the upsampled image in scratch
  * and the 3x3 convolution of it (both live together). */
 size_t kiln_cpu_conv2d_up2_scratch_bound(int64_t N, int64_t C, int64_t H, int64_t W, int64_t K, kiln_dtype w_dt)
 {
     if (N < 1 || C < 1 || H < 1 || W < 1 || K < 1) return 0;
-    kiln_conv2d_params p = {N, C, H, W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, H, W, 0, 0.0f, NULL};
+    kiln_conv2d_params p = {N, C, H, W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, H, W, 0, 0.0f, NULL, NULL};
     if (forced_path() == PATH_AUTO) {
         size_t fused = kiln_cpu_conv2d_winograd_scratch(&p, 1, 0);
         if (fused) return kiln_cpu_scratch_block_bound(fused);
     }
-    kiln_conv2d_params q = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL};
+    kiln_conv2d_params q = {N, C, 2 * H, 2 * W, K, 3, 3, 1, 1, 1, 1, 1, 1, 1, 2 * H, 2 * W, 0, 0.0f, NULL, NULL};
     return kiln_cpu_scratch_block_bound((size_t)N * (size_t)C * (size_t)(4 * H * W) * sizeof(float)) +
            kiln_cpu_conv2d_scratch_bound(&q, w_dt);
 }

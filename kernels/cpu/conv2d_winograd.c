@@ -921,7 +921,7 @@ int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_d
     int rc = 0;
     for (int par = 0; par < 4 && rc == 0; par++) {
         int py = par / 2, px = par % 2;
-        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W, 0, 0.0f, NULL};
+        kiln_conv2d_params q = {N, C, H, W, K, 2, 2, 1, 1, 1 - py, 1 - px, 1, 1, 1, H, W, 0, 0.0f, NULL, NULL};
         wino_map mp = {4, 2, 1, py, px, 2 * W, 4 * H * W};
         rc = wino_run(y, x, w, w_dtype, bias, &q, &mp);
     }
@@ -937,7 +937,7 @@ size_t kiln_cpu_conv2d_winograd_scratch(const kiln_conv2d_params *p, int up2, in
     if (!kiln_cpu_gemm_have_simd()) return 0;
     if (up2) {
         if (!kiln_cpu_conv2d_up2_fuses(p->c, p->h, p->w, p->k)) return 0;
-        kiln_conv2d_params q = {p->n, p->c, p->h, p->w, p->k, 2, 2, 1, 1, 1, 1, 1, 1, 1, p->h, p->w, 0, 0.0f, NULL};
+        kiln_conv2d_params q = {p->n, p->c, p->h, p->w, p->k, 2, 2, 1, 1, 1, 1, 1, 1, 1, p->h, p->w, 0, 0.0f, NULL, NULL};
         wino_size(&q, 4, 2, threads, &z);
         return z.total * sizeof(float);
     }

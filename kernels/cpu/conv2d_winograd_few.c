@@ -69,7 +69,25 @@ typedef struct {
     int64_t svp;
     float *slots;                    /* per thread: slot floats */
     size_t slot;
+    uint32_t *uc;                    /* bf16: the caller's cache of every U chunk (cache_lanes), or NULL */
+    int uc_ready;                    /* 1: uc holds them; 0: the weight transform writes them there */
+    int64_t ucs, nch;                /* lanes from one cached point to the next; chunks of cc channels */
 } few_ctx;
+
+/* A cached U chunk: P points of kb/32 slivers of cc/2 pair rows (no unused half, as a
+ * slot's chunk has), points a line more than that apart (the slot's reason, below). */
+static int64_t cached_point_lanes(int64_t cc) { return (KB / 32) * (cc / 2) * 32 + 16; }
+
+/* The cache of every U chunk a layer of K output and C input channels takes: [blocks of
+ * KB][chunks of cc][P] points, in bf16 pairs. */
+/* What a cache's bytes depend on besides the layer: the tile and the pair rounding */
+static int cache_variant(int m, int bf16) { return m | bf16 << 4; }
+
+static size_t cache_lanes(int P, int64_t K, int64_t C)
+{
+    int64_t Cp = (C + 15) / 16 * 16, cc = CC < Cp ? CC : Cp;
+    return (size_t)((K + KB - 1) / KB) * (size_t)((C + cc - 1) / cc) * (size_t)P * (size_t)cached_point_lanes(cc);
+}
 
 /* Per-thread slot: U chunk [P][KB/32][cc][32], M [P][NT][KB], transposed taps
  * [2][cc*9][16], A sliver scratch. The P matrices of U and of M lie one 64-byte line
@@ -252,13 +270,12 @@ AVX512 static void weight_chunk(const few_ctx *c, float *U, float *taps, int64_t
 #define BF16_FEW static __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define BF16_FEW_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512bf16")))
 
-BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float *taps, int64_t ks, int64_t run,
-                                         int64_t cn, const int A, const int native)
+BF16_FEW_INLINE void weight_points_pairs(uint32_t *U, int64_t sl, int64_t su, const float *taps, int64_t ks,
+                                         int64_t run, int64_t cn, const int A, const int native)
 {
     const __m512i ilv = bf16_pair_index();
-    const int64_t su = c->su;
     for (int64_t ci = 0; ci < cn; ci += 2) {
-        uint32_t *dst = (uint32_t *)(void *)U + (ks * c->cc + ci / 2) * 32;
+        uint32_t *dst = U + ks * sl + (ci / 2) * 32;
         int odd = ci + 1 < cn;
         for (int h = 0; h < 2; h++) {
             const float *tp = taps + (size_t)h * run * 16 + ci * 9 * 16;
@@ -283,17 +300,19 @@ BF16_FEW_INLINE void weight_points_pairs(const few_ctx *c, float *U, const float
     }
 }
 
-BF16_FEW void weight_chunk_pairs(const few_ctx *c, float *U, float *taps, int64_t k0, int64_t c0, int64_t cn)
+/* U: slivers sl lanes apart, points su lanes apart (a slot's chunk or a cached one) */
+BF16_FEW void weight_chunk_pairs(const few_ctx *c, uint32_t *U, int64_t sl, int64_t su, float *taps, int64_t k0,
+                                 int64_t c0, int64_t cn)
 {
     const int64_t run = cn * 9;
     for (int64_t ks = 0; ks < c->kb / 32; ks++) {
         sliver_taps(c, taps, k0 + 32 * ks, c0, run);
         if (c->bf16 == 1) {
-            if (c->a == 6) weight_points_pairs(c, U, taps, ks, run, cn, 6, 1);
-            else weight_points_pairs(c, U, taps, ks, run, cn, 4, 1);
+            if (c->a == 6) weight_points_pairs(U, sl, su, taps, ks, run, cn, 6, 1);
+            else weight_points_pairs(U, sl, su, taps, ks, run, cn, 4, 1);
         } else {
-            if (c->a == 6) weight_points_pairs(c, U, taps, ks, run, cn, 6, 0);
-            else weight_points_pairs(c, U, taps, ks, run, cn, 4, 0);
+            if (c->a == 6) weight_points_pairs(U, sl, su, taps, ks, run, cn, 6, 0);
+            else weight_points_pairs(U, sl, su, taps, ks, run, cn, 4, 0);
         }
     }
 }
@@ -365,12 +384,20 @@ AVX512 static void block_range(void *vctx, int64_t begin, int64_t end)
             int64_t k0 = b * c->kb, kn = c->K - k0 < c->kb ? c->K - k0 : c->kb;
             for (int64_t c0 = 0; c0 < C; c0 += cc) {
                 int64_t cn = C - c0 < cc ? C - c0 : cc;
-                if (c->bf16) weight_chunk_pairs(c, U, taps, k0, c0, cn);
-                else weight_chunk(c, U, taps, k0, c0, cn);
+                /* bf16: the chunk's U in the slot, or in the cache (written at the first call) */
+                uint32_t *Ub = (uint32_t *)(void *)U;
+                int64_t sl = cc * 32, su = c->su;
+                if (c->uc) {
+                    Ub = c->uc + (size_t)((b * c->nch + c0 / cc) * c->P) * (size_t)c->ucs;
+                    sl = (cc / 2) * 32;
+                    su = c->ucs;
+                }
+                if (c->bf16) {
+                    if (!c->uc_ready) weight_chunk_pairs(c, Ub, sl, su, taps, k0, c0, cn);
+                } else weight_chunk(c, U, taps, k0, c0, cn);
                 for (int xi = 0; xi < c->P; xi++) {
                     if (c->bf16)
-                        kiln_cpu_gemm_serial_bf16(NT, kn, cn, c->Vp + xi * c->svp + c0 * 6, Cp * 6,
-                                                  (const uint32_t *)(const void *)(U + xi * c->su), cc * 32,
+                        kiln_cpu_gemm_serial_bf16(NT, kn, cn, c->Vp + xi * c->svp + c0 * 6, Cp * 6, Ub + xi * su, sl,
                                                   M + xi * c->sm, c->kb, c0 > 0);
                     else
                         kiln_cpu_gemm_serial(NT, kn, cn, c->V + (int64_t)xi * NT * Cp + c0, Cp, U + xi * c->su,
@@ -402,6 +429,8 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
             int r = kiln_cpu_conv2d_winograd_few(y + n0 * p->k * p->oh * p->ow, x + n0 * p->c * p->h * p->w, w, w_dtype,
                                                  bias, &q, forced || n0 > 0);
             if (r != 0) return r; /* declined (or out of scratch) at the first group: nothing written */
+            /* the first group filled the cache (when its tile was the cache's): the others read it */
+            if (p->cache && p->cache->filled) p->cache->ready = 1;
         }
         return 0;
     }
@@ -429,6 +458,13 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     c.cc = CC < c.Cp ? CC : c.Cp;
     c.bf16 = bf16;
     c.nkb = (c.K + c.kb - 1) / c.kb;
+    kiln_conv2d_cache *uc = p->cache;
+    if (uc && uc->data && bf16 && uc->variant == cache_variant(c.m, bf16)) {
+        c.uc = uc->data;
+        c.uc_ready = uc->ready;
+        c.ucs = cached_point_lanes(c.cc);
+        c.nch = (c.C + c.cc - 1) / c.cc;
+    }
     int threads = kiln_cpu_threads();
     c.su = (c.kb / 32) * c.cc * 32 + 16;
     c.sm = c.NT * c.kb + 16;
@@ -447,37 +483,56 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
     if (c.bf16) kiln_parallel_for(c.P, 1, pack_v_fn, &c);
     kiln_parallel_for(threads, 1, block_range, &c);
     kiln_cpu_scratch_put(buf);
+    if (c.uc && !c.uc_ready) uc->filled = 1;
     return 0;
 }
 
-/* The buffer this path asks for p (its tile pick, bf16's pairs where bf16 products
- * run), for a batch split into groups of images as above (the first, largest group);
- * 0 where it declines the shape (forced: KILN_CONV_PATH names it). */
-size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced)
+/* Whether this path takes p (forced: KILN_CONV_PATH names it), and how: for a batch split
+ * into groups of images as above, the first, largest group (*q), and its tile *m. */
+static int few_plan(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced, kiln_conv2d_params *q, int *m)
 {
     if (!kiln_cpu_gemm_have_simd()) return 0;
     if (p->r != 3 || p->s != 3 || p->stride_h != 1 || p->stride_w != 1 || p->dil_h != 1 || p->dil_w != 1 ||
         p->groups != 1 || p->pad_h > 2 || p->pad_w > 2)
         return 0;
-    kiln_conv2d_params q = *p;
+    *q = *p;
     int64_t t_img = ((p->oh + 3) / 4) * ((p->ow + 3) / 4);
-    if (p->n > 1 && p->n * t_img > MAX_TILES && t_img <= MAX_TILES) {
-        q.n = MAX_TILES / t_img;
-        forced = 1; /* as the first group decides */
-    }
-    int64_t t4 = ((q.oh + 3) / 4) * ((q.ow + 3) / 4), t2 = ((q.oh + 1) / 2) * ((q.ow + 1) / 2);
-    int m = t4 <= TINY_TILES && q.n * t2 <= MAX_TILES ? 2 : 4;
+    if (p->n > 1 && p->n * t_img > MAX_TILES && t_img <= MAX_TILES)
+        q->n = MAX_TILES / t_img; /* the first group decides (the others follow it) */
+    int64_t t4 = ((q->oh + 3) / 4) * ((q->ow + 3) / 4), t2 = ((q->oh + 1) / 2) * ((q->ow + 1) / 2);
+    *m = t4 <= TINY_TILES && q->n * t2 <= MAX_TILES ? 2 : 4;
     const char *tile = kiln_tunable_str("KILN_WINOGRAD_FEW_TILE");
-    if (tile && (!strcmp(tile, "2") || !strcmp(tile, "4"))) m = tile[0] - '0';
+    if (tile && (!strcmp(tile, "2") || !strcmp(tile, "4"))) *m = tile[0] - '0';
+    int64_t NT = q->n * ((q->oh + *m - 1) / *m) * ((q->ow + *m - 1) / *m);
+    if (NT > MAX_TILES || (!forced && q->n * t4 > FEW_TILES && q->c * q->k < LARGE_WEIGHTS)) return 0;
+    if (!forced && *m == 2 && w_dtype == KILN_F32) return 0;
+    return 1;
+}
+
+/* The buffer this path asks for p (its tile pick, bf16's pairs where bf16 products
+ * run), for a batch split into groups of images (the first, largest group); 0 where it
+ * declines the shape. */
+size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced)
+{
+    kiln_conv2d_params q;
+    int m;
+    if (!few_plan(p, w_dtype, forced, &q, &m)) return 0;
     int a = m + 2, P = a * a;
     int64_t NT = q.n * ((q.oh + m - 1) / m) * ((q.ow + m - 1) / m);
     int64_t Cp = (q.c + 15) / 16 * 16, cc = CC < Cp ? CC : Cp;
-    if (NT > MAX_TILES || (!forced && q.n * t4 > FEW_TILES && q.c * q.k < LARGE_WEIGHTS)) return 0;
-    if (!forced && m == 2 && w_dtype == KILN_F32) return 0;
     int64_t su = (KB / 32) * cc * 32 + 16, sm = NT * KB + 16;
     size_t n_xt = (size_t)(q.n * q.h * q.w) * (size_t)Cp, n_v = (size_t)P * (size_t)NT * (size_t)Cp;
     size_t n_vp = kiln_cpu_bf16_active() ? (size_t)P * (size_t)((NT + 11) / 12 * Cp * 6) : 0;
     return (n_xt + n_v + n_vp + (size_t)kiln_cpu_threads() * slot_floats(P, su, sm, cc) + 48) * sizeof(float);
+}
+
+size_t kiln_cpu_conv2d_winograd_few_cache(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced, int *variant)
+{
+    kiln_conv2d_params q;
+    int m, bf16 = kiln_cpu_bf16_active();
+    if (!bf16 || !few_plan(p, w_dtype, forced, &q, &m)) return 0;
+    *variant = cache_variant(m, bf16);
+    return cache_lanes((m + 2) * (m + 2), p->k, p->c) * sizeof(uint32_t);
 }
 
 #else
@@ -490,6 +545,11 @@ int kiln_cpu_conv2d_winograd_few(float *y, const float *x, const void *w, kiln_d
 size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced)
 {
     (void)p; (void)w_dtype; (void)forced;
+    return 0;
+}
+size_t kiln_cpu_conv2d_winograd_few_cache(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced, int *variant)
+{
+    (void)p; (void)w_dtype; (void)forced; (void)variant;
     return 0;
 }
 #endif

@@ -51,6 +51,19 @@ enum { KILN_CPU_GEMM_SERIAL_SCRATCH = 384 * 12 + 16 };
  * slivers [ceil(K/2)][32], b_sliver lanes apart. -1 when bf16 products are not active. */
 int kiln_cpu_gemm_serial_bf16(int64_t M, int64_t N, int64_t K, const uint32_t *Ap, int64_t a_sliver,
                               const uint32_t *Bp, int64_t b_sliver, float *C, int64_t ldc, int accumulate);
+/* A linear layer's weight W (N x K, row-major f32 / f16 / bf16) as those B slivers,
+ * [ceil(N/32)][ceil(K/2)][32] lanes, one after another (kiln_cpu_bf16_weight_pairs_bytes),
+ * on the pool: what the bf16 product would round at every call, kept by the backend
+ * (kiln_cpu_bf16_cache_plan) and read in place by kiln_cpu_linear_bf16_pairs. -1 when bf16
+ * products are not active or dt is not one of those. */
+size_t kiln_cpu_bf16_weight_pairs_bytes(int64_t N, int64_t K);
+int kiln_cpu_bf16_weight_pairs(uint32_t *dst, const void *W, kiln_dtype dt, int64_t N, int64_t K);
+/* y[M,N] = x[M,K] (f32, row-major) W^T + bias over W in those pairs: the same sums as
+ * kiln_cpu_linear in bf16 (the same kernel, panels and rounding). -1 when the bf16 kernel
+ * does not take the product (bf16 not active for M rows, too small, no scratch): the
+ * caller runs kiln_cpu_linear. */
+int kiln_cpu_linear_bf16_pairs(float *y, const float *x, const uint32_t *Wp, const float *bias, int64_t M, int64_t N,
+                               int64_t K);
 /* Rows of a row-major f32 A (M x K, row stride lda) into those A slivers. */
 void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, int64_t lda, int64_t M, int64_t K);
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,
@@ -111,6 +124,9 @@ int kiln_cpu_conv2d_winograd(float *y, const float *x, const void *w, kiln_dtype
  * they decline the shape; up2: the fused upsampling's), for kiln_cpu_conv2d_scratch_bound. */
 size_t kiln_cpu_conv2d_winograd_scratch(const kiln_conv2d_params *p, int up2, int forced);
 size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced);
+/* The bytes of its U chunks kept in p->cache (bf16 products only), and their variant;
+ * 0 where it declines the shape or keeps none. */
+size_t kiln_cpu_conv2d_winograd_few_cache(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced, int *variant);
 /* The same path for kiln_cpu_conv2d_up2: F(4,2) on the four parity kernels. */
 int kiln_cpu_conv2d_up2_winograd(float *y, const float *x, const void *w, kiln_dtype w_dtype, const float *bias,
                                  int64_t N, int64_t C, int64_t H, int64_t W, int64_t K);

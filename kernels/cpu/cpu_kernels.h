@@ -38,7 +38,26 @@ typedef struct {
      * and before act (a residual block's skip), in the one pass over the output that
      * then applies act too */
     const float *residual;
+    /* NULL, or where the caller keeps this layer's weights transformed between calls
+     * (kiln_cpu_conv2d_weight_cache_plan says whether a path would use one, and its size) */
+    struct kiln_conv2d_cache *cache;
 } kiln_conv2d_params;
+
+/* A convolution's transformed weights kept by the caller: data of the planned bytes;
+ * ready 1 when it holds them (the kernel reads them instead of transforming the
+ * weights), 0 when the kernel is to fill it as it goes; the kernel sets filled when it
+ * did (else, a path that declined or ran out of scratch, the buffer holds nothing). */
+typedef struct kiln_conv2d_cache {
+    void *data;
+    int variant;         /* the plan's */
+    int ready, filled;
+} kiln_conv2d_cache;
+
+/* Bytes of the transformed weights of p's layer that kiln_cpu_conv2d keeps in p->cache
+ * under the current precision, and *variant (what else the bytes depend on: the tile,
+ * the product kind), or 0 where it keeps none. Today the few-tiles Winograd path's U in
+ * bf16 pairs (conv2d_winograd_few.c). */
+size_t kiln_cpu_conv2d_weight_cache_plan(const kiln_conv2d_params *p, kiln_dtype w_dt, int *variant);
 
 /* Computes p->oh, p->ow; KILN_ERR_ARG when the output would be empty. */
 kiln_status kiln_conv2d_out_size(kiln_conv2d_params *p);

@@ -438,6 +438,19 @@ void kiln_cpu_gemm_round_a_bf16(const gemm_args *g, uint32_t *dst, int64_t kp, i
     a_round_ctx rc = {g, dst, kp};
     kiln_parallel_for(ns, 1, a_round_fn, &rc);
 }
+
+/* A linear layer's weight (B transposed) rounded into its pair slivers once, for the
+ * cache that kiln_cpu_linear_bf16_pairs reads: one sliver of 32 rows a task. */
+typedef struct { const gemm_args *g; uint32_t *dst; int64_t kp; } b_pairs_ctx;
+
+AVX512 static void b_pairs_fn(void *vctx, int64_t begin, int64_t end)
+{
+    const b_pairs_ctx *c = vctx;
+    for (int64_t s = begin; s < end; s++) {
+        int64_t j0 = s * NR, n = c->g->N - j0 < NR ? c->g->N - j0 : NR;
+        pack_b_bf16(c->dst + s * c->kp * NR, c->kp * NR, c->g, j0, n, 0, c->g->K);
+    }
+}
 #endif /* GEMM_X86 */
 
 /* ---------- entry points ---------- */
@@ -509,6 +522,26 @@ void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, in
     for (int64_t i = 0; i < M; i += MR) pack_a_bf16(dst + (i / MR) * a_sliver, NULL, &g, i, M - i < MR ? (int)(M - i) : MR, 0, K);
 #else
     (void)dst; (void)a_sliver; (void)A; (void)lda; (void)M; (void)K;
+#endif
+}
+
+size_t kiln_cpu_bf16_weight_pairs_bytes(int64_t N, int64_t K)
+{
+    return (size_t)((N + 31) / 32) * (size_t)((K + 1) / 2) * 32 * sizeof(uint32_t);
+}
+
+int kiln_cpu_bf16_weight_pairs(uint32_t *dst, const void *W, kiln_dtype dt, int64_t N, int64_t K)
+{
+#ifdef GEMM_X86
+    int mode = kiln_cpu_bf16_mode(MR);
+    if (!mode || N <= 0 || K <= 0 || (dt != KILN_F32 && dt != KILN_F16 && dt != KILN_BF16)) return -1;
+    gemm_args g = {.trans_b = 1, .N = N, .K = K, .B = W, .ldb = K, .b_dt = dt, .bf16 = mode};
+    b_pairs_ctx c = {&g, dst, (K + 1) / 2};
+    kiln_parallel_for((N + NR - 1) / NR, 1, b_pairs_fn, &c);
+    return 0;
+#else
+    (void)dst; (void)W; (void)dt; (void)N; (void)K;
+    return -1;
 #endif
 }
 

@@ -229,14 +229,26 @@ static kiln_status meta_matmul(kiln_tensor *out, const kiln_tensor *a, const kil
     return mirror(out, in, 2, -1, 0);
 }
 
-/* Precision int8 on the CPU: the weight's packed cache, taken where the CPU backend
- * takes it (the same plan: rows, precision, where the weight lives; refused where it
- * does not fit without evicting, as there) and kept with the weight's storage. */
-static void int8_cache(const kiln_tensor *w, int64_t M)
+/* The CPU's caches of a weight (precision int8's packed panels, bf16's pair slivers),
+ * taken where the CPU backend takes them (the same plans: rows, precision, memory mode,
+ * where the weight lives; refused where they do not fit without evicting, and given
+ * back first when an allocation does not fit, as there) and kept with its storage. */
+static void derived_cache(const kiln_tensor *w, size_t bytes, const uint64_t key[4]);
+
+static void weight_cache(const kiln_tensor *w, int64_t M, int linear)
 {
     uint64_t key[4];
-    size_t bytes = models_cpu() ? kiln_cpu_int8_cache_plan(w, M, key) : 0;
-    if (!bytes) return;
+    size_t bytes = 0;
+    if (models_cpu()) {
+        bytes = kiln_cpu_int8_cache_plan(w, M, key);
+        if (!bytes && linear) bytes = kiln_cpu_bf16_cache_plan(w, M, key);
+    }
+    if (bytes) derived_cache(w, bytes, key);
+}
+
+/* A cache of that key and size for w's storage, as the CPU backend keeps it */
+static void derived_cache(const kiln_tensor *w, size_t bytes, const uint64_t key[4])
+{
     kiln_storage *p = kiln_storage_derived_get(w->storage, key);
     if (!p && kiln_storage_derived_new(w->storage, bytes, &p) == KILN_OK) kiln_storage_derived_put(w->storage, key, p);
     if (p) kiln_storage_release(p);
@@ -247,7 +259,7 @@ static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kil
     cuda_op();
     int64_t K = x->shape[x->ndim - 1], N = w->shape[0], M = kiln_tensor_numel(x) / (K ? K : 1);
     note_scratch(kiln_cpu_gemm_scratch_bound(M, N, K, cpu_weight_dtype(w->dtype, 1), 0));
-    if (K > 0 && N > 0) int8_cache(w, M);
+    if (K > 0 && N > 0) weight_cache(w, M, 1);
     const kiln_tensor *in[] = {x, w, bias};
     return mirror(out, in, 3, 1, 1);
 }
@@ -269,7 +281,10 @@ static kiln_status meta_conv2d(kiln_tensor *out, const kiln_tensor *x, const kil
         note_scratch(kiln_cpu_conv2d_scratch_bound(&p, cpu_weight_dtype(w->dtype, 0)));
         if (p.r == 1 && p.s == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
             p.groups == 1 && p.c > 0 && p.k > 0)
-            int8_cache(w, p.h * p.w);
+            weight_cache(w, p.h * p.w, 0);
+        uint64_t key[4];
+        size_t bytes = kiln_cpu_conv2d_cache_plan(w, &p, key);
+        if (bytes) derived_cache(w, bytes, key);
     }
     const kiln_tensor *in[] = {x, w, bias, o->residual};
     return mirror(out, in, 4, 1, 0);

@@ -43,45 +43,50 @@ test("tight budgets: eviction and streaming decisions predicted as they fall", f
     controlnet = true }, progress = check })
 end)
 
--- precision int8 keeps each weight's packed form as a cache beside it (allocated from
--- sim's allocator): the dry run takes it where the real run does
-test("precision int8: the packed weight caches predicted (txt2img 128², normal and low)", function()
-  local pipeline = require "kiln.pipeline"
-  local opts = { prompt = "a red circle", steps = 2, seed = 1, width = 128, height = 128, device = "sim", cfg = 3 }
-  local budget = 64 * P.MiB
-  local function run(prec, mode)
-    local old_prec, old_mode, old_budget = kiln.precision(), kiln.memory_mode(), kiln.mem.stats("sim").budget
-    kiln.precision(prec)
-    local ck = kiln.load_checkpoint(P.MODEL)
-    collectgarbage()
-    local r = kiln.dry_run(function() pipeline.txt2img(ck, opts) end, { device = "sim", budget = budget, mode = mode })
-    ck:close()
-    collectgarbage()
-    kiln.memory_mode(mode)
-    kiln.mem.set_budget("sim", budget)
-    ck = kiln.load_checkpoint(P.MODEL)
-    kiln.mem.reset_peak("sim")
-    local ok, err = pcall(pipeline.txt2img, ck, opts)
-    local peak = kiln.mem.stats("sim").peak
-    ck:close()
-    collectgarbage()
-    kiln.precision(old_prec)
-    kiln.memory_mode(old_mode)
-    kiln.mem.set_budget("sim", old_budget)
-    assert(ok, err)
-    return r.peak, peak
-  end
-  local kept = false
-  for _, mode in ipairs({ "normal", "low" }) do
-    local _, f32 = run("f32", mode)
-    local predicted, measured = run("int8", mode)
-    print(("# int8 %s: predicted %d, measured %d bytes (f32 %d)"):format(mode, predicted, measured, f32))
-    kept = kept or measured > f32
-    truthy(predicted >= measured and predicted <= 1.03 * measured,
-      ("int8 %s: predicted %d, measured %d bytes"):format(mode, predicted, measured))
-  end
-  if not kept then H.skip("no int8 cache was kept: this CPU has no AVX512-VNNI (the int8 product falls back)") end
-end)
+-- precisions int8 and bf16 keep each weight's form for their products (int8's packed
+-- panels; bf16's pair slivers and few-tiles Winograd transforms) as caches beside it
+-- (allocated from sim's allocator): the dry run takes them where the real run does
+local function cached_precision(prec, why)
+  test("precision " .. prec .. ": the weight caches predicted (txt2img 128², normal and low)", function()
+    local pipeline = require "kiln.pipeline"
+    local opts = { prompt = "a red circle", steps = 2, seed = 1, width = 128, height = 128, device = "sim", cfg = 3 }
+    local budget = 64 * P.MiB
+    local function run(with, mode)
+      local old_prec, old_mode, old_budget = kiln.precision(), kiln.memory_mode(), kiln.mem.stats("sim").budget
+      kiln.precision(with)
+      local ck = kiln.load_checkpoint(P.MODEL)
+      collectgarbage()
+      local r = kiln.dry_run(function() pipeline.txt2img(ck, opts) end, { device = "sim", budget = budget, mode = mode })
+      ck:close()
+      collectgarbage()
+      kiln.memory_mode(mode)
+      kiln.mem.set_budget("sim", budget)
+      ck = kiln.load_checkpoint(P.MODEL)
+      kiln.mem.reset_peak("sim")
+      local ok, err = pcall(pipeline.txt2img, ck, opts)
+      local peak = kiln.mem.stats("sim").peak
+      ck:close()
+      collectgarbage()
+      kiln.precision(old_prec)
+      kiln.memory_mode(old_mode)
+      kiln.mem.set_budget("sim", old_budget)
+      assert(ok, err)
+      return r.peak, peak
+    end
+    local kept = false
+    for _, mode in ipairs({ "normal", "low" }) do
+      local _, f32 = run("f32", mode)
+      local predicted, measured = run(prec, mode)
+      print(("# %s %s: predicted %d, measured %d bytes (f32 %d)"):format(prec, mode, predicted, measured, f32))
+      kept = kept or measured > f32
+      truthy(predicted >= measured and predicted <= 1.03 * measured,
+        ("%s %s: predicted %d, measured %d bytes"):format(prec, mode, predicted, measured))
+    end
+    if not kept then H.skip("no " .. prec .. " cache was kept: " .. why) end
+  end)
+end
+cached_precision("int8", "this CPU has no AVX512-VNNI (the int8 product falls back)")
+cached_precision("bf16", "this CPU has no AVX-512 (the bf16 products run in f32)")
 
 P.cleanup()
 H.done()
