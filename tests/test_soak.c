@@ -13,6 +13,7 @@
 #include "test.h"
 
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
@@ -300,6 +301,13 @@ static void t_two_contexts_two_threads(void)
 
 int main(void)
 {
+    /* Resident memory in 4 KiB pages: kiln asks for huge pages on its large host blocks
+     * (MADV_HUGEPAGE), and the kernel's khugepaged collapses them whenever it gets to
+     * them, which adds up to 2 MiB at a time to the RSS at moments of the kernel's choosing
+     * (a few MiB, more after another process freed gigabytes): growth that is not kiln's. */
+#ifdef PR_SET_THP_DISABLE
+    prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
+#endif
     const char *e = getenv("KILN_SOAK");
     full = e && strcmp(e, "full") == 0;
     only_runs = e && strcmp(e, "runs") == 0;
