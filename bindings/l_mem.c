@@ -36,7 +36,8 @@ static int mem_stats(lua_State *L)
     /* kernels' caches of weights (counted in allocated too) and their limit (-1: none
      * but the budget) */
     SET_INT(L, "weight_caches", __atomic_load_n(&d->derived_bytes, __ATOMIC_RELAXED));
-    lua_pushinteger(L, d->derived_limit == UINT64_MAX ? -1 : (lua_Integer)d->derived_limit);
+    uint64_t limit = __atomic_load_n(&d->derived_limit, __ATOMIC_RELAXED);
+    lua_pushinteger(L, limit == UINT64_MAX ? -1 : (lua_Integer)limit);
     lua_setfield(L, -2, "weight_cache_limit");
     kiln_transfer_stats x = kiln_device_transfers(d);
     SET_INT(L, "bytes_to_device", x.bytes_to_device);

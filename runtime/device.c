@@ -542,7 +542,7 @@ kiln_status kiln_storage_derived_new(kiln_storage *s, size_t nbytes, kiln_storag
     /* within the device's limit for caches, claimed before the allocation so that two
      * threads cannot both pass it */
     uint64_t held = __atomic_add_fetch(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
-    if (held > dev->derived_limit || held < nbytes) {
+    if (held > __atomic_load_n(&dev->derived_limit, __ATOMIC_RELAXED) || held < nbytes) {
         __atomic_fetch_sub(&dev->derived_bytes, (uint64_t)nbytes, __ATOMIC_RELAXED);
         return KILN_ERR_OOM;
     }
@@ -647,7 +647,7 @@ size_t kiln_device_drop_derived(kiln_device *dev, size_t need)
 void kiln_device_set_derived_limit(kiln_device *dev, uint64_t limit)
 {
     if (!dev) return;
-    dev->derived_limit = limit;
+    __atomic_store_n(&dev->derived_limit, limit, __ATOMIC_RELAXED);
     uint64_t held = __atomic_load_n(&dev->derived_bytes, __ATOMIC_RELAXED);
     if (held > limit) kiln_device_drop_derived(dev, (size_t)(held - limit));
 }
