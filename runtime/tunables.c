@@ -24,6 +24,8 @@ static const tunable tunables[] = {
                        "im2col or direct (default: chosen per shape)"},
     {"KILN_WINOGRAD_TILE", "forces the Winograd output tile: 4 or 6 (default: chosen per shape)"},
     {"KILN_WINOGRAD_FEW_TILE", "forces the few-tiles Winograd output tile: 2 or 4 (default: chosen per shape)"},
+    {"KILN_WINOGRAD_FEW_CACHE", "which few-tiles Winograd weights bf16 keeps transformed: f23 (F(2,3) only, the "
+                                "default), all (F(4,3) too: 4x the weights), none"},
     {"KILN_CUDA_SYNC", "1: synchronise after every CUDA kernel (errors reported at the op that made them)"},
     {"KILN_CUDA_TF32", "1: let cuBLAS and cuDNN compute f32 products in TF32"},
     {"KILN_CUDA_CONV_BENCHMARK", "1: time cuDNN's convolution algorithms once per shape and keep the fastest"},

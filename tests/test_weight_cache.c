@@ -1,9 +1,10 @@
 /* test_weight_cache.c - the CPU backend's caches of weights in the form its bf16 products
  * read (kernels/cpu/backend_cpu.c; device.h's derived caches): a linear layer's pair
- * slivers and a 3x3 convolution's few-tiles Winograd U (F(4,3), F(2,3), a batch in
- * groups of images, channel counts off the vector widths). Each against the same kernel
- * without a cache, bit for bit, at the call that fills the cache and the calls that read
- * it; for a weight in mapped (wrapped) memory too. And the policy: the cache is counted,
+ * slivers and a 3x3 convolution's few-tiles Winograd U (F(2,3) by default; F(4,3) and a
+ * batch in groups of images with KILN_WINOGRAD_FEW_CACHE=all; channel counts off the
+ * vector widths). Each against the same kernel without a cache, bit for bit, at the
+ * call that fills the cache and the calls that read it; for a weight in mapped (wrapped)
+ * memory too. And the policy: the cache is counted,
  * dropped by a write to the weight, not taken in memory mode low, limited per device
  * (kiln_device_set_derived_limit), and given back before anything else when an
  * allocation does not fit the budget — in memory mode high too, so a cache never costs
@@ -130,8 +131,18 @@ static void t_conv_few(void)
      * 32; 32x32 with large weights (64 tiles) */
     static const int64_t shapes[][5] = {{1, 64, 16, 16, 64}, {1, 64, 8, 8, 96}, {2, 512, 32, 32, 1024},
                                         {1, 80, 16, 13, 72}, {1, 272, 8, 8, 300}, {1, 640, 32, 32, 1024}};
+    /* by default only F(2,3)'s U is kept (8x8 images): the others with
+     * KILN_WINOGRAD_FEW_CACHE=all */
     for (int s = 0; s < 6; s++) {
         const int64_t *q = shapes[s];
+        kiln_conv2d_params d = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
+        int variant = 0, f23 = q[2] == 8;
+        unsetenv("KILN_WINOGRAD_FEW_CACHE");
+        CHECK(kiln_conv2d_out_size(&d) == KILN_OK && (kiln_cpu_conv2d_weight_cache_plan(&d, KILN_F16, &variant) > 0) == f23,
+              "shape %d: by default a cache %s", s, f23 ? "(F(2,3))" : "only with KILN_WINOGRAD_FEW_CACHE=all");
+        setenv("KILN_WINOGRAD_FEW_CACHE", "none", 1);
+        CHECK(kiln_cpu_conv2d_weight_cache_plan(&d, KILN_F16, &variant) == 0, "shape %d: none", s);
+        setenv("KILN_WINOGRAD_FEW_CACHE", "all", 1);
         int64_t xs[4] = {q[0], q[1], q[2], q[3]}, ws[4] = {q[4], q[1], 3, 3};
         kiln_conv2d_params p = {q[0], q[1], q[2], q[3], q[4], 3, 3, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0.0f, NULL, NULL};
         CHECK(kiln_conv2d_out_size(&p) == KILN_OK, "out size");
@@ -155,6 +166,7 @@ static void t_conv_few(void)
         kiln_tensor_free(x); kiln_tensor_free(b); kiln_tensor_free(w);
         free(want);
     }
+    unsetenv("KILN_WINOGRAD_FEW_CACHE");
     kiln_precision_set(KILN_PREC_F32);
 }
 

@@ -526,11 +526,24 @@ size_t kiln_cpu_conv2d_winograd_few_scratch(const kiln_conv2d_params *p, kiln_dt
     return (n_xt + n_v + n_vp + (size_t)kiln_cpu_threads() * slot_floats(P, su, sm, cc) + 48) * sizeof(float);
 }
 
+/* Which tiles keep their U: F(2,3)'s (16 points for 9 taps: 1.8x the f16 weights) by
+ * default. F(4,3)'s is 4x them; kept, it made a UNet evaluation a few per cent faster
+ * again, but writing its gigabytes at the first call (fresh pages) cost about what a
+ * 20-step txt2img then saved (README: weights kept in the products' form), so only
+ * KILN_WINOGRAD_FEW_CACHE=all keeps it. */
+static int cache_keeps(int m)
+{
+    const char *e = kiln_tunable_str("KILN_WINOGRAD_FEW_CACHE");
+    if (e && !strcmp(e, "none")) return 0;
+    if (e && !strcmp(e, "all")) return 1;
+    return m == 2;
+}
+
 size_t kiln_cpu_conv2d_winograd_few_cache(const kiln_conv2d_params *p, kiln_dtype w_dtype, int forced, int *variant)
 {
     kiln_conv2d_params q;
     int m, bf16 = kiln_cpu_bf16_active();
-    if (!bf16 || !few_plan(p, w_dtype, forced, &q, &m)) return 0;
+    if (!bf16 || !few_plan(p, w_dtype, forced, &q, &m) || !cache_keeps(m)) return 0;
     *variant = cache_variant(m, bf16);
     return cache_lanes((m + 2) * (m + 2), p->k, p->c) * sizeof(uint32_t);
 }

@@ -7,11 +7,14 @@
 -- hold and the outputs' agreement (the caches change no bit).
 --
 --   build/kiln tests/bench/bench_weight_cache.lua WEIGHTS [--size 64] [--batch 1] [--repeat 5]
+--       [--txt2img STEPS]
+-- --txt2img: instead, a bf16 txt2img at 8x the size (CFG 7, euler), caches off then on, each
+-- with its seconds per step (the first with the text encoder and the caches' filling).
 local kiln = require "kiln"
 local util = require "kiln.util"
 
 local weights = assert(arg[1], "usage: bench_weight_cache.lua WEIGHTS [--size S] [--batch B] [--repeat N]")
-local opts = util.parse_args({ table.unpack(arg, 2) }, { size = 64, batch = 1, ["repeat"] = 5 })
+local opts = util.parse_args({ table.unpack(arg, 2) }, { size = 64, batch = 1, ["repeat"] = 5, txt2img = 0 })
 kiln.set_quiet(true)
 local S, B = opts.size, opts.batch
 
@@ -60,6 +63,32 @@ end
 
 io.write(string.format("# bench_weight_cache: %d threads, load average %s\n", kiln.threads(),
   (io.open("/proc/loadavg") and io.open("/proc/loadavg"):read("l") or "?")))
+if opts.txt2img > 0 then
+  local pipeline = require "kiln.pipeline"
+  kiln.precision("bf16")
+  local total = {}
+  for _, phase in ipairs({ { "caches off", 0 }, { "caches on", default_limit } }) do
+    kiln.mem.set_weight_cache_limit("cpu", phase[2])
+    collectgarbage(); collectgarbage()
+    local steps, last = {}, kiln.time()
+    local o = { prompt = "a photograph of an astronaut riding a horse", seed = 1, steps = opts.txt2img, cfg = 7,
+      sampler = "euler", scheduler = "normal", width = 8 * S, height = 8 * S,
+      callback = function() local now = kiln.time(); steps[#steps + 1] = now - last; last = now end }
+    kiln.mem.reset_peak("cpu")
+    local t0 = kiln.time()
+    local img = pipeline.txt2img(ck, o)
+    total[phase[1]] = kiln.time() - t0
+    local rest = { table.unpack(steps, 2) }
+    io.write(string.format("txt2img %dx%d %d steps, bf16, %-10s %.1f s; first step %.2f s, the others median %.2f s; peak %.0f MiB\n",
+      8 * S, 8 * S, opts.txt2img, phase[1] .. ":", total[phase[1]], steps[1], median(rest), kiln.mem.stats("cpu").peak / 2 ^ 20))
+    img:free()
+  end
+  io.write(string.format("caches on against off: txt2img x%.3f\n", total["caches on"] / total["caches off"]))
+  kiln.mem.set_weight_cache_limit("cpu", default_limit)
+  x:free(); t:free(); ctx:free()
+  kiln.precision("auto")
+  return
+end
 local off_s, off_r = phase("bf16, caches off", 0)
 local on_s, on_r = phase("bf16, caches on", default_limit)
 io.write(string.format("caches on against off: bf16 evaluation x%.3f (best times), ratio to f32 x%.3f -> x%.3f (medians)\n",
