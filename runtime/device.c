@@ -151,8 +151,8 @@ static void init_devices_locked(void)
         kiln_allocator_set_grain(cpu->alloc, (size_t)4 << 10);
         kiln_allocator_set_cache_limit(cpu->alloc, (uint64_t)2 << 30);
         /* without a budget, "fits without evicting" bounds nothing: kernels' caches of
-         * the weights (bf16's transformed Winograd weights are 4x an f16 layer) get a
-         * quarter of the machine's memory */
+         * the weights (bf16's Winograd U is up to 4x an f16 layer) get a quarter of the
+         * machine's memory */
         long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
         if (pages > 0 && psz > 0) cpu->derived_limit = (uint64_t)pages * (uint64_t)psz / 4;
     }

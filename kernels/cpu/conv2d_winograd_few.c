@@ -25,7 +25,10 @@
  * on vdpbf16ps (kiln_cpu_gemm_serial_bf16), every point of F(4,3) included: the UNet's
  * error in bf16 comes from its 64x64 level, which takes the other path (whose
  * wino_f32_point keeps some points in f32); f32 points here bought no accuracy that
- * counts (README: bf16 accuracy). */
+ * counts (README: bf16 accuracy). A caller may keep the U chunks of a layer between
+ * calls (p->cache, bf16 only): the first call writes them there instead of into its
+ * slot, later ones multiply them as they are (kiln_cpu_conv2d_winograd_few_cache: which
+ * tiles keep them, and their size). */
 #define _GNU_SOURCE
 #include "cpu_internal.h"
 #include "threadpool.h"
@@ -78,11 +81,11 @@ typedef struct {
  * slot's chunk has), points a line more than that apart (the slot's reason, below). */
 static int64_t cached_point_lanes(int64_t cc) { return (KB / 32) * (cc / 2) * 32 + 16; }
 
-/* The cache of every U chunk a layer of K output and C input channels takes: [blocks of
- * KB][chunks of cc][P] points, in bf16 pairs. */
 /* What a cache's bytes depend on besides the layer: the tile and the pair rounding */
 static int cache_variant(int m, int bf16) { return m | bf16 << 4; }
 
+/* The cache of every U chunk a layer of K output and C input channels takes: [blocks of
+ * KB][chunks of cc][P] points, in bf16 pairs. */
 static size_t cache_lanes(int P, int64_t K, int64_t C)
 {
     int64_t Cp = (C + 15) / 16 * 16, cc = CC < Cp ? CC : Cp;
