@@ -17,7 +17,7 @@ if [ "${SAN:-0}" = 1 ]; then
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 fi
 # ThreadSanitizer: the tests whose work crosses threads (a report fails the program)
-THREAD_TESTS="test_soak test_embed test_model test_alloc test_live test_mem_timeline test_precision_scope test_stream.lua test_residency.lua test_serve.lua"
+THREAD_TESTS="test_soak test_weight_cache test_embed test_model test_alloc test_live test_mem_timeline test_precision_scope test_stream.lua test_residency.lua test_serve.lua"
 if [ "${TSAN:-0}" = 1 ]; then
   export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:exitcode=66:second_deadlock_stack=1}
 fi
