@@ -153,20 +153,34 @@ size_t kiln_cpu_int8_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4]
     return kiln_cpu_int8_packed_bytes(N, K, w->dtype);
 }
 
+/* The cache of key for w's storage, retained: found, or made (bytes) and filled by fill,
+ * then published; NULL where a plan gave no bytes, it does not fit, or fill failed (the
+ * caller then computes without it). */
+typedef int (*form_fill_fn)(void *dst, const kiln_tensor *w);
+
+static kiln_storage *kept_form(const kiln_tensor *w, size_t bytes, const uint64_t key[4], form_fill_fn fill)
+{
+    if (!bytes) return NULL;
+    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
+    if (p) return p;
+    if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;
+    if (fill(p->data, w)) { kiln_storage_release(p); return NULL; }
+    kiln_storage_derived_put(w->storage, key, p);
+    return p;
+}
+
+static int int8_fill(void *dst, const kiln_tensor *w)
+{
+    int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1);
+    return kiln_cpu_int8_pack(dst, kiln_tensor_data(w), w->dtype, N, K);
+}
+
 /* The packed storage, retained, or NULL: then the call takes kiln_cpu_linear's own path
  * (packing per call, or bf16). */
 static kiln_storage *int8_weights(const kiln_tensor *w, int64_t M)
 {
     uint64_t key[4];
-    size_t bytes = kiln_cpu_int8_cache_plan(w, M, key);
-    if (!bytes) return NULL;
-    int64_t N = w->shape[0], K = kiln_tensor_numel(w) / (N ? N : 1);
-    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
-    if (p) return p;
-    if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;
-    if (kiln_cpu_int8_pack(p->data, kiln_tensor_data(w), w->dtype, N, K)) { kiln_storage_release(p); return NULL; }
-    kiln_storage_derived_put(w->storage, key, p);
-    return p;
+    return kept_form(w, kiln_cpu_int8_cache_plan(w, M, key), key, int8_fill);
 }
 
 /* Precision bf16: a linear layer's weight rounded into the product's pair slivers once
@@ -182,9 +196,8 @@ size_t kiln_cpu_bf16_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4]
         (w->dtype != KILN_F32 && w->dtype != KILN_F16 && w->dtype != KILN_BF16) || !kiln_tensor_is_contiguous(w))
         return 0;
     int64_t N = w->shape[0], K = w->shape[1];
-    int mode = M > 8 ? kiln_cpu_bf16_active() : 0; /* how the product of M rows runs (gemm.c) */
-    if (!mode || !kiln_cpu_gemm_have_simd() || N <= 0 || K <= 0 || (double)M * (double)N * (double)K < 32768.0)
-        return 0;
+    int mode = kiln_cpu_linear_bf16_pairs_mode(M, N, K);
+    if (!mode) return 0;
     key[0] = 0x62663136u; /* "bf16" */
     key[1] = (uint64_t)w->offset;
     key[2] = (uint64_t)N << 32 | (uint64_t)K;
@@ -192,27 +205,23 @@ size_t kiln_cpu_bf16_cache_plan(const kiln_tensor *w, int64_t M, uint64_t key[4]
     return kiln_cpu_bf16_weight_pairs_bytes(N, K);
 }
 
+static int bf16_fill(void *dst, const kiln_tensor *w)
+{
+    return kiln_cpu_bf16_weight_pairs(dst, kiln_tensor_data(w), w->dtype, w->shape[0], w->shape[1]);
+}
+
 static kiln_storage *bf16_weights(const kiln_tensor *w, int64_t M)
 {
     uint64_t key[4];
-    size_t bytes = kiln_cpu_bf16_cache_plan(w, M, key);
-    if (!bytes) return NULL;
-    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
-    if (p) return p;
-    if (kiln_storage_derived_new(w->storage, bytes, &p)) return NULL;
-    if (kiln_cpu_bf16_weight_pairs(p->data, kiln_tensor_data(w), w->dtype, w->shape[0], w->shape[1])) {
-        kiln_storage_release(p);
-        return NULL;
-    }
-    kiln_storage_derived_put(w->storage, key, p);
-    return p;
+    return kept_form(w, kiln_cpu_bf16_cache_plan(w, M, key), key, bf16_fill);
 }
 
 /* bf16 products: a 3x3 convolution's weights transformed as the few-tiles Winograd path
  * multiplies them (conv2d_winograd_few.c), kept like the linear layers' pairs above:
  * that transform was as long as the products it feeds at a UNet's 8x8 and 16x16
- * levels. Four times the f16 weights' bytes at F(4,3) (36 points for 9 taps, in bf16),
- * 1.8 times at F(2,3). */
+ * levels. 1.8 times the f16 weights' bytes at F(2,3), four times at F(4,3), which the
+ * kernel's plan keeps only when asked (KILN_WINOGRAD_FEW_CACHE). Filled by the
+ * convolution as it runs, so it does not go through kept_form. */
 size_t kiln_cpu_conv2d_cache_plan(const kiln_tensor *w, const kiln_conv2d_params *p, uint64_t key[4])
 {
     int variant = 0;

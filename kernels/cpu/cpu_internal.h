@@ -64,6 +64,9 @@ int kiln_cpu_bf16_weight_pairs(uint32_t *dst, const void *W, kiln_dtype dt, int6
  * caller runs kiln_cpu_linear. */
 int kiln_cpu_linear_bf16_pairs(float *y, const float *x, const uint32_t *Wp, const float *bias, int64_t M, int64_t N,
                                int64_t K);
+/* How kiln_cpu_linear_bf16_pairs runs a product of that size: 0 not at all (bf16 not
+ * active for M rows, no AVX-512, below the packed kernel's size), 1 vdpbf16ps, 2 emulated. */
+int kiln_cpu_linear_bf16_pairs_mode(int64_t M, int64_t N, int64_t K);
 /* Rows of a row-major f32 A (M x K, row stride lda) into those A slivers. */
 void kiln_cpu_bf16_pack_rows(uint32_t *dst, int64_t a_sliver, const float *A, int64_t lda, int64_t M, int64_t K);
 int kiln_cpu_gemm_serial(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bp,

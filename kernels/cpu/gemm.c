@@ -405,14 +405,19 @@ int kiln_cpu_gemm_prepacked_bf16(int64_t batch, int64_t M, int64_t N, int64_t K,
     return 0;
 }
 
+int kiln_cpu_linear_bf16_pairs_mode(int64_t M, int64_t N, int64_t K)
+{
+    if (!have_avx512() || M <= 0 || N <= 0 || K <= 0 || (double)M * (double)N * (double)K < SMALL_MACS) return 0;
+    return kiln_cpu_bf16_mode(M);
+}
+
 int kiln_cpu_linear_bf16_pairs(float *y, const float *x, const uint32_t *Wp, const float *bias, int64_t M, int64_t N,
                                int64_t K)
 {
     gemm_args g = {.trans_b = 1, .M = M, .N = N, .K = K, .alpha = 1.0f, .A = x, .lda = K, .a_dt = KILN_F32, .B = Wp,
                    .b_dt = KILN_F32, .C = y, .ldc = N, .bias_col = bias, .b_packed = 1, .b_bf16 = 1,
-                   .b_sliver = ((K + 1) / 2) * NR, .bf16 = kiln_cpu_bf16_mode(M)};
-    if (!g.bf16 || !have_avx512() || M <= 0 || N <= 0 || K <= 0 || (double)M * (double)N * (double)K < SMALL_MACS)
-        return -1;
+                   .b_sliver = ((K + 1) / 2) * NR, .bf16 = kiln_cpu_linear_bf16_pairs_mode(M, N, K)};
+    if (!g.bf16) return -1;
     return packed_gemm(&g, NULL, kiln_cpu_threads());
 }
 
