@@ -229,12 +229,18 @@ static kiln_status meta_matmul(kiln_tensor *out, const kiln_tensor *a, const kil
     return mirror(out, in, 2, -1, 0);
 }
 
+/* A cache of that key and size for w's storage, as the CPU backend keeps it */
+static void derived_cache(const kiln_tensor *w, size_t bytes, const uint64_t key[4])
+{
+    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
+    if (!p && kiln_storage_derived_new(w->storage, bytes, &p) == KILN_OK) kiln_storage_derived_put(w->storage, key, p);
+    if (p) kiln_storage_release(p);
+}
+
 /* The CPU's caches of a weight (precision int8's packed panels, bf16's pair slivers),
  * taken where the CPU backend takes them (the same plans: rows, precision, memory mode,
  * where the weight lives; refused where they do not fit without evicting, and given
  * back first when an allocation does not fit, as there) and kept with its storage. */
-static void derived_cache(const kiln_tensor *w, size_t bytes, const uint64_t key[4]);
-
 static void weight_cache(const kiln_tensor *w, int64_t M, int linear)
 {
     uint64_t key[4];
@@ -244,14 +250,6 @@ static void weight_cache(const kiln_tensor *w, int64_t M, int linear)
         if (!bytes && linear) bytes = kiln_cpu_bf16_cache_plan(w, M, key);
     }
     if (bytes) derived_cache(w, bytes, key);
-}
-
-/* A cache of that key and size for w's storage, as the CPU backend keeps it */
-static void derived_cache(const kiln_tensor *w, size_t bytes, const uint64_t key[4])
-{
-    kiln_storage *p = kiln_storage_derived_get(w->storage, key);
-    if (!p && kiln_storage_derived_new(w->storage, bytes, &p) == KILN_OK) kiln_storage_derived_put(w->storage, key, p);
-    if (p) kiln_storage_release(p);
 }
 
 static kiln_status meta_linear(kiln_tensor *out, const kiln_tensor *x, const kiln_tensor *w, const kiln_tensor *bias)
